@@ -1,0 +1,1 @@
+"""Repo-root conftest: puts the repo root on sys.path so `examples` imports."""

@@ -1,0 +1,1 @@
+"""t5export: servable TensorFlow SavedModels from JAX/Flax training runs."""

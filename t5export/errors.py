@@ -1,0 +1,194 @@
+"""Error classes users of t5export meet.
+
+Every error a user can act on has its own class here, so callers can catch
+exactly what they handle and tests can assert on type and message. Each class
+derives from `T5ExportError` and from the builtin that best describes it
+(`ValueError`, `TypeError`, `FileNotFoundError`, ...), so existing
+`except ValueError:` code keeps working.
+
+Messages name the offending thing (parameter path, argument, file) and say
+what to do about it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+
+class T5ExportError(Exception):
+  """Base class of every error raised by t5export on purpose."""
+
+
+def _listing(items: Iterable[str], limit: int = 50) -> str:
+  """Formats items one per line, cut after `limit` with a count of the rest."""
+  items = list(items)
+  shown = '\n'.join(f'  - {item}' for item in items[:limit])
+  if len(items) > limit:
+    shown += f'\n  ... and {len(items) - limit} more'
+  return shown
+
+
+# --- state and logical axes -------------------------------------------------
+
+
+class MissingAxesError(T5ExportError, ValueError):
+  """Parameters (or mutable variables) have no logical axis names.
+
+  Attributes:
+    paths: every path ('params/encoder/...') that lacks axis names.
+  """
+
+  def __init__(self, paths: Sequence[str], *, hint: str | None = None):
+    self.paths = list(paths)
+    hint = hint or (
+        'Declare axes for each of them: flax.linen.partitioning.'
+        'param_with_axes(..., axes=(...)) (T5X style) or '
+        'nn.with_logical_partitioning(init_fn, (...)).')
+    super().__init__(
+        f'{len(self.paths)} parameter(s) have no logical axis names:\n'
+        f'{_listing(self.paths)}\n{hint}')
+
+
+class AxisRankMismatchError(T5ExportError, ValueError):
+  """A parameter's logical axis names do not match its rank."""
+
+  def __init__(self, path: str, shape: Sequence[int], names: Sequence[str]):
+    self.path, self.shape, self.names = path, tuple(shape), tuple(names)
+    super().__init__(
+        f'Parameter {path!r} has shape {self.shape} (rank {len(self.shape)}) '
+        f'but {len(self.names)} logical axis names {self.names}. Give exactly '
+        'one name per dimension (None for a dimension that is never sharded).')
+
+
+class UnmappedLogicalAxisError(T5ExportError, ValueError):
+  """A logical axis name has no rule mapping it to a mesh axis."""
+
+  def __init__(self, path: str, name: str, known: Sequence[str] = ()):
+    self.path, self.name = path, name
+    known_text = f' Names with rules: {sorted(set(known))}.' if known else ''
+    super().__init__(
+        f'Logical axis {name!r} of parameter {path!r} has no rule.{known_text} '
+        f'Add a rule such as ({name!r}, None) (replicated) or '
+        f"({name!r}, 'model') via standard_logical_axis_rules("
+        'additional_rules=...) or your logical_axis_rules.')
+
+
+class NoOptimizerStateError(T5ExportError, AttributeError):
+  """An optimizer-only operation was asked of an InferenceState."""
+
+
+class HyperparamNotInjectedError(T5ExportError, ValueError):
+  """`apply_gradient(learning_rate=...)` on an optimizer that can't take it."""
+
+
+# --- export engine ----------------------------------------------------------
+
+
+class SignatureError(T5ExportError, ValueError):
+  """A Signature's name, input specs or sample inputs are invalid."""
+
+
+class VariableMismatchError(T5ExportError, ValueError):
+  """New params do not match the structure, shape or dtype of the module's."""
+
+
+class ExportCheckError(T5ExportError, AssertionError):
+  """The staged SavedModel's outputs differ from JAX; nothing was published.
+
+  Attributes:
+    signature: the signature name.
+    output: the output name (or path) that differs.
+    max_abs_error: the largest absolute difference seen.
+  """
+
+  def __init__(self, signature: str, output: str, max_abs_error: float,
+               detail: str = ''):
+    self.signature, self.output = signature, output
+    self.max_abs_error = float(max_abs_error)
+    super().__init__(
+        f'SavedModel check failed for signature {signature!r}, output '
+        f'{output!r}: max abs error {self.max_abs_error:.6g} vs JAX'
+        f'{(" (" + detail + ")") if detail else ""}. The version was not '
+        'published. Check the signature\'s pre/post-processors, or loosen '
+        'atol/rtol if the difference is expected.')
+
+
+class VersionExistsError(T5ExportError, FileExistsError):
+  """The version directory for this step is already published."""
+
+  def __init__(self, path: str, step: int):
+    self.path, self.step = path, step
+    super().__init__(
+        f'Version {step} already exists at {path!r}; it was not changed. '
+        'Pass overwrite=True (offline: --overwrite) to replace it, or export '
+        'a different step.')
+
+
+class NonFiniteParamsError(T5ExportError, ValueError):
+  """Params hold NaN or Inf; the export was refused."""
+
+  def __init__(self, path: str, n_bad: int, size: int):
+    self.path, self.n_bad = path, n_bad
+    super().__init__(
+        f'Parameter {path!r} holds {n_bad} non-finite value(s) (NaN/Inf) out '
+        f'of {size}; the export was refused. Fix the training run, or pass '
+        'allow_non_finite=True to publish anyway.')
+
+
+class ExportDirError(T5ExportError, OSError):
+  """The export directory is unusable (a file, or not writable)."""
+
+
+class ExportFailedError(T5ExportError, RuntimeError):
+  """A background export failed; raised on the next call or on close()."""
+
+
+class WriterFailedError(T5ExportError, RuntimeError):
+  """In a multi-process run, the writing process (0) reported a failure."""
+
+
+# --- checkpoints and offline export ----------------------------------------
+
+
+class CheckpointNotFoundError(T5ExportError, FileNotFoundError):
+  """The checkpoint path does not exist or holds no checkpoint step."""
+
+
+class UnknownCheckpointFormatError(T5ExportError, ValueError):
+  """The path exists but is not an orbax, T5X or flax msgpack checkpoint."""
+
+
+class NoParamsInCheckpointError(T5ExportError, KeyError):
+  """The checkpoint holds no params (no 'target' / 'params' entry)."""
+
+  def __str__(self) -> str:  # KeyError would repr() the message.
+    return str(self.args[0]) if self.args else ''
+
+
+class ParamsMismatchError(T5ExportError, ValueError):
+  """A params tree does not match the model's expected params.
+
+  Attributes:
+    missing: paths the model needs that the params lack.
+    unexpected: paths the params have that the model does not use.
+    wrong_shape: (path, expected, got) for each differing shape or dtype.
+  """
+
+  def __init__(self, missing: Sequence[str] = (),
+               unexpected: Sequence[str] = (),
+               wrong_shape: Sequence[tuple[str, str, str]] = (),
+               *, source: str = 'params'):
+    self.missing = list(missing)
+    self.unexpected = list(unexpected)
+    self.wrong_shape = list(wrong_shape)
+    parts = [f'The {source} do not match the model:']
+    if self.missing:
+      parts.append(f'missing ({len(self.missing)}):\n{_listing(self.missing)}')
+    if self.unexpected:
+      parts.append(
+          f'unexpected ({len(self.unexpected)}):\n{_listing(self.unexpected)}')
+    if self.wrong_shape:
+      parts.append(f'wrong shape or dtype ({len(self.wrong_shape)}):\n' +
+                   _listing(f'{p}: expected {e}, got {g}'
+                            for p, e, g in self.wrong_shape))
+    super().__init__('\n'.join(parts))
