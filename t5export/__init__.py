@@ -1,1 +1,73 @@
-"""t5export: servable TensorFlow SavedModels from JAX/Flax training runs."""
+"""t5export: servable TensorFlow SavedModels from JAX/Flax training runs.
+
+Python runs this file before any submodule, so it imports nothing heavy:
+each public name is resolved from its module on first access (PEP 562
+`__getattr__`). `import t5export.train_state` therefore never imports
+TensorFlow, while `t5export.ExportCallback` does, when first used.
+
+With `from __gin__ import dynamic_registration` a gin file can say
+`import t5export` and `@t5export.ExportCallback()`; the classes are also
+registered with gin under the module name `t5export` when their module is
+imported, for gin files written the classic way.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = '0.1.0'
+
+# Public name -> the submodule that defines it.
+_EXPORTS = {
+    'TrainState': 'train_state',
+    'FlaxOptimTrainState': 'train_state',
+    'InferenceState': 'train_state',
+    'standard_logical_axis_rules': 'partitioning',
+    'get_mesh_axes': 'partitioning',
+    'gather_to_host': 'partitioning',
+    'HostSnapshot': 'snapshot',
+    'take_snapshot': 'snapshot',
+    'JaxModule': 'jax_module',
+    'Signature': 'serving',
+    'SavedModelExporter': 'exporter',
+    'ExportCallback': 'callbacks',
+}
+# Submodules reachable as attributes, e.g. `t5export.verify.load_params`.
+_SUBMODULES = frozenset({
+    'async_export', 'callbacks', 'checkpoints', 'errors', 'exporter',
+    'jax_module', 'offline', 'partitioning', 'paths', 'serving', 'snapshot',
+    'train_state', 'verify',
+})
+
+__all__ = sorted(_EXPORTS) + ['errors', 'verify', '__version__']
+
+
+def __getattr__(name: str) -> Any:
+  if name in _EXPORTS:
+    module = importlib.import_module(f'{__name__}.{_EXPORTS[name]}')
+    value = getattr(module, name)
+    globals()[name] = value  # Cache: later lookups skip __getattr__.
+    return value
+  if name in _SUBMODULES:
+    return importlib.import_module(f'{__name__}.{name}')
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(_EXPORTS) | _SUBMODULES)
+
+
+if TYPE_CHECKING:  # Static type checkers see the real names.
+  from t5export.callbacks import ExportCallback
+  from t5export.exporter import SavedModelExporter
+  from t5export.jax_module import JaxModule
+  from t5export.partitioning import gather_to_host
+  from t5export.partitioning import get_mesh_axes
+  from t5export.partitioning import standard_logical_axis_rules
+  from t5export.serving import Signature
+  from t5export.snapshot import HostSnapshot
+  from t5export.snapshot import take_snapshot
+  from t5export.train_state import FlaxOptimTrainState
+  from t5export.train_state import InferenceState
+  from t5export.train_state import TrainState
