@@ -192,3 +192,10 @@ class ParamsMismatchError(T5ExportError, ValueError):
                    _listing(f'{p}: expected {e}, got {g}'
                             for p, e, g in self.wrong_shape))
     super().__init__('\n'.join(parts))
+
+
+# --- published versions (exporter, verify) ----------------------------------
+
+
+class VersionNotFoundError(T5ExportError, FileNotFoundError):
+  """A directory is not a published t5export version (no metadata)."""
