@@ -1,0 +1,410 @@
+"""Logical axis rules, mesh axes for a state, and the gather to host.
+
+Data-flow steps 2 and 3 of an export (see DESIGN.md):
+
+* `standard_logical_axis_rules` gives T5X's rules mapping logical axis names
+  ('embed', 'mlp', 'heads', ...) to the mesh axes 'data' and 'model'.
+* `logical_to_mesh_spec` resolves one parameter's logical names with those
+  rules (flax/T5X semantics); `get_mesh_axes` does it for a whole state.
+* `shardings_for` and `shard_state` place a state on a `jax.sharding.Mesh`.
+* `gather_to_host` turns a tree of (possibly sharded, possibly spread over
+  several `jax.distributed` processes) arrays into host numpy arrays that own
+  their memory, leaf by leaf.
+
+Light: this module never imports TensorFlow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from absl import logging
+import gin
+import jax
+from jax.experimental import multihost_utils
+import numpy as np
+
+from t5export import errors
+from t5export import paths
+
+PartitionSpec = jax.sharding.PartitionSpec
+# A mesh axis in a rule: one axis name, several (sharded over their product),
+# or None (replicated).
+MeshAxes = str | tuple[str, ...] | None
+LogicalAxisRules = tuple[tuple[str, MeshAxes], ...]
+
+_SUPPORTED_DIMS = ((1, 1), (2, 1), (1, 2), (2, 2))
+
+
+# --- rules ------------------------------------------------------------------
+
+
+def _base_rules(activation_dims: int,
+                parameter_dims: int) -> list[tuple[str, MeshAxes]]:
+  """T5X's rule list for one (activation, parameter) partitioning variant."""
+  # Names every variant shards the same way. 'joined_kv' is the heads*kv dim
+  # of 2-D attention kernels.
+  common = [
+      ('batch', 'data'),
+      ('vocab', 'model'),
+      ('mlp', 'model'),
+      ('heads', 'model'),
+      ('kv', None),
+      ('joined_kv', 'model'),
+  ]
+  if (activation_dims, parameter_dims) == (1, 1):
+    # 1-D: 'embed' is never sharded; T5X lists it third.
+    return common[:2] + [('embed', None)] + common[2:]
+  if (activation_dims, parameter_dims) == (2, 1):
+    return common + [('embed', 'model')]
+  if (activation_dims, parameter_dims) == (1, 2):
+    return common + [('embed', 'data')]
+  # (2, 2): 'embed' takes 'model' where that is still free, else 'data'.
+  return common + [('embed', 'model'), ('embed', 'data')]
+
+
+# Logical names every variant keeps replicated.
+_REPLICATED_RULES: tuple[tuple[str, None], ...] = (
+    ('relpos_buckets', None),
+    ('abspos_buckets', None),
+    ('length', None),
+    ('layers', None),
+    ('stack', None),
+    ('mlp_activations', None),
+)
+
+
+def _check_rule(rule: Any, index: int) -> tuple[str, MeshAxes]:
+  """Validates one (logical name, mesh axes) pair of `additional_rules`."""
+  if not isinstance(rule, (tuple, list)) or len(rule) != 2:
+    raise TypeError(
+        f'additional_rules[{index}] = {rule!r} is not a (logical_name, '
+        "mesh_axis) pair; write e.g. ('expert', 'model') or ('expert', None).")
+  name, mesh = rule
+  if not isinstance(name, str):
+    raise TypeError(
+        f'additional_rules[{index}] = {rule!r}: the logical name must be a '
+        f'str, got {type(name).__name__}.')
+  ok_mesh = mesh is None or isinstance(mesh, str) or (
+      isinstance(mesh, (tuple, list)) and
+      all(isinstance(m, str) for m in mesh))
+  if not ok_mesh:
+    raise TypeError(
+        f'additional_rules[{index}] = {rule!r}: the mesh axis must be a str, '
+        'a tuple of str or None.')
+  return (name, tuple(mesh) if isinstance(mesh, list) else mesh)
+
+
+@gin.configurable(module='t5export')
+def standard_logical_axis_rules(
+    activation_partitioning_dims: int = 1,
+    parameter_partitioning_dims: int = 1,
+    additional_rules: Iterable[tuple[str, MeshAxes]] | None = None,
+) -> LogicalAxisRules:
+  """T5X's default rules from logical axis names to the 'data'/'model' mesh.
+
+  The same lists as T5X's `partitioning.standard_logical_axis_rules`, so a
+  model partitioned by T5X resolves to the same mesh axes here. Rules are in
+  priority order (see `logical_to_mesh_spec`).
+
+  Args:
+    activation_partitioning_dims: 1, or 2 to also shard activations' 'embed'
+      dimension over 'model'.
+    parameter_partitioning_dims: 1, or 2 to also shard parameters' 'embed'
+      dimension over 'data' (2-D parameter sharding).
+    additional_rules: (logical name, mesh axes) pairs appended after the
+      standard ones, e.g. `(('expert', 'data'),)`.
+
+  Returns:
+    A tuple of (logical name, mesh axis or None) pairs.
+
+  Raises:
+    ValueError: if the dims are not 1 or 2.
+    TypeError: if an additional rule is not a (str, str | tuple | None) pair.
+  """
+  dims = (activation_partitioning_dims, parameter_partitioning_dims)
+  if dims not in _SUPPORTED_DIMS:
+    raise ValueError(
+        f'activation_partitioning_dims={activation_partitioning_dims!r} with '
+        f'parameter_partitioning_dims={parameter_partitioning_dims!r} is not '
+        'supported; each must be 1 or 2 (as in T5X).')
+  logging.info('Logical axis rules: activation_partitioning_dims=%d, '
+               'parameter_partitioning_dims=%d', *dims)
+  rules = _base_rules(*dims) + list(_REPLICATED_RULES)
+  if additional_rules:
+    rules += [_check_rule(r, i) for i, r in enumerate(additional_rules)]
+  return tuple(rules)
+
+
+# --- one parameter ----------------------------------------------------------
+
+
+def _mesh_leaves(mesh_axes: MeshAxes) -> set[str]:
+  if mesh_axes is None:
+    return set()
+  if isinstance(mesh_axes, str):
+    return {mesh_axes}
+  return set(mesh_axes)
+
+
+def logical_to_mesh_spec(names: Sequence[str | None],
+                         rules: Sequence[tuple[str, MeshAxes]], *,
+                         path: str,
+                         shape: Sequence[int] | None = None) -> PartitionSpec:
+  """Resolves one parameter's logical axis names to mesh axes.
+
+  Same semantics as flax's `logical_to_mesh_axes` (what T5X uses): the rules
+  are walked in order; a rule (name, mesh) assigns `mesh` to the dimension
+  called `name` if that dimension is still unassigned and none of `mesh`'s
+  axes is used by another dimension yet. A dimension left unassigned (all of
+  its rules' mesh axes taken) is replicated. Unlike flax, a name with no rule
+  at all is an error rather than silently replicated.
+
+  Args:
+    names: one logical name (or None) per dimension.
+    rules: (logical name, mesh axes) pairs in priority order.
+    path: the parameter's path, for error messages.
+    shape: the parameter's shape; when given, its rank must match `names`.
+
+  Returns:
+    A `PartitionSpec` with one entry (mesh axis, tuple of axes, or None) per
+    dimension.
+
+  Raises:
+    AxisRankMismatchError: if `shape` has a different rank than `names`.
+    UnmappedLogicalAxisError: if a name has no rule.
+    ValueError: if a name appears twice.
+  """
+  names = tuple(names)
+  if shape is not None and len(tuple(shape)) != len(names):
+    raise errors.AxisRankMismatchError(path, tuple(shape), names)
+  for name in names:
+    if name is not None and not isinstance(name, str):
+      raise ValueError(
+          f'Parameter {path!r} has logical axis names {names}; each must be '
+          f'a str or None, got {name!r}.')
+  dups = sorted({n for n in names if n is not None and names.count(n) > 1})
+  if dups:
+    raise ValueError(
+        f'Parameter {path!r} has logical axis names {names} with {dups} more '
+        'than once; give each dimension its own name.')
+  known = {rule_name for rule_name, _ in rules}
+  for name in names:
+    if name is not None and name not in known:
+      raise errors.UnmappedLogicalAxisError(path, name, sorted(known))
+
+  unassigned = object()
+  result: list[Any] = [unassigned if n is not None else None for n in names]
+  used: set[str] = set()
+  for rule_name, mesh_axes in rules:
+    if rule_name not in names:
+      continue
+    pos = names.index(rule_name)
+    wanted = _mesh_leaves(mesh_axes)
+    if result[pos] is unassigned and not wanted & used:
+      result[pos] = mesh_axes
+      used |= wanted
+  return PartitionSpec(*(None if r is unassigned else r for r in result))
+
+
+# --- whole states -----------------------------------------------------------
+
+
+def _is_spec(x: Any) -> bool:
+  return isinstance(x, PartitionSpec)
+
+
+def _is_logical_tree(tree: Any) -> bool:
+  """True if every leaf of `tree` is a PartitionSpec (or the tree is empty)."""
+  return all(_is_spec(leaf)
+             for leaf in jax.tree_util.tree_leaves(tree, is_leaf=_is_spec))
+
+
+def get_mesh_axes(state: Any, rules: Sequence[tuple[str, MeshAxes]]) -> Any:
+  """Mesh axes for every array of a state.
+
+  Args:
+    state: a t5export `TrainState` / `InferenceState` (anything with
+      `as_logical_axes()`), the logical-axes state it returns, or a plain
+      pytree of logical `PartitionSpec`s.
+    rules: (logical name, mesh axes) pairs, e.g. from
+      `standard_logical_axis_rules()`.
+
+  Returns:
+    The same type and structure as `state`, with a `PartitionSpec` of mesh
+    axes at every array leaf.
+
+  Raises:
+    MissingAxesError: if the state's params carry no logical axes.
+    AxisRankMismatchError: if a leaf's names don't match its rank (checked
+      when `state` holds arrays).
+    UnmappedLogicalAxisError: if a logical name has no rule.
+    TypeError: if `state` is neither a state nor a tree of PartitionSpecs.
+  """
+  rules = tuple(rules)
+  if _is_logical_tree(state):
+    logical, arrays = state, None
+  elif callable(getattr(state, 'as_logical_axes', None)):
+    logical, arrays = state.as_logical_axes(), state
+  else:
+    raise TypeError(
+        f'state must be a t5export TrainState/InferenceState or a pytree of '
+        f'PartitionSpec, got {type(state).__name__}.')
+
+  def resolve(keypath, spec, leaf=None):
+    if not _is_spec(spec):
+      raise TypeError(
+          f'Leaf {paths.path_str(keypath)!r} of the logical axes is '
+          f'{spec!r}, not a PartitionSpec.')
+    shape = getattr(leaf, 'shape', None) if arrays is not None else None
+    return logical_to_mesh_spec(tuple(spec), rules,
+                                path=paths.path_str(keypath), shape=shape)
+
+  if arrays is None:
+    return jax.tree_util.tree_map_with_path(resolve, logical, is_leaf=_is_spec)
+  return jax.tree_util.tree_map_with_path(
+      resolve, logical, arrays, is_leaf=_is_spec)
+
+
+def shardings_for(mesh: jax.sharding.Mesh, specs: Any) -> Any:
+  """`NamedSharding`s on `mesh` for a tree of mesh-axis `PartitionSpec`s.
+
+  Args:
+    mesh: the device mesh.
+    specs: a pytree (e.g. from `get_mesh_axes`) with `PartitionSpec` leaves.
+
+  Returns:
+    The same structure with a `jax.sharding.NamedSharding` at every leaf.
+
+  Raises:
+    ValueError: if a spec names an axis the mesh does not have.
+  """
+  mesh_names = set(mesh.axis_names)
+
+  def one(keypath, spec):
+    missing = sorted(_spec_axes(spec) - mesh_names)
+    if missing:
+      raise ValueError(
+          f'{paths.path_str(keypath)!r} is sharded over mesh axes {missing} '
+          f'that the mesh does not have (mesh axes: {mesh.axis_names}). Name '
+          'the mesh axes as the rules do, e.g. '
+          "Mesh(devices, ('data', 'model')).")
+    return jax.sharding.NamedSharding(mesh, spec)
+
+  return jax.tree_util.tree_map_with_path(one, specs, is_leaf=_is_spec)
+
+
+def _spec_axes(spec: PartitionSpec) -> set[str]:
+  out: set[str] = set()
+  for entry in spec:
+    out |= _mesh_leaves(entry)
+  return out
+
+
+def shard_state(state: Any, mesh: jax.sharding.Mesh,
+                rules: Sequence[tuple[str, MeshAxes]]) -> Any:
+  """Places a state's arrays on `mesh` as `get_mesh_axes` says.
+
+  Works in one process and under `jax.distributed`: when the mesh spans
+  other processes, every process must hold the same full values (e.g. the
+  same init seed) and call this at the same point; each keeps only its own
+  shards.
+
+  Args:
+    state: a t5export state whose arrays are on host or one device.
+    mesh: the device mesh, with the axes the rules name ('data', 'model').
+    rules: logical axis rules.
+
+  Returns:
+    The same state with every array a `jax.Array` sharded over `mesh`.
+  """
+  shardings = shardings_for(mesh, get_mesh_axes(state, rules))
+
+  def place(x, sharding):
+    if sharding.is_fully_addressable:
+      return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding,
+                                        lambda index: host[index])
+
+  return jax.tree_util.tree_map(place, state, shardings)
+
+
+# --- gather -----------------------------------------------------------------
+
+
+def _copy_fully_addressable(x: jax.Array) -> np.ndarray:
+  """Assembles a fully addressable array on host, one shard at a time.
+
+  Avoids `np.asarray(x)` on the whole array, which would cache a second host
+  copy on `x` for as long as `x` lives.
+  """
+  if len(x.addressable_shards) == 1 or x.is_fully_replicated:
+    # np.array copies: on CPU np.asarray can alias the device buffer, which
+    # donation may later hand to another computation.
+    return np.array(x.addressable_shards[0].data, copy=True)
+  out = np.empty(x.shape, dtype=x.dtype)
+  for shard in x.addressable_shards:
+    if shard.replica_id == 0:
+      out[shard.index] = np.asarray(shard.data)
+  return out
+
+
+def _gather_leaf(keypath: Any, x: Any) -> np.ndarray:
+  if isinstance(x, jax.core.Tracer):
+    raise TypeError(
+        f'gather_to_host got a traced value at {paths.path_str(keypath)!r}; '
+        'call it outside jax.jit / jax.grad.')
+  if isinstance(x, jax.Array):
+    if x.is_deleted():
+      raise ValueError(
+          f'Array {paths.path_str(keypath)!r} was deleted (donated to a '
+          'jitted step?). Take the snapshot before the step that donates it.')
+    if x.is_fully_addressable or x.is_fully_replicated:
+      # Replicated over processes: every process already holds the value.
+      return _copy_fully_addressable(x)
+    # Spread over processes: an all-gather every process joins.
+    gathered = multihost_utils.process_allgather(x, tiled=True)
+    return np.array(gathered, copy=True)
+  if isinstance(x, (np.ndarray, np.generic, bool, int, float, complex)):
+    return np.array(x, copy=True)
+  raise TypeError(
+      f'gather_to_host: leaf {paths.path_str(keypath)!r} is a '
+      f'{type(x).__name__}; expected jax.Array, numpy array or a number.')
+
+
+def gather_to_host(tree: Any) -> Any:
+  """Copies every array of `tree` to host numpy, leaf by leaf.
+
+  Fully addressable arrays are assembled from their shards on this host.
+  Arrays spread over several `jax.distributed` processes are all-gathered:
+  EVERY process must call `gather_to_host` with the same tree at the same
+  point, or the collective hangs. At most one gathered leaf is in flight
+  beyond the output. The results own their memory, so donating or deleting
+  the source arrays later does not change them.
+
+  Args:
+    tree: a pytree of `jax.Array`, numpy arrays or Python numbers.
+
+  Returns:
+    The same structure with `np.ndarray` leaves (numbers become 0-d arrays).
+
+  Raises:
+    TypeError: for traced values or leaves of other types.
+    ValueError: for deleted (donated) arrays.
+  """
+  return jax.tree_util.tree_map_with_path(_gather_leaf, tree)
+
+
+def tree_nbytes(tree: Any) -> int:
+  """Total bytes of the array leaves of `tree`."""
+  return sum(
+      int(getattr(x, 'nbytes', 0)) for x in jax.tree_util.tree_leaves(tree))
+
+
+__all__ = [
+    'LogicalAxisRules', 'gather_to_host', 'get_mesh_axes',
+    'logical_to_mesh_spec', 'shard_state', 'shardings_for',
+    'standard_logical_axis_rules', 'tree_nbytes',
+]
