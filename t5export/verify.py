@@ -1,0 +1,316 @@
+"""Reads a published SavedModel version back: params, comparisons, calls.
+
+The reading side of what `exporter.SavedModelExporter` writes:
+
+- `read_metadata(version_dir)`: the version's `assets.extra/t5export.json`.
+- `load_params(version_dir)`: the exported variables as a JAX pytree,
+  bit-exact (bfloat16 included). It reads the SavedModel's variables
+  checkpoint directly, so no graph is loaded and nothing is converted.
+- `compare_outputs(...)` / `compare_with_jax(...)`: run a signature and
+  compare every named output with JAX (what the exporter's pre-publish check
+  uses).
+- `call_exported(version_dir, signature_name)`: a JAX-callable that runs the
+  exported signature through `jax.experimental.jax2tf.call_tf`, for users who
+  want the round trip back into JAX.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import jax2tf
+import numpy as np
+import tensorflow as tf
+
+from tensorflow.core.protobuf import trackable_object_graph_pb2
+from t5export import errors
+from t5export import paths
+
+# Layout of a published version, relative to the version directory.
+ASSETS_EXTRA = 'assets.extra'
+METADATA_FILE = os.path.join(ASSETS_EXTRA, 't5export.json')
+GIN_CONFIG_FILE = os.path.join(ASSETS_EXTRA, 'config.gin')
+WARMUP_FILE = os.path.join(ASSETS_EXTRA, 'tf_serving_warmup_requests')
+# The tracked attribute of JaxModule that holds the params, in order.
+_PARAM_VARS_ATTR = 'param_vars'
+_OBJECT_GRAPH_KEY = '_CHECKPOINTABLE_OBJECT_GRAPH'
+
+
+def read_metadata(version_dir: str | os.PathLike[str]) -> dict[str, Any]:
+  """Reads the t5export metadata of a published (or staged) version.
+
+  Args:
+    version_dir: a version directory such as `<export_dir>/1000`.
+
+  Returns:
+    The parsed `assets.extra/t5export.json`.
+
+  Raises:
+    VersionNotFoundError: if the directory or its metadata file is missing.
+  """
+  version_dir = os.fspath(version_dir)
+  path = os.path.join(version_dir, METADATA_FILE)
+  if not os.path.isfile(path):
+    raise errors.VersionNotFoundError(
+        f'{version_dir!r} is not a t5export version: {METADATA_FILE} is '
+        'missing. Pass a version directory such as <export_dir>/<step>, '
+        'not the export_dir itself.')
+  with open(path, encoding='utf-8') as f:
+    return json.load(f)
+
+
+def _param_checkpoint_keys(reader: Any, version_dir: str) -> list[str]:
+  """Checkpoint keys of JaxModule.param_vars[0..n-1], via the object graph."""
+  graph = trackable_object_graph_pb2.TrackableObjectGraph()
+  graph.ParseFromString(reader.get_tensor(_OBJECT_GRAPH_KEY))
+  root = graph.nodes[0]
+  list_ids = [c.node_id for c in root.children
+              if c.local_name == _PARAM_VARS_ATTR]
+  if not list_ids:
+    raise errors.VersionNotFoundError(
+        f'The SavedModel at {version_dir!r} has no {_PARAM_VARS_ATTR!r} list; '
+        'it was not written by t5export.')
+  by_index = {}
+  for child in graph.nodes[list_ids[0]].children:
+    node = graph.nodes[child.node_id]
+    keys = [a.checkpoint_key for a in node.attributes
+            if a.name == 'VARIABLE_VALUE']
+    if keys:
+      by_index[int(child.local_name)] = keys[0]
+  return [by_index[i] for i in range(len(by_index))]
+
+
+def load_params(version_dir: str | os.PathLike[str]) -> dict[str, Any]:
+  """Loads the exported variables of a version back as a JAX pytree.
+
+  The values come straight from the SavedModel's variables checkpoint
+  (`variables/variables`), so they are bit-exact, bfloat16 included, and no
+  TensorFlow graph or JAX conversion runs. The tree is rebuilt from the
+  metadata's `parameters` list (the `JaxModule.param_paths` order).
+
+  Args:
+    version_dir: a version directory such as `<export_dir>/1000`.
+
+  Returns:
+    Nested dicts of `jax.Array`, e.g. `{'params': {...}, 'batch_stats':
+    {...}}`: what the serve method received (with the dtypes stored in the
+    SavedModel; float32 if the export cast bfloat16).
+
+  Raises:
+    VersionNotFoundError: if the directory is not a t5export version.
+    ParamsMismatchError: if the metadata and the stored variables disagree.
+  """
+  version_dir = os.fspath(version_dir)
+  names = list(read_metadata(version_dir)['parameters'])
+  reader = tf.train.load_checkpoint(
+      os.path.join(version_dir, 'variables', 'variables'))
+  keys = _param_checkpoint_keys(reader, version_dir)
+  if len(keys) != len(names):
+    raise errors.ParamsMismatchError(
+        missing=names[len(keys):],
+        unexpected=[f'{_PARAM_VARS_ATTR}/{i}' for i in
+                    range(len(names), len(keys))],
+        source=f'variables stored in {version_dir!r}')
+  flat = {name: jnp.asarray(reader.get_tensor(key))
+          for name, key in zip(names, keys)}
+  return paths.unflatten(flat)
+
+
+def _to_numpy(value: Any) -> np.ndarray:
+  if isinstance(value, (tf.Tensor, tf.Variable)):
+    return value.numpy()
+  return np.asarray(value)
+
+
+def _named_outputs(outputs: Any) -> dict[str, Any]:
+  """A signature's outputs as {name: value}; pytrees are named by path."""
+  if isinstance(outputs, Mapping) and all(
+      not isinstance(v, (Mapping, list, tuple)) for v in outputs.values()):
+    return dict(outputs)
+  return paths.flatten(outputs)
+
+
+def _is_string(array: np.ndarray) -> bool:
+  return array.dtype.kind in ('O', 'S', 'U')
+
+
+def compare_outputs(signature_name: str, actual: Mapping[str, Any],
+                    expected: Any, *, atol: float,
+                    rtol: float) -> dict[str, float]:
+  """Compares a signature's outputs with the expected (JAX) ones.
+
+  Numeric outputs must agree within `|a - e| <= atol + rtol * |e|` and have
+  the same shape; string outputs must be equal exactly.
+
+  Args:
+    signature_name: the signature's name (for the error message).
+    actual: the SavedModel's outputs, `{output_name: tensor}`.
+    expected: the reference outputs: a dict with the same names, or a pytree
+      whose '/'-joined paths are the names.
+    atol: absolute tolerance.
+    rtol: relative tolerance.
+
+  Returns:
+    `{output_name: max abs error}` (0.0 for equal strings).
+
+  Raises:
+    ExportCheckError: naming the first output that is missing, has another
+      shape, or differs beyond the tolerance.
+  """
+  actual = _named_outputs(actual)
+  expected = _named_outputs(expected)
+  for name in sorted(set(actual) ^ set(expected)):
+    where = 'the SavedModel' if name not in actual else 'JAX'
+    raise errors.ExportCheckError(
+        signature_name, name, float('inf'),
+        f'output missing from {where}; SavedModel outputs '
+        f'{sorted(actual)}, JAX outputs {sorted(expected)}')
+  result = {}
+  for name in sorted(actual):
+    a, e = _to_numpy(actual[name]), _to_numpy(expected[name])
+    if a.shape != e.shape:
+      raise errors.ExportCheckError(
+          signature_name, name, float('inf'),
+          f'shape {a.shape} vs JAX shape {e.shape}')
+    if _is_string(a) or _is_string(e):
+      equal = a.astype(object) == e.astype(object)
+      if not np.all(equal):
+        first = tuple(int(i) for i in np.argwhere(~np.asarray(equal))[0])
+        raise errors.ExportCheckError(
+            signature_name, name, float('inf'),
+            f'strings differ at index {first}: {a[first]!r} vs JAX '
+            f'{e[first]!r}')
+      result[name] = 0.0
+      continue
+    a64, e64 = a.astype(np.float64), e.astype(np.float64)
+    diff = np.abs(a64 - e64)
+    both_nan = np.isnan(a64) & np.isnan(e64)
+    diff = np.where(both_nan, 0.0, diff)
+    max_err = float(np.max(diff)) if diff.size else 0.0
+    if np.isnan(max_err) or np.any(
+        (diff > atol + rtol * np.abs(e64)) | (np.isnan(diff))):
+      raise errors.ExportCheckError(
+          signature_name, name, max_err if not np.isnan(max_err) else
+          float('nan'), f'atol={atol:g}, rtol={rtol:g}')
+    result[name] = max_err
+  return result
+
+
+def _signature(loaded: Any, version_dir: str, signature_name: str) -> Any:
+  if signature_name not in loaded.signatures:
+    raise errors.SignatureError(
+        f'signature_name={signature_name!r} is not in the SavedModel at '
+        f'{version_dir!r}; it has {sorted(loaded.signatures.keys())}.')
+  return loaded.signatures[signature_name]
+
+
+def run_signature(loaded: Any, version_dir: str, signature_name: str,
+                  inputs: Mapping[str, Any]) -> dict[str, Any]:
+  """Runs one serving signature of a loaded SavedModel in TensorFlow.
+
+  Args:
+    loaded: the result of `tf.saved_model.load(version_dir)`.
+    version_dir: its directory (for messages).
+    signature_name: which signature to run.
+    inputs: `{input_name: array}`, the signature's flat keyword inputs.
+
+  Returns:
+    `{output_name: numpy array}`.
+
+  Raises:
+    SignatureError: if the signature does not exist.
+  """
+  fn = _signature(loaded, version_dir, signature_name)
+  spec = fn.structured_input_signature[1]
+  feed = {}
+  for key, value in inputs.items():
+    dtype = spec[key].dtype if key in spec else None
+    feed[key] = tf.constant(_to_numpy(value), dtype=dtype)
+  return {k: v.numpy() for k, v in fn(**feed).items()}
+
+
+def compare_with_jax(version_dir: str | os.PathLike[str], signature_name: str,
+                     jax_fn: Callable[[Mapping[str, Any]], Any],
+                     inputs: Mapping[str, Any], *, atol: float = 1e-5,
+                     rtol: float = 1e-5) -> dict[str, float]:
+  """Runs a signature of a SavedModel and compares it with a JAX function.
+
+  Args:
+    version_dir: a version (or any SavedModel) directory.
+    signature_name: the serving signature to run.
+    jax_fn: called as `jax_fn(inputs)`; returns the expected outputs, a dict
+      keyed like the signature's outputs (or a pytree named by path).
+    inputs: `{input_name: array}`, the signature's keyword inputs.
+    atol: absolute tolerance.
+    rtol: relative tolerance.
+
+  Returns:
+    `{output_name: max abs error}`.
+
+  Raises:
+    SignatureError: if the signature does not exist.
+    ExportCheckError: naming the signature, the output and the max abs error
+      when they differ.
+  """
+  version_dir = os.fspath(version_dir)
+  loaded = tf.saved_model.load(version_dir)
+  actual = run_signature(loaded, version_dir, signature_name, inputs)
+  expected = jax.tree_util.tree_map(np.asarray, jax_fn(dict(inputs)))
+  return compare_outputs(signature_name, actual, expected, atol=atol,
+                         rtol=rtol)
+
+
+def call_exported(version_dir: str | os.PathLike[str], signature_name: str,
+                  *, output_shape_dtype: Any = None
+                  ) -> Callable[[Mapping[str, Any]], dict[str, jax.Array]]:
+  """Returns a JAX-callable that runs an exported signature.
+
+  Built on `jax.experimental.jax2tf.call_tf`: the SavedModel runs in
+  TensorFlow, inputs and outputs are JAX arrays. Eagerly it works for any
+  input shape the signature accepts. Under `jax.jit` the outputs' shapes
+  must be static: when they depend on polymorphic input dimensions pass
+  `output_shape_dtype` (a dict of `jax.ShapeDtypeStruct` keyed by output
+  name) for the shapes you call it with.
+
+  Note: the `tf2jax` package cannot load the `XlaCallModule` ops that jax2tf
+  writes under jax 0.10 (as installed here); `call_tf` can, which is why
+  this helper uses it.
+
+  Args:
+    version_dir: a version (or any SavedModel) directory.
+    signature_name: the serving signature to call.
+    output_shape_dtype: optional, passed to `call_tf` (see above).
+
+  Returns:
+    `fn(inputs: dict) -> dict` of output name to `jax.Array`. The loaded
+    SavedModel stays alive as `fn.saved_model`.
+
+  Raises:
+    SignatureError: if the signature does not exist.
+  """
+  version_dir = os.fspath(version_dir)
+  loaded = tf.saved_model.load(version_dir)
+  tf_sig = _signature(loaded, version_dir, signature_name)
+  spec = tf_sig.structured_input_signature[1]
+
+  def tf_fn(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    feed = {k: tf.cast(v, spec[k].dtype) if k in spec else v
+            for k, v in inputs.items()}
+    return dict(tf_sig(**feed))
+
+  if output_shape_dtype is None:
+    jax_fn = jax2tf.call_tf(tf_fn)
+  else:
+    jax_fn = jax2tf.call_tf(tf_fn, output_shape_dtype=output_shape_dtype)
+
+  def call(inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
+    return jax_fn(dict(inputs))
+
+  call.saved_model = loaded  # type: ignore[attr-defined]
+  call.signature = tf_sig  # type: ignore[attr-defined]
+  return call

@@ -1,0 +1,208 @@
+"""Tests for t5export.verify against real SavedModels and real JAX."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from t5export import errors
+from t5export import verify
+
+_PATHS = ('params/dense/kernel', 'params/dense/bias', 'params/emb/table',
+          'batch_stats/bn/mean')
+
+
+def _values(seed: int) -> dict[str, np.ndarray]:
+  rng = np.random.default_rng(seed)
+  return {
+      'params/dense/kernel': rng.normal(size=(3, 2)).astype(np.float32),
+      'params/dense/bias': rng.normal(size=(2,)).astype(np.float32),
+      # bfloat16 values that are not representable in fewer bits.
+      'params/emb/table': (rng.normal(size=(5, 4)) * 1e-3).astype(
+          jnp.bfloat16),
+      'batch_stats/bn/mean': np.array([np.pi, -0.0, 1e-30], np.float32),
+  }
+
+
+def _write_saved_model(path: str, values: dict[str, np.ndarray],
+                       *, extra_vars: int = 0) -> None:
+  """A SavedModel laid out like t5export's: param_vars + metadata."""
+  module = tf.Module()
+  module.param_vars = [tf.Variable(values[p], trainable=False,
+                                   name=p.replace('/', '_')) for p in _PATHS]
+  module.param_vars += [tf.Variable(0.0) for _ in range(extra_vars)]
+  kernel, bias = module.param_vars[0], module.param_vars[1]
+
+  @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float32),
+                                tf.TensorSpec([None], tf.string)])
+  def serve(x, names):
+    return {'y': tf.matmul(x, kernel) + bias,
+            'greeting': tf.strings.join(['hi ', names])}
+
+  @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float32)])
+  def numeric(x):
+    return {'y': tf.matmul(x, kernel) + bias}
+
+  module.serve = serve
+  module.numeric = numeric
+  tf.saved_model.save(module, path, signatures={'serving_default': serve,
+                                                'numeric': numeric})
+  os.makedirs(os.path.join(path, verify.ASSETS_EXTRA), exist_ok=True)
+  with open(os.path.join(path, verify.METADATA_FILE), 'w') as f:
+    json.dump({'parameters': list(_PATHS)}, f)
+
+
+def _jax_serve(values):
+  def fn(inputs):
+    y = jnp.asarray(inputs['x']) @ values['params/dense/kernel'] + values[
+        'params/dense/bias']
+    greeting = np.array([b'hi ' + n for n in np.asarray(inputs['names'])],
+                        dtype=object)
+    return {'y': y, 'greeting': greeting}
+  return fn
+
+
+@pytest.fixture(scope='module')
+def model_dir(tmp_path_factory) -> str:
+  path = str(tmp_path_factory.mktemp('verify') / '7')
+  _write_saved_model(path, _values(0))
+  return path
+
+
+@pytest.fixture(scope='module')
+def inputs() -> dict[str, np.ndarray]:
+  return {'x': np.random.default_rng(1).normal(size=(4, 3)).astype(np.float32),
+          'names': np.array([b'a', b'bc', b'', b'd'], dtype=object)}
+
+
+def test_load_params_is_bit_exact_and_nested(model_dir):
+  params = verify.load_params(model_dir)
+  expected = _values(0)
+  assert set(params) == {'params', 'batch_stats'}
+  got = {
+      'params/dense/kernel': params['params']['dense']['kernel'],
+      'params/dense/bias': params['params']['dense']['bias'],
+      'params/emb/table': params['params']['emb']['table'],
+      'batch_stats/bn/mean': params['batch_stats']['bn']['mean'],
+  }
+  for path, value in got.items():
+    assert isinstance(value, jax.Array), path
+    assert value.dtype == expected[path].dtype, path
+    # Bit-exact: compare the raw bytes, so -0.0 and bfloat16 are covered.
+    assert np.asarray(value).tobytes() == expected[path].tobytes(), path
+
+
+def test_load_params_follows_metadata_order(tmp_path):
+  # Reverse the metadata list: names must follow it, not TF's key order.
+  path = str(tmp_path / '1')
+  _write_saved_model(path, _values(2))
+  meta_path = os.path.join(path, verify.METADATA_FILE)
+  with open(meta_path, 'w') as f:
+    json.dump({'parameters': list(reversed(_PATHS))}, f)
+  params = verify.load_params(path)
+  values = _values(2)
+  # param_vars[0] holds the kernel, now named by the last path.
+  np.testing.assert_array_equal(params['batch_stats']['bn']['mean'],
+                                values['params/dense/kernel'])
+
+
+def test_load_params_count_mismatch(tmp_path):
+  path = str(tmp_path / '1')
+  _write_saved_model(path, _values(0), extra_vars=1)
+  with pytest.raises(errors.ParamsMismatchError,
+                     match=r'unexpected \(1\):\n  - param_vars/4'):
+    verify.load_params(path)
+
+
+def test_read_metadata_of_export_dir_is_refused(model_dir):
+  export_dir = os.path.dirname(model_dir)
+  with pytest.raises(errors.VersionNotFoundError,
+                     match=r'is not a t5export version: assets.extra/'
+                     r't5export.json is missing. Pass a version directory'):
+    verify.read_metadata(export_dir)
+  with pytest.raises(FileNotFoundError):
+    verify.load_params(export_dir)
+
+
+def test_compare_with_jax_matches(model_dir, inputs):
+  errs = verify.compare_with_jax(model_dir, 'serving_default',
+                                 _jax_serve(_values(0)), inputs,
+                                 atol=1e-5, rtol=1e-5)
+  assert set(errs) == {'y', 'greeting'}
+  assert errs['greeting'] == 0.0
+  assert 0.0 <= errs['y'] < 1e-5
+
+
+def test_compare_with_jax_names_output_and_error(model_dir, inputs):
+  other = _values(0)
+  other['params/dense/bias'] = other['params/dense/bias'] + 0.5
+  with pytest.raises(errors.ExportCheckError,
+                     match=r"signature 'serving_default', output 'y': max abs "
+                     r'error 0.5') as info:
+    verify.compare_with_jax(model_dir, 'serving_default', _jax_serve(other),
+                            inputs, atol=1e-5, rtol=1e-5)
+  assert info.value.output == 'y'
+  assert info.value.max_abs_error == pytest.approx(0.5, abs=1e-6)
+
+
+def test_compare_with_jax_strings_exact(model_dir, inputs):
+  def jax_fn(x):
+    out = _jax_serve(_values(0))(x)
+    out['greeting'] = out['greeting'].copy()
+    out['greeting'][2] = b'hello '
+    return out
+  with pytest.raises(errors.ExportCheckError,
+                     match=r"output 'greeting'.*strings differ at index "
+                     r"\(2,\): b'hi ' vs JAX b'hello '"):
+    verify.compare_with_jax(model_dir, 'serving_default', jax_fn, inputs)
+
+
+def test_compare_outputs_shape_and_missing():
+  with pytest.raises(errors.ExportCheckError,
+                     match=r"output 'a'.*shape \(2,\) vs JAX shape \(3,\)"):
+    verify.compare_outputs('s', {'a': np.zeros(2)}, {'a': np.zeros(3)},
+                           atol=0, rtol=0)
+  with pytest.raises(errors.ExportCheckError,
+                     match=r"output 'b'.*output missing from the SavedModel"):
+    verify.compare_outputs('s', {'a': np.zeros(2)},
+                           {'a': np.zeros(2), 'b': np.zeros(1)},
+                           atol=0, rtol=0)
+  # Nested expected outputs are named by path; NaN == NaN counts as equal.
+  errs = verify.compare_outputs(
+      's', {'x/y': np.array([np.nan, 1.0])},
+      {'x': {'y': np.array([np.nan, 1.0 + 1e-7])}}, atol=1e-6, rtol=0)
+  assert errs['x/y'] == pytest.approx(1e-7, rel=1e-3)
+
+
+def test_unknown_signature(model_dir, inputs):
+  with pytest.raises(errors.SignatureError,
+                     match=r"signature_name='nope' is not in the SavedModel "
+                     r".*it has \['numeric', 'serving_default'\]"):
+    verify.compare_with_jax(model_dir, 'nope', _jax_serve(_values(0)), inputs)
+
+
+def test_call_exported_eager_and_jit(model_dir):
+  fn = verify.call_exported(model_dir, 'numeric')
+  values = _values(0)
+  for batch in (1, 5):
+    x = np.random.default_rng(batch).normal(size=(batch, 3)).astype(
+        np.float32)
+    expected = x @ values['params/dense/kernel'] + values['params/dense/bias']
+    out = fn({'x': jnp.asarray(x)})
+    assert isinstance(out['y'], jax.Array)
+    np.testing.assert_allclose(out['y'], expected, rtol=1e-6, atol=1e-6)
+  # Under jit the output shape must be given for the polymorphic batch.
+  x = np.ones((2, 3), np.float32)
+  jitted_fn = verify.call_exported(
+      model_dir, 'numeric',
+      output_shape_dtype={'y': jax.ShapeDtypeStruct((2, 2), jnp.float32)})
+  out = jax.jit(lambda x: jitted_fn({'x': x})['y'] * 2)(x)
+  np.testing.assert_allclose(
+      out, 2 * (x @ values['params/dense/kernel'] +
+                values['params/dense/bias']), rtol=1e-6)
