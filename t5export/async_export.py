@@ -1,0 +1,359 @@
+"""One background worker with a bounded, latest-wins queue.
+
+The training thread hands host snapshots to an `AsyncWorker`; the worker
+writes, checks and publishes them one at a time. Memory stays bounded: at
+most one item is running and one is queued. When a newer item arrives while
+one is still queued, the newer one replaces it (the replaced item is dropped
+and counted), because a newer export makes the older, not-yet-started one
+pointless.
+
+Errors raised by the worker function do not disappear:
+
+* `on_error='raise'`: the first error is kept and comes back as
+  `errors.ExportFailedError` (chaining the original) on the next `submit`,
+  on `wait` and on `close`. It is raised once, then cleared.
+* `on_error='log'`: each error is logged through absl with its traceback and
+  counted in `stats['failed']`; training is never interrupted.
+
+The thread is not a daemon, so an item in flight is never cut off halfway.
+`close` stops and joins it. A worker that is never closed is still shut
+down cleanly: at interpreter exit (before Python joins non-daemon threads)
+the queued item is finished and the thread stopped, and when the worker
+object is garbage-collected its thread is told to finish and stop.
+
+This module is light: it never imports TensorFlow or JAX.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import threading
+import time
+from typing import Any
+import weakref
+
+from absl import logging
+
+from t5export import errors
+
+_ON_ERROR_CHOICES = ('raise', 'log')
+
+
+class _Shared:
+  """State shared by an AsyncWorker and its thread.
+
+  Kept apart from `AsyncWorker` so the running thread holds no reference to
+  the worker object itself; that lets the worker be garbage-collected (and
+  its finalizer stop the thread) when a caller forgets `close()`.
+  """
+
+  def __init__(self, fn: Callable[[Any], Any], on_error: str, name: str):
+    self.fn = fn
+    self.on_error = on_error
+    self.name = name
+    self.cv = threading.Condition()
+    self.queued: tuple[Any] | None = None  # (item,) when an item waits.
+    self.running = False
+    self.stopping = False
+    self.pending_error: BaseException | None = None
+    self.submitted = 0
+    self.completed = 0
+    self.replaced = 0
+    self.failed = 0
+    self.last_error: BaseException | None = None
+    self.last_result: Any = None
+    self.busy_secs = 0.0
+    self.thread: threading.Thread | None = None
+
+  def run(self) -> None:
+    """The thread's loop: take the queued item, run it, repeat until stopped."""
+    try:
+      while True:
+        with self.cv:
+          while self.queued is None and not self.stopping:
+            self.cv.wait()
+          if self.queued is None:  # Stopping and drained.
+            return
+          (item,) = self.queued
+          self.queued = None
+          self.running = True
+        start = time.perf_counter()
+        try:
+          result = self.fn(item)
+        except Exception as e:  # pylint: disable=broad-except
+          self._record_failure(e)
+        else:
+          with self.cv:
+            self.completed += 1
+            self.last_result = result
+        finally:
+          del item  # Free the snapshot before waiting for the next one.
+          with self.cv:
+            self.running = False
+            self.busy_secs += time.perf_counter() - start
+            self.cv.notify_all()
+    finally:
+      with self.cv:
+        self.running = False
+        self.cv.notify_all()
+      _LIVE.discard(self)
+
+  def _record_failure(self, e: Exception) -> None:
+    with self.cv:
+      self.failed += 1
+      self.last_error = e
+      if self.on_error == 'raise':
+        if self.pending_error is None:
+          self.pending_error = e
+        else:  # Keep the first; the later one is only logged.
+          logging.error('%s: another background failure while one is '
+                        'pending: %s: %s', self.name, type(e).__name__, e)
+        return
+    logging.error('%s: background work failed (on_error=\'log\', failure '
+                  '#%d; training continues): %s: %s', self.name, self.failed,
+                  type(e).__name__, e, exc_info=(type(e), e, e.__traceback__))
+
+  def request_stop(self) -> None:
+    """Tells the thread to finish the queued item and exit (no join)."""
+    with self.cv:
+      self.stopping = True
+      self.cv.notify_all()
+
+
+# Threads still running, shut down at interpreter exit before Python joins
+# non-daemon threads (a plain `atexit` handler would run after that join and
+# never get the chance).
+_LIVE: set[_Shared] = set()
+_atexit_registered = False
+
+
+def _shutdown_all_at_exit() -> None:
+  live = list(_LIVE)
+  for shared in live:
+    with shared.cv:
+      waiting = shared.queued is not None or shared.running
+    if waiting:
+      logging.info('%s: interpreter exit; finishing the queued work.',
+                   shared.name)
+    shared.request_stop()
+  for shared in live:
+    if shared.thread is not None:
+      shared.thread.join()
+  for shared in live:
+    if shared.pending_error is not None:
+      e = shared.pending_error
+      logging.error('%s: background work failed and the worker was never '
+                    'closed: %s: %s', shared.name, type(e).__name__, e,
+                    exc_info=(type(e), e, e.__traceback__))
+
+
+def _register_atexit_once() -> None:
+  global _atexit_registered
+  if _atexit_registered:
+    return
+  # threading._register_atexit runs before non-daemon threads are joined
+  # (concurrent.futures relies on it too); fall back to atexit otherwise.
+  register = getattr(threading, '_register_atexit', None)
+  if register is None:
+    import atexit  # pylint: disable=g-import-not-at-top
+    register = atexit.register
+  register(_shutdown_all_at_exit)
+  _atexit_registered = True
+
+
+class AsyncWorker:
+  """Runs `fn(item)` on one background thread, latest item wins.
+
+  At most one item runs and one waits. `submit` never blocks on the work:
+  if an item is already waiting, the new one replaces it.
+
+  Example:
+    worker = AsyncWorker(exporter.export_snapshot, on_error='raise')
+    worker.submit(snapshot)   # returns at once
+    ...
+    worker.close()            # waits for the last item, stops the thread
+
+  Attributes:
+    name: the thread's name.
+    on_error: 'raise' or 'log'.
+  """
+
+  def __init__(self, fn: Callable[[Any], Any], *, on_error: str = 'raise',
+               name: str = 't5export-export'):
+    """Starts the background thread.
+
+    Args:
+      fn: called as `fn(item)` on the worker thread for each item run.
+      on_error: 'raise' to re-raise a worker failure (as
+        `errors.ExportFailedError`) on the next `submit`/`wait`/`close`;
+        'log' to log it with its traceback, count it and carry on.
+      name: the thread's name (shows in logs and thread dumps).
+
+    Raises:
+      TypeError: `fn` is not callable or `name` is not a string.
+      ValueError: `on_error` is not 'raise' or 'log'.
+    """
+    if not callable(fn):
+      raise TypeError(f'AsyncWorker: fn must be callable, got {fn!r}.')
+    if on_error not in _ON_ERROR_CHOICES:
+      raise ValueError(
+          f'AsyncWorker: on_error must be one of {_ON_ERROR_CHOICES}, got '
+          f'{on_error!r}. Use \'raise\' to stop on a failed export or '
+          '\'log\' to log it and continue.')
+    if not isinstance(name, str) or not name:
+      raise TypeError(f'AsyncWorker: name must be a non-empty str, got '
+                      f'{name!r}.')
+    self.name = name
+    self.on_error = on_error
+    self._shared = _Shared(fn, on_error, name)
+    self._closed = False
+    self._thread = threading.Thread(
+        target=self._shared.run, name=name, daemon=False)
+    self._shared.thread = self._thread
+    _register_atexit_once()
+    _LIVE.add(self._shared)
+    self._thread.start()
+    # Forgotten workers: stop the thread when this object is collected.
+    self._finalizer = weakref.finalize(self, self._shared.request_stop)
+
+  # --- submitting and waiting ---------------------------------------------
+
+  def submit(self, item: Any) -> None:
+    """Queues `item`; replaces an item that is still waiting.
+
+    Returns at once. If the worker failed since the last call and
+    `on_error='raise'`, the failure is raised here and `item` is NOT queued.
+
+    Args:
+      item: passed to `fn` on the worker thread. The caller must not mutate
+        it afterwards (hand over copies).
+
+    Raises:
+      errors.ExportFailedError: an earlier item failed (on_error='raise').
+      RuntimeError: the worker is closed.
+    """
+    self._check_not_worker_thread('submit')
+    self._raise_pending()
+    shared = self._shared
+    with shared.cv:
+      if self._closed or shared.stopping:
+        raise RuntimeError(
+            f'AsyncWorker {self.name!r} is closed; create a new one to '
+            'submit more work.')
+      if shared.queued is not None:
+        shared.replaced += 1
+        logging.info('%s: a newer item replaces the queued one (%d replaced '
+                     'so far); the previous item is still running.',
+                     self.name, shared.replaced)
+      shared.queued = (item,)
+      shared.submitted += 1
+      shared.cv.notify_all()
+
+  def wait(self) -> None:
+    """Blocks until nothing is running or queued.
+
+    Raises:
+      errors.ExportFailedError: an item failed (on_error='raise').
+      RuntimeError: called from the worker thread itself (would deadlock).
+    """
+    self._check_not_worker_thread('wait')
+    shared = self._shared
+    with shared.cv:
+      while ((shared.queued is not None or shared.running) and
+             self._thread.is_alive()):
+        shared.cv.wait()
+    self._raise_pending()
+
+  def close(self) -> None:
+    """Waits for the running and queued items, then stops the thread.
+
+    Idempotent: later calls do nothing. The thread is joined even when a
+    pending failure is then raised.
+
+    Raises:
+      errors.ExportFailedError: an item failed (on_error='raise'); raised
+        once, after the thread stopped.
+      RuntimeError: called from the worker thread itself (would deadlock).
+    """
+    self._check_not_worker_thread('close')
+    if self._closed:
+      return
+    self._closed = True
+    self._shared.request_stop()
+    self._thread.join()
+    _LIVE.discard(self._shared)
+    self._finalizer.detach()
+    self._raise_pending()
+
+  def __enter__(self) -> AsyncWorker:
+    return self
+
+  def __exit__(self, exc_type, exc, tb) -> None:
+    if exc_type is None:
+      self.close()
+      return
+    try:  # Don't mask the exception already on its way out.
+      self.close()
+    except errors.ExportFailedError as e:
+      logging.error('%s: %s (while handling %s)', self.name, e,
+                    exc_type.__name__)
+
+  # --- introspection --------------------------------------------------------
+
+  @property
+  def closed(self) -> bool:
+    """Whether `close` was called."""
+    return self._closed
+
+  @property
+  def is_alive(self) -> bool:
+    """Whether the background thread is running."""
+    return self._thread.is_alive()
+
+  @property
+  def busy(self) -> bool:
+    """Whether an item is running or queued right now."""
+    with self._shared.cv:
+      return self._shared.running or self._shared.queued is not None
+
+  @property
+  def stats(self) -> dict[str, Any]:
+    """A copy of the counters.
+
+    Keys: submitted, completed, replaced, failed (ints), last_error (the last
+    exception or None), last_result (what `fn` last returned), queued (0 or
+    1), running (bool), busy_secs (total time spent in `fn`).
+    """
+    s = self._shared
+    with s.cv:
+      return {
+          'submitted': s.submitted,
+          'completed': s.completed,
+          'replaced': s.replaced,
+          'failed': s.failed,
+          'last_error': s.last_error,
+          'last_result': s.last_result,
+          'queued': 0 if s.queued is None else 1,
+          'running': s.running,
+          'busy_secs': s.busy_secs,
+      }
+
+  # --- helpers --------------------------------------------------------------
+
+  def _raise_pending(self) -> None:
+    shared = self._shared
+    with shared.cv:
+      e = shared.pending_error
+      shared.pending_error = None
+    if e is not None:
+      raise errors.ExportFailedError(
+          f'Background work in {self.name!r} failed: {type(e).__name__}: '
+          f'{e}. ({shared.failed} failure(s) so far; pass on_error=\'log\' '
+          'to log failures and keep training.)') from e
+
+  def _check_not_worker_thread(self, what: str) -> None:
+    if threading.current_thread() is self._thread:
+      raise RuntimeError(
+          f'AsyncWorker.{what}() was called from its own worker thread '
+          f'({self.name!r}); that would deadlock. Call it from the thread '
+          'that submits.')
