@@ -249,6 +249,14 @@ class AsyncWorker:
       shared.submitted += 1
       shared.cv.notify_all()
 
+  def check(self) -> None:
+    """Raises a failure recorded since the last call, without waiting.
+
+    Raises:
+      errors.ExportFailedError: an item failed (on_error='raise').
+    """
+    self._raise_pending()
+
   def wait(self) -> None:
     """Blocks until nothing is running or queued.
 

@@ -146,6 +146,7 @@ def test_error_raised_on_next_submit_with_cause_then_cleared():
   worker.submit(_Item('x', fail=True))
   fn.release()
   _wait_for(lambda: worker.stats['failed'] == 1)
+  assert not worker.busy
   with pytest.raises(errors.ExportFailedError, match='boom x') as info:
     worker.submit(_Item('y'))
   assert isinstance(info.value.__cause__, ValueError)
@@ -160,12 +161,13 @@ def test_error_raised_on_next_submit_with_cause_then_cleared():
   assert isinstance(worker.stats['last_error'], ValueError)
 
 
-@pytest.mark.parametrize('where', ['wait', 'close'])
+@pytest.mark.parametrize('where', ['check', 'wait', 'close'])
 def test_error_raised_on_wait_and_close(where):
   fn = _GatedFn()
   worker = async_export.AsyncWorker(fn, name=f't5export-test-err-{where}')
   worker.submit(_Item('bad', fail=True))
   fn.release()
+  _wait_for(lambda: worker.stats['failed'] == 1)
   with pytest.raises(errors.ExportFailedError, match='boom bad') as info:
     getattr(worker, where)()
   assert isinstance(info.value.__cause__, ValueError)
