@@ -1,0 +1,735 @@
+"""Reads only the params (and flax mutables) out of a training checkpoint.
+
+Formats (`detect_format` names them):
+
+- 'orbax': a PyTree checkpoint written by orbax (`ocp.CheckpointManager`
+  with standard or composite items such as 'default' or 'state',
+  `PyTreeCheckpointer`, `StandardCheckpointer`), including T5X's orbax layout
+  `checkpoint_<step>/state`. Only the params subtree (and flax mutables and
+  the step) is restored: the orbax metadata gives the tree, and
+  `PyTreeRestore(item=subset, partial_restore=True)` never opens the
+  optimizer-state arrays.
+- 't5x': T5X's legacy layout (version 3): a msgpack `checkpoint` file
+  `{'version': 3, 'optimizer': {'target': ..., 'state': {'step',
+  'param_states'}, 'flax_mutables'?}}` whose large leaves are relative
+  TensorStore specs (zarr arrays in `target.<dotted path>/` beside it) and
+  whose small leaves are inline flax msgpack arrays. The msgpack file is
+  streamed: `param_states` is skipped without being decoded, and the
+  optimizer-state TensorStore arrays are never opened.
+- 'flax_msgpack': a file written with `flax.serialization.msgpack_serialize`
+  / `to_bytes` (a state dict or a bare params tree), including the numbered
+  files of flax's legacy `checkpoints.save_checkpoint`. msgpack has no
+  index, so the file is read whole (sequentially); optimizer subtrees
+  ('opt_state', 'param_states') are skipped without being decoded.
+
+What counts as params: the 'target' subtree (T5X / t5export
+`FlaxOptimTrainState.state_dict()` layout, with 'flax_mutables' beside it),
+else the 'params' subtree (flax variables or `flax.training` TrainState; the
+other top-level collections such as 'batch_stats' are the mutables), else the
+whole tree when it holds no optimizer keys (a bare params tree).
+
+`path` may be a manager / model directory (the latest step, or `step`), one
+step's directory, an orbax item directory, T5X's `checkpoint_<step>`
+directory or its `checkpoint` file, or a msgpack file.
+
+Light module: never imports TensorFlow. orbax and tensorstore are imported
+only when a checkpoint of theirs is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+import dataclasses
+import json
+import os
+import re
+from typing import Any
+
+from absl import logging
+import jax
+import msgpack
+import numpy as np
+
+from t5export import errors
+from t5export import paths
+
+ORBAX = 'orbax'
+T5X = 't5x'
+FLAX_MSGPACK = 'flax_msgpack'
+FORMATS = (ORBAX, T5X, FLAX_MSGPACK)
+
+# Keys of a train-state dict that are never variables.
+_OPTIMIZER_KEYS = frozenset({'opt_state', 'param_states'})
+_NON_VARIABLE_KEYS = frozenset({
+    'step', 'state', 'opt_state', 'param_states', 'optimizer', 'target',
+    'flax_mutables', 'rng', 'rngs', 'dropout_rng', 'metrics', 'tx',
+    'apply_fn', 'version'})
+# Preferred orbax item names in a composite step, most likely first.
+_ITEM_PREFERENCE = ('state', 'default', 'train_state', 'params', 'model')
+_STEP_NAME = re.compile(r'^(?:(?P<prefix>[A-Za-z][\w.-]*?)_)?(?P<step>\d+)$')
+_ORBAX_METADATA = '_METADATA'
+_ORBAX_STEP_METADATA = '_CHECKPOINT_METADATA'
+_T5X_FILE = 'checkpoint'
+_MSGPACK_LIMIT = 2**31 - 1
+_LOOKED_FOR = (
+    'an orbax PyTree checkpoint (a directory with _METADATA, or a step '
+    'directory / CheckpointManager directory holding such items), a T5X '
+    "checkpoint (a 'checkpoint' msgpack file with {'version', 'optimizer'}, "
+    'in checkpoint_<step>/), or a flax msgpack file')
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointContents:
+  """What `read_params` found.
+
+  Attributes:
+    path: the concrete location read (orbax item directory, T5X `checkpoint`
+      file or msgpack file).
+    format: one of `FORMATS`.
+    step: the checkpoint's step (directory name, else the stored step), or
+      None when the checkpoint does not say.
+    params: nested dict of numpy arrays.
+    flax_mutables: nested dict of numpy arrays per collection (may be {}).
+    nbytes: size of the params and mutables arrays in memory.
+    bytes_read: bytes read from storage, when known (orbax: the process's
+      read counter around the restore, so approximate).
+  """
+  path: str
+  format: str
+  step: int | None
+  params: dict[str, Any]
+  flax_mutables: dict[str, Any]
+  nbytes: int
+  bytes_read: int | None
+
+  @property
+  def variables(self) -> dict[str, Any]:
+    """`{'params': params, **flax_mutables}`, what a serve method receives."""
+    return {'params': self.params, **self.flax_mutables}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Located:
+  format: str
+  path: str
+  step: int | None
+
+
+# --- locating ---------------------------------------------------------------
+
+
+def _is_msgpack_map_file(path: str) -> bool:
+  """True if the file starts with a msgpack map header."""
+  try:
+    with open(path, 'rb') as f:
+      head = f.read(1)
+  except OSError:
+    return False
+  return bool(head) and (0x80 <= head[0] <= 0x8f or head[0] in (0xde, 0xdf))
+
+
+def _is_t5x_file(path: str) -> bool:
+  """True for a T5X msgpack `checkpoint` file (version >= 1).
+
+  T5X writes {'version': ..., 'optimizer': ...}; only the first key is read.
+  """
+  if not _is_msgpack_map_file(path):
+    return False
+  with open(path, 'rb') as f:
+    unpacker = msgpack.Unpacker(f, raw=False, max_buffer_size=_MSGPACK_LIMIT)
+    try:
+      return (unpacker.read_map_header() > 0
+              and unpacker.unpack() in ('version', 'optimizer'))
+    except (ValueError, msgpack.exceptions.UnpackException):
+      return False
+
+
+def _is_orbax_item(path: str) -> bool:
+  return os.path.isfile(os.path.join(path, _ORBAX_METADATA))
+
+
+def _step_of_name(name: str, *, strict: bool = False) -> int | None:
+  """The step a directory or file name stands for, or None.
+
+  Args:
+    name: a base name such as '20', 'checkpoint_20' or 'ckpt_20'.
+    strict: accept only '<N>' and 'checkpoint_<N>' (used for a path given
+      directly, whose name may be unrelated to a step); otherwise any
+      '<prefix>_<N>' (used when listing the steps of a manager directory).
+
+  Returns:
+    The step, or None (also for orbax / T5X temporary directories).
+  """
+  if 'tmp' in name:
+    return None
+  match = _STEP_NAME.match(name)
+  if not match:
+    return None
+  if strict and match.group('prefix') not in (None, 'checkpoint'):
+    return None
+  return int(match.group('step'))
+
+
+def _orbax_items(path: str) -> list[str]:
+  """Orbax PyTree item directories directly under a step directory."""
+  try:
+    names = sorted(os.listdir(path))
+  except OSError:
+    return []
+  items = [n for n in names if _is_orbax_item(os.path.join(path, n))]
+  rank = {n: i for i, n in enumerate(_ITEM_PREFERENCE)}
+  return sorted(items, key=lambda n: (rank.get(n, len(rank)), n))
+
+
+def _locate_single(path: str) -> _Located | None:
+  """Identifies one checkpoint (not a directory of steps), or None."""
+  path = os.path.abspath(path)
+  name_step = _step_of_name(os.path.basename(path), strict=True)
+  parent_step = _step_of_name(os.path.basename(os.path.dirname(path)),
+                              strict=True)
+  if os.path.isfile(path):
+    if _is_t5x_file(path):
+      return _Located(T5X, path, parent_step)
+    if _is_msgpack_map_file(path):
+      return _Located(FLAX_MSGPACK, path, name_step)
+    return None
+  if _is_orbax_item(path):
+    step = name_step
+    in_step_dir = not os.path.isfile(
+        os.path.join(path, _ORBAX_STEP_METADATA)) and os.path.isfile(
+            os.path.join(os.path.dirname(path), _ORBAX_STEP_METADATA))
+    if in_step_dir:  # An item of a CheckpointManager step.
+      step = parent_step
+    return _Located(ORBAX, path, step)
+  t5x_file = os.path.join(path, _T5X_FILE)
+  if os.path.isfile(t5x_file) and _is_t5x_file(t5x_file):
+    return _Located(T5X, t5x_file, name_step)
+  items = _orbax_items(path)
+  if items:
+    return _Located(ORBAX, os.path.join(path, items[0]), name_step)
+  return None
+
+
+def _steps_under(path: str) -> dict[int, _Located]:
+  """Checkpoints in the numbered entries of a manager / model directory."""
+  found = {}
+  for name in os.listdir(path):
+    step = _step_of_name(name)
+    if step is None:
+      continue
+    located = _locate_single(os.path.join(path, name))
+    if located is not None:
+      found[step] = dataclasses.replace(located, step=step)
+  return found
+
+
+def _locate(path: str | os.PathLike[str], step: int | None) -> _Located:
+  """Finds the checkpoint to read at `path` (and `step`)."""
+  path = os.fspath(path)
+  if not os.path.exists(path):
+    raise errors.CheckpointNotFoundError(
+        f'Checkpoint path {path!r} does not exist. Pass the checkpoint '
+        'directory or file (--ckpt).')
+  located = _locate_single(path)
+  if located is not None:
+    if step is not None and located.step is not None and located.step != step:
+      raise errors.CheckpointNotFoundError(
+          f'{path!r} is the checkpoint of step {located.step}, not step '
+          f'{step}. Pass the directory holding all steps, or drop the step.')
+    if step is not None and located.step is None:
+      located = dataclasses.replace(located, step=step)
+    return located
+  if os.path.isdir(path):
+    steps = _steps_under(path)
+    if steps:
+      if step is None:
+        return steps[max(steps)]
+      if step not in steps:
+        raise errors.CheckpointNotFoundError(
+            f'No checkpoint of step {step} in {path!r}; steps found: '
+            f'{sorted(steps)}.')
+      return steps[step]
+  raise errors.UnknownCheckpointFormatError(
+      f'{path!r} is not a checkpoint t5export can read. Looked for '
+      f'{_LOOKED_FOR}.')
+
+
+def detect_format(path: str | os.PathLike[str]) -> str:
+  """Names the format of the checkpoint at `path`.
+
+  Args:
+    path: a checkpoint file or directory (see the module docstring).
+
+  Returns:
+    One of 'orbax', 't5x', 'flax_msgpack'.
+
+  Raises:
+    CheckpointNotFoundError: `path` does not exist.
+    UnknownCheckpointFormatError: `path` holds none of the formats.
+  """
+  return _locate(path, None).format
+
+
+def available_steps(path: str | os.PathLike[str]) -> list[int]:
+  """The steps of the checkpoints in a manager / model directory.
+
+  Args:
+    path: a directory of numbered checkpoints.
+
+  Returns:
+    Ascending steps; [] when `path` is one checkpoint or holds none.
+  """
+  path = os.fspath(path)
+  if not os.path.isdir(path) or _locate_single(path) is not None:
+    return []
+  return sorted(_steps_under(path))
+
+
+# --- selecting params from a tree ---------------------------------------------
+
+
+def _select(keys: Mapping[str, Any], source: str) -> dict[str, Any]:
+  """Chooses the subtrees to read from a top-level dict (or its metadata).
+
+  Args:
+    keys: the checkpoint's top-level dict (values may be metadata).
+    source: the checkpoint path, for messages.
+
+  Returns:
+    {'params': key or None (whole tree), 'mutables': {name: key path tuple},
+    'step': key path tuple or None}.
+
+  Raises:
+    NoParamsInCheckpointError: no params in the tree.
+  """
+  if 'target' in keys:
+    mutables = {}
+    if isinstance(keys.get('flax_mutables'), Mapping):
+      mutables = {k: ('flax_mutables', k) for k in keys['flax_mutables']}
+    state = keys.get('state')
+    step = (('state', 'step') if isinstance(state, Mapping)
+            and 'step' in state else None)
+    return {'params': ('target',), 'mutables': mutables, 'step': step}
+  if 'params' in keys:
+    if isinstance(keys.get('flax_mutables'), Mapping):
+      mutables = {k: ('flax_mutables', k) for k in keys['flax_mutables']}
+    else:
+      mutables = {k: (k,) for k, v in keys.items()
+                  if k != 'params' and k not in _NON_VARIABLE_KEYS
+                  and isinstance(v, Mapping)}
+    return {'params': ('params',), 'mutables': mutables,
+            'step': ('step',) if 'step' in keys else None}
+  if keys and not (set(keys) & _NON_VARIABLE_KEYS):
+    return {'params': (), 'mutables': {}, 'step': None}
+  raise errors.NoParamsInCheckpointError(
+      f'Checkpoint {source!r} holds no params: no \'target\' (T5X / '
+      f"FlaxOptimTrainState layout) or 'params' entry, and it is not a bare "
+      f'params tree (top-level keys: {sorted(map(str, keys))}). Point --ckpt '
+      'at a checkpoint that saved the model parameters.')
+
+
+def _get(tree: Mapping[str, Any], keypath: tuple[str, ...]) -> Any:
+  for key in keypath:
+    tree = tree[key]
+  return tree
+
+
+def _to_numpy(tree: Any) -> Any:
+  return jax.tree_util.tree_map(np.asarray, tree)
+
+
+def _nbytes(tree: Any) -> int:
+  return int(sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(tree)))
+
+
+def _plain(tree: Any) -> Any:
+  """Nested Mappings as plain dicts (orbax/flax may give other Mappings)."""
+  if isinstance(tree, Mapping):
+    return {str(k): _plain(v) for k, v in tree.items()}
+  return tree
+
+
+def _contents(located: _Located, tree: Mapping[str, Any],
+              selection: Mapping[str, Any], bytes_read: int | None,
+              ) -> CheckpointContents:
+  params = _plain(_get(tree, selection['params']))
+  if not isinstance(params, dict) or not jax.tree_util.tree_leaves(params):
+    raise errors.NoParamsInCheckpointError(
+        f'Checkpoint {located.path!r} has an empty params tree at '
+        f"{'/'.join(selection['params']) or '<root>'!r}.")
+  mutables = {name: _plain(_get(tree, kp))
+              for name, kp in selection['mutables'].items()}
+  params, mutables = _to_numpy(params), _to_numpy(mutables)
+  step = located.step
+  if step is None and selection['step'] is not None:
+    stored = _get(tree, selection['step'])
+    if stored is not None and np.size(stored) == 1:
+      step = int(np.asarray(stored))
+  return CheckpointContents(
+      path=located.path, format=located.format, step=step, params=params,
+      flax_mutables=mutables, nbytes=_nbytes(params) + _nbytes(mutables),
+      bytes_read=bytes_read)
+
+
+# --- orbax --------------------------------------------------------------------
+
+
+def _read_counter() -> int | None:
+  """This process's bytes-read counter (Linux), or None."""
+  try:
+    with open('/proc/self/io') as f:
+      for line in f:
+        if line.startswith('rchar:'):
+          return int(line.split()[1])
+  except OSError:
+    pass
+  return None
+
+
+def _read_orbax(located: _Located) -> CheckpointContents:
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  with ocp.PyTreeCheckpointer() as checkpointer:
+    return _restore_orbax(checkpointer, located)
+
+
+class _OrbaxLeaf:
+  """One leaf of an orbax tree, as described by its `_METADATA` file."""
+
+  def __init__(self, value_type: str):
+    self.value_type = value_type
+
+  def __repr__(self) -> str:
+    return f'_OrbaxLeaf({self.value_type!r})'
+
+
+def _orbax_structure(item_dir: str) -> Any:
+  """The checkpoint's tree, read from `_METADATA` without opening arrays.
+
+  `PyTreeCheckpointer.metadata` would open every array (optimizer state
+  included) to report shapes; the key structure is all that is needed.
+
+  Args:
+    item_dir: an orbax PyTree checkpoint directory.
+
+  Returns:
+    Nested dicts (lists for sequences) with `_OrbaxLeaf` leaves.
+  """
+  with open(os.path.join(item_dir, _ORBAX_METADATA)) as f:
+    metadata = json.load(f)
+  entries = metadata.get('tree_metadata') if isinstance(metadata, dict) else None
+  if not isinstance(entries, dict):
+    raise errors.UnknownCheckpointFormatError(
+        f'Orbax checkpoint {item_dir!r} has a {_ORBAX_METADATA} file without '
+        "'tree_metadata'; it was not written by a PyTree / Standard "
+        'checkpoint handler.')
+  root: dict[Any, Any] = {}
+  sequences = set()
+  for entry in entries.values():
+    keys = entry['key_metadata']
+    value = entry.get('value_metadata', {})
+    node = root
+    for depth, key in enumerate(keys):
+      name = key['key']
+      if key.get('key_type') == 1:  # A sequence index.
+        name = int(name)
+        sequences.add(id(node))
+      if depth == len(keys) - 1:
+        if value.get('skip_deserialize') and value.get('value_type') in (
+            'Dict', 'List', 'Tuple', 'None'):
+          node[name] = {} if value['value_type'] == 'Dict' else None
+        else:
+          node[name] = _OrbaxLeaf(value.get('value_type', ''))
+      else:
+        node = node.setdefault(name, {})
+
+  def rebuild(node: Any) -> Any:
+    if not isinstance(node, dict):
+      return node
+    children = {k: rebuild(v) for k, v in node.items()}
+    if id(node) in sequences:
+      return [children[i] for i in sorted(children)]
+    return children
+
+  return rebuild(root)
+
+
+def _restore_orbax(checkpointer: Any, located: _Located) -> CheckpointContents:
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  structure = _orbax_structure(located.path)
+  if not isinstance(structure, Mapping):
+    raise errors.UnknownCheckpointFormatError(
+        f'Orbax checkpoint {located.path!r} holds a '
+        f'{type(structure).__name__}, not a dict of params or a train state '
+        'dict.')
+  selection = _select(structure, located.path)
+  keypaths = [selection['params'], *selection['mutables'].values()]
+  if selection['step'] is not None:
+    keypaths.append(selection['step'])
+  if () in keypaths:
+    item = dict(structure)
+  else:
+    item = {}
+    for keypath in keypaths:
+      node = item
+      for key in keypath[:-1]:
+        node = node.setdefault(key, {})
+      node[keypath[-1]] = _get(structure, keypath)
+
+  def restore_args(leaf: _OrbaxLeaf) -> Any:
+    if leaf.value_type in ('jax.Array', 'np.ndarray'):
+      return ocp.RestoreArgs(restore_type=np.ndarray)
+    return ocp.RestoreArgs()
+
+  args = jax.tree_util.tree_map(restore_args, item)
+  before = _read_counter()
+  restored = checkpointer.restore(
+      located.path, args=ocp.args.PyTreeRestore(
+          item=item, restore_args=args, partial_restore=True))
+  after = _read_counter()
+  bytes_read = after - before if None not in (before, after) else None
+  return _contents(located, _plain(restored), selection, bytes_read)
+
+
+# --- msgpack (flax and T5X) ---------------------------------------------------
+
+
+def _decode_ndarray(data: bytes) -> np.ndarray:
+  shape, dtype_name, buffer = msgpack.unpackb(data, raw=True)
+  if dtype_name == b'bfloat16':
+    dtype = jax.numpy.bfloat16
+  else:
+    dtype = np.dtype(dtype_name.decode())
+  return np.frombuffer(buffer, dtype=dtype).reshape(shape).copy()
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+  """Decodes flax's msgpack extension types (arrays, scalars, complex)."""
+  if code == 1:
+    return _decode_ndarray(data)
+  if code == 2:
+    real, imag = msgpack.unpackb(data)
+    return complex(real, imag)
+  if code == 3:
+    return _decode_ndarray(data)[()]
+  return msgpack.ExtType(code, data)
+
+
+def _unchunk(tree: Any) -> Any:
+  """Reassembles arrays flax split into '__msgpack_chunked_array__' dicts."""
+  if not isinstance(tree, dict):
+    return tree
+  if '__msgpack_chunked_array__' in tree:
+    shape = tuple(tree['shape'][str(i)] for i in range(len(tree['shape'])))
+    chunks = [tree['chunks'][str(i)] for i in range(len(tree['chunks']))]
+    return np.concatenate(chunks).reshape(shape)
+  return {k: _unchunk(v) for k, v in tree.items()}
+
+
+def _stream(unpacker: msgpack.Unpacker, depth: int) -> Any:
+  """Unpacks the next value, skipping optimizer subtrees without decoding.
+
+  Within the top two levels, 'opt_state' and 'param_states' values are
+  skipped (read past, never decoded) and 'state' / 'optimizer' maps are
+  descended into.
+
+  Args:
+    unpacker: positioned at a value.
+    depth: how many more map levels to filter.
+
+  Returns:
+    The value, with optimizer subtrees left out.
+  """
+  try:
+    size = unpacker.read_map_header()
+  except ValueError:  # Not a map: read it whole.
+    return unpacker.unpack()
+  out = {}
+  for _ in range(size):
+    key = unpacker.unpack()
+    if key in _OPTIMIZER_KEYS:
+      unpacker.skip()
+    elif depth > 0 and key in ('state', 'optimizer'):
+      out[key] = _stream(unpacker, depth - 1)
+    else:
+      out[key] = unpacker.unpack()
+  return out
+
+
+def _read_msgpack_tree(path: str) -> Any:
+  with open(path, 'rb') as f:
+    unpacker = msgpack.Unpacker(
+        f, raw=False, ext_hook=_ext_hook, strict_map_key=False,
+        max_buffer_size=_MSGPACK_LIMIT)
+    try:
+      tree = _stream(unpacker, depth=2)
+    except (ValueError, msgpack.exceptions.UnpackException) as e:
+      raise errors.UnknownCheckpointFormatError(
+          f'{path!r} is not a readable msgpack checkpoint ({e}). Looked for '
+          f'{_LOOKED_FOR}.') from e
+  return _unchunk(tree)
+
+
+def _read_flax_msgpack(located: _Located) -> CheckpointContents:
+  tree = _read_msgpack_tree(located.path)
+  if not isinstance(tree, dict):
+    raise errors.UnknownCheckpointFormatError(
+        f'Flax msgpack file {located.path!r} holds a {type(tree).__name__}, '
+        'not a dict of params or a train state dict.')
+  selection = _select(tree, located.path)
+  return _contents(located, tree, selection, os.path.getsize(located.path))
+
+
+def _is_ts_spec(leaf: Any) -> bool:
+  return isinstance(leaf, dict) and 'driver' in leaf and (
+      'kvstore' in leaf or 'path' in leaf)
+
+
+def _absolute_spec(spec: Mapping[str, Any], ckpt_dir: str) -> dict[str, Any]:
+  """The spec with its relative file path made absolute (as T5X does)."""
+  spec = json.loads(json.dumps(spec))  # Deep copy of plain JSON.
+  metadata = spec.get('metadata', {})
+  metadata.pop('chunks', None)
+  metadata.pop('compressor', None)
+  store = spec['kvstore'] if 'kvstore' in spec else spec
+  if isinstance(store, dict) and store.get('driver') in ('gcs', 'gfile'):
+    store['driver'] = 'file'  # Read a copied checkpoint locally.
+    store.pop('bucket', None)
+  key = 'path'
+  store[key] = os.path.join(ckpt_dir, store[key])
+  return spec
+
+
+def _dir_size(path: str) -> int:
+  total = 0
+  for root, _, files in os.walk(path):
+    total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+  return total
+
+
+def _read_t5x(located: _Located) -> CheckpointContents:
+  tree = _read_msgpack_tree(located.path)
+  if not isinstance(tree, dict):
+    raise errors.UnknownCheckpointFormatError(
+        f'T5X checkpoint file {located.path!r} is not a msgpack dict.')
+  version = tree.get('version', 0)
+  state = tree['optimizer'] if version and 'optimizer' in tree else tree
+  if not isinstance(state, dict):
+    raise errors.NoParamsInCheckpointError(
+        f"T5X checkpoint {located.path!r} has no 'optimizer' dict.")
+  selection = _select(state, located.path)
+  ckpt_dir = os.path.dirname(os.path.abspath(located.path))
+  bytes_read = os.path.getsize(located.path)
+  subtrees = [selection['params'], *selection['mutables'].values()]
+  specs = {}
+  for keypath in subtrees:
+    for leaf_path, leaf in paths.flatten(
+        _get(state, keypath), is_leaf=_is_ts_spec).items():
+      if _is_ts_spec(leaf):
+        specs[(keypath, leaf_path)] = _absolute_spec(leaf, ckpt_dir)
+  if specs:
+    import tensorstore as ts  # pylint: disable=g-import-not-at-top
+
+    opened = {k: ts.open(spec, open=True, read=True)
+              for k, spec in specs.items()}
+    reads = {k: future.result().read() for k, future in opened.items()}
+    for (keypath, leaf_path), future in reads.items():
+      node = _get(state, keypath)
+      *parents, last = leaf_path.split('/') if leaf_path else ['']
+      for part in parents:
+        node = node[part]
+      node[last] = np.asarray(future.result())
+      store = specs[(keypath, leaf_path)].get('kvstore', {})
+      if isinstance(store, dict) and os.path.isdir(store.get('path', '')):
+        bytes_read += _dir_size(store['path'])
+  return _contents(located, state, selection, bytes_read)
+
+
+# --- public -------------------------------------------------------------------
+
+_READERS = {ORBAX: _read_orbax, T5X: _read_t5x, FLAX_MSGPACK: _read_flax_msgpack}
+
+
+def read_params(path: str | os.PathLike[str], *,
+                step: int | None = None) -> CheckpointContents:
+  """Reads the params and flax mutables of a checkpoint, not the optimizer.
+
+  Args:
+    path: a checkpoint file or directory: an orbax CheckpointManager
+      directory, one step's directory or an item directory; a T5X model
+      directory, `checkpoint_<step>` directory or its `checkpoint` file; a
+      flax msgpack file.
+    step: which step to read from a directory of steps (default: the
+      latest). For a single checkpoint it must match its step, if known.
+
+  Returns:
+    The params as a nested dict of numpy arrays, with the mutables, step,
+    format and sizes.
+
+  Raises:
+    CheckpointNotFoundError: `path` does not exist, or has no such `step`.
+    UnknownCheckpointFormatError: `path` is not a checkpoint of a known
+      format (the message lists what was looked for).
+    NoParamsInCheckpointError: the checkpoint holds no params.
+  """
+  if step is not None and (isinstance(step, bool) or int(step) != step
+                           or step < 0):
+    raise ValueError(f'step must be a non-negative int or None, got {step!r}.')
+  located = _locate(path, None if step is None else int(step))
+  logging.info('Reading params of %s checkpoint %s (step %s).',
+               located.format, located.path, located.step)
+  return _READERS[located.format](located)
+
+
+def _expected_leaf(x: Any) -> bool:
+  return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
+
+
+def _describe(leaf: Any, *, with_dtype: bool) -> tuple[tuple[int, ...], str]:
+  if _expected_leaf(leaf):
+    return tuple(leaf), ''
+  shape = tuple(int(d) for d in np.shape(leaf))
+  dtype = str(np.dtype(leaf.dtype)) if with_dtype and hasattr(
+      leaf, 'dtype') else ''
+  return shape, dtype
+
+
+def _flat(tree: Any) -> dict[str, Any]:
+  if isinstance(tree, Mapping) and tree and not any(
+      isinstance(v, Mapping) for v in tree.values()):
+    return {str(k): v for k, v in tree.items()}  # Already {path: leaf}.
+  return paths.flatten(tree, is_leaf=_expected_leaf)
+
+
+def check_params_match(expected: Any, params: Any, *,
+                       check_dtype: bool = False,
+                       source: str = 'checkpoint params') -> None:
+  """Checks that `params` has exactly the model's params and shapes.
+
+  Args:
+    expected: the model's params: a nested dict whose leaves are arrays,
+      `jax.ShapeDtypeStruct`s or shape tuples, or a flat {'a/b/c': leaf}
+      mapping.
+    params: the params read (nested dict of arrays, or flat by path).
+    check_dtype: also compare dtypes (when `expected` leaves have one).
+    source: what `params` are, for the message.
+
+  Raises:
+    ParamsMismatchError: listing every missing, unexpected and wrongly
+      shaped (or typed) param by '/' path.
+  """
+  want, got = _flat(expected), _flat(params)
+  missing = [p for p in want if p not in got]
+  unexpected = [p for p in got if p not in want]
+  wrong = []
+  for p in want:
+    if p in got:
+      want_shape, want_dtype = _describe(want[p], with_dtype=check_dtype)
+      got_shape, got_dtype = _describe(got[p], with_dtype=check_dtype)
+      if want_shape != got_shape or (want_dtype and got_dtype
+                                     and want_dtype != got_dtype):
+        wrong.append((p, f'{want_shape} {want_dtype}'.strip(),
+                      f'{got_shape} {got_dtype}'.strip()))
+  if missing or unexpected or wrong:
+    raise errors.ParamsMismatchError(missing, unexpected, wrong, source=source)
