@@ -1,0 +1,678 @@
+"""Signature: one serving entry point of an exported SavedModel.
+
+A `Signature` ties a name ('serving_default') to a JAX method
+`method(variables, inputs) -> outputs` and describes its inputs in a
+gin-friendly way:
+
+  t5export.Signature(
+      name='serving_default', method=serve,
+      input_specs={'x': ('b, 16', 'float32')})
+
+Input specs. `input_specs` is a pytree (usually a flat dict) whose leaves are
+either `(shape, dtype)` pairs of strings or `tf.TensorSpec`s:
+
+- shape: comma-separated dimensions, each an int or a name ('b, 16',
+  '(b, n)', 'n,' for rank 1, '' or '()' for a scalar). A name is a
+  polymorphic dimension: None in the TF input signature, the same symbol in
+  the jax2tf polymorphic shape, so inputs that share a name must agree at run
+  time ('tokens': 'b, n' and 'mask': 'b, n').
+- dtype: a TensorFlow dtype name ('float32', 'bfloat16', 'int32', 'bool',
+  'string', ...).
+- a `tf.TensorSpec` with None dimensions gets names: the leading one is 'b'
+  (the batch, shared by all inputs), any other is '<input>_<axis>' (its own
+  symbol). Use the string form to say that two dimensions are equal.
+
+Serving inputs are flat keyword arguments named after the (flattened)
+input_specs keys: a flat dict's keys as they are, nested dicts joined with
+'__' ({'a': {'x': ...}} -> 'a__x'), a top-level tuple/list as 'input_0',
+'input_1', ... Each name must be a Python identifier.
+
+Outputs are a flat dict: a dict output keeps its keys, nested containers are
+joined with '/' ({'enc': {'h': ...}} -> 'enc/h'; '/' is fine in a
+SignatureDef output key), a bare tensor is 'output_0', a tuple is
+'output_0', 'output_1', ...
+
+Pre/post-processing. `preprocessor(inputs) -> method_inputs` and
+`postprocessor(outputs) -> outputs` are TensorFlow functions run in the
+serving graph around the converted JAX method (e.g. strings -> token ids ->
+strings). The JAX method's own input specs are `method_input_specs` when
+given (same format); otherwise they are derived by tracing the preprocessor
+on the serving specs: static dimensions stay, an unknown leading dimension
+becomes the serving inputs' leading name (when they have one, e.g. 'b'), and
+any other unknown dimension gets its own name '<path>_<axis>'. When two
+preprocessor outputs share an unknown dimension that the method relies on
+(tokens and mask of the same length), pass `method_input_specs`. A
+preprocessor or postprocessor that owns TF resources (lookup tables) should
+be a `tf.Module` or a method of one: it is attached to the exported module
+so the resources are saved with it.
+
+Signature names must match `[A-Za-z_][A-Za-z0-9_.-]*` (a SignatureDef key
+that is also usable in URLs and file names).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+import dataclasses
+import re
+from typing import Any
+
+import gin
+import jax
+import numpy as np
+import tensorflow as tf
+
+from t5export import errors
+from t5export import jax_module
+from t5export import paths
+
+_SIGNATURE_NAME = re.compile(r'^[A-Za-z_][A-Za-z0-9_.\-]*$')
+_IDENTIFIER = re.compile(r'^[A-Za-z_][A-Za-z0-9_]*$')
+_INPUT_SEPARATOR = '__'
+_OUTPUT_SEPARATOR = '/'
+_BATCH_DIM = 'b'
+
+Dim = int | str  # a static size, or the name of a polymorphic dimension
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSpec:
+  """One parsed input: dimensions (ints or names) and a TF dtype.
+
+  Attributes:
+    dims: each dimension, an int or the name of a polymorphic dimension.
+    dtype: the TensorFlow dtype.
+  """
+  dims: tuple[Dim, ...]
+  dtype: tf.dtypes.DType
+
+  @property
+  def shape_string(self) -> str:
+    """The gin-style shape, e.g. 'b, 16'."""
+    return ', '.join(str(d) for d in self.dims)
+
+  @property
+  def polymorphic_shape(self) -> str:
+    """The jax2tf shape string, e.g. '(b, 16)' or '(n,)'."""
+    inner = ', '.join(str(d) for d in self.dims)
+    return f'({inner},)' if len(self.dims) == 1 else f'({inner})'
+
+  def tensor_spec(self, name: str | None = None) -> tf.TensorSpec:
+    """The TF spec: None for every named dimension."""
+    shape = [d if isinstance(d, int) else None for d in self.dims]
+    return tf.TensorSpec(shape, self.dtype, name=name)
+
+  def describe(self) -> dict[str, str]:
+    """JSON-friendly {'shape': ..., 'dtype': ...} (for metadata)."""
+    return {'shape': self.shape_string, 'dtype': self.dtype.name}
+
+
+def _is_spec_leaf(x: Any) -> bool:
+  if isinstance(x, (tf.TensorSpec, InputSpec)):
+    return True
+  return (isinstance(x, (tuple, list)) and len(x) == 2 and
+          isinstance(x[0], str) and not isinstance(x[1], (tuple, list, dict)))
+
+
+def parse_shape(shape: str, *, where: str) -> tuple[Dim, ...]:
+  """Parses 'b, 16' / '(b, n)' / 'n,' / '' into dimensions.
+
+  Args:
+    shape: the shape string.
+    where: what the shape belongs to, for the error message.
+
+  Returns:
+    The dimensions, ints for static sizes and names for polymorphic ones.
+
+  Raises:
+    errors.SignatureError: if a dimension is neither a non-negative int nor
+      an identifier.
+  """
+  text = shape.strip()
+  if text.startswith('(') and text.endswith(')'):
+    text = text[1:-1].strip()
+  if not text:
+    return ()
+  parts = [p.strip() for p in text.split(',')]
+  if parts[-1] == '':  # 'n,' is rank 1.
+    parts = parts[:-1]
+  dims: list[Dim] = []
+  for part in parts:
+    if part.isdigit():
+      dims.append(int(part))
+    elif _IDENTIFIER.match(part):
+      dims.append(part)
+    else:
+      raise errors.SignatureError(
+          f'{where}: cannot parse shape {shape!r}: dimension {part!r} is '
+          'neither a size nor a name. Write dimensions as ints or '
+          "identifiers separated by commas, e.g. 'b, 16' or 'b, n'.")
+  return tuple(dims)
+
+
+def parse_dtype(dtype: Any, *, where: str) -> tf.dtypes.DType:
+  """Parses a dtype name ('float32', 'string', ...) or dtype object.
+
+  Args:
+    dtype: a TF dtype name, a tf.DType or a numpy dtype.
+    where: what the dtype belongs to, for the error message.
+
+  Returns:
+    The TensorFlow dtype.
+
+  Raises:
+    errors.SignatureError: if TensorFlow does not know the dtype.
+  """
+  try:
+    return tf.dtypes.as_dtype(dtype)
+  except (TypeError, ValueError) as e:
+    raise errors.SignatureError(
+        f'{where}: unknown dtype {dtype!r} ({e}). Use a TensorFlow dtype '
+        "name such as 'float32', 'bfloat16', 'int32', 'bool' or "
+        "'string'.") from None
+
+
+def parse_spec(spec: Any, *, where: str, flat_name: str) -> InputSpec:
+  """Parses one `(shape, dtype)` pair or `tf.TensorSpec`.
+
+  Args:
+    spec: the leaf from input_specs.
+    where: what it belongs to, for error messages.
+    flat_name: the input's flat name (names unknown TensorSpec dims).
+
+  Returns:
+    The parsed spec.
+
+  Raises:
+    errors.SignatureError: for an unparseable shape or unknown dtype.
+  """
+  if isinstance(spec, InputSpec):
+    return spec
+  if isinstance(spec, tf.TensorSpec):
+    if spec.shape.rank is None:
+      raise errors.SignatureError(
+          f'{where}: tf.TensorSpec with unknown rank; give every dimension '
+          '(None for a polymorphic one).')
+    dims = tuple(
+        d if d is not None else
+        (_BATCH_DIM if i == 0 else f'{flat_name}_{i}')
+        for i, d in enumerate(spec.shape.as_list()))
+    return InputSpec(dims, spec.dtype)
+  shape, dtype = spec
+  return InputSpec(parse_shape(shape, where=where),
+                   parse_dtype(dtype, where=where))
+
+
+def _flat_input_names(tree: Any) -> list[str]:
+  """Serving argument names of the leaves of a spec tree (see module doc)."""
+  flat = paths.flatten(tree, is_leaf=_is_spec_leaf)
+  top_is_dict = isinstance(tree, Mapping)
+  names = []
+  for path in flat:
+    joined = path.replace('/', _INPUT_SEPARATOR)
+    if top_is_dict:
+      names.append(joined)
+    else:
+      names.append('input' if not path else f'input_{joined}')
+  return names
+
+
+def name_outputs(outputs: Any) -> dict[str, Any]:
+  """Flattens method/postprocessor outputs into the named serving outputs.
+
+  Args:
+    outputs: a tensor, or a (nested) dict/tuple/list of tensors.
+
+  Returns:
+    A flat dict: dict keys kept, nested keys joined with '/', a bare tensor
+    as 'output_0', tuple elements as 'output_<i>'.
+  """
+  flat = paths.flatten(outputs)
+  if isinstance(outputs, Mapping):
+    return dict(flat)
+  if list(flat) == ['']:
+    return {'output_0': flat['']}
+  return {f'output_{path}': leaf for path, leaf in flat.items()}
+
+
+@gin.configurable(module='t5export')
+class Signature:
+  """A named serving entry point: a JAX method plus its input description.
+
+  Attributes:
+    name: the SignatureDef key.
+    method: `method(variables, inputs) -> outputs`, pure JAX.
+    input_specs: the serving input specs as given.
+    preprocessor / postprocessor: optional TF functions (see module doc).
+    input_names: the serving argument names, in flat order.
+    inputs: input name -> parsed `InputSpec` (serving side).
+    method_inputs: the JAX method's input tree with `InputSpec` leaves.
+    sample_inputs: input name -> numpy array, or None.
+  """
+
+  def __init__(self, name: str, method: Callable[[Any, Any], Any],
+               input_specs: Any,
+               preprocessor: Callable[[Any], Any] | None = None,
+               postprocessor: Callable[[Any], Any] | None = None,
+               sample_inputs: Mapping[str, Any] | None = None,
+               method_input_specs: Any = None):
+    """Parses and checks the specs (the method is checked by `check_method`).
+
+    Args:
+      name: the signature key, e.g. 'serving_default'.
+      method: `method(variables, inputs) -> outputs`; `variables` is
+        `{'params': ..., **flax_mutables}`.
+      input_specs: pytree of `(shape, dtype)` string pairs or
+        `tf.TensorSpec`s: the serving inputs.
+      preprocessor: TF function `serving inputs tree -> method inputs tree`.
+      postprocessor: TF function `method outputs -> serving outputs`.
+      sample_inputs: input name -> array (or list) for the export check and
+        warm-up requests.
+      method_input_specs: the method's input specs when a preprocessor
+        changes them (default: traced from the preprocessor).
+
+    Raises:
+      errors.SignatureError: for an invalid name, shape, dtype, input name,
+        string input without a preprocessor, failing preprocessor or
+        mismatching sample inputs.
+    """
+    if not isinstance(name, str) or not _SIGNATURE_NAME.match(name):
+      raise errors.SignatureError(
+          f'Signature name {name!r} is invalid: use letters, digits, '
+          "'_', '.' and '-', starting with a letter or '_' (e.g. "
+          "'serving_default').")
+    if not callable(method):
+      raise errors.SignatureError(
+          f'Signature {name!r}: method must be callable(variables, inputs); '
+          f'got {method!r}.')
+    for arg, fn in (('preprocessor', preprocessor),
+                    ('postprocessor', postprocessor)):
+      if fn is not None and not callable(fn):
+        raise errors.SignatureError(
+            f'Signature {name!r}: {arg} must be a callable TF function or '
+            f'None; got {fn!r}.')
+    self.name = name
+    self.method = method
+    self.input_specs = input_specs
+    self.preprocessor = preprocessor
+    self.postprocessor = postprocessor
+
+    self._serving_tree = self._parse_tree(input_specs, 'input_specs')
+    self.input_names = tuple(_flat_input_names(input_specs))
+    for input_name in self.input_names:
+      if not _IDENTIFIER.match(input_name):
+        raise errors.SignatureError(
+            f'Signature {name!r}: input name {input_name!r} (from '
+            'input_specs keys) is not a valid TF argument name; use '
+            'identifiers (letters, digits and _, not starting with a '
+            'digit).')
+    if len(set(self.input_names)) != len(self.input_names):
+      raise errors.SignatureError(
+          f'Signature {name!r}: input names {self.input_names} collide after '
+          "joining nested keys with '__'; rename the keys.")
+    self.inputs = dict(zip(
+        self.input_names, jax.tree_util.tree_leaves(
+            self._serving_tree, is_leaf=lambda x: isinstance(x, InputSpec))))
+
+    if preprocessor is None:
+      if method_input_specs is not None:
+        raise errors.SignatureError(
+            f'Signature {name!r}: method_input_specs is only used with a '
+            'preprocessor; without one the method takes input_specs.')
+      strings = [n for n, s in self.inputs.items() if s.dtype == tf.string]
+      if strings:
+        raise errors.SignatureError(
+            f'Signature {name!r}: input(s) {strings} have dtype string, which '
+            'a JAX method cannot take. Add a preprocessor that turns them '
+            'into numbers (e.g. token ids).')
+      self.method_inputs = self._serving_tree
+    elif method_input_specs is not None:
+      self.method_inputs = self._parse_tree(method_input_specs,
+                                            'method_input_specs')
+    else:
+      self.method_inputs = self._trace_preprocessor()
+    self.sample_inputs = (None if sample_inputs is None else
+                          self._check_samples(sample_inputs))
+
+  # --- specs ---------------------------------------------------------------
+
+  def _parse_tree(self, tree: Any, arg: str) -> Any:
+    if tree is None or (isinstance(tree, (Mapping, list, tuple)) and
+                        not _is_spec_leaf(tree) and
+                        not jax.tree_util.tree_leaves(
+                            tree, is_leaf=_is_spec_leaf)):
+      raise errors.SignatureError(
+          f'Signature {self.name!r}: {arg} is empty; give at least one '
+          "input, e.g. {'x': ('b, 16', 'float32')}.")
+    flat = paths.flatten(tree, is_leaf=_is_spec_leaf)
+    parsed = []
+    for path, leaf in flat.items():
+      where = f'Signature {self.name!r}, {arg}[{path!r}]'
+      if not _is_spec_leaf(leaf):
+        raise errors.SignatureError(
+            f"{where}: expected a (shape, dtype) pair such as ('b, 16', "
+            f"'float32') or a tf.TensorSpec; got {leaf!r}.")
+      parsed.append(parse_spec(leaf, where=where,
+                               flat_name=path.replace('/', '_') or 'input'))
+    treedef = jax.tree_util.tree_structure(tree, is_leaf=_is_spec_leaf)
+    return jax.tree_util.tree_unflatten(treedef, parsed)
+
+  def _trace_preprocessor(self) -> Any:
+    """Derives the method's input specs from the preprocessor's outputs."""
+    leading = {s.dims[0] for s in self.inputs.values()
+               if s.dims and isinstance(s.dims[0], str)}
+    batch = sorted(leading)[0] if len(leading) == 1 else None
+    try:
+      concrete = tf.function(
+          lambda *args: self.preprocessor(self._to_serving_tree(args)),
+          input_signature=self.serving_input_signature,
+          autograph=False).get_concrete_function()
+    except Exception as e:  # pylint: disable=broad-except
+      raise errors.SignatureError(
+          f'Signature {self.name!r}: the preprocessor failed on the serving '
+          f'input specs {self.describe()["inputs"]}: {type(e).__name__}: {e}'
+      ) from e
+    outputs = concrete.structured_outputs
+    flat = paths.flatten(outputs)
+    parsed = []
+    for path, tensor in flat.items():
+      if not isinstance(tensor, tf.Tensor) or tensor.shape.rank is None:
+        raise errors.SignatureError(
+            f'Signature {self.name!r}: preprocessor output {path!r} is '
+            f'{tensor!r}; a JAX method takes dense tensors of known rank. '
+            'Convert it (e.g. ragged.to_tensor()) or pass '
+            'method_input_specs.')
+      stem = re.sub(r'[^A-Za-z0-9_]', '_', path) or 'input'
+      dims = tuple(
+          d if d is not None else
+          (batch if i == 0 and batch else f'{stem}_{i}')
+          for i, d in enumerate(tensor.shape.as_list()))
+      parsed.append(InputSpec(dims, tensor.dtype))
+    treedef = jax.tree_util.tree_structure(outputs)
+    return jax.tree_util.tree_unflatten(treedef, parsed)
+
+  def _to_serving_tree(self, flat_values: Sequence[Any]) -> Any:
+    treedef = jax.tree_util.tree_structure(
+        self._serving_tree, is_leaf=lambda x: isinstance(x, InputSpec))
+    return jax.tree_util.tree_unflatten(treedef, list(flat_values))
+
+  @property
+  def serving_input_signature(self) -> list[tf.TensorSpec]:
+    """Flat TensorSpecs named after `input_names` (the SignatureDef inputs)."""
+    return [self.inputs[n].tensor_spec(n) for n in self.input_names]
+
+  @property
+  def method_input_signature(self) -> Any:
+    """The method's inputs tree with `tf.TensorSpec` leaves (JaxModule)."""
+    flat = paths.flatten(self.method_inputs,
+                         is_leaf=lambda x: isinstance(x, InputSpec))
+    specs = [s.tensor_spec(re.sub(r'[^A-Za-z0-9_]', '_', p) or 'input')
+             for p, s in flat.items()]
+    treedef = jax.tree_util.tree_structure(
+        self.method_inputs, is_leaf=lambda x: isinstance(x, InputSpec))
+    return jax.tree_util.tree_unflatten(treedef, specs)
+
+  @property
+  def method_polymorphic_shapes(self) -> Any:
+    """The method's inputs tree with jax2tf shape strings (JaxModule)."""
+    return jax.tree_util.tree_map(
+        lambda s: s.polymorphic_shape, self.method_inputs,
+        is_leaf=lambda x: isinstance(x, InputSpec))
+
+  def describe(self) -> dict[str, Any]:
+    """A JSON-friendly description (for export metadata).
+
+    Returns:
+      {'name', 'inputs': {name: {'shape', 'dtype'}}, 'method_inputs':
+      {path: {'shape', 'dtype'}}, 'preprocessor', 'postprocessor'}.
+    """
+    is_spec = lambda x: isinstance(x, InputSpec)
+    return {
+        'name': self.name,
+        'inputs': {n: s.describe() for n, s in self.inputs.items()},
+        'method_inputs': {
+            p: s.describe() for p, s in paths.flatten(
+                self.method_inputs, is_leaf=is_spec).items()},
+        'preprocessor': _callable_name(self.preprocessor),
+        'postprocessor': _callable_name(self.postprocessor),
+    }
+
+  # --- sample inputs -------------------------------------------------------
+
+  def _check_samples(self, samples: Mapping[str, Any]) -> dict[str, Any]:
+    """Validates sample inputs against the serving specs; returns arrays."""
+    where = f'Signature {self.name!r}: sample_inputs'
+    if not isinstance(samples, Mapping):
+      raise errors.SignatureError(
+          f'{where} must be a dict input name -> array; got '
+          f'{type(samples).__name__}.')
+    missing = [n for n in self.input_names if n not in samples]
+    extra = [n for n in samples if n not in self.inputs]
+    if missing or extra:
+      raise errors.SignatureError(
+          f'{where} do not match the inputs {list(self.input_names)}: '
+          f'missing {missing}, unexpected {extra}.')
+    out: dict[str, Any] = {}
+    sizes: dict[str, tuple[int, str]] = {}
+    for input_name in self.input_names:
+      spec, value = self.inputs[input_name], samples[input_name]
+      if spec.dtype == tf.string:
+        array = np.asarray(value, dtype=object if not hasattr(
+            value, 'dtype') else None)
+        ok = array.dtype.kind in 'OUS' and all(
+            isinstance(v, (str, bytes)) for v in array.reshape(-1))
+        if ok:  # bytes objects: what TF and the warm-up protos expect.
+          array = np.array(
+              [v.encode() if isinstance(v, str) else v
+               for v in array.reshape(-1)], dtype=object).reshape(array.shape)
+      else:
+        want = np.dtype(spec.dtype.as_numpy_dtype)
+        if hasattr(value, 'dtype'):
+          array = np.asarray(value)
+          ok = array.dtype == want
+        else:
+          try:
+            array = np.asarray(value, dtype=want)
+            ok = True
+          except (TypeError, ValueError):
+            array, ok = np.asarray(value, dtype=object), False
+      if not ok:
+        raise errors.SignatureError(
+            f'{where}[{input_name!r}] has dtype {array.dtype}, the spec says '
+            f'{spec.dtype.name}; cast it (e.g. .astype(np.'
+            f'{spec.dtype.name if spec.dtype != tf.string else "str_"})).')
+      if array.ndim != len(spec.dims):
+        raise errors.SignatureError(
+            f'{where}[{input_name!r}] has shape {array.shape} (rank '
+            f'{array.ndim}), the spec says ({spec.shape_string}) (rank '
+            f'{len(spec.dims)}).')
+      for axis, (dim, size) in enumerate(zip(spec.dims, array.shape)):
+        if isinstance(dim, int) and dim != size:
+          raise errors.SignatureError(
+              f'{where}[{input_name!r}] has shape {array.shape}, the spec '
+              f'says ({spec.shape_string}): axis {axis} must be {dim}.')
+        if isinstance(dim, str):
+          if dim in sizes and sizes[dim][0] != size:
+            raise errors.SignatureError(
+                f'{where}: dimension {dim!r} is {sizes[dim][0]} in '
+                f'{sizes[dim][1]!r} but {size} in {input_name!r}; inputs '
+                'sharing a dimension name must agree.')
+          sizes.setdefault(dim, (size, input_name))
+      out[input_name] = array
+    return out
+
+  # --- the method ----------------------------------------------------------
+
+  def check_method(self, variables: Any) -> Any:
+    """Traces the method on abstract inputs matching the method specs.
+
+    Uses `jax.eval_shape` with symbolic dimensions (the same ones jax2tf
+    will use), so a method that needs a dimension to be static or two
+    differently named dimensions to be equal fails here, before export.
+
+    Args:
+      variables: `{'params': ..., **mutables}`; arrays or anything with
+        shape and dtype.
+
+    Returns:
+      The method's output tree of `jax.ShapeDtypeStruct`.
+
+    Raises:
+      errors.SignatureError: naming the signature, with the method's error.
+    """
+    is_spec = lambda x: isinstance(x, InputSpec)
+    var_specs = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), variables)
+    try:
+      abstract = jax.tree_util.tree_map(
+          lambda s: jax.ShapeDtypeStruct(
+              tuple(d if isinstance(d, int) else 1 for d in s.dims),
+              s.dtype.as_numpy_dtype), self.method_inputs, is_leaf=is_spec)
+      args = jax.export.symbolic_args_specs(
+          abstract, self.method_polymorphic_shapes)
+      return jax.eval_shape(self.method, var_specs, args)
+    except Exception as e:  # pylint: disable=broad-except
+      raise errors.SignatureError(
+          f'Signature {self.name!r}: the method does not accept inputs '
+          f'matching its specs {self.describe()["method_inputs"]}: '
+          f'{type(e).__name__}: {e}') from e
+
+  def attach_processors(self, module: tf.Module) -> None:
+    """Makes `module` track the pre/post-processors' TF resources.
+
+    Args:
+      module: the module that will be saved.
+    """
+    for kind, fn in (('pre', self.preprocessor), ('post', self.postprocessor)):
+      owner = getattr(fn, '__self__', fn)
+      if isinstance(owner, tf.Module):
+        safe = re.sub(r'[^A-Za-z0-9_]', '_', self.name)
+        setattr(module, f'_{kind}processor_{safe}', owner)
+
+  def make_serving_fn(self, module: jax_module.JaxModule) -> Any:
+    """Builds the serving `tf.function` around `module.methods[name]`.
+
+    Flat keyword inputs named `input_names` -> preprocessor -> converted
+    method -> postprocessor -> flat named outputs (`name_outputs`). Pass
+    it in `tf.saved_model.save(..., signatures={sig.name: fn})`. Building it
+    again for the next save is cheap: the converted method is not traced
+    again.
+
+    Args:
+      module: a JaxModule with a method named like this signature (see
+        `make_module`).
+
+    Returns:
+      A `tf.function` with a flat input signature.
+
+    Raises:
+      errors.SignatureError: if the module has no method of this name.
+    """
+    methods = module.methods
+    if self.name not in methods:
+      raise errors.SignatureError(
+          f'Signature {self.name!r}: the module has no method of that name '
+          f'(it has {sorted(methods)}); build it with serving.make_module.')
+    method = methods[self.name]
+    self.attach_processors(module)
+
+    def serve(*args):
+      inputs = self._to_serving_tree(args)
+      if self.preprocessor is not None:
+        inputs = self.preprocessor(inputs)
+      outputs = method(inputs)
+      if self.postprocessor is not None:
+        outputs = self.postprocessor(outputs)
+      return name_outputs(outputs)
+
+    return tf.function(serve, input_signature=self.serving_input_signature,
+                       autograph=False)
+
+  def reference_outputs(self, module: jax_module.JaxModule,
+                        inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """What the signature should return: the method run in JAX.
+
+    The pre/post-processors run eagerly in TensorFlow, the method itself is
+    the original JAX function on the module's current variables.
+
+    Args:
+      module: the JaxModule built for this signature.
+      inputs: input name -> array (like `sample_inputs`).
+
+    Returns:
+      Output name -> numpy array, named like the serving outputs.
+    """
+    tree = self._to_serving_tree([inputs[n] for n in self.input_names])
+    if self.preprocessor is not None:
+      tree = jax.tree_util.tree_map(
+          np.asarray, self.preprocessor(
+              jax.tree_util.tree_map(tf.convert_to_tensor, tree)))
+    outputs = module.jax_methods[self.name](tree)
+    if self.postprocessor is not None:
+      outputs = self.postprocessor(
+          jax.tree_util.tree_map(lambda x: tf.convert_to_tensor(
+              np.asarray(x)), outputs))
+    return {k: np.asarray(v) for k, v in name_outputs(outputs).items()}
+
+  def __repr__(self) -> str:
+    return (f'Signature(name={self.name!r}, method='
+            f'{_callable_name(self.method)}, inputs='
+            f'{self.describe()["inputs"]})')
+
+
+def _callable_name(fn: Any) -> str | None:
+  if fn is None:
+    return None
+  return getattr(fn, '__qualname__', None) or type(fn).__name__
+
+
+def make_module(variables: Any, signatures: Sequence[Signature], *,
+                trainable: bool = False, jit_compile: bool = True,
+                platforms: Sequence[str] | None = None,
+                cast_bfloat16: bool = False,
+                name: str | None = None) -> jax_module.JaxModule:
+  """Checks the signatures and builds a JaxModule with one method each.
+
+  Args:
+    variables: `{'params': ..., **flax_mutables}` (numpy or JAX arrays).
+    signatures: the signatures; names must be unique.
+    trainable, jit_compile, platforms, cast_bfloat16, name: as in
+      `jax_module.JaxModule`.
+
+  Returns:
+    The module; `module.methods[sig.name]` is each signature's method.
+
+  Raises:
+    errors.SignatureError: for duplicate names or a method that does not
+      accept its input specs.
+  """
+  names = [s.name for s in signatures]
+  if not names:
+    raise errors.SignatureError('No signatures given; pass at least one.')
+  duplicates = sorted({n for n in names if names.count(n) > 1})
+  if duplicates:
+    raise errors.SignatureError(
+        f'Signature names must be unique; {duplicates} appear more than once.')
+  for sig in signatures:
+    sig.check_method(variables)
+  return jax_module.JaxModule(
+      variables, {s.name: s.method for s in signatures},
+      input_signatures={s.name: s.method_input_signature for s in signatures},
+      polymorphic_shapes={
+          s.name: s.method_polymorphic_shapes for s in signatures},
+      trainable=trainable, jit_compile=jit_compile, platforms=platforms,
+      cast_bfloat16=cast_bfloat16, name=name)
+
+
+def serving_functions(module: jax_module.JaxModule,
+                      signatures: Sequence[Signature]) -> dict[str, Any]:
+  """{name: serving tf.function} for `tf.saved_model.save(signatures=...)`.
+
+  Args:
+    module: the module from `make_module`.
+    signatures: the same signatures.
+
+  Returns:
+    Signature name -> serving function.
+  """
+  return {s.name: s.make_serving_fn(module) for s in signatures}
