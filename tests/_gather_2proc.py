@@ -1,0 +1,71 @@
+"""Subprocess half of test_partitioning's multi-process gather test.
+
+One of N `jax.distributed` processes on 127.0.0.1 (gloo CPU collectives, 2
+forced host devices each: set XLA_FLAGS and JAX_PLATFORMS=cpu in the env).
+Every process loads the same TinyT5 variables (a pickle of numpy leaves and
+axis metadata written by the test), places them on a global
+(data, model) mesh with `shard_state` and the 2-D rules, so 'embed' is
+sharded across processes, then calls `gather_to_host` at the same point.
+Prints one JSON line per leaf (with a digest of the gathered bytes) for the
+test to compare across processes.
+
+Usage: python tests/_gather_2proc.py PROCESS_ID NUM_PROCESSES PORT VARIABLES
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+import sys
+
+import jax
+
+
+def main(process_id: int, num_processes: int, port: int,
+         pickle_path: str) -> None:
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  jax.distributed.initialize(
+      coordinator_address=f'127.0.0.1:{port}', num_processes=num_processes,
+      process_id=process_id, initialization_timeout=60)
+  # Imported after initialize: nothing may touch the backend before it.
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  from t5export import partitioning  # pylint: disable=g-import-not-at-top
+  from t5export import paths  # pylint: disable=g-import-not-at-top
+  from t5export import train_state  # pylint: disable=g-import-not-at-top
+
+  assert jax.process_count() == num_processes
+  n_local = jax.local_device_count()
+  mesh = jax.sharding.Mesh(
+      np.array(jax.devices()).reshape(num_processes, n_local),
+      ('data', 'model'))
+  with open(pickle_path, 'rb') as f:
+    variables = pickle.load(f)
+  state = train_state.InferenceState.create(variables)
+  expected = {p: np.array(x) for p, x in paths.flatten(state.params).items()}
+
+  rules = partitioning.standard_logical_axis_rules(1, 2)
+  sharded = partitioning.shard_state(state, mesh, rules)
+  host = partitioning.gather_to_host(sharded.params)
+
+  flat_sharded = paths.flatten(sharded.params)
+  for path, got in paths.flatten(host).items():
+    x = flat_sharded[path]
+    want = expected[path]
+    print(json.dumps({
+        'process': process_id, 'path': path,
+        'spec': [e if not isinstance(e, tuple) else list(e)
+                 for e in x.sharding.spec],
+        'fully_addressable': bool(x.is_fully_addressable),
+        'is_numpy': type(got) is np.ndarray,
+        'dtype': str(got.dtype), 'shape': list(got.shape),
+        'equal': bool(got.dtype == want.dtype and
+                      np.array_equal(got.view(np.uint8), want.view(np.uint8))),
+        'digest': hashlib.sha256(got.tobytes()).hexdigest(),
+    }), flush=True)
+  jax.distributed.shutdown()
+
+
+if __name__ == '__main__':
+  main(*(int(a) for a in sys.argv[1:4]), sys.argv[4])

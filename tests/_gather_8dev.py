@@ -1,0 +1,118 @@
+"""Subprocess half of test_partitioning's 8-device gather test.
+
+Run with XLA_FLAGS=--xla_force_host_platform_device_count=8 (JAX reads it at
+import). Shards TinyT5's params over a (data, model) mesh by the 1-D or 2-D
+rules, gathers them with `gather_to_host`, donates the sharded arrays to a
+jitted step that overwrites them, and prints one JSON line per leaf so the
+test can assert on it.
+
+Usage: python tests/_gather_8dev.py VARIABLES_PICKLE ACT,PARAM,DATA,MODEL [...]
+VARIABLES_PICKLE holds TinyT5 variables ({'params', 'params_axes'}, numpy
+leaves) written by the test, so this process needn't init the model again;
+each case is e.g. 1,1,2,4 for the 1-D rules on a data=2 x model=4 mesh.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from t5export import partitioning
+from t5export import paths
+from t5export import train_state
+
+
+def check(variables: dict, case: str) -> None:
+  """Shards, gathers and donates for one 'ACT,PARAM,DATA,MODEL' case."""
+  act_dims, param_dims, data, model = (int(v) for v in case.split(','))
+  params = dict(variables['params'])
+  # Other dtypes ride along: bf16 and int32 leaves sharded like a kernel.
+  params['extra_bf16'] = (params['logits_dense'] * 3).astype(jnp.bfloat16)
+  params['extra_int32'] = jnp.arange(32 * 260, dtype=jnp.int32).reshape(
+      32, 260)
+  axes = {p[:-len('_axes')]: m.names for p, m in paths.flatten(
+      variables['params_axes'],
+      is_leaf=lambda x: hasattr(x, 'names')).items()}
+  axes['extra_bf16'] = axes['extra_int32'] = axes['logits_dense']
+  logical = paths.unflatten(
+      {p: jax.sharding.PartitionSpec(*axes[p]) for p in paths.flatten(params)})
+
+  rules = partitioning.standard_logical_axis_rules(act_dims, param_dims)
+  specs = partitioning.get_mesh_axes(logical, rules)
+  mesh = jax.sharding.Mesh(
+      np.array(jax.devices()).reshape(data, model), ('data', 'model'))
+  shardings = partitioning.shardings_for(mesh, specs)
+  # Host copies: device_put may alias a replicated leaf's device buffer, and
+  # the donation below would then delete the source too.
+  expected = {p: np.array(x) for p, x in paths.flatten(params).items()}
+  sharded = jax.device_put(paths.unflatten(expected), shardings)
+
+  host = partitioning.gather_to_host(sharded)
+  n_shards = {p: len({str(s.index) for s in x.addressable_shards})
+              for p, x in paths.flatten(sharded).items()}
+
+  # Donate the sharded buffers to a step that overwrites them: the gathered
+  # copies must not change.
+  step = jax.jit(lambda t: jax.tree.map(lambda x: x * 0 + 1, t),
+                 donate_argnums=0, out_shardings=shardings)
+  overwritten = step(sharded)
+  jax.block_until_ready(overwritten)
+
+  flat_sharded = paths.flatten(sharded)
+  for path, got in paths.flatten(host).items():
+    x = flat_sharded[path]
+    want = expected[path]
+    print(json.dumps({
+        'case': case, 'kind': 'leaf', 'path': path,
+        'spec': [list(e) if isinstance(e, tuple) else e
+                 for e in x.sharding.spec],
+        'replicated': bool(x.sharding.is_fully_replicated),
+        'n_shards': n_shards[path],
+        'donated': bool(x.is_deleted()),
+        'is_numpy': type(got) is np.ndarray,
+        'owns_data': bool(got.flags.owndata or got.base is None),
+        'dtype': str(got.dtype), 'want_dtype': str(want.dtype),
+        'shape': list(got.shape), 'want_shape': list(want.shape),
+        'equal': bool(got.dtype == want.dtype and
+                      np.array_equal(got.view(np.uint8), want.view(np.uint8))),
+    }))
+
+
+def check_shard_state(variables: dict, case: str) -> None:
+  """`shard_state` places a state's arrays as `get_mesh_axes` says."""
+  act_dims, param_dims, data, model = (int(v) for v in case.split(','))
+  rules = partitioning.standard_logical_axis_rules(act_dims, param_dims)
+  mesh = jax.sharding.Mesh(
+      np.array(jax.devices()).reshape(data, model), ('data', 'model'))
+  state = train_state.InferenceState.create(variables)
+  sharded = partitioning.shard_state(state, mesh, rules)
+  want_specs = paths.flatten(partitioning.get_mesh_axes(state, rules))
+  got = paths.flatten(sharded)
+  host = paths.flatten(partitioning.gather_to_host(sharded))
+  print(json.dumps({
+      'case': case, 'kind': 'shard_state',
+      'same_type': type(sharded) is type(state),
+      'paths_match': list(got) == list(want_specs),
+      'specs_match': all(got[p].sharding.spec == want_specs[p] for p in got),
+      'values_match': all(
+          np.array_equal(host[p], np.asarray(x))
+          for p, x in paths.flatten(state).items()),
+  }))
+
+
+def main(pickle_path: str, cases: list[str]) -> None:
+  assert jax.device_count() == 8, jax.devices()
+  with open(pickle_path, 'rb') as f:
+    variables = pickle.load(f)
+  for case in cases:
+    check(variables, case)
+    check_shard_state(variables, case)
+
+
+if __name__ == '__main__':
+  main(sys.argv[1], sys.argv[2:])

@@ -1,0 +1,458 @@
+"""Tests for t5export.partitioning: rules, mesh axes, sharding, host gather."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import pickle
+import socket
+import subprocess
+import sys
+
+from flax import linen as nn
+from flax.linen import partitioning as flax_partitioning
+import gin
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import optax
+import pytest
+
+from examples import models
+from t5export import errors
+from t5export import partitioning
+from t5export import paths
+from t5export import train_state
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+TESTS_DIR = pathlib.Path(__file__).resolve().parent
+SUBPROCESS_TIMEOUT = 120
+
+ALL_DIMS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+
+
+# --- fixtures and helpers ---------------------------------------------------
+
+
+@pytest.fixture(scope='module')
+def t5_variables() -> dict:
+  """TinyT5 variables ({'params', 'params_axes'}) with numpy leaves.
+
+  4 heads so that 'heads' divides a 4-way 'model' mesh axis.
+  """
+  config = models.TinyT5Config(num_heads=4, head_dim=8)
+  variables = models.init_tiny_t5(models.TinyT5(config), jax.random.PRNGKey(0))
+  return jax.tree.map(np.asarray, variables)
+
+
+@pytest.fixture(scope='module')
+def t5_pickle(t5_variables, tmp_path_factory) -> pathlib.Path:
+  """The TinyT5 variables pickled for the subprocess scripts."""
+  path = tmp_path_factory.mktemp('vars') / 'tiny_t5.pkl'
+  with open(path, 'wb') as f:
+    pickle.dump(t5_variables, f)
+  return path
+
+
+@pytest.fixture(scope='module')
+def adamw_state(t5_variables) -> train_state.FlaxOptimTrainState:
+  return train_state.FlaxOptimTrainState.create(optax.adamw(1e-3),
+                                                t5_variables)
+
+
+def _env(device_count: int) -> dict[str, str]:
+  env = dict(os.environ)
+  env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={device_count}'
+  env['JAX_PLATFORMS'] = 'cpu'
+  env['PYTHONPATH'] = os.pathsep.join(
+      [str(REPO_ROOT)] + ([env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
+  env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+  return env
+
+
+def _json_lines(stdout: str) -> list[dict]:
+  # gloo writes its own lines to stdout; ours are the JSON ones.
+  return [json.loads(line) for line in stdout.splitlines()
+          if line.startswith('{')]
+
+
+def _run(args: list[str], env: dict[str, str]) -> list[dict]:
+  """Runs a script to completion; fails the test with its stderr if it fails."""
+  try:
+    proc = subprocess.run([sys.executable, *args], env=env, cwd=REPO_ROOT,
+                          capture_output=True, text=True,
+                          timeout=SUBPROCESS_TIMEOUT)
+  except subprocess.TimeoutExpired as e:
+    pytest.fail(f'{args} timed out after {SUBPROCESS_TIMEOUT}s; stderr:\n'
+                f'{(e.stderr or b"")[-5000:]!r}')
+  assert proc.returncode == 0, (
+      f'{args} exited {proc.returncode}; stderr:\n{proc.stderr[-5000:]}')
+  return _json_lines(proc.stdout)
+
+
+def _free_port() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def _flat_specs(tree) -> dict:
+  return paths.flatten(tree, is_leaf=lambda x: isinstance(x, P))
+
+
+# --- standard_logical_axis_rules --------------------------------------------
+
+
+def test_rules_1d_match_t5x():
+  rules = partitioning.standard_logical_axis_rules()
+  assert rules == (
+      ('batch', 'data'), ('vocab', 'model'), ('embed', None),
+      ('mlp', 'model'), ('heads', 'model'), ('kv', None),
+      ('joined_kv', 'model'),
+      ('relpos_buckets', None), ('abspos_buckets', None), ('length', None),
+      ('layers', None), ('stack', None), ('mlp_activations', None))
+
+
+@pytest.mark.parametrize('dims, embed_rules', [
+    ((2, 1), [('embed', 'model')]),
+    ((1, 2), [('embed', 'data')]),
+    ((2, 2), [('embed', 'model'), ('embed', 'data')]),
+])
+def test_rules_2d_variants_match_t5x(dims, embed_rules):
+  rules = partitioning.standard_logical_axis_rules(*dims)
+  head = [('batch', 'data'), ('vocab', 'model'), ('mlp', 'model'),
+          ('heads', 'model'), ('kv', None), ('joined_kv', 'model')]
+  assert list(rules[:len(head) + len(embed_rules)]) == head + embed_rules
+  assert rules[len(head) + len(embed_rules):] == (
+      partitioning.standard_logical_axis_rules()[7:])
+
+
+def test_rules_additional_appended_last():
+  rules = partitioning.standard_logical_axis_rules(
+      additional_rules=[('expert', 'data'), ['moe_mlp', ['data', 'model']]])
+  assert rules[-2:] == (('expert', 'data'), ('moe_mlp', ('data', 'model')))
+  assert rules[:-2] == partitioning.standard_logical_axis_rules()
+
+
+@pytest.mark.parametrize('dims', [(3, 1), (1, 0), (0, 2)])
+def test_rules_unsupported_dims(dims):
+  with pytest.raises(ValueError, match=(
+      rf'activation_partitioning_dims={dims[0]} with '
+      rf'parameter_partitioning_dims={dims[1]} is not supported')):
+    partitioning.standard_logical_axis_rules(*dims)
+
+
+@pytest.mark.parametrize('bad, match', [
+    ('expert', r"additional_rules\[0\] = 'expert' is not a"),
+    (('expert', 3), r'the mesh axis must be a str'),
+    ((7, 'data'), r'the logical name must be a str, got int'),
+])
+def test_rules_bad_additional_rule(bad, match):
+  with pytest.raises(TypeError, match=match):
+    partitioning.standard_logical_axis_rules(additional_rules=[bad])
+
+
+@gin.configurable(module='t5export_test_partitioning')
+def _rules_consumer(rules=None):
+  return rules
+
+
+def test_rules_gin_configurable():
+  gin.clear_config()
+  try:
+    gin.parse_config([
+        't5export_test_partitioning._rules_consumer.rules = '
+        '@t5export.standard_logical_axis_rules()',
+        't5export.standard_logical_axis_rules.parameter_partitioning_dims = 2',
+    ])
+    assert _rules_consumer() == partitioning.standard_logical_axis_rules(1, 2)
+  finally:
+    gin.clear_config()
+
+
+# --- logical_to_mesh_spec ---------------------------------------------------
+
+
+@pytest.mark.parametrize('dims, names, want', [
+    ((1, 1), ('embed', 'mlp'), P(None, 'model')),
+    ((1, 1), ('vocab', 'embed'), P('model', None)),
+    ((1, 1), ('embed', 'heads', 'kv'), P(None, 'model', None)),
+    ((1, 2), ('embed', 'mlp'), P('data', 'model')),
+    ((1, 2), ('mlp', 'embed'), P('model', 'data')),
+    ((1, 2), ('embed',), P('data')),
+    ((2, 1), ('embed', 'mlp'), P(None, 'model')),
+    ((2, 1), ('embed',), P('model')),
+    # Rule order decides, not name order: 'mlp' takes 'model' first.
+    ((2, 2), ('embed', 'mlp'), P('data', 'model')),
+    ((2, 2), ('embed', 'kv'), P('model', None)),
+    ((1, 1), ('batch', None, 'length'), P('data', None, None)),
+])
+def test_logical_to_mesh_spec(dims, names, want):
+  rules = partitioning.standard_logical_axis_rules(*dims)
+  got = partitioning.logical_to_mesh_spec(names, rules, path='p')
+  assert got == want
+  assert got == nn.logical_to_mesh_axes(names, rules)  # flax semantics
+
+
+def test_logical_to_mesh_spec_tuple_mesh_axes():
+  rules = (('batch', ('replica', 'data')), ('embed', 'data'),
+           ('embed', 'model'))
+  got = partitioning.logical_to_mesh_spec(('batch', 'embed'), rules, path='p')
+  assert got == P(('replica', 'data'), 'model')
+  assert got == nn.logical_to_mesh_axes(('batch', 'embed'), rules)
+
+
+@pytest.mark.parametrize('dims', ALL_DIMS)
+def test_logical_to_mesh_spec_agrees_with_flax_on_t5(t5_variables, dims):
+  rules = partitioning.standard_logical_axis_rules(*dims)
+  axes = paths.flatten(t5_variables['params_axes'],
+                       is_leaf=lambda x: isinstance(
+                           x, flax_partitioning.AxisMetadata))
+  assert len(axes) == len(paths.flatten(t5_variables['params']))
+  for path, meta in axes.items():
+    got = partitioning.logical_to_mesh_spec(meta.names, rules, path=path)
+    assert got == nn.logical_to_mesh_axes(meta.names, rules), path
+
+
+def test_logical_to_mesh_spec_unmapped_name():
+  rules = partitioning.standard_logical_axis_rules()
+  with pytest.raises(errors.UnmappedLogicalAxisError,
+                     match=r"'experts' of parameter 'params/moe/wi'") as e:
+    partitioning.logical_to_mesh_spec(('embed', 'experts'), rules,
+                                      path='params/moe/wi', shape=(4, 8))
+  assert e.value.path == 'params/moe/wi' and e.value.name == 'experts'
+  assert "('experts', None)" in str(e.value)
+
+
+def test_logical_to_mesh_spec_rank_mismatch():
+  rules = partitioning.standard_logical_axis_rules()
+  with pytest.raises(
+      errors.AxisRankMismatchError,
+      match=(r"'params/mlp/wi' has shape \(4, 8\) \(rank 2\) but 1 logical "
+             r"axis names \('embed',\)")):
+    partitioning.logical_to_mesh_spec(('embed',), rules, path='params/mlp/wi',
+                                      shape=(4, 8))
+
+
+def test_logical_to_mesh_spec_duplicate_name():
+  rules = partitioning.standard_logical_axis_rules()
+  with pytest.raises(ValueError, match=r"'params/w'.*\['embed'\] more than"):
+    partitioning.logical_to_mesh_spec(('embed', 'embed'), rules,
+                                      path='params/w')
+
+
+# --- get_mesh_axes ----------------------------------------------------------
+
+# (path, 1-D rules, 2-D parameter rules) for the adamw TinyT5 state.
+_EXPECTED = [
+    ('step', P(), P()),
+    ('params/encoder_layers_0/mlp/wi', P(None, 'model'), P('data', 'model')),
+    ('params/encoder_layers_0/mlp/wo', P('model', None), P('model', 'data')),
+    ('params/encoder_layers_0/attention/query', P(None, 'model', None),
+     P('data', 'model', None)),
+    ('params/decoder_layers_0/self_attention/out', P('model', None, None),
+     P('model', None, 'data')),
+    ('params/token_embedder', P('model', None), P('model', 'data')),
+    ('params/logits_dense', P(None, 'model'), P('data', 'model')),
+    ('params/encoder_relpos/rel_embedding', P('model', None),
+     P('model', None)),
+    ('params/encoder_norm/scale', P(None), P('data')),
+    # adamw's moments follow their param; its count is replicated.
+    ('param_states/0/mu/encoder_layers_0/mlp/wi', P(None, 'model'),
+     P('data', 'model')),
+    ('param_states/0/nu/token_embedder', P('model', None), P('model', 'data')),
+    ('param_states/0/count', P(), P()),
+]
+
+
+@pytest.mark.parametrize('dims, column', [((1, 1), 1), ((1, 2), 2)])
+def test_get_mesh_axes_train_state(adamw_state, dims, column):
+  rules = partitioning.standard_logical_axis_rules(*dims)
+  specs = partitioning.get_mesh_axes(adamw_state, rules)
+  assert type(specs) is train_state.FlaxOptimTrainState
+  flat = _flat_specs(specs)
+  assert list(flat) == list(paths.flatten(adamw_state))
+  assert all(isinstance(s, P) for s in flat.values())
+  for row in _EXPECTED:
+    assert flat[row[0]] == row[column], row[0]
+  # The logical-axes state and a plain tree of logical specs resolve alike.
+  assert partitioning.get_mesh_axes(adamw_state.as_logical_axes(),
+                                    rules) == specs
+  plain = {'params': adamw_state.as_logical_axes().params}
+  assert partitioning.get_mesh_axes(plain, rules) == {'params': specs.params}
+
+
+def test_get_mesh_axes_inference_state(t5_variables):
+  state = train_state.InferenceState.create(t5_variables)
+  rules = partitioning.standard_logical_axis_rules(1, 2)
+  specs = partitioning.get_mesh_axes(state, rules)
+  assert type(specs) is train_state.InferenceState
+  assert specs.params['encoder_layers_0']['mlp']['wi'] == P('data', 'model')
+  assert specs.step == P()
+
+
+def test_get_mesh_axes_error_carries_leaf_path():
+  logical = {'params': {'moe': {'wi': P('embed', 'experts')}}}
+  rules = partitioning.standard_logical_axis_rules()
+  with pytest.raises(errors.UnmappedLogicalAxisError,
+                     match=r"'experts' of parameter 'params/moe/wi'"):
+    partitioning.get_mesh_axes(logical, rules)
+
+
+def test_get_mesh_axes_rank_mismatch_in_state():
+  state = train_state.InferenceState(
+      step=jnp.zeros((), jnp.int32),
+      params={'mlp': {'wi': np.zeros((4, 8), np.float32)}},
+      params_axes={'mlp': {'wi': flax_partitioning.AxisMetadata(
+          names=('embed',))}})
+  with pytest.raises(errors.AxisRankMismatchError,
+                     match=r"'params/mlp/wi' has shape \(4, 8\)") as e:
+    partitioning.get_mesh_axes(state, partitioning.standard_logical_axis_rules())
+  assert e.value.names == ('embed',)
+
+
+def test_get_mesh_axes_without_axes():
+  state = train_state.InferenceState.create(
+      {'params': {'dense': {'kernel': np.zeros((2, 3), np.float32)}}})
+  with pytest.raises(errors.MissingAxesError, match='params/dense/kernel'):
+    partitioning.get_mesh_axes(state, partitioning.standard_logical_axis_rules())
+
+
+def test_get_mesh_axes_rejects_other_trees():
+  with pytest.raises(TypeError, match='state must be a t5export TrainState'):
+    partitioning.get_mesh_axes({'w': np.zeros(3)},
+                               partitioning.standard_logical_axis_rules())
+
+
+def test_shardings_for_unknown_mesh_axis():
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1),
+                           ('data', 'model'))
+  shardings = partitioning.shardings_for(mesh, {'a': P('data', None)})
+  assert shardings['a'] == jax.sharding.NamedSharding(mesh, P('data', None))
+  with pytest.raises(ValueError, match=(r"'x/w' is sharded over mesh axes "
+                                        r"\['expert'\]")):
+    partitioning.shardings_for(mesh, {'x': {'w': P('expert', None)}})
+
+
+# --- gather_to_host (one device) -------------------------------------------
+
+
+def test_gather_numpy_and_scalars_are_copied():
+  src = np.arange(6, dtype=np.int16).reshape(2, 3)
+  out = partitioning.gather_to_host({'a': src, 'b': 3.5, 'c': np.float32(2)})
+  assert out['a'].dtype == np.int16 and np.array_equal(out['a'], src)
+  assert not np.shares_memory(out['a'], src)
+  assert isinstance(out['b'], np.ndarray) and out['b'] == 3.5
+  assert out['c'].dtype == np.float32
+
+
+def test_gather_survives_donation():
+  x = jnp.arange(1024, dtype=jnp.float32) * 1.5
+  want = np.array(x)
+  out = partitioning.gather_to_host({'x': x})
+  y = jax.jit(lambda v: v * 0 - 1, donate_argnums=0)(x)
+  jax.block_until_ready(y)
+  assert x.is_deleted()  # the donation really happened
+  assert isinstance(out['x'], np.ndarray)
+  assert np.array_equal(out['x'], want)
+
+
+def test_gather_deleted_array():
+  x = jnp.ones((3,))
+  x.delete()
+  with pytest.raises(ValueError, match=r"Array 'p/x' was deleted"):
+    partitioning.gather_to_host({'p': {'x': x}})
+
+
+def test_gather_inside_jit():
+  with pytest.raises(TypeError, match='traced value'):
+    jax.jit(partitioning.gather_to_host)(jnp.ones(2))
+
+
+def test_gather_rejects_other_leaves():
+  with pytest.raises(TypeError, match=r"leaf 'name' is a str"):
+    partitioning.gather_to_host({'name': 'abc'})
+
+
+# --- subprocess: 8 devices, several processes, no tensorflow ----------------
+
+
+def test_gather_8_devices_bit_exact(t5_pickle):
+  cases = ['1,1,2,4', '1,2,4,2', '2,2,2,4']
+  lines = _run([str(TESTS_DIR / '_gather_8dev.py'), str(t5_pickle), *cases],
+               _env(8))
+  leaves = [r for r in lines if r['kind'] == 'leaf']
+  n_params = 2 + 27  # TinyT5's params plus a bf16 and an int32 leaf.
+  assert len(leaves) == n_params * len(cases)
+  bad = [r for r in leaves if not (r['equal'] and r['is_numpy'] and
+                                   r['owns_data'] and
+                                   r['dtype'] == r['want_dtype'] and
+                                   r['shape'] == r['want_shape'])]
+  assert not bad, bad
+  assert all(r['donated'] for r in leaves)
+  assert {r['dtype'] for r in leaves} == {'float32', 'bfloat16', 'int32'}
+  for case in cases:
+    rows = {r['path']: r for r in leaves if r['case'] == case}
+    assert sum(not r['replicated'] for r in rows.values()) >= 10, case
+    assert not rows['extra_bf16']['replicated']
+  # The 2-D parameter rules shard a kernel over both mesh axes.
+  wi = [r for r in leaves
+        if r['case'] == '1,2,4,2' and r['path'] == 'encoder_layers_0/mlp/wi']
+  assert wi[0]['spec'] == ['data', 'model'] and wi[0]['n_shards'] == 8
+  states = [r for r in lines if r['kind'] == 'shard_state']
+  assert len(states) == len(cases)
+  assert all(r['same_type'] and r['paths_match'] and r['specs_match'] and
+             r['values_match'] for r in states), states
+
+
+@pytest.mark.multiprocess
+def test_gather_across_processes(t5_pickle):
+  n = 2
+  port = _free_port()
+  script = str(TESTS_DIR / '_gather_2proc.py')
+  procs = [subprocess.Popen(
+      [sys.executable, script, str(i), str(n), str(port), str(t5_pickle)],
+      env=_env(2), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True) for i in range(n)]
+  outputs = []
+  try:
+    for i, proc in enumerate(procs):
+      try:
+        out, err = proc.communicate(timeout=SUBPROCESS_TIMEOUT)
+      except subprocess.TimeoutExpired:
+        for p in procs:
+          p.kill()
+        out, err = proc.communicate()
+        pytest.fail(f'process {i} timed out; stderr:\n{err[-5000:]}')
+      assert proc.returncode == 0, (
+          f'process {i} exited {proc.returncode}; stderr:\n{err[-5000:]}')
+      outputs.append(_json_lines(out))
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+
+  per_process = [{r['path']: r for r in rows} for rows in outputs]
+  assert len(per_process[0]) == 27
+  for rows in per_process:
+    assert all(r['equal'] and r['is_numpy'] for r in rows.values()), rows
+    # Every leaf lives on devices of both processes.
+    assert not any(r['fully_addressable'] for r in rows.values())
+  # 2-D rules: 'embed' is split over 'data', which spans the processes.
+  assert per_process[0]['encoder_layers_0/mlp/wi']['spec'] == ['data', 'model']
+  assert {p: r['digest'] for p, r in per_process[0].items()} == {
+      p: r['digest'] for p, r in per_process[1].items()}
+
+
+def test_import_does_not_pull_tensorflow():
+  code = ('import sys, t5export.partitioning; '
+          "print([m for m in sys.modules if m.split('.')[0] in "
+          "('tensorflow', 'keras', 'tf_keras')])")
+  proc = subprocess.run([sys.executable, '-c', code], env=_env(1),
+                        cwd=REPO_ROOT, capture_output=True, text=True,
+                        timeout=SUBPROCESS_TIMEOUT)
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  assert proc.stdout.strip() == '[]', proc.stdout
