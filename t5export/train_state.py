@@ -570,6 +570,11 @@ class InferenceState(flax.struct.PyTreeNode):
       raise TypeError(
           'train_state must be a TrainState (with step and params), e.g. '
           f'FlaxOptimTrainState; got {type(train_state).__name__}.')
+    if isinstance(train_state, FlaxOptimTrainState):  # Already plain dicts.
+      return cls(step=train_state.step, params=train_state.params,
+                 params_axes=train_state.params_axes,
+                 flax_mutables=train_state.flax_mutables,
+                 flax_mutables_axes=train_state.flax_mutables_axes)
     return cls(
         step=train_state.step,
         params=_plain(train_state.params),
