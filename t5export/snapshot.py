@@ -1,0 +1,138 @@
+"""Host snapshots of a state: data-flow steps 1-3 of an export.
+
+`take_snapshot` is everything an export does on the training thread:
+
+1. strip: `InferenceState.from_train_state` drops the optimizer state
+   without reading any of its leaves;
+2. resolve: each variable's logical axes (`as_logical_axes()`) and, given
+   rules, its mesh axes (`partitioning.get_mesh_axes`);
+3. gather: `partitioning.gather_to_host` copies the (possibly sharded, possibly
+   multi-process) arrays to host numpy, leaf by leaf.
+
+The resulting `HostSnapshot` owns its arrays: the train loop may donate or
+overwrite the state's buffers right after `take_snapshot` returns, and the
+background writer (`async_export`) still sees the values of that step.
+
+Light: this module never imports TensorFlow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+import dataclasses
+import time
+from typing import Any
+
+from absl import logging
+import jax
+import numpy as np
+
+from t5export import paths
+from t5export import partitioning
+from t5export import train_state
+
+PartitionSpec = jax.sharding.PartitionSpec
+AxesByPath = dict[str, tuple[Any, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSnapshot:
+  """The exportable part of a state, on host, at one step.
+
+  Attributes:
+    step: the training step, a Python int.
+    variables: `{'params': ..., **flax_mutables}` as plain nested dicts of
+      numpy arrays that the snapshot owns; what a serve method receives.
+    logical_axes: variable path ('params/encoder/...', 'batch_stats/...') to
+      its tuple of logical axis names (None entries: never sharded), or None
+      when the state declares no axes.
+    mesh_axes: variable path to its tuple of mesh axes (None entries:
+      replicated), or None when no rules were given or the state has no
+      axes.
+    nbytes: total bytes of the numpy arrays in `variables`.
+  """
+  step: int
+  variables: dict[str, Any]
+  logical_axes: AxesByPath | None
+  mesh_axes: AxesByPath | None
+  nbytes: int
+
+  def flat_variables(self) -> dict[str, np.ndarray]:
+    """`{path: array}` in `paths.flatten` order (the export's order)."""
+    return paths.flatten(self.variables)
+
+
+def _strip(state: Any) -> train_state.InferenceState:
+  """The InferenceState of `state`, never touching optimizer leaves."""
+  if isinstance(state, train_state.InferenceState):
+    return state
+  if not (hasattr(state, 'step') and hasattr(state, 'params')):
+    raise TypeError(
+        'take_snapshot(state=...) needs a t5export TrainState or '
+        'InferenceState (with step and params), e.g. the '
+        f'FlaxOptimTrainState of the train loop; got {type(state).__name__}.')
+  return train_state.InferenceState.from_train_state(state)
+
+
+def _variables_of(state: train_state.InferenceState) -> dict[str, Any]:
+  """`{'params': ..., **flax_mutables}` of a state, whatever its leaves."""
+  return {'params': state.params, **dict(state.flax_mutables or {})}
+
+
+def _axes_by_path(spec_state: train_state.InferenceState) -> AxesByPath:
+  flat = paths.flatten(_variables_of(spec_state),
+                       is_leaf=lambda x: isinstance(x, PartitionSpec))
+  return {path: tuple(spec) for path, spec in flat.items()}
+
+
+def take_snapshot(state: Any, *,
+                  rules: Sequence[tuple[str, Any]] | None = None
+                  ) -> HostSnapshot:
+  """Strips, resolves axes and gathers a state to host.
+
+  Under `jax.distributed` every process must call this at the same step with
+  its part of the same global state (the gather is a collective); each gets
+  the full snapshot.
+
+  Args:
+    state: a `TrainState` (e.g. `FlaxOptimTrainState`; its optimizer state
+      is dropped unread) or an `InferenceState`.
+    rules: logical axis rules (e.g. `standard_logical_axis_rules()`); when
+      given and the state has axes, each variable's mesh axes are recorded.
+
+  Returns:
+    A `HostSnapshot` owning numpy copies of the params and mutables.
+
+  Raises:
+    TypeError: if `state` is not a state.
+    AxisRankMismatchError: if a variable's names don't match its rank.
+    UnmappedLogicalAxisError: if `rules` lack a logical name in use.
+  """
+  start = time.perf_counter()
+  inference = _strip(state)
+  logical_axes = mesh_axes = None
+  if inference.params_axes is not None:
+    # Resolve before gathering: a bad rule fails fast, on every process.
+    logical_axes = _axes_by_path(inference.as_logical_axes())
+    if rules is not None:
+      mesh_axes = _axes_by_path(
+          partitioning.get_mesh_axes(inference, tuple(rules)))
+  elif rules is not None:
+    logging.info('take_snapshot: the state declares no logical axes; '
+                 'mesh axes are not recorded.')
+  step = int(np.asarray(partitioning.gather_to_host(inference.step)))
+  variables = partitioning.gather_to_host(_plain(_variables_of(inference)))
+  nbytes = partitioning.tree_nbytes(variables)
+  logging.info('Snapshot of step %d: %d arrays, %.1f MiB in %.3fs.', step,
+               len(jax.tree_util.tree_leaves(variables)), nbytes / 2**20,
+               time.perf_counter() - start)
+  return HostSnapshot(step=step, variables=variables,
+                      logical_axes=logical_axes, mesh_axes=mesh_axes,
+                      nbytes=nbytes)
+
+
+def _plain(tree: Any) -> Any:
+  """Nested Mappings (FrozenDict, dict) as plain dicts; leaves untouched."""
+  if isinstance(tree, Mapping):
+    return {k: _plain(v) for k, v in tree.items()}
+  return tree
