@@ -18,7 +18,7 @@ Light: this module never imports TensorFlow.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 import dataclasses
 import time
 from typing import Any
@@ -74,13 +74,8 @@ def _strip(state: Any) -> train_state.InferenceState:
   return train_state.InferenceState.from_train_state(state)
 
 
-def _variables_of(state: train_state.InferenceState) -> dict[str, Any]:
-  """`{'params': ..., **flax_mutables}` of a state, whatever its leaves."""
-  return {'params': state.params, **dict(state.flax_mutables or {})}
-
-
 def _axes_by_path(spec_state: train_state.InferenceState) -> AxesByPath:
-  flat = paths.flatten(_variables_of(spec_state),
+  flat = paths.flatten(spec_state.variables,
                        is_leaf=lambda x: isinstance(x, PartitionSpec))
   return {path: tuple(spec) for path, spec in flat.items()}
 
@@ -121,7 +116,7 @@ def take_snapshot(state: Any, *,
     logging.info('take_snapshot: the state declares no logical axes; '
                  'mesh axes are not recorded.')
   step = int(np.asarray(partitioning.gather_to_host(inference.step)))
-  variables = partitioning.gather_to_host(_plain(_variables_of(inference)))
+  variables = partitioning.gather_to_host(inference.variables)
   nbytes = partitioning.tree_nbytes(variables)
   logging.info('Snapshot of step %d: %d arrays, %.1f MiB in %.3fs.', step,
                len(jax.tree_util.tree_leaves(variables)), nbytes / 2**20,
@@ -129,10 +124,3 @@ def take_snapshot(state: Any, *,
   return HostSnapshot(step=step, variables=variables,
                       logical_axes=logical_axes, mesh_axes=mesh_axes,
                       nbytes=nbytes)
-
-
-def _plain(tree: Any) -> Any:
-  """Nested Mappings (FrozenDict, dict) as plain dicts; leaves untouched."""
-  if isinstance(tree, Mapping):
-    return {k: _plain(v) for k, v in tree.items()}
-  return tree
