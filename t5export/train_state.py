@@ -242,16 +242,28 @@ def _param_specs(params: Any, params_axes: Any) -> Any:
         'the model declares none. Declare them with flax.linen.partitioning.'
         'param_with_axes(..., axes=(...)) (T5X style) or '
         'nn.with_logical_partitioning(init_fn, (...)).')
-  return jax.tree.map(lambda _, md: PartitionSpec(*md.names), params,
-                      params_axes)
+  return _map_axes(lambda _, md: PartitionSpec(*md.names), params,
+                   params_axes, what='params')
 
 
 def _mutable_specs(flax_mutables: Any, flax_mutables_axes: Any) -> Any:
   if flax_mutables_axes is None:
     return jax.tree.map(_replicated, flax_mutables)
-  return jax.tree.map(
+  return _map_axes(
       lambda x, md: _replicated(x) if md is None else PartitionSpec(*md.names),
-      flax_mutables, flax_mutables_axes)
+      flax_mutables, flax_mutables_axes, what='flax_mutables')
+
+
+def _map_axes(fn: Any, values: Any, axes: Any, *, what: str) -> Any:
+  """tree_map over values and their axes mirror, with a clear mismatch."""
+  try:
+    return jax.tree.map(fn, values, axes)
+  except ValueError as e:
+    raise ValueError(
+        f'The {what} no longer match their axes ({what}_axes): '
+        f'{sorted(set(paths.flatten(values)))[:10]} vs the declared tree. '
+        f'A replace_{what}(...) call must keep the structure given at '
+        f'create; build a new state with create(...) instead. ({e})') from e
 
 
 def _opt_leaf_spec(leaf: Any, param: Any, spec: PartitionSpec) -> Any:

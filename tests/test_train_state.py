@@ -576,3 +576,10 @@ def test_import_does_not_pull_in_tensorflow():
   code = ('import sys, t5export.train_state; '
           "assert 'tensorflow' not in sys.modules, 'tensorflow imported'")
   subprocess.run([sys.executable, '-c', code], check=True, timeout=120)
+
+
+def test_as_logical_axes_after_a_structure_change_is_a_clear_error(t5):
+  _, variables, _ = t5
+  inf = ts_lib.InferenceState.create(variables)
+  with pytest.raises(ValueError, match='replace_params.*must keep the structure'):
+    inf.replace_params({'w': jnp.ones(2)}).as_logical_axes()
