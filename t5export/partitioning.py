@@ -238,7 +238,8 @@ def get_mesh_axes(state: Any, rules: Sequence[tuple[str, MeshAxes]]) -> Any:
   Raises:
     MissingAxesError: if the state's params carry no logical axes.
     AxisRankMismatchError: if a leaf's names don't match its rank (checked
-      when `state` holds arrays).
+      when `state` holds arrays; an empty `PartitionSpec()` means
+      replicated at any rank).
     UnmappedLogicalAxisError: if a logical name has no rule.
     TypeError: if `state` is neither a state nor a tree of PartitionSpecs.
   """
@@ -257,6 +258,8 @@ def get_mesh_axes(state: Any, rules: Sequence[tuple[str, MeshAxes]]) -> Any:
       raise TypeError(
           f'Leaf {paths.path_str(keypath)!r} of the logical axes is '
           f'{spec!r}, not a PartitionSpec.')
+    if not spec:
+      return PartitionSpec()  # Replicated at any rank, as in JAX.
     shape = getattr(leaf, 'shape', None) if arrays is not None else None
     return logical_to_mesh_spec(tuple(spec), rules,
                                 path=paths.path_str(keypath), shape=shape)

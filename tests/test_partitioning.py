@@ -309,7 +309,8 @@ def test_get_mesh_axes_rank_mismatch_in_state():
           names=('embed',))}})
   with pytest.raises(errors.AxisRankMismatchError,
                      match=r"'params/mlp/wi' has shape \(4, 8\)") as e:
-    partitioning.get_mesh_axes(state, partitioning.standard_logical_axis_rules())
+    partitioning.get_mesh_axes(state,
+                               partitioning.standard_logical_axis_rules())
   assert e.value.names == ('embed',)
 
 
@@ -317,7 +318,17 @@ def test_get_mesh_axes_without_axes():
   state = train_state.InferenceState.create(
       {'params': {'dense': {'kernel': np.zeros((2, 3), np.float32)}}})
   with pytest.raises(errors.MissingAxesError, match='params/dense/kernel'):
-    partitioning.get_mesh_axes(state, partitioning.standard_logical_axis_rules())
+    partitioning.get_mesh_axes(state,
+                               partitioning.standard_logical_axis_rules())
+
+
+def test_get_mesh_axes_empty_spec_is_replicated_at_any_rank():
+  rules = partitioning.standard_logical_axis_rules()
+  state = train_state.InferenceState(
+      step=jnp.zeros((), jnp.int32),
+      params={'w': np.zeros((4, 8), np.float32)},
+      params_axes={'w': flax_partitioning.AxisMetadata(names=())})
+  assert partitioning.get_mesh_axes(state, rules).params == {'w': P()}
 
 
 def test_get_mesh_axes_rejects_other_trees():
@@ -379,12 +390,13 @@ def test_gather_rejects_other_leaves():
 # --- subprocess: 8 devices, several processes, no tensorflow ----------------
 
 
-def test_gather_8_devices_bit_exact(t5_pickle):
+def test_gather_8_devices_bit_exact(t5_variables, t5_pickle):
   cases = ['1,1,2,4', '1,2,4,2', '2,2,2,4']
   lines = _run([str(TESTS_DIR / '_gather_8dev.py'), str(t5_pickle), *cases],
                _env(8))
   leaves = [r for r in lines if r['kind'] == 'leaf']
-  n_params = 2 + 27  # TinyT5's params plus a bf16 and an int32 leaf.
+  # TinyT5's params plus a bf16 and an int32 leaf.
+  n_params = len(paths.flatten(t5_variables['params'])) + 2
   assert len(leaves) == n_params * len(cases)
   bad = [r for r in leaves if not (r['equal'] and r['is_numpy'] and
                                    r['owns_data'] and
@@ -408,7 +420,7 @@ def test_gather_8_devices_bit_exact(t5_pickle):
 
 
 @pytest.mark.multiprocess
-def test_gather_across_processes(t5_pickle):
+def test_gather_across_processes(t5_variables, t5_pickle):
   n = 2
   port = _free_port()
   script = str(TESTS_DIR / '_gather_2proc.py')
@@ -436,7 +448,7 @@ def test_gather_across_processes(t5_pickle):
         p.wait()
 
   per_process = [{r['path']: r for r in rows} for rows in outputs]
-  assert len(per_process[0]) == 27
+  assert len(per_process[0]) == len(paths.flatten(t5_variables['params']))
   for rows in per_process:
     assert all(r['equal'] and r['is_numpy'] for r in rows.values()), rows
     # Every leaf lives on devices of both processes.

@@ -95,7 +95,8 @@ def test_strip_never_reads_optimizer_state(mlp_variables):
   ts = _train_state(mlp_variables)
   for leaf in jax.tree.leaves(ts.param_states):
     leaf.delete()  # Any read of the optimizer state would now raise.
-  snap = snapshot.take_snapshot(ts, rules=partitioning.standard_logical_axis_rules())
+  snap = snapshot.take_snapshot(
+      ts, rules=partitioning.standard_logical_axis_rules())
   _assert_bit_equal(snap.variables['params'], _host_copy(ts.params))
 
 
