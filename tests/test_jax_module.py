@@ -1,0 +1,461 @@
+"""Tests for t5export.jax_module (JaxModule).
+
+Real flax models (MlpBn from examples, an inline CNN with BatchNorm, a model
+with nested dict/tuple inputs and outputs, bfloat16 models) are converted,
+saved with `tf.saved_model.save` (serving signatures from
+`serving.Signature`), and loaded in ONE subprocess that imports only
+TensorFlow; its outputs are compared with JAX.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from examples import models
+from t5export import errors
+from t5export import jax_module
+from t5export import paths
+from t5export import serving
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Runs in a subprocess: loads SavedModels with TensorFlow only and calls
+# signatures (flat keyword inputs) or restored module methods (nested).
+# TensorFlow itself imports jax when it is installed (tf.lite's optional
+# `from jax import jit`), so the runner makes jax/jaxlib/flax unimportable
+# first: the SavedModel must then run without them.
+_TF_RUNNER = textwrap.dedent('''
+    import importlib.abc, pickle, sys
+    class _NoJax(importlib.abc.MetaPathFinder):
+      def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('jax', 'jaxlib', 'flax'):
+          raise ImportError(f'{name} is blocked in this TF-only process')
+        return None
+    sys.meta_path.insert(0, _NoJax())
+    import tensorflow as tf
+    jobs = pickle.load(open(sys.argv[1], 'rb'))
+    loaded, results = {}, []
+    def to_np(t):
+      if t.dtype == tf.bfloat16:
+        t = tf.cast(t, tf.float32)
+      return t.numpy()
+    for job in jobs:
+      if job['dir'] not in loaded:
+        loaded[job['dir']] = tf.saved_model.load(job['dir'])
+      obj = loaded[job['dir']]
+      if job['kind'] == 'signature':
+        fn = obj.signatures[job['name']]
+        out = fn(**{k: tf.constant(v) for k, v in job['inputs'].items()})
+      else:
+        out = obj._tf_methods[job['name']](job['inputs'])
+      results.append(tf.nest.map_structure(to_np, out))
+    assert 'jax' not in sys.modules and 'flax' not in sys.modules, sorted(
+        m for m in sys.modules if m.startswith(('jax', 'flax')))
+    pickle.dump(results, open(sys.argv[2], 'wb'))
+''')
+
+
+def run_in_tf_only(jobs: list[dict], tmp: pathlib.Path) -> list:
+  """Runs the jobs in a TensorFlow-only subprocess; returns their outputs."""
+  jobs_file, out_file = tmp / 'jobs.pkl', tmp / 'results.pkl'
+  with open(jobs_file, 'wb') as f:
+    pickle.dump(jobs, f)
+  env = dict(os.environ, CUDA_VISIBLE_DEVICES='', TF_CPP_MIN_LOG_LEVEL='2')
+  proc = subprocess.run(
+      [sys.executable, '-c', _TF_RUNNER, str(jobs_file), str(out_file)],
+      capture_output=True, text=True, env=env, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  with open(out_file, 'rb') as f:
+    return pickle.load(f)
+
+
+# --- models -------------------------------------------------------------------
+
+
+class Cnn(nn.Module):
+  """A small CNN with BatchNorm: [b, 8, 8, 3] -> logits [b, 5]."""
+
+  @nn.compact
+  def __call__(self, x, *, train: bool):
+    x = nn.Conv(8, (3, 3), name='conv')(x)
+    x = nn.BatchNorm(use_running_average=not train, name='bn')(x)
+    x = nn.relu(x).mean(axis=(1, 2))
+    return nn.Dense(5, name='head')(x)
+
+
+class Nested(nn.Module):
+  """Takes {'x': [b, 512], 'pair': (tokens [b, n], mask [b, n])}."""
+
+  @nn.compact
+  def __call__(self, inputs):
+    h = nn.Dense(512, name='wide')(inputs['x'])  # 1 MiB kernel
+    tokens, mask = inputs['pair']
+    emb = nn.Embed(16, 4, name='embed')(tokens) * mask[..., None]
+    return {'out': {'h': h, 'pooled': emb.sum(axis=1)},
+            'tup': (h.sum(axis=-1), tokens * 2)}
+
+
+class Bf16Dense(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    y = nn.Dense(6, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)(x)
+    return nn.Dense(3, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)(
+        jnp.tanh(y))
+
+
+def _cnn_variables():
+  model = Cnn()
+  x = jax.random.normal(jax.random.key(1), (4, 8, 8, 3))
+  variables = model.init(jax.random.key(0), x, train=False)
+  # One training-mode pass so the running statistics are not trivial.
+  _, updates = model.apply(variables, x * 3 + 1, train=True,
+                           mutable=['batch_stats'])
+  return model, {'params': variables['params'], **updates}
+
+
+def _nested_method(model):
+  return lambda variables, inputs: model.apply(variables, inputs)
+
+
+# --- fixtures -------------------------------------------------------------------
+
+
+def _inputs_for(name, batch, seq=None, seed=0):
+  rng = np.random.default_rng(seed + batch * 10 + (seq or 0))
+  if name == 'mlp':
+    return {'x': rng.normal(size=(batch, 16)).astype(np.float32)}
+  if name == 'cnn':
+    return {'image': rng.normal(size=(batch, 8, 8, 3)).astype(np.float32)}
+  if name == 'nested':
+    return {'x': rng.normal(size=(batch, 512)).astype(np.float32),
+            'pair': (rng.integers(0, 16, size=(batch, seq)).astype(np.int32),
+                     rng.uniform(size=(batch, seq)).astype(np.float32))}
+  if name == 'bf16':
+    return {'x': rng.normal(size=(batch, 4)).astype(np.float32)}
+  raise KeyError(name)
+
+
+def _flat_inputs(sig, tree):
+  """Serving keyword inputs for a method inputs tree (no preprocessor)."""
+  return dict(zip(sig.input_names, jax.tree_util.tree_leaves(tree)))
+
+
+@pytest.fixture(scope='module')
+def exported(tmp_path_factory):
+  """Builds, saves and reloads (TF-only subprocess) every model once."""
+  tmp = tmp_path_factory.mktemp('jax_module')
+  cases = {}
+
+  mlp = models.MlpBn()
+  mlp_vars = nn.unbox(models.init_mlp_bn(mlp, jax.random.key(0)))
+  cases['mlp'] = dict(
+      variables=mlp_vars,
+      sig=serving.Signature('serving_default', models.make_mlp_serve_fn(mlp),
+                            {'x': ('b, 16', 'float32')}),
+      kwargs={}, seqs=[None])
+
+  cnn, cnn_vars = _cnn_variables()
+  cases['cnn'] = dict(
+      variables=cnn_vars,
+      sig=serving.Signature(
+          'classify',
+          lambda v, inp: {'logits': cnn.apply(v, inp['image'], train=False)},
+          {'image': ('b, 8, 8, 3', 'float32')}),
+      kwargs={'platforms': ('cpu', 'cuda')}, seqs=[None])
+
+  nested = Nested()
+  nested_vars = nested.init(jax.random.key(2), _inputs_for('nested', 2, 3))
+  cases['nested'] = dict(
+      variables=dict(nested_vars),
+      sig=serving.Signature(
+          'nested', _nested_method(nested),
+          {'x': ('b, 512', 'float32'),
+           'pair': (('b, n', 'int32'), ('b, n', 'float32'))}),
+      kwargs={'jit_compile': False}, seqs=[3, 5])
+
+  bf16 = Bf16Dense()
+  bf16_vars = dict(bf16.init(jax.random.key(3), np.ones((1, 4), np.float32)))
+  for name, cast in (('bf16', False), ('bf16_cast', True)):
+    cases[name] = dict(
+        variables=bf16_vars,
+        sig=serving.Signature(
+            'serving_default',
+            lambda v, inp: {'y': bf16.apply(v, inp['x'])},
+            {'x': ('b, 4', 'float32')}),
+        kwargs={'cast_bfloat16': cast}, seqs=[None])
+
+  jobs, expected = [], []
+  for name, case in cases.items():
+    sig = case['sig']
+    module = serving.make_module(case['variables'], [sig], **case['kwargs'])
+    case['module'] = module
+    case['dir'] = str(tmp / name)
+    tf.saved_model.save(module, case['dir'],
+                        signatures=serving.serving_functions(module, [sig]))
+    case['traces_after_save'] = module.trace_count
+    for batch in (1, 7):
+      for seq in case['seqs']:
+        tree = _inputs_for(name.split('_')[0], batch, seq)
+        jobs.append({'dir': case['dir'], 'kind': 'signature', 'name': sig.name,
+                     'inputs': _flat_inputs(sig, tree)})
+        expected.append((name, batch, seq, 'signature',
+                         sig.reference_outputs(module,
+                                               _flat_inputs(sig, tree))))
+        if name == 'nested':
+          jobs.append({'dir': case['dir'], 'kind': 'method',
+                       'name': sig.name, 'inputs': tree})
+          expected.append((name, batch, seq, 'method',
+                           module.jax_methods[sig.name](tree)))
+
+  # Second version of the MLP: new values, same module, no new trace.
+  case = cases['mlp']
+  new_vars = jax.tree_util.tree_map(lambda a: np.asarray(a) * 1.5 + 0.1,
+                                    case['variables'])
+  case['module'].update_variables(new_vars)
+  case['dir_v2'] = str(tmp / 'mlp_v2')
+  tf.saved_model.save(
+      case['module'], case['dir_v2'],
+      signatures=serving.serving_functions(case['module'], [case['sig']]))
+  case['traces_after_update'] = case['module'].trace_count
+  tree = _inputs_for('mlp', 7)
+  jobs.append({'dir': case['dir_v2'], 'kind': 'signature',
+               'name': 'serving_default', 'inputs': tree})
+  expected.append(('mlp_v2', 7, None, 'signature',
+                   {'logits': np.asarray(models.make_mlp_serve_fn(mlp)(
+                       new_vars, tree)['logits'])}))
+  results = run_in_tf_only(jobs, tmp)
+  return {'cases': cases, 'results': list(zip(expected, results))}
+
+
+def _results(exported, name):
+  found = [(e, r) for e, r in exported['results'] if e[0] == name]
+  assert found, name
+  return found
+
+
+def _assert_close(expected, got, **tol):
+  flat_e, flat_g = paths.flatten(expected), paths.flatten(got)
+  assert list(flat_e) == list(flat_g)
+  for key in flat_e:
+    e = np.asarray(flat_e[key])
+    if e.dtype == jnp.bfloat16:
+      e = e.astype(np.float32)
+    np.testing.assert_allclose(np.asarray(flat_g[key]), e, err_msg=key, **tol)
+
+
+# --- tests ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('name', ['mlp', 'cnn'])
+def test_tf_only_subprocess_matches_jax_for_batch_1_and_7(exported, name):
+  found = _results(exported, name)
+  assert sorted(e[1] for e, _ in found) == [1, 7]
+  for (_, batch, _, _, want), got in found:
+    assert next(iter(got.values())).shape[0] == batch
+    _assert_close(want, got, rtol=1e-5, atol=1e-5)
+
+
+def test_nested_dict_and_tuple_inputs_outputs_two_lengths(exported):
+  found = _results(exported, 'nested')
+  shapes = sorted({(e[1], e[2], e[3]) for e, _ in found})
+  assert shapes == [(b, n, k) for b in (1, 7) for n in (3, 5)
+                    for k in ('method', 'signature')]
+  for (_, batch, seq, kind, want), got in found:
+    if kind == 'signature':  # flat names, nested joined with '/'
+      assert set(got) == {'out/h', 'out/pooled', 'tup/0', 'tup/1'}
+      assert got['tup/1'].shape == (batch, seq)
+    else:  # the restored module method keeps the nesting
+      assert isinstance(got['tup'], tuple) and set(got['out']) == {
+          'h', 'pooled'}
+      got = jax.tree_util.tree_map(np.asarray, got)
+    _assert_close(want, got, rtol=1e-5, atol=1e-5)
+
+
+def test_lowered_for_cpu_and_cuda_runs_on_cpu_tensorflow(exported):
+  case = exported['cases']['cnn']
+  assert case['module'].platforms == ('cpu', 'cuda')
+  graph = pathlib.Path(case['dir'], 'saved_model.pb').read_bytes()
+  assert b'CUDA' in graph and b'CPU' in graph  # XlaCallModule platforms
+  assert len(_results(exported, 'cnn')) == 2  # ran in the subprocess
+
+
+def test_default_platform_is_the_current_backend(exported):
+  assert exported['cases']['mlp']['module'].platforms == (
+      jax.default_backend(),)
+
+
+def test_variables_are_host_tf_variables_named_by_path(exported):
+  case = exported['cases']['cnn']
+  module, variables = case['module'], case['variables']
+  flat = paths.flatten(variables)
+  assert module.param_paths == tuple(flat)
+  assert 'batch_stats/bn/mean' in module.param_paths
+  assert len(module.param_vars) == len(flat)
+  for var, (path, leaf) in zip(module.param_vars, flat.items()):
+    assert isinstance(var, tf.Variable)
+    assert var.name == f'{path}:0'
+    assert not var.trainable
+    assert 'CPU' in var.device
+    np.testing.assert_array_equal(var.numpy(), np.asarray(leaf))
+  assert module.trainable_variables == ()
+
+
+def test_weights_are_variables_not_graph_constants(exported):
+  case = exported['cases']['nested']
+  param_bytes = sum(np.asarray(x).nbytes
+                    for x in jax.tree_util.tree_leaves(case['variables']))
+  assert param_bytes > 2**20
+  pb = pathlib.Path(case['dir'], 'saved_model.pb').stat().st_size
+  var_dir = pathlib.Path(case['dir'], 'variables')
+  var_bytes = sum(p.stat().st_size for p in var_dir.iterdir())
+  assert pb < param_bytes / 4, (pb, param_bytes)
+  assert var_bytes >= param_bytes
+
+
+def test_bfloat16_kept_or_cast_both_match_jax(exported):
+  kept, cast = exported['cases']['bf16'], exported['cases']['bf16_cast']
+  assert {v.dtype for v in kept['module'].param_vars} == {tf.bfloat16}
+  assert {v.dtype for v in cast['module'].param_vars} == {tf.float32}
+  # Cast back inside JAX: the JAX view is bfloat16 again, bit for bit.
+  for module in (kept['module'], cast['module']):
+    for got, want in zip(jax.tree_util.tree_leaves(module.jax_variables()),
+                         jax.tree_util.tree_leaves(kept['variables'])):
+      assert got.dtype == jnp.bfloat16
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  kept_out = [r for _, r in _results(exported, 'bf16')]
+  cast_out = [r for _, r in _results(exported, 'bf16_cast')]
+  for (e, got), other in zip(_results(exported, 'bf16'), cast_out):
+    _assert_close(e[4], got, rtol=1e-2, atol=1e-2)
+    np.testing.assert_array_equal(got['y'], other['y'])  # same numerics
+  assert len(kept_out) == 2
+
+
+def test_update_variables_changes_outputs_without_retracing(exported):
+  case = exported['cases']['mlp']
+  assert case['traces_after_save'] == 1
+  assert case['traces_after_update'] == case['traces_after_save']
+  (_, _, _, _, want), got = _results(exported, 'mlp_v2')[0]
+  (_, _, _, _, old), _ = [
+      r for r in _results(exported, 'mlp') if r[0][1] == 7][0]
+  assert not np.allclose(want['logits'], old['logits'])
+  _assert_close(want, got, rtol=1e-5, atol=1e-5)
+
+
+def test_update_variables_reaches_eager_methods_and_jax_methods():
+  model = Bf16Dense()
+  variables = dict(model.init(jax.random.key(0), np.ones((1, 4), np.float32)))
+  fn = lambda v, inp: model.apply(v, inp['x'])
+  module = jax_module.JaxModule(
+      variables, {'f': fn},
+      input_signatures={'f': {'x': tf.TensorSpec([None, 4], tf.float32)}},
+      polymorphic_shapes={'f': {'x': '(b, 4)'}}, cast_bfloat16=True,
+      trainable=True)
+  x = {'x': np.ones((2, 4), np.float32)}
+  before = module.methods['f'](x).numpy()
+  traces = module.trace_count
+  doubled = jax.tree_util.tree_map(lambda a: a * 2, variables)
+  module.update_variables(doubled)
+  after_tf = module.methods['f'](x)
+  after_jax = module.jax_methods['f'](x)
+  assert module.trace_count == traces
+  assert all(v.trainable for v in module.param_vars)
+  assert not np.array_equal(before, after_tf.numpy())
+  np.testing.assert_array_equal(after_tf.numpy(), np.asarray(after_jax))
+  np.testing.assert_array_equal(
+      np.asarray(after_jax), np.asarray(fn(doubled, x)))
+
+
+@pytest.fixture(scope='module')
+def small_module():
+  variables = {'params': {'dense': {'kernel': np.ones((4, 3), np.float32),
+                                    'bias': np.zeros((3,), np.float32)}},
+               'stats': {'count': np.zeros((), np.int32)}}
+  fn = lambda v, inp: inp @ v['params']['dense']['kernel']
+  module = jax_module.JaxModule(
+      variables, {'f': fn},
+      input_signatures={'f': tf.TensorSpec([None, 4], tf.float32)},
+      polymorphic_shapes={'f': '(b, 4)'})
+  return module, variables
+
+
+def _changed(variables, path, value):
+  flat = dict(paths.flatten(variables))
+  if value is None:
+    del flat[path]
+  else:
+    flat[path] = value
+  return paths.unflatten(flat)
+
+
+@pytest.mark.parametrize('change, message', [
+    (lambda v: _changed(v, 'params/dense/bias', None),
+     r"structure.*missing \['params/dense/bias'\]"),
+    (lambda v: _changed(v, 'params/dense/extra', np.zeros(2, np.float32)),
+     r"structure.*unexpected \['params/dense/extra'\]"),
+    (lambda v: _changed(v, 'params/dense/kernel', np.ones((4, 5), np.float32)),
+     r'params/dense/kernel: expected \(4, 3\) float32, got \(4, 5\) float32'),
+    (lambda v: _changed(v, 'params/dense/kernel', np.ones((4, 3), np.float16)),
+     r'params/dense/kernel: expected \(4, 3\) float32, got \(4, 3\) float16'),
+    (lambda v: _changed(v, 'stats/count', np.zeros((), np.float32)),
+     r'stats/count: expected \(\) int32, got \(\) float32'),
+    (lambda v: {'params': v['params'], 'stats': [v['stats']['count']]},
+     r"structure.*missing \['stats/count'\]; unexpected \['stats/0'\]"),
+], ids=['missing', 'unexpected', 'shape', 'dtype', 'int_to_float', 'list'])
+def test_update_variables_rejects_mismatch_naming_the_leaf(
+    small_module, change, message):
+  module, variables = small_module
+  before = [v.numpy().copy() for v in module.param_vars]
+  bad = change(jax.tree_util.tree_map(lambda a: a + 1, variables))
+  with pytest.raises(errors.VariableMismatchError, match=message):
+    module.update_variables(bad)
+  for var, old in zip(module.param_vars, before):  # nothing assigned
+    np.testing.assert_array_equal(var.numpy(), old)
+
+
+def test_update_variables_rejects_other_container_type(small_module):
+  module, variables = small_module
+  as_tuple_node = {'params': {'dense': nn.FrozenDict(
+      variables['params']['dense'])}, 'stats': variables['stats']}
+  with pytest.raises(errors.VariableMismatchError,
+                     match='different pytree structure'):
+    module.update_variables(as_tuple_node)
+
+
+def test_constructor_validates_names_and_platforms():
+  variables = {'params': {'w': np.ones((2,), np.float32)}}
+  fn = lambda v, x: x * v['params']['w']
+  spec = tf.TensorSpec([None, 2], tf.float32)
+  with pytest.raises(ValueError, match=r"input_signatures must have exactly "
+                     r"the method names \['f'\] as keys; got \['g'\]"):
+    jax_module.JaxModule(variables, {'f': fn}, input_signatures={'g': spec},
+                         polymorphic_shapes={'f': '(b, 2)'})
+  with pytest.raises(ValueError, match=r"unknown platform\(s\) \['gpu'\]"):
+    jax_module.JaxModule(variables, {'f': fn}, input_signatures={'f': spec},
+                         polymorphic_shapes={'f': '(b, 2)'},
+                         platforms=('cpu', 'gpu'))
+  with pytest.raises(ValueError, match='at least one method'):
+    jax_module.JaxModule(variables, {}, input_signatures={},
+                         polymorphic_shapes={})
+
+
+@pytest.mark.parametrize('path, name', [
+    ('params/encoder/layers_0/kernel', 'params/encoder/layers_0/kernel'),
+    ('params/mlp/~/linear_0/w', 'params/mlp/_/linear_0/w'),
+    ('params/a b:c', 'params/a_b_c'),
+    ('_private/x', 'v_private/x'),
+])
+def test_tf_variable_name_is_tf_safe(path, name):
+  assert jax_module.tf_variable_name(path) == name
+  tf.Variable(0.0, name=jax_module.tf_variable_name(path))  # TF accepts it
