@@ -3,11 +3,13 @@
 One of N `jax.distributed` processes on 127.0.0.1 (gloo CPU collectives, 2
 forced host devices each: set XLA_FLAGS and JAX_PLATFORMS=cpu in the env).
 Every process loads the same TinyT5 variables (a pickle of numpy leaves and
-axis metadata written by the test), places them on a global
+axis metadata written by the test), builds an adamw train state, places it
+on a global
 (data, model) mesh with `shard_state` and the 2-D rules, so 'embed' is
 sharded across processes, then calls `gather_to_host` at the same point.
 Prints one JSON line per leaf (with a digest of the gathered bytes) for the
-test to compare across processes.
+test to compare across processes, then one for `take_snapshot` of the
+sharded train state.
 
 Usage: python tests/_gather_2proc.py PROCESS_ID NUM_PROCESSES PORT VARIABLES
 """
@@ -31,8 +33,11 @@ def main(process_id: int, num_processes: int, port: int,
   # Imported after initialize: nothing may touch the backend before it.
   import numpy as np  # pylint: disable=g-import-not-at-top
 
+  import optax  # pylint: disable=g-import-not-at-top
+
   from t5export import partitioning  # pylint: disable=g-import-not-at-top
   from t5export import paths  # pylint: disable=g-import-not-at-top
+  from t5export import snapshot  # pylint: disable=g-import-not-at-top
   from t5export import train_state  # pylint: disable=g-import-not-at-top
 
   assert jax.process_count() == num_processes
@@ -42,7 +47,8 @@ def main(process_id: int, num_processes: int, port: int,
       ('data', 'model'))
   with open(pickle_path, 'rb') as f:
     variables = pickle.load(f)
-  state = train_state.InferenceState.create(variables)
+  state = train_state.FlaxOptimTrainState.create(optax.adamw(1e-3), variables)
+  state = state.replace_step(7)
   expected = {p: np.array(x) for p, x in paths.flatten(state.params).items()}
 
   rules = partitioning.standard_logical_axis_rules(1, 2)
@@ -64,6 +70,23 @@ def main(process_id: int, num_processes: int, port: int,
                       np.array_equal(got.view(np.uint8), want.view(np.uint8))),
         'digest': hashlib.sha256(got.tobytes()).hexdigest(),
     }), flush=True)
+  # The export's training-thread half: strip, resolve, gather.
+  snap = snapshot.take_snapshot(sharded, rules=rules)
+  snap_flat = snap.flat_variables()
+  mu = paths.flatten(sharded.param_states[0].mu)
+  print(json.dumps({
+      'process': process_id, 'path': '<snapshot>', 'step': snap.step,
+      'equal': all(np.array_equal(snap_flat['params/' + p], w) and
+                   snap_flat['params/' + p].dtype == w.dtype
+                   for p, w in expected.items()),
+      'paths_match': list(snap_flat) == ['params/' + p for p in expected],
+      'mesh_axes_match': all(
+          snap.mesh_axes['params/' + p] == tuple(x.sharding.spec)
+          for p, x in flat_sharded.items()),
+      'opt_state_sharded_like_params': all(
+          mu[p].sharding.spec == x.sharding.spec
+          for p, x in flat_sharded.items()),
+  }), flush=True)
   jax.distributed.shutdown()
 
 

@@ -448,7 +448,12 @@ def test_gather_across_processes(t5_variables, t5_pickle):
         p.wait()
 
   per_process = [{r['path']: r for r in rows} for rows in outputs]
+  snapshots = [rows.pop('<snapshot>') for rows in per_process]
   assert len(per_process[0]) == len(paths.flatten(t5_variables['params']))
+  for snap in snapshots:
+    assert snap['step'] == 7
+    assert snap['equal'] and snap['paths_match'] and snap['mesh_axes_match']
+    assert snap['opt_state_sharded_like_params']
   for rows in per_process:
     assert all(r['equal'] and r['is_numpy'] for r in rows.values()), rows
     # Every leaf lives on devices of both processes.
