@@ -73,8 +73,13 @@ class UnmappedLogicalAxisError(T5ExportError, ValueError):
         'additional_rules=...) or your logical_axis_rules.')
 
 
-class NoOptimizerStateError(T5ExportError, AttributeError):
-  """An optimizer-only operation was asked of an InferenceState."""
+class NoOptimizerStateError(T5ExportError, NotImplementedError):
+  """An optimizer-only operation was asked of an InferenceState.
+
+  A NotImplementedError (as in T5X), not an AttributeError: `hasattr` and
+  runtime Protocol checks must still see `param_states`, so an
+  InferenceState is a `TrainState`.
+  """
 
 
 class HyperparamNotInjectedError(T5ExportError, ValueError):
@@ -199,3 +204,21 @@ class ParamsMismatchError(T5ExportError, ValueError):
 
 class VersionNotFoundError(T5ExportError, FileNotFoundError):
   """A directory is not a published t5export version (no metadata)."""
+
+
+# --- sharding (partitioning) ------------------------------------------------
+
+
+class IndivisibleShardingError(T5ExportError, ValueError):
+  """A parameter dimension is not divisible by the mesh axes sharding it."""
+
+  def __init__(self, path: str, shape: Sequence[int], spec: object,
+               dim: int, parts: int):
+    self.path, self.shape, self.spec = path, tuple(shape), spec
+    self.dim, self.parts = dim, parts
+    super().__init__(
+        f'Parameter {path!r} of shape {self.shape} cannot be sharded as '
+        f'{spec}: dimension {dim} (size {self.shape[dim]}) is not divisible '
+        f'by {parts}, the size of the mesh axes it is split over. Change '
+        'the mesh shape, the model size or the logical axis rules (e.g. map '
+        'that logical name to None).')
