@@ -321,8 +321,19 @@ def shard_state(state: Any, mesh: jax.sharding.Mesh,
 
   Returns:
     The same state with every array a `jax.Array` sharded over `mesh`.
+
+  Raises:
+    IndivisibleShardingError: if a dimension is not divisible by the size
+      of the mesh axes it is split over.
+    ValueError: if a spec names an axis the mesh lacks (see `shardings_for`),
+      and as `get_mesh_axes`.
   """
-  shardings = shardings_for(mesh, get_mesh_axes(state, rules))
+  specs = get_mesh_axes(state, rules)
+  jax.tree_util.tree_map_with_path(
+      lambda kp, spec, x: _check_divisible(paths.path_str(kp), np.shape(x),
+                                           spec, mesh),
+      specs, state, is_leaf=_is_spec)
+  shardings = shardings_for(mesh, specs)
 
   def place(x, sharding):
     if sharding.is_fully_addressable:
@@ -332,6 +343,18 @@ def shard_state(state: Any, mesh: jax.sharding.Mesh,
                                         lambda index: host[index])
 
   return jax.tree_util.tree_map(place, state, shardings)
+
+
+def _check_divisible(path: str, shape: Sequence[int], spec: PartitionSpec,
+                     mesh: jax.sharding.Mesh) -> None:
+  """Raises IndivisibleShardingError unless `spec` splits `shape` evenly."""
+  sizes = dict(mesh.shape)
+  for dim, entry in enumerate(spec):
+    parts = 1
+    for axis in _mesh_leaves(entry):
+      parts *= sizes.get(axis, 1)
+    if dim < len(shape) and shape[dim] % parts:
+      raise errors.IndivisibleShardingError(path, shape, spec, dim, parts)
 
 
 # --- gather -----------------------------------------------------------------

@@ -347,6 +347,36 @@ def test_shardings_for_unknown_mesh_axis():
     partitioning.shardings_for(mesh, {'x': {'w': P('expert', None)}})
 
 
+def test_shard_state_one_device(adamw_state):
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1),
+                           ('data', 'model'))
+  rules = partitioning.standard_logical_axis_rules(1, 2)
+  sharded = partitioning.shard_state(adamw_state, mesh, rules)
+  assert type(sharded) is train_state.FlaxOptimTrainState
+  wi = sharded.param_states[0].mu['encoder_layers_0']['mlp']['wi']
+  assert wi.sharding == jax.sharding.NamedSharding(mesh, P('data', 'model'))
+  assert np.array_equal(sharded.params['token_embedder'],
+                        adamw_state.params['token_embedder'])
+
+
+def test_shard_state_indivisible_dimension():
+  # The check runs before anything is placed, so this process's one CPU
+  # device, repeated, can stand in for a data=2 x model=4 mesh.
+  state = train_state.InferenceState(
+      step=jnp.zeros((), jnp.int32),
+      params={'attn': {'query': np.zeros((8, 6), np.float32)}},
+      params_axes={'attn': {'query': flax_partitioning.AxisMetadata(
+          names=('embed', 'heads'))}})
+  devices = np.array(jax.devices()[:1] * 8, dtype=object).reshape(2, 4)
+  mesh = jax.sharding.Mesh(devices, ('data', 'model'))
+  with pytest.raises(errors.IndivisibleShardingError,
+                     match=(r"'params/attn/query' of shape \(8, 6\) cannot "
+                            r"be sharded.*dimension 1 \(size 6\) is not "
+                            r'divisible by 4')):
+    partitioning.shard_state(state, mesh,
+                             partitioning.standard_logical_axis_rules())
+
+
 # --- gather_to_host (one device) -------------------------------------------
 
 
