@@ -29,7 +29,7 @@ Light module: never imports tensorflow.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from absl import logging
 import flax
@@ -42,6 +42,11 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 import numpy as np
 import optax
+# typing_extensions' runtime Protocol checks members with getattr_static (as
+# Python 3.12+ does), so a property that raises, like InferenceState's
+# param_states, still counts as present on Python 3.10 and 3.11.
+from typing_extensions import Protocol
+from typing_extensions import runtime_checkable
 
 from t5export import errors
 from t5export import paths

@@ -114,6 +114,10 @@ def test_create_from_param_with_axes(t5):
   ts = ts_lib.FlaxOptimTrainState.create(tx, variables)
   assert isinstance(ts, ts_lib.TrainState)
   assert not isinstance({'step': 0}, ts_lib.TrainState)
+  # The strip keeps the protocol: param_states raises NotImplementedError,
+  # which the runtime check does not swallow as a missing attribute.
+  assert isinstance(ts_lib.InferenceState.from_train_state(ts),
+                    ts_lib.TrainState)
   assert ts.step.dtype == jnp.int32 and int(ts.step) == 0
   assert _get(ts.params, WI) is _get(variables['params'], WI)
   md = _get(ts.params_axes, WI)
