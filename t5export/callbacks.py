@@ -115,6 +115,10 @@ def _check_args(*, export_dir: Any, export_every_steps: Any, every_secs: Any,
       signatures, Iterable):
     raise TypeError(f'ExportCallback: signatures must be a list of '
                     f't5export.Signature, got {signatures!r}.')
+  if not list(signatures):
+    raise ValueError('ExportCallback: signatures is empty; pass at least one '
+                     't5export.Signature (gin: SIGNATURES = '
+                     '[@t5export.Signature()]).')
   return steps
 
 
@@ -233,6 +237,7 @@ class ExportCallback(periodic_actions.PeriodicAction):
     self._on_error = on_error
     self._metric_writer = metric_writer
     self._num_train_steps = num_train_steps
+    signatures = list(signatures)
     self._is_writer = jax.process_index() == 0
     self._exporter: exporter_lib.SavedModelExporter | None = None
     self._worker: async_lib.AsyncWorker | None = None
@@ -240,7 +245,7 @@ class ExportCallback(periodic_actions.PeriodicAction):
     self._last_step_handed_off: int | None = None
     if self._is_writer:
       self._exporter = exporter_lib.SavedModelExporter(
-          self._export_dir, list(signatures), keep=keep, keep_best=keep_best,
+          self._export_dir, signatures, keep=keep, keep_best=keep_best,
           validate=validate, atol=atol, rtol=rtol, platforms=platforms,
           warmup=warmup, allow_non_finite=allow_non_finite,
           logical_axis_rules=logical_axis_rules)
@@ -538,6 +543,26 @@ class ExportCallback(periodic_actions.PeriodicAction):
   def export_dir(self) -> str:
     """The export directory as given."""
     return self._export_dir
+
+  @property
+  def export_every_steps(self) -> int | None:
+    """The step period (CLU's `every_steps`), or None."""
+    return self._every_steps
+
+  @property
+  def every_secs(self) -> float | None:
+    """The time period in seconds, or None."""
+    return self._every_secs
+
+  @property
+  def on_steps(self) -> list[int]:
+    """Extra export steps, including the final step when enabled."""
+    return sorted(self._on_steps)
+
+  @property
+  def logical_axis_rules(self) -> Any:
+    """The logical axis rules used for the snapshot (or None)."""
+    return self._rules
 
   @property
   def exporter(self) -> exporter_lib.SavedModelExporter | None:
