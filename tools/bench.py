@@ -1,0 +1,1379 @@
+#!/usr/bin/env python3
+"""Benchmarks t5export side by side with orbax-export and the hardware limit.
+
+`make bench` runs this file. It prints one JSON object per figure, one per
+line, and (with `--write`) rewrites the table in BENCHMARKS.md. Every figure
+is a ratio of two things measured in the same run, interleaved, because these
+machines are noisy: the median of `--repeats` paired runs is reported with
+the spread (min, max, quartiles).
+
+The exports whose time or memory are measured run in child processes
+(`--worker TASK`), one measured side per process, and the parent samples
+their resident memory from outside (`/proc/<pid>/status`, every 5 ms): a
+sampler thread inside the exporting process starves while TensorFlow holds
+the GIL. The children also report the kernel's own high-water mark
+(`VmHWM`, reset through `/proc/self/clear_refs`) as a cross-check, and their
+I/O counters (`/proc/self/io`).
+
+The model is a stack of Dense layers (float32) sized to 25M, 100M and 400M
+parameters; training throughput uses the example tiny T5 when
+`examples.models` provides it. orbax-export is a benchmark-only extra; the
+t5export package never imports it.
+
+Usage:
+  python tools/bench.py                 # full run (< 30 min on 2 cores)
+  python tools/bench.py --smoke         # tiny sizes, < 60 s (tests use it)
+  python tools/bench.py --write         # also update BENCHMARKS.md
+  python tools/bench.py --only reexport_vs_orbax,scaling_slope
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import functools
+import json
+import math
+import os
+import pathlib
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+RESULT_PREFIX = 'BENCH_RESULT '
+MIB = 1 << 20
+
+# Figure name -> (target text, predicate on the median ratio, what it is).
+FIGURES: dict[str, tuple[str, Callable[[float], bool], str]] = {
+    'reexport_vs_orbax': (
+        '<= 0.8', lambda r: r <= 0.8,
+        're-export time, ours / orbax-export (update_variables + save)'),
+    'reexport_vs_raw_write': (
+        '<= 1.5', lambda r: r <= 1.5,
+        're-export time, ours / ndarray.tofile of the param bytes'),
+    'first_export_vs_orbax': (
+        '<= 1.0', lambda r: r <= 1.0,
+        'first export (with tracing) time, ours / orbax-export'),
+    'peak_rss_first_export_tf_before': (
+        '<= 1.1 and <= orbax', lambda r: r <= 1.1,
+        'peak RSS added by the first export / param bytes '
+        '(TF imported before the params exist)'),
+    'peak_rss_first_export_tf_after': (
+        '<= 1.1 and <= orbax', lambda r: r <= 1.1,
+        'peak RSS added by the first export / param bytes '
+        '(TF imported after the params exist)'),
+    'peak_rss_reexport_tf_before': (
+        '<= 1.1 and <= orbax', lambda r: r <= 1.1,
+        'peak RSS added by a re-export / param bytes '
+        '(TF imported before the params exist)'),
+    'peak_rss_reexport_tf_after': (
+        '<= 1.1 and <= orbax', lambda r: r <= 1.1,
+        'peak RSS added by a re-export / param bytes '
+        '(TF imported after the params exist)'),
+    'blocking_vs_export': (
+        '<= 0.05', lambda r: r <= 0.05,
+        'training thread held per async export / full export time'),
+    'blocking_vs_device_get': (
+        '<= 1.5', lambda r: r <= 1.5,
+        'training thread held per async export / jax.device_get of params'),
+    'train_throughput': (
+        '>= 0.97', lambda r: r >= 0.97,
+        'train steps/s with export every K steps / without export'),
+    'offline_read_bytes': (
+        '<= 1.05', lambda r: r <= 1.05,
+        'bytes read from disk / param bytes, orbax checkpoint with Adam'),
+    'offline_time_vs_raw': (
+        '<= 1.5', lambda r: r <= 1.5,
+        'offline export time / raw read + raw write of the param bytes'),
+    'offline_peak_rss': (
+        '<= 1.3', lambda r: r <= 1.3,
+        'offline export peak RSS added / param bytes'),
+    'serving_latency_b1': (
+        '<= 1.2', lambda r: r <= 1.2,
+        'latency, exported SavedModel / jax.jit, batch 1'),
+    'serving_latency_b32': (
+        '<= 1.2', lambda r: r <= 1.2,
+        'latency, exported SavedModel / jax.jit, batch 32'),
+    'scaling_slope': (
+        '0.9 .. 1.1', lambda r: 0.9 <= r <= 1.1,
+        'log-log slope of re-export time over 25M, 100M, 400M params'),
+}
+
+
+# --------------------------------------------------------------------------
+# Configuration
+
+
+class Config:
+  """Sizes and repeat counts of one benchmark run."""
+
+  def __init__(self, *, smoke: bool, repeats: int | None,
+               workdir: pathlib.Path):
+    self.smoke = smoke
+    self.workdir = workdir
+    self.depth = 4 if smoke else 12
+    if smoke:
+      self.sizes = {'25M': 60_000, '100M': 250_000, '400M': 1_000_000}
+    else:
+      self.sizes = {'25M': 25_000_000, '100M': 100_000_000,
+                    '400M': 400_000_000}
+    self.main_size = self.sizes['100M']
+    self.repeats = repeats or (1 if smoke else 5)
+    # Re-exports per measuring process (the median of them is that run's
+    # figure); the pairs of processes give the repeats.
+    self.reexports = 2
+    self.serve_size = 250_000 if smoke else 25_000_000
+    self.serve_calls = 5 if smoke else 30
+    self.throughput_steps = 20 if smoke else 300
+    self.export_every = 10 if smoke else 100
+    self.blocking_size = self.main_size
+    self.offline_size = self.main_size
+
+
+# --------------------------------------------------------------------------
+# Measuring from outside: child processes, RSS sampler
+
+
+class RssSampler(threading.Thread):
+  """Samples another process's VmRSS from /proc every `interval` seconds."""
+
+  def __init__(self, pid: int, *, interval: float = 0.005):
+    super().__init__(daemon=True, name=f'rss-{pid}')
+    self._path = f'/proc/{pid}/status'
+    self._interval = interval
+    self._stop_event = threading.Event()
+    self.samples: list[tuple[float, int]] = []
+
+  def run(self) -> None:
+    while not self._stop_event.is_set():
+      try:
+        with open(self._path, 'rb') as f:
+          data = f.read()
+      except (FileNotFoundError, ProcessLookupError):
+        return
+      i = data.find(b'VmRSS:')
+      if i >= 0:
+        kib = int(data[i + 6:data.index(b'\n', i)].split()[0])
+        self.samples.append((time.monotonic(), kib * 1024))
+      self._stop_event.wait(self._interval)
+
+  def stop(self) -> None:
+    self._stop_event.set()
+    self.join()
+
+
+class ChildError(RuntimeError):
+  """A measuring child process failed."""
+
+
+def run_child(task: str, spec: dict[str, Any], *,
+              timeout: float = 1200) -> dict[str, Any]:
+  """Runs `bench.py --worker task` and returns its result with RSS samples.
+
+  Args:
+    task: the worker task name (a key of WORKERS).
+    spec: JSON-able arguments of the task.
+    timeout: seconds before the child is killed.
+
+  Returns:
+    The child's result dict plus 'rss_samples' [(monotonic time, bytes)].
+
+  Raises:
+    ChildError: the child failed or printed no result.
+  """
+  env = dict(os.environ)
+  env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+  env['PYTHONPATH'] = os.pathsep.join(
+      [str(REPO)] + [p for p in env.get('PYTHONPATH', '').split(os.pathsep)
+                     if p])
+  cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), '--worker',
+         task, '--spec', json.dumps(spec)]
+  with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env,
+                            cwd=str(REPO))
+    sampler = RssSampler(proc.pid)
+    sampler.start()
+    try:
+      rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      proc.wait()
+      rc = 'timeout'
+    sampler.stop()
+    out.seek(0)
+    err.seek(0)
+    stdout = out.read().decode(errors='replace')
+    stderr = err.read().decode(errors='replace')
+  result = None
+  for line in stdout.splitlines():
+    if line.startswith(RESULT_PREFIX):
+      result = json.loads(line[len(RESULT_PREFIX):])
+  if rc != 0 or result is None:
+    lines = [l for l in stderr.splitlines()
+             if not l.startswith(('WARNING', 'W0000', 'I0000', 'E0000'))]
+    raise ChildError(f'worker {task} exited with {rc}: '
+                     + ' | '.join(lines[-8:]))
+  if 'error' in result:
+    raise ChildError(f'worker {task}: {result["error"]}')
+  result['rss_samples'] = sampler.samples
+  return result
+
+
+def phase_peak_added(result: dict[str, Any], phase: str) -> dict[str, float]:
+  """Peak RSS added during a child's phase: sampled outside, and VmHWM.
+
+  Args:
+    result: a run_child result.
+    phase: the phase name the child recorded.
+
+  Returns:
+    {'sampled': bytes, 'hwm': bytes, 'samples': count in the window}; both
+    are the peak minus the RSS the child read at the phase start.
+  """
+  ph = result['phases'][phase]
+  window = [rss for t, rss in result['rss_samples']
+            if ph['t0'] <= t <= ph['t1']]
+  sampled = max(window) if window else ph['rss0']
+  return {'sampled': sampled - ph['rss0'], 'hwm': ph['hwm'] - ph['rss0'],
+          'samples': len(window)}
+
+
+# --------------------------------------------------------------------------
+# Inside a child: phases, proc readers
+
+
+def _proc_status(key: str) -> int:
+  with open('/proc/self/status') as f:
+    for line in f:
+      if line.startswith(key):
+        return int(line.split()[1]) * 1024
+  return 0
+
+
+def _proc_io() -> dict[str, int]:
+  try:
+    with open('/proc/self/io') as f:
+      return {k: int(v) for k, v in (l.split(':') for l in f)}
+  except OSError:
+    return {}
+
+
+class Phases:
+  """Records named phases of a child: times, RSS at start, VmHWM, I/O."""
+
+  def __init__(self):
+    self.phases: dict[str, dict[str, Any]] = {}
+
+  @contextlib.contextmanager
+  def __call__(self, name: str) -> Iterator[None]:
+    try:
+      with open('/proc/self/clear_refs', 'w') as f:
+        f.write('5')  # Resets VmHWM to the current RSS.
+    except OSError:
+      pass
+    io0 = _proc_io()
+    rss0 = _proc_status('VmRSS:')
+    t0 = time.monotonic()
+    c0 = time.perf_counter()
+    yield
+    seconds = time.perf_counter() - c0
+    t1 = time.monotonic()
+    io1 = _proc_io()
+    self.phases[name] = {
+        't0': t0, 't1': t1, 'seconds': seconds, 'rss0': rss0,
+        'hwm': _proc_status('VmHWM:'),
+        'io': {k: io1[k] - io0.get(k, 0) for k in io1}}
+
+
+def _emit(result: dict[str, Any]) -> None:
+  sys.stdout.write(RESULT_PREFIX + json.dumps(result) + '\n')
+  sys.stdout.flush()
+
+
+def _fadvise_dontneed(root: pathlib.Path) -> int:
+  """fsyncs then drops every file under root from the page cache."""
+  n = 0
+  files = [root] if root.is_file() else [p for p in root.rglob('*')
+                                         if p.is_file()]
+  for p in files:
+    fd = os.open(p, os.O_RDONLY)
+    try:
+      os.fsync(fd)
+      os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+      n += p.stat().st_size
+    finally:
+      os.close(fd)
+  return n
+
+
+# --------------------------------------------------------------------------
+# The model: a stack of Dense layers
+
+
+def mlp_width(n_params: int, depth: int) -> int:
+  return max(8, int(round(math.sqrt(n_params / depth))))
+
+
+def make_variables(n_params: int, depth: int, *, seed: int = 0) -> dict:
+  """{'params': {'layer_NN': {'kernel', 'bias'}}}, float32 jax arrays."""
+  import jax
+  import jax.numpy as jnp
+  width = mlp_width(n_params, depth)
+  key = jax.random.PRNGKey(seed)
+  params = {}
+  init = jax.jit(lambda k: jax.random.normal(k, (width, width), jnp.float32)
+                 * (1.0 / math.sqrt(width)))
+  for i in range(depth):
+    key, sub = jax.random.split(key)
+    params[f'layer_{i:02d}'] = {'kernel': init(sub),
+                                'bias': jnp.zeros((width,), jnp.float32)}
+  variables = {'params': params}
+  jax.block_until_ready(variables)
+  return variables
+
+
+def mlp_apply(params: dict, x: Any) -> Any:
+  import jax
+  import jax.numpy as jnp
+  names = sorted(params)
+  for i, name in enumerate(names):
+    x = jnp.dot(x, params[name]['kernel']) + params[name]['bias']
+    if i + 1 < len(names):
+      x = jax.nn.relu(x)
+  return x
+
+
+def _serve(variables: dict, inputs: dict) -> dict:
+  return {'y': mlp_apply(variables['params'], inputs['x'])}
+
+
+def _orbax_apply(variables: dict, x: Any) -> Any:
+  return mlp_apply(variables['params'], x)
+
+
+def param_bytes(variables: dict) -> int:
+  import jax
+  return int(sum(a.nbytes for a in jax.tree_util.tree_leaves(variables)))
+
+
+def bump(variables: dict) -> dict:
+  """New arrays (a 'training step'): the old ones are dropped by the caller."""
+  import jax
+  return jax.block_until_ready(
+      jax.jit(lambda t: jax.tree_util.tree_map(lambda a: a * 0.999, t))(
+          variables))
+
+
+# --------------------------------------------------------------------------
+# The sides: ours, orbax-export, raw bytes
+
+
+class OursSide:
+  """t5export.SavedModelExporter; every export publishes <root>/<step>/."""
+
+  name = 'ours'
+
+  def __init__(self, root: pathlib.Path, width: int, *, validate: bool,
+               warmup: bool = True, keep: int = 2):
+    import numpy as np
+    import t5export
+    self._t5export = t5export
+    sig = t5export.Signature(
+        'serving_default', _serve,
+        input_specs={'x': (f'b, {width}', 'float32')},
+        sample_inputs={'x': np.ones((2, width), np.float32)})
+    self.exporter = t5export.SavedModelExporter(
+        str(root), [sig], keep=keep, validate=validate, warmup=warmup)
+
+  def state(self, variables: dict, step: int) -> Any:
+    state = self._t5export.InferenceState.create(variables)
+    return state.replace_step(step)
+
+  def export(self, variables: dict, step: int) -> str:
+    return str(self.exporter.export(self.state(variables, step)))
+
+
+class OrbaxSide:
+  """orbax-export JaxModule + ExportManager, as its docs show."""
+
+  name = 'orbax'
+
+  def __init__(self, root: pathlib.Path, width: int):
+    self._root = root
+    self._width = width
+    self.module = None
+    self.manager = None
+
+  def export(self, variables: dict, step: int) -> str:
+    from orbax import export as oe
+    import tensorflow as tf
+    if self.module is None:
+      self.module = oe.JaxModule(variables, _orbax_apply,
+                                 input_polymorphic_shape='b, _')
+      self.manager = oe.ExportManager(self.module, [oe.ServingConfig(
+          'serving_default', input_signature=[
+              tf.TensorSpec((None, self._width), tf.float32, name='x')])])
+    else:
+      self.module.update_variables(variables)
+    path = self._root / str(step)
+    self.manager.save(str(path))
+    return str(path)
+
+
+def make_side(name: str, root: pathlib.Path, width: int, **kw) -> Any:
+  if name == 'ours':
+    return OursSide(root, width, **kw)
+  if name == 'orbax':
+    return OrbaxSide(root, width)
+  raise ValueError(f'side must be "ours" or "orbax", got {name!r}')
+
+
+def raw_write(variables: dict, path: pathlib.Path) -> None:
+  """The hardware limit: the param bytes to one file with ndarray.tofile."""
+  import jax
+  import numpy as np
+  with open(path, 'wb') as f:
+    for leaf in jax.tree_util.tree_leaves(variables):
+      np.asarray(leaf).tofile(f)
+
+
+# --------------------------------------------------------------------------
+# Workers (run inside child processes)
+
+
+def worker_export(spec: dict[str, Any]) -> dict[str, Any]:
+  """One side's first export and re-exports of the MLP, in this process.
+
+  spec: side, n_params, depth, tf_first, reexports, raw, workdir, validate.
+  """
+  if spec['tf_first']:
+    import tensorflow  # noqa: F401  (import order is what is measured)
+  import jax
+  phases = Phases()
+  variables = make_variables(spec['n_params'], spec['depth'])
+  if not spec['tf_first']:
+    import tensorflow  # noqa: F401,F811
+  root = pathlib.Path(spec['workdir'])
+  root.mkdir(parents=True, exist_ok=True)
+  width = mlp_width(spec['n_params'], spec['depth'])
+  kw = {'validate': spec.get('validate', False)} if spec['side'] == 'ours' \
+      else {}
+  side = make_side(spec['side'], root / spec['side'], width, **kw)
+  nbytes = param_bytes(variables)
+  with phases('first'):
+    side.export(variables, 1)
+  for r in range(spec['reexports']):
+    variables = bump(variables)
+    with phases(f're{r}'):
+      path = side.export(variables, r + 2)
+    if spec['side'] == 'orbax':
+      shutil.rmtree(path, ignore_errors=True)
+    if spec['raw']:
+      raw_path = root / 'raw.bin'
+      with phases(f'raw{r}'):
+        raw_write(variables, raw_path)
+      raw_path.unlink()
+  del jax
+  return {'phases': phases.phases, 'param_bytes': nbytes}
+
+
+class AsyncOurs:
+  """Ours, asynchronous: what the training thread calls every K steps.
+
+  Uses `t5export.ExportCallback` when the package has it; otherwise the same
+  pieces by hand (`snapshot.take_snapshot` on the training thread, then
+  `async_export.AsyncWorker(exporter.export_snapshot)`).
+  """
+
+  def __init__(self, root: pathlib.Path, signatures: list, *, every: int,
+               validate: bool):
+    import t5export
+    self.kind = 'AsyncWorker+take_snapshot'
+    self._cb = None
+    try:
+      callbacks = t5export.callbacks
+    except (ImportError, AttributeError):
+      callbacks = None
+    if callbacks is not None and hasattr(callbacks, 'ExportCallback'):
+      self._cb = callbacks.ExportCallback(
+          export_dir=str(root), signatures=signatures,
+          export_every_steps=every, keep=2, validate=validate)
+      self.kind = 'ExportCallback'
+      return
+    from t5export import async_export
+    from t5export import snapshot
+    self._snapshot = snapshot
+    self.exporter = t5export.SavedModelExporter(
+        str(root), signatures, keep=2, validate=validate)
+    self._worker = async_export.AsyncWorker(self.exporter.export_snapshot)
+
+  def __call__(self, state: Any) -> None:
+    """What the train loop runs (returns when training may go on).
+
+    The T5X action hook (`run`): an export is due whenever a multiple of
+    export_every_steps was crossed since the previous call.
+    """
+    if self._cb is not None:
+      self._cb.run(state)
+    else:
+      self._worker.submit(self._snapshot.take_snapshot(state))
+
+  def wait(self) -> None:
+    if self._cb is not None:
+      wait = getattr(self._cb, 'wait', None)
+      if wait is None:
+        raise RuntimeError('ExportCallback has no wait(); cannot time the '
+                           'full export')
+      wait()
+    else:
+      self._worker.wait()
+
+  def close(self) -> None:
+    if self._cb is not None:
+      self._cb.close()
+    else:
+      self._worker.close()
+
+
+def _mlp_signature(width: int) -> Any:
+  import numpy as np
+  import t5export
+  return t5export.Signature(
+      'serving_default', _serve,
+      input_specs={'x': (f'b, {width}', 'float32')},
+      sample_inputs={'x': np.ones((2, width), np.float32)})
+
+
+def worker_blocking(spec: dict[str, Any]) -> dict[str, Any]:
+  """Training thread held per async export vs full export, vs device_get.
+
+  spec: n_params, depth, repeats, workdir.
+  """
+  import tensorflow  # noqa: F401
+  import jax
+  import numpy as np
+  import t5export
+  variables = make_variables(spec['n_params'], spec['depth'])
+  width = mlp_width(spec['n_params'], spec['depth'])
+  root = pathlib.Path(spec['workdir'])
+  ours = AsyncOurs(root / 'ours', [_mlp_signature(width)], every=1,
+                   validate=False)
+  state = t5export.InferenceState.create(variables)
+  ours(state.replace_step(1))  # First export: builds and traces.
+  ours.wait()
+  rows = []
+  for r in range(spec['repeats']):
+    step = r + 2
+    variables = bump(variables)
+    state = t5export.InferenceState.create(variables).replace_step(step)
+    t0 = time.perf_counter()
+    ours(state)
+    t1 = time.perf_counter()
+    ours.wait()
+    t2 = time.perf_counter()
+    fresh = bump(variables)  # Arrays never read on the host before.
+    t3 = time.perf_counter()
+    host = jax.device_get(fresh)
+    t4 = time.perf_counter()
+    copies = jax.tree_util.tree_map(lambda a: np.array(a, copy=True), host)
+    t5 = time.perf_counter()
+    del host, copies, fresh
+    rows.append({'held': t1 - t0, 'full': t2 - t0, 'device_get': t4 - t3,
+                 'device_get_copy': t5 - t3})
+  ours.close()
+  return {'rows': rows, 'kind': ours.kind,
+          'param_bytes': param_bytes(variables)}
+
+
+def _t5_setup(spec: dict[str, Any]) -> dict[str, Any]:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  import t5export
+  from examples import models
+  cfg = models.TinyT5Config(**spec.get('t5', {}))
+  model = models.TinyT5(cfg)
+  b, n = spec['batch'], spec['seq']
+  variables = models.init_tiny_t5(model, jax.random.PRNGKey(0),
+                                  batch_size=b, encoder_len=n, decoder_len=n)
+  ts = t5export.FlaxOptimTrainState.create(optax.adam(1e-3), variables)
+  rng = np.random.default_rng(0)
+  enc = jnp.asarray(rng.integers(4, 260, (b, n)), jnp.int32)
+  tgt = jnp.asarray(rng.integers(4, 260, (b, n)), jnp.int32)
+
+  def loss_fn(params, enc, tgt):
+    logits = model.apply({'params': params}, enc, models.shift_right(tgt))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tgt).mean()
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def train_step(ts, enc, tgt):
+    grads = jax.grad(loss_fn)(ts.params, enc, tgt)
+    return ts.apply_gradient(grads)
+
+  sig = t5export.Signature(
+      'serving_default', models.make_t5_serve_fn(model, max_decode_len=8),
+      input_specs={'encoder_tokens': ('b, n', 'int32')},
+      sample_inputs={'encoder_tokens': np.full((2, n), 5, np.int32)})
+  return {'ts': ts, 'step': lambda ts: train_step(ts, enc, tgt),
+          'signature': sig, 'model': f'TinyT5{dataclasses_asdict(cfg)}'}
+
+
+def dataclasses_asdict(cfg: Any) -> dict[str, Any]:
+  import dataclasses
+  return {k: v for k, v in dataclasses.asdict(cfg).items() if k != 'dtype'}
+
+
+def worker_throughput(spec: dict[str, Any]) -> dict[str, Any]:
+  """Tiny T5 train steps/s with an export every K steps vs without.
+
+  spec: steps, every, repeats, batch, seq, t5 (TinyT5Config kwargs), workdir.
+  """
+  import tensorflow  # noqa: F401
+  import jax
+  setup = _t5_setup(spec)
+  ts, train_step = setup['ts'], setup['step']
+  every, steps = spec['every'], spec['steps']
+  ours = AsyncOurs(pathlib.Path(spec['workdir']) / 'ours',
+                   [setup['signature']], every=1, validate=False)
+  for _ in range(3):
+    ts = train_step(ts)
+  ours(ts)  # First export (tracing) outside the timing.
+  ours.wait()
+  jax.block_until_ready(ts)
+  rows = []
+  for r in range(spec['repeats']):
+    times = {}
+    for mode in (('none', 'export') if r % 2 == 0 else ('export', 'none')):
+      t0 = time.perf_counter()
+      for i in range(steps):
+        ts = train_step(ts)
+        # Mid-interval triggers: the last export overlaps K/2 steps.
+        if mode == 'export' and i % every == every // 2:
+          ours(ts)
+      jax.block_until_ready(ts)
+      if mode == 'export':
+        ours.wait()  # Counted: a slow export must show.
+      times[mode] = time.perf_counter() - t0
+    rows.append(times)
+  ours.close()
+  return {'rows': rows, 'kind': ours.kind, 'model': setup['model'],
+          'steps': steps, 'every': every}
+
+
+def worker_serving(spec: dict[str, Any]) -> dict[str, Any]:
+  """Exported SavedModel vs jax.jit of the same function, batch 1 and 32.
+
+  spec: n_params, depth, calls, repeats, workdir.
+  """
+  import tensorflow as tf
+  import jax
+  import numpy as np
+  variables = make_variables(spec['n_params'], spec['depth'])
+  width = mlp_width(spec['n_params'], spec['depth'])
+  side = OursSide(pathlib.Path(spec['workdir']) / 'ours', width,
+                  validate=False)
+  path = side.export(variables, 1)
+  loaded = tf.saved_model.load(path)
+  fn = loaded.signatures['serving_default']
+  jitted = jax.jit(_serve)
+  out: dict[str, Any] = {}
+  rng = np.random.default_rng(0)
+  for batch in (1, 32):
+    x = rng.standard_normal((batch, width)).astype(np.float32)
+    xt = tf.constant(x)
+    xj = jax.device_put(x)
+    y_tf = fn(x=xt)['y'].numpy()
+    y_jax = np.asarray(jitted(variables, {'x': xj})['y'])
+    np.testing.assert_allclose(y_tf, y_jax, rtol=1e-3, atol=1e-3)
+    for _ in range(3):  # Warm-up.
+      fn(x=xt)['y'].numpy()
+      jitted(variables, {'x': xj})['y'].block_until_ready()
+    rows = []
+    for r in range(spec['repeats']):
+      t = {}
+      for which in (('tf', 'jax') if r % 2 == 0 else ('jax', 'tf')):
+        calls = []
+        for _ in range(spec['calls']):
+          c0 = time.perf_counter()
+          if which == 'tf':
+            fn(x=xt)['y'].numpy()
+          else:
+            jitted(variables, {'x': xj})['y'].block_until_ready()
+          calls.append(time.perf_counter() - c0)
+        t[which] = statistics.median(calls)
+      rows.append(t)
+    out[f'b{batch}'] = rows
+  return out
+
+
+def _adam_checkpoint(spec: dict[str, Any]) -> dict[str, Any]:
+  """Writes an orbax checkpoint of a FlaxOptimTrainState with Adam state."""
+  import jax
+  import optax
+  import orbax.checkpoint as ocp
+  import t5export
+  variables = make_variables(spec['n_params'], spec['depth'])
+  ts = t5export.FlaxOptimTrainState.create(optax.adam(1e-3), variables)
+  ts = ts.replace_step(1000)
+  ckpt_dir = pathlib.Path(spec['workdir']) / 'ckpt'
+  mngr = ocp.CheckpointManager(str(ckpt_dir))
+  mngr.save(1000, args=ocp.args.StandardSave(ts.state_dict()))
+  mngr.wait_until_finished()
+  mngr.close()
+  raw = pathlib.Path(spec['workdir']) / 'params.bin'
+  raw_write(variables, raw)
+  total = sum(int(a.nbytes) for a in jax.tree_util.tree_leaves(
+      ts.state_dict()))
+  return {'ckpt': str(ckpt_dir), 'raw': str(raw),
+          'param_bytes': param_bytes(variables), 'state_bytes': total}
+
+
+def worker_offline_write(spec: dict[str, Any]) -> dict[str, Any]:
+  return _adam_checkpoint(spec)
+
+
+def worker_offline(spec: dict[str, Any]) -> dict[str, Any]:
+  """Offline export of a checkpoint (ours) or raw read + write (raw).
+
+  spec: side, ckpt, raw, n_params, depth, workdir.
+  """
+  import numpy as np
+  phases = Phases()
+  out = pathlib.Path(spec['workdir'])
+  # The page cache cannot be dropped (no permission for drop_caches): the
+  # files are fsync-ed and evicted with posix_fadvise(DONTNEED) instead.
+  dropped = (_fadvise_dontneed(pathlib.Path(spec['ckpt'])) +
+             _fadvise_dontneed(pathlib.Path(spec['raw'])))
+  if spec['side'] == 'raw':
+    with phases('offline'):
+      data = np.fromfile(spec['raw'], dtype=np.float32)
+      data.tofile(out / 'raw-out.bin')
+      del data
+    (out / 'raw-out.bin').unlink()
+    return {'phases': phases.phases, 'dropped': dropped}
+  import tensorflow  # noqa: F401
+  import t5export
+  from t5export import checkpoints
+  width = mlp_width(spec['n_params'], spec['depth'])
+  sig = _mlp_signature(width)
+  with phases('offline'):
+    contents = checkpoints.read_params(spec['ckpt'])
+    exporter = t5export.SavedModelExporter(str(out / 'ours'), [sig],
+                                           validate=False)
+    state = t5export.InferenceState.create(contents.variables)
+    path = exporter.export(state.replace_step(contents.step or 0))
+    del contents, state
+  shutil.rmtree(path, ignore_errors=True)
+  return {'phases': phases.phases, 'dropped': dropped}
+
+
+def worker_multi(spec: dict[str, Any]) -> dict[str, Any]:
+  """--smoke: several items in this one process (one TensorFlow import)."""
+  results = {}
+  for key, task, item_spec in spec['items']:
+    try:
+      results[key] = WORKERS[task](item_spec)
+    except Exception as e:  # Reported per item.
+      traceback.print_exc()
+      results[key] = {'error': f'{type(e).__name__}: {e}'}
+    finally:
+      if task == 'export':
+        shutil.rmtree(item_spec['workdir'], ignore_errors=True)
+  return {'results': results}
+
+
+WORKERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    'multi': worker_multi,
+    'export': worker_export,
+    'blocking': worker_blocking,
+    'throughput': worker_throughput,
+    'serving': worker_serving,
+    'offline_write': worker_offline_write,
+    'offline': worker_offline,
+}
+
+
+def worker_main(task: str, spec_json: str) -> int:
+  spec = json.loads(spec_json)
+  try:
+    result = WORKERS[task](spec)
+  except Exception as e:  # Reported to the parent as the figure's error.
+    traceback.print_exc()
+    _emit({'error': f'{type(e).__name__}: {e}'})
+    return 0
+  _emit(result)
+  return 0
+
+
+# --------------------------------------------------------------------------
+# Statistics and figure records
+
+
+def summarize(values: Sequence[float]) -> dict[str, Any]:
+  vals = sorted(float(v) for v in values)
+  if not vals:
+    raise ValueError('summarize needs at least one value')
+  if len(vals) >= 4:
+    q = statistics.quantiles(vals, n=4)
+    q1, q3 = q[0], q[2]
+  else:
+    q1, q3 = vals[0], vals[-1]
+  return {'ratio': statistics.median(vals), 'min': vals[0], 'max': vals[-1],
+          'q1': q1, 'q3': q3, 'n': len(vals)}
+
+
+def figure_record(name: str, values: Sequence[float], *,
+                  extra_met: bool = True, **detail: Any) -> dict[str, Any]:
+  target, ok, what = FIGURES[name]
+  rec = {'figure': name, **summarize(values), 'target': target}
+  rec['met'] = bool(ok(rec['ratio']) and extra_met)
+  rec['what'] = what
+  rec.update(detail)
+  return rec
+
+
+def error_record(name: str, error: str) -> dict[str, Any]:
+  target, _, what = FIGURES[name]
+  return {'figure': name, 'error': error, 'target': target, 'met': False,
+          'what': what}
+
+
+def _median(xs: Sequence[float]) -> float:
+  return statistics.median(xs)
+
+
+# --------------------------------------------------------------------------
+# Figure groups: what to run (plan) and how to read it (parse)
+
+
+class Item(NamedTuple):
+  """One measured run: a worker task in a child process.
+
+  In a full run every item gets its own process; with --smoke the items of
+  a bundle share one process (a bundle per TensorFlow import order).
+  """
+  key: str
+  task: str
+  spec: dict[str, Any]
+  bundle: str = 'main'
+  cleanup: bool = True
+
+
+Results = dict[str, Any]  # item key -> result dict, or the ChildError
+
+
+def _get(res: Results, key: str) -> dict[str, Any]:
+  value = res[key]
+  if isinstance(value, Exception):
+    raise value
+  return value
+
+
+def _reps(cfg: Config) -> int:
+  return cfg.repeats if cfg.smoke else max(cfg.repeats, 5)
+
+
+EXPORT_FIGURES = ('reexport_vs_orbax', 'reexport_vs_raw_write',
+                  'first_export_vs_orbax', 'peak_rss_first_export_tf_before',
+                  'peak_rss_first_export_tf_after',
+                  'peak_rss_reexport_tf_before', 'peak_rss_reexport_tf_after')
+
+
+def plan_exports(cfg: Config) -> list[Item]:
+  items = []
+  for rep in range(cfg.repeats):
+    for tf_first in (True, False):
+      order = ('ours', 'orbax') if rep % 2 == 0 else ('orbax', 'ours')
+      for side in order:
+        key = f'export/{side}/{"before" if tf_first else "after"}/{rep}'
+        items.append(Item(key, 'export', {
+            'side': side, 'n_params': cfg.main_size, 'depth': cfg.depth,
+            'tf_first': tf_first, 'reexports': cfg.reexports,
+            'raw': side == 'ours',
+            'workdir': str(cfg.workdir / key.replace('/', '-'))},
+            bundle='main' if tf_first else f'after-{side}'))
+  return items
+
+
+def parse_exports(cfg: Config, res: Results,
+                  emit: Callable[[dict], None]) -> None:
+  runs: dict[tuple[str, str], list[dict]] = {}
+  errors: dict[str, str] = {}
+  for rep in range(cfg.repeats):
+    for when in ('before', 'after'):
+      for side in ('ours', 'orbax'):
+        try:
+          runs.setdefault((side, when), []).append(
+              _get(res, f'export/{side}/{when}/{rep}'))
+        except ChildError as e:
+          errors[side] = str(e)
+  re_names = [f're{r}' for r in range(cfg.reexports)]
+
+  def re_time(r):
+    return _median([r['phases'][p]['seconds'] for p in re_names])
+
+  def err_for(*sides):
+    return '; '.join(f'{s}: {errors[s]}' for s in sides if s in errors) or \
+        'no runs'
+
+  ours, orbax = runs.get(('ours', 'before'), []), runs.get(('orbax', 'before'),
+                                                           [])
+  if ours and orbax:
+    # Processes of the same repeat are paired (run one after the other).
+    emit(figure_record(
+        'reexport_vs_orbax', [re_time(o) / re_time(b)
+                              for o, b in zip(ours, orbax)],
+        ours_s=_median([re_time(o) for o in ours]),
+        orbax_s=_median([re_time(b) for b in orbax]),
+        reexports_per_run=cfg.reexports,
+        param_bytes=ours[0]['param_bytes']))
+    firsts = [o['phases']['first']['seconds'] / b['phases']['first']['seconds']
+              for o, b in zip(ours, orbax)]
+    emit(figure_record(
+        'first_export_vs_orbax', firsts,
+        ours_s=_median([o['phases']['first']['seconds'] for o in ours]),
+        orbax_s=_median([b['phases']['first']['seconds'] for b in orbax])))
+  else:
+    emit(error_record('reexport_vs_orbax', err_for('ours', 'orbax')))
+    emit(error_record('first_export_vs_orbax', err_for('ours', 'orbax')))
+  if ours:
+    def raw_time(o):
+      return _median([o['phases'][f'raw{r}']['seconds']
+                      for r in range(cfg.reexports)])
+    emit(figure_record(
+        'reexport_vs_raw_write', [re_time(o) / raw_time(o) for o in ours],
+        raw_s=_median([raw_time(o) for o in ours]),
+        ours_s=_median([re_time(o) for o in ours])))
+  else:
+    emit(error_record('reexport_vs_raw_write', err_for('ours')))
+  for kind, phase_names in (('first_export', ['first']),
+                            ('reexport', re_names)):
+    for when in ('before', 'after'):
+      name = f'peak_rss_{kind}_tf_{when}'
+      sampled, hwm = {}, {}
+      for side in ('ours', 'orbax'):
+        vals, hvals = [], []
+        for r in runs.get((side, when), []):
+          peaks = [phase_peak_added(r, p) for p in phase_names]
+          vals.append(max(p['sampled'] for p in peaks) / r['param_bytes'])
+          hvals.append(max(p['hwm'] for p in peaks) / r['param_bytes'])
+        sampled[side], hwm[side] = vals, hvals
+      if sampled['ours'] and sampled['orbax']:
+        emit(figure_record(
+            name, sampled['ours'],
+            extra_met=_median(sampled['ours']) <= _median(sampled['orbax']),
+            orbax=summarize(sampled['orbax']),
+            ours_hwm=_median(hwm['ours']), orbax_hwm=_median(hwm['orbax']),
+            sampler='parent reads /proc/<pid>/status VmRSS every 5 ms; '
+                    '*_hwm: the kernel VmHWM after clear_refs'))
+      else:
+        emit(error_record(name, err_for('ours', 'orbax')))
+
+
+def _scaling_sizes(cfg: Config) -> list[str]:
+  return ['25M', '400M'] if not cfg.smoke else ['25M', '400M']
+
+
+def plan_scaling(cfg: Config) -> list[Item]:
+  items = []
+  for label in ('25M', '100M', '400M'):
+    if label == '100M':
+      continue  # From the export pairs (same worker, same settings).
+    items.append(Item(f'scaling/{label}', 'export', {
+        'side': 'ours', 'n_params': cfg.sizes[label], 'depth': cfg.depth,
+        'tf_first': True, 'reexports': _reps(cfg), 'raw': False,
+        'workdir': str(cfg.workdir / f'scaling-{label}')}))
+  return items
+
+
+def parse_scaling(cfg: Config, res: Results,
+                  emit: Callable[[dict], None]) -> None:
+  times: dict[int, list[float]] = {}
+  for label in ('25M', '400M'):
+    r = _get(res, f'scaling/{label}')
+    times[cfg.sizes[label]] = [r['phases'][f're{i}']['seconds']
+                               for i in range(_reps(cfg))]
+  mid = []
+  for rep in range(cfg.repeats):
+    r = _get(res, f'export/ours/before/{rep}')
+    mid.append(_median([r['phases'][f're{i}']['seconds']
+                        for i in range(cfg.reexports)]))
+  times[cfg.main_size] = mid
+  sizes = sorted(times)
+  k = min(len(v) for v in times.values())
+  xs = [math.log(n) for n in sizes]
+  # The r-th fastest run at each size gives one slope per rank.
+  slopes = [_slope(xs, [math.log(sorted(times[n])[r]) for n in sizes])
+            for r in range(k)]
+  emit(figure_record(
+      'scaling_slope', slopes,
+      seconds={str(n): _median(times[n]) for n in sizes},
+      slope_of_medians=_slope(xs, [math.log(_median(times[n]))
+                                   for n in sizes])))
+
+
+def _slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+  mx, my = statistics.fmean(xs), statistics.fmean(ys)
+  return (sum((x - mx) * (y - my) for x, y in zip(xs, ys)) /
+          sum((x - mx) ** 2 for x in xs))
+
+
+def plan_blocking(cfg: Config) -> list[Item]:
+  return [Item('blocking', 'blocking', {
+      'n_params': cfg.blocking_size, 'depth': cfg.depth,
+      'repeats': _reps(cfg), 'workdir': str(cfg.workdir / 'blocking')})]
+
+
+def parse_blocking(cfg: Config, res: Results,
+                   emit: Callable[[dict], None]) -> None:
+  r = _get(res, 'blocking')
+  rows = r['rows']
+  emit(figure_record(
+      'blocking_vs_export', [x['held'] / x['full'] for x in rows],
+      held_s=_median([x['held'] for x in rows]),
+      export_s=_median([x['full'] for x in rows]), path=r['kind']))
+  emit(figure_record(
+      'blocking_vs_device_get', [x['held'] / x['device_get'] for x in rows],
+      held_s=_median([x['held'] for x in rows]),
+      device_get_s=_median([x['device_get'] for x in rows]),
+      vs_device_get_plus_copy=summarize(
+          [x['held'] / x['device_get_copy'] for x in rows]),
+      device_get_plus_copy_s=_median([x['device_get_copy'] for x in rows])))
+
+
+def plan_throughput(cfg: Config) -> list[Item]:
+  return [Item('throughput', 'throughput', {
+      'steps': cfg.throughput_steps, 'every': cfg.export_every,
+      'repeats': _reps(cfg), 'batch': 8, 'seq': 32,
+      't5': {} if cfg.smoke else {'d_model': 128, 'd_ff': 512,
+                                  'num_heads': 4, 'head_dim': 32,
+                                  'num_encoder_layers': 2,
+                                  'num_decoder_layers': 2},
+      'workdir': str(cfg.workdir / 'throughput')})]
+
+
+def parse_throughput(cfg: Config, res: Results,
+                     emit: Callable[[dict], None]) -> None:
+  r = _get(res, 'throughput')
+  rows = r['rows']
+  emit(figure_record(
+      'train_throughput', [x['none'] / x['export'] for x in rows],
+      steps_per_s_no_export=_median([r['steps'] / x['none'] for x in rows]),
+      steps_per_s_export=_median([r['steps'] / x['export'] for x in rows]),
+      steps=r['steps'], every=r['every'], model=r['model'], path=r['kind']))
+
+
+def plan_serving(cfg: Config) -> list[Item]:
+  return [Item('serving', 'serving', {
+      'n_params': cfg.serve_size, 'depth': cfg.depth,
+      'calls': cfg.serve_calls, 'repeats': _reps(cfg),
+      'workdir': str(cfg.workdir / 'serving')})]
+
+
+def parse_serving(cfg: Config, res: Results,
+                  emit: Callable[[dict], None]) -> None:
+  r = _get(res, 'serving')
+  for batch in (1, 32):
+    rows = r[f'b{batch}']
+    emit(figure_record(
+        f'serving_latency_b{batch}', [x['tf'] / x['jax'] for x in rows],
+        savedmodel_ms=1e3 * _median([x['tf'] for x in rows]),
+        jax_jit_ms=1e3 * _median([x['jax'] for x in rows]),
+        n_params=cfg.serve_size, calls_per_run=cfg.serve_calls))
+
+
+def plan_offline(cfg: Config) -> list[Item]:
+  work = cfg.workdir / 'offline'
+  spec = {'n_params': cfg.offline_size, 'depth': cfg.depth,
+          'workdir': str(work), 'ckpt': str(work / 'ckpt'),
+          'raw': str(work / 'params.bin')}
+  items = [Item('offline/write', 'offline_write', spec, cleanup=False)]
+  for r in range(_reps(cfg)):
+    for side in (('ours', 'raw') if r % 2 == 0 else ('raw', 'ours')):
+      items.append(Item(f'offline/{side}/{r}', 'offline',
+                        {**spec, 'side': side}, cleanup=False))
+  return items
+
+
+def parse_offline(cfg: Config, res: Results,
+                  emit: Callable[[dict], None]) -> None:
+  ckpt = _get(res, 'offline/write')
+  pb = ckpt['param_bytes']
+  rows = []
+  for r in range(_reps(cfg)):
+    row = {}
+    for side in ('ours', 'raw'):
+      out = _get(res, f'offline/{side}/{r}')
+      ph = out['phases']['offline']
+      row[side] = {'seconds': ph['seconds'],
+                   'read_bytes': ph['io'].get('read_bytes', 0),
+                   'peak': phase_peak_added(out, 'offline'),
+                   'dropped': out['dropped']}
+    rows.append(row)
+  emit(figure_record(
+      'offline_read_bytes', [x['ours']['read_bytes'] / pb for x in rows],
+      raw_baseline_read_ratio=_median([x['raw']['read_bytes'] / pb
+                                       for x in rows]),
+      checkpoint_bytes=ckpt['state_bytes'], param_bytes=pb,
+      cache='drop_caches is not permitted here: each run first fsyncs and '
+            'posix_fadvise(DONTNEED)s every checkpoint file; the raw '
+            'baseline ratio (~1.0) shows the eviction worked'))
+  emit(figure_record(
+      'offline_time_vs_raw',
+      [x['ours']['seconds'] / x['raw']['seconds'] for x in rows],
+      ours_s=_median([x['ours']['seconds'] for x in rows]),
+      raw_s=_median([x['raw']['seconds'] for x in rows]),
+      ours_includes='read_params + first export (tracing), validate=False'))
+  emit(figure_record(
+      'offline_peak_rss', [x['ours']['peak']['sampled'] / pb for x in rows],
+      hwm=_median([x['ours']['peak']['hwm'] / pb for x in rows]),
+      raw_baseline=_median([x['raw']['peak']['sampled'] / pb for x in rows])))
+
+
+# name, figures, plan, parse (parse runs in this order: scaling reads the
+# export pairs).
+GROUPS: tuple[tuple[str, tuple[str, ...], Callable, Callable], ...] = (
+    ('exports', EXPORT_FIGURES, plan_exports, parse_exports),
+    ('scaling', ('scaling_slope',), plan_scaling, parse_scaling),
+    ('blocking', ('blocking_vs_export', 'blocking_vs_device_get'),
+     plan_blocking, parse_blocking),
+    ('throughput', ('train_throughput',), plan_throughput, parse_throughput),
+    ('serving', ('serving_latency_b1', 'serving_latency_b32'), plan_serving,
+     parse_serving),
+    ('offline', ('offline_read_bytes', 'offline_time_vs_raw',
+                 'offline_peak_rss'), plan_offline, parse_offline),
+)
+
+
+def execute(items: Sequence[Item], cfg: Config) -> Results:
+  """Runs the items: one process each, or (smoke) one process per bundle."""
+  res: Results = {}
+  if not cfg.smoke:
+    for i, item in enumerate(items):
+      log(f'[{i + 1}/{len(items)}] {item.key}')
+      try:
+        res[item.key] = run_child(item.task, item.spec)
+      except ChildError as e:
+        log(f'{item.key} failed: {e}')
+        res[item.key] = e
+      finally:
+        if item.cleanup:
+          shutil.rmtree(item.spec['workdir'], ignore_errors=True)
+    return res
+  bundles: dict[str, list[Item]] = {}
+  for item in items:
+    bundles.setdefault(item.bundle, []).append(item)
+
+  def run_bundle(name: str) -> None:
+    group = bundles[name]
+    log(f'bundle {name}: {len(group)} items in one process')
+    try:
+      out = run_child('multi', {'items': [list(i[:3]) for i in group]})
+    except ChildError as e:
+      for item in group:
+        res[item.key] = e
+      return
+    for item in group:
+      r = out['results'][item.key]
+      if 'error' in r:
+        res[item.key] = ChildError(f'worker {item.task}: {r["error"]}')
+      else:
+        r['rss_samples'] = out['rss_samples']
+        res[item.key] = r
+
+  import concurrent.futures
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    list(pool.map(run_bundle, sorted(bundles, key=lambda b: b != 'main')))
+  return res
+
+
+# --------------------------------------------------------------------------
+# Machine description and BENCHMARKS.md
+
+
+def machine_info() -> dict[str, Any]:
+  """nproc, memory, CPU model, load, versions and date of this run."""
+  from importlib import metadata
+  info: dict[str, Any] = {'nproc': os.cpu_count(),
+                          'date': datetime.datetime.now(
+                              datetime.timezone.utc).strftime(
+                                  '%Y-%m-%d %H:%M UTC'),
+                          'python': platform.python_version(),
+                          'kernel': platform.release()}
+  try:
+    with open('/proc/meminfo') as f:
+      kib = int(f.readline().split()[1])
+    info['memory_gib'] = round(kib / (1 << 20), 1)
+  except OSError:
+    pass
+  try:
+    with open('/proc/cpuinfo') as f:
+      for line in f:
+        if line.startswith('model name'):
+          info['cpu'] = line.split(':', 1)[1].strip()
+          break
+  except OSError:
+    pass
+  info['loadavg_start'] = os.getloadavg()[0]
+  versions = {}
+  for dist in ('t5export', 'jax', 'jaxlib', 'flax', 'tensorflow',
+               'orbax-export', 'orbax-checkpoint', 'numpy'):
+    try:
+      versions[dist] = metadata.version(dist)
+    except metadata.PackageNotFoundError:
+      versions[dist] = 'not installed'
+  info['versions'] = versions
+  return info
+
+
+TABLE_BEGIN = '<!-- bench-table:begin (tools/bench.py --write) -->'
+TABLE_END = '<!-- bench-table:end -->'
+
+
+def _fmt(x: Any) -> str:
+  if isinstance(x, float):
+    return f'{x:.3g}' if abs(x) < 1000 else f'{x:.0f}'
+  return str(x)
+
+
+def render_table(records: Sequence[dict], info: dict[str, Any],
+                 cfg: Config, seconds: float) -> str:
+  """The measured table with the machine, versions and date."""
+  v = info['versions']
+  lines = [
+      TABLE_BEGIN, '',
+      f'Measured {info["date"]} by `python tools/bench.py'
+      f'{" --smoke" if cfg.smoke else ""}` in {seconds / 60:.1f} min on '
+      f'{info.get("nproc")} CPUs ({info.get("cpu", "?")}), '
+      f'{info.get("memory_gib", "?")} GiB, Linux {info["kernel"]}, '
+      f'Python {info["python"]}; load average at start '
+      f'{info["loadavg_start"]:.2f}.',
+      'Versions: ' + ', '.join(f'{k} {x}' for k, x in v.items()) + '.',
+      f'Model: {cfg.depth} Dense layers (float32); sizes '
+      + ', '.join(f'{k} = {n:,} params' for k, n in cfg.sizes.items())
+      + f'; {cfg.repeats} repeat(s).', '',
+      '| figure | median | spread (min .. max) | n | target | met |',
+      '|---|---|---|---|---|---|']
+  for rec in records:
+    if 'error' in rec:
+      lines.append(f'| `{rec["figure"]}` | error: {rec["error"][:120]} | | '
+                   f'| {rec["target"]} | **missed** (not measured) |')
+      continue
+    extra = ''
+    if isinstance(rec.get('orbax'), dict):
+      extra = f' (orbax {_fmt(rec["orbax"]["ratio"])})'
+    lines.append(
+        f'| `{rec["figure"]}` | {_fmt(rec["ratio"])}{extra} | '
+        f'{_fmt(rec["min"])} .. {_fmt(rec["max"])} | {rec["n"]} | '
+        f'{rec["target"]} | {"met" if rec["met"] else "**missed**"} |')
+  lines += ['', TABLE_END]
+  return '\n'.join(lines)
+
+
+def write_markdown(path: pathlib.Path, table: str,
+                   records: Sequence[dict]) -> None:
+  """Replaces the table between the markers (or creates the file)."""
+  raw = '\n'.join(json.dumps(r) for r in records)
+  block = (f'{table}\n\n<details><summary>Raw JSON lines of this run'
+           f'</summary>\n\n```json\n{raw}\n```\n\n</details>')
+  end_marker = '<!-- bench-raw:end -->'
+  block += f'\n{end_marker}'
+  if path.exists():
+    text = path.read_text()
+    if TABLE_BEGIN in text and end_marker in text:
+      head = text[:text.index(TABLE_BEGIN)]
+      tail = text[text.index(end_marker) + len(end_marker):]
+      path.write_text(head + block + tail)
+      return
+    path.write_text(text.rstrip() + '\n\n' + block + '\n')
+    return
+  path.write_text('# Benchmarks\n\n' + block + '\n')
+
+
+# --------------------------------------------------------------------------
+# Driver
+
+
+def log(msg: str) -> None:
+  sys.stderr.write(f'[bench {time.strftime("%H:%M:%S")}] {msg}\n')
+  sys.stderr.flush()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--smoke', action='store_true',
+                      help='tiny sizes, one repeat: checks the harness')
+  parser.add_argument('--repeats', type=int, default=None)
+  parser.add_argument('--only', default='',
+                      help='comma-separated figure names')
+  parser.add_argument('--write', action='store_true',
+                      help='rewrite the table in BENCHMARKS.md')
+  parser.add_argument('--workdir', default=None)
+  parser.add_argument('--worker', default=None, help=argparse.SUPPRESS)
+  parser.add_argument('--spec', default='{}', help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.worker:
+    return worker_main(args.worker, args.spec)
+  wanted = set(FIGURES) if not args.only else set(args.only.split(','))
+  unknown = wanted - set(FIGURES)
+  if unknown:
+    parser.error(f'--only: unknown figures {sorted(unknown)}; '
+                 f'known: {sorted(FIGURES)}')
+  workdir = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix='t5bench-'))
+  cfg = Config(smoke=args.smoke, repeats=args.repeats, workdir=workdir)
+  records: list[dict] = []
+
+  def emit(rec: dict) -> None:
+    if rec['figure'] not in wanted:
+      return
+    records.append(rec)
+    sys.stdout.write(json.dumps(rec) + '\n')
+    sys.stdout.flush()
+
+  machine_info_start = machine_info()
+  sys.stdout.write(json.dumps({'machine': machine_info_start}) + '\n')
+  start = time.time()
+  active = [g for g in GROUPS if wanted & set(g[1])]
+  if any(g[0] == 'scaling' for g in active) and not any(
+      g[0] == 'exports' for g in active):
+    active.insert(0, GROUPS[0])  # Scaling's 100M point is the export pairs.
+  try:
+    items = [item for g in active for item in g[2](cfg)]
+    res = execute(items, cfg)
+    for _, names, _, parse in active:
+      done = len(records)
+      try:
+        parse(cfg, res, emit)
+      except Exception as e:  # One group failing must not hide the others.
+        log(f'{names}: {type(e).__name__}: {e}')
+        seen = {r['figure'] for r in records[done:]}
+        for name in names:
+          if name not in seen:
+            emit(error_record(name, f'{type(e).__name__}: {e}'))
+  finally:
+    if not args.workdir:
+      shutil.rmtree(workdir, ignore_errors=True)
+  seconds = time.time() - start
+  log(f'done in {seconds:.0f} s')
+  if args.write:
+    info = machine_info_start
+    info['loadavg_end'] = os.getloadavg()[0]
+    write_markdown(REPO / 'BENCHMARKS.md',
+                   render_table(records, info, cfg, seconds), records)
+    log('BENCHMARKS.md updated')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
