@@ -26,6 +26,7 @@ This module never imports TensorFlow.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -298,7 +299,7 @@ def init_tiny_t5(model: TinyT5, rng: Array, *, batch_size: int = 1,
   """`model.init` on dummy tokens; returns {'params', 'params_axes'}."""
   enc = jnp.ones((batch_size, encoder_len), jnp.int32)
   dec = jnp.ones((batch_size, decoder_len), jnp.int32)
-  return dict(model.init(rng, enc, dec))
+  return dict(jax.jit(model.init)(rng, enc, dec))
 
 
 def shift_right(targets: Array) -> Array:
@@ -456,7 +457,7 @@ class MlpBn(nn.Module):
 def init_mlp_bn(model: MlpBn, rng: Array, *, batch_size: int = 2) -> dict:
   """`model.init` on dummy inputs; returns {'params', 'batch_stats'} (boxed)."""
   x = jnp.zeros((batch_size, model.config.features), jnp.float32)
-  return dict(model.init(rng, x, train=False))
+  return dict(jax.jit(functools.partial(model.init, train=False))(rng, x))
 
 
 def make_mlp_serve_fn(model: MlpBn

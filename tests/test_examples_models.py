@@ -40,8 +40,8 @@ def test_tiny_t5_init_shapes(t5):
   assert attn['out'].shape == (cfg.num_heads, cfg.head_dim, cfg.d_model)
   mlp = params['decoder_layers_0']['mlp']
   assert mlp['wi'].shape == (cfg.d_model, cfg.d_ff)
-  logits = model.apply(variables, jnp.ones((3, 7), jnp.int32),
-                       jnp.ones((3, 4), jnp.int32))
+  logits = jax.jit(model.apply)(variables, jnp.ones((3, 7), jnp.int32),
+                                jnp.ones((3, 4), jnp.int32))
   assert logits.shape == (3, 4, cfg.vocab_size)
 
 
@@ -66,8 +66,9 @@ def _reference_greedy(model, variables, enc, max_len):
   dec = np.full((enc.shape[0], 1), models.BOS_ID, np.int32)
   out = np.zeros((enc.shape[0], max_len), np.int32)
   done = np.zeros((enc.shape[0],), bool)
+  apply = jax.jit(model.apply)
   for i in range(max_len):
-    logits = model.apply(variables, enc, jnp.asarray(dec))
+    logits = apply(variables, enc, jnp.asarray(dec))
     tok = np.asarray(jnp.argmax(logits[:, -1], axis=-1)).astype(np.int32)
     tok = np.where(done, models.PAD_ID, tok)
     out[:, i] = tok
@@ -148,3 +149,69 @@ def test_mlp_bn_batch_stats_and_boxed_axes():
   want = model.apply({'params': variables['params'],
                       'batch_stats': updates['batch_stats']}, x, train=False)
   np.testing.assert_allclose(out['logits'], want, rtol=1e-6)
+
+
+# --- tokenizer ------------------------------------------------------------------
+
+TEXTS = ['hello', '', 'héllo wörld ✓ and more', b'\x00\xff\x80abc',
+         'a' * 15, 'x' * 40]
+
+
+@pytest.fixture(scope='module')
+def tf_tokenizer():
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from examples import tokenizer  # pylint: disable=g-import-not-at-top
+  pre = tf.function(
+      lambda s: tokenizer.tf_preprocess({'text': s}, length=16),
+      input_signature=[tf.TensorSpec([None], tf.string)], autograph=False)
+  post = tf.function(
+      lambda t: tokenizer.tf_postprocess({'tokens': t}),
+      input_signature=[tf.TensorSpec([None, None], tf.int32)],
+      autograph=False)
+  return tokenizer, pre, post
+
+
+def test_tokenizer_numpy_round_trip_and_layout(tf_tokenizer):
+  tokenizer, _, _ = tf_tokenizer
+  tokens = tokenizer.encode(['ab', 'é'], 6)
+  a, b = ord('a') + models.BYTE_OFFSET, ord('b') + models.BYTE_OFFSET
+  np.testing.assert_array_equal(
+      tokens, [[a, b, models.EOS_ID, 0, 0, 0],
+               [0xC3 + models.BYTE_OFFSET, 0xA9 + models.BYTE_OFFSET,
+                models.EOS_ID, 0, 0, 0]])
+  assert tokenizer.decode(tokenizer.encode(TEXTS[:3], 64)) == TEXTS[:3]
+  # Cut to length - 1 bytes, then EOS.
+  assert tokenizer.decode(tokenizer.encode(['abcdef'], 4)) == ['abc']
+  # Special ids other than EOS are skipped; decoding stops at EOS.
+  assert tokenizer.decode_bytes([[a, models.BOS_ID, b, models.EOS_ID, a]]) == [
+      b'ab']
+
+
+def test_tokenizer_tf_matches_numpy(tf_tokenizer):
+  tokenizer, pre, post = tf_tokenizer
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  want = tokenizer.encode(TEXTS, 16)
+  got = pre(tf.constant(TEXTS))['encoder_tokens'].numpy()
+  np.testing.assert_array_equal(got, want)
+  assert got.dtype == np.int32
+  assert post(tf.constant(want))['text'].numpy().tolist() == (
+      tokenizer.decode_bytes(want))
+  # Tokens as a model emits them: garbage after EOS, specials inside.
+  rng = np.random.default_rng(0)
+  noisy = rng.integers(0, models.BYTE_VOCAB_SIZE, size=(8, 12)).astype(
+      np.int32)
+  assert post(tf.constant(noisy))['text'].numpy().tolist() == (
+      tokenizer.decode_bytes(noisy))
+  assert pre(tf.constant([], tf.string))['encoder_tokens'].shape == (0, 16)
+
+
+def test_tokenizer_rejects_bad_arguments(tf_tokenizer):
+  tokenizer, _, _ = tf_tokenizer
+  with pytest.raises(ValueError, match='length must be an int >= 2'):
+    tokenizer.encode(['a'], 1)
+  with pytest.raises(TypeError, match='strings must hold str or bytes'):
+    tokenizer.encode([3], 4)
+  with pytest.raises(ValueError, match='tokens must be 2-D'):
+    tokenizer.decode([1, 2])
+  with pytest.raises(ValueError, match="must hold a 'text'"):
+    tokenizer.tf_preprocess({'txt': ['a']})
