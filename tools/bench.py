@@ -1362,7 +1362,10 @@ def main(argv: Sequence[str] | None = None) -> int:
           if name not in seen:
             emit(error_record(name, f'{type(e).__name__}: {e}'))
   finally:
-    if not args.workdir:
+    if args.workdir:  # Keep the directory given, drop what the run wrote.
+      for child in workdir.iterdir():
+        shutil.rmtree(child, ignore_errors=True)
+    else:
       shutil.rmtree(workdir, ignore_errors=True)
   seconds = time.time() - start
   log(f'done in {seconds:.0f} s')
