@@ -222,3 +222,18 @@ class IndivisibleShardingError(T5ExportError, ValueError):
         f'by {parts}, the size of the mesh axes it is split over. Change '
         'the mesh shape, the model size or the logical axis rules (e.g. map '
         'that logical name to None).')
+
+
+# --- multi-process coordination (distributed) -------------------------------
+
+
+class WriterTimeoutError(WriterFailedError, TimeoutError):
+  """Process 0 did not report the outcome of an export in time.
+
+  A `WriterFailedError` too, so `except errors.WriterFailedError` covers
+  both a reported failure and a writer that went silent.
+  """
+
+
+class BarrierTimeoutError(T5ExportError, TimeoutError):
+  """Not every process reached an export's closing barrier in time."""
