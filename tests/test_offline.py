@@ -1,0 +1,451 @@
+"""Tests for `python -m t5export.offline`, run as a real subprocess.
+
+Each checkpoint format is written by its real library (orbax
+CheckpointManager, orbax PyTreeCheckpointer, flax msgpack) or is the real
+T5X fixture. Every published version is loaded and run in a TensorFlow-only
+process (no JAX imported) and compared with the JAX model on the same params.
+The exports run concurrently in the background while other tests proceed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax import serialization
+
+from examples import models
+from t5export import offline
+from t5export import paths
+from t5export import train_state
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / 'tests'))
+import t5x_fixture_model  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+_ENV = {**os.environ,
+        'PYTHONPATH': os.pathsep.join([str(REPO), str(REPO / 'tests')]),
+        'TF_CPP_MIN_LOG_LEVEL': '2'}
+_ERROR_PREFIX = 't5export.offline: error: '
+
+_MLP_X = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
+_TOKENS = np.array([[1, 2, 3, 63, 0], [5, 6, 7, 8, 9]], np.int32)
+
+_MLP_GIN = f"""
+from __gin__ import dynamic_registration
+import t5export
+from examples import models
+include 'offline.gin'
+SIGNATURES = [@t5export.Signature()]
+t5export.Signature:
+  name = 'serving_default'
+  method = @models.make_mlp_serve_fn()
+  input_specs = {{'x': ('b, 16', 'float32')}}
+  sample_inputs = {{'x': {_MLP_X[:2].tolist()}}}
+models.make_mlp_serve_fn.model = @models.MlpBn()
+models.init_mlp_bn.model = @models.MlpBn()
+INIT_FN = @models.init_mlp_bn
+LOGICAL_AXIS_RULES = @t5export.standard_logical_axis_rules()
+"""
+
+_FIXTURE_GIN = f"""
+from __gin__ import dynamic_registration
+import t5export
+import t5x_fixture_model
+include 'offline.gin'
+SIGNATURES = [@t5export.Signature()]
+t5export.Signature:
+  name = 'serving_default'
+  method = @t5x_fixture_model.serve
+  input_specs = {{'tokens': ('b, n', 'int32')}}
+  sample_inputs = {{'tokens': {_TOKENS.tolist()}}}
+INIT_FN = @t5x_fixture_model.init_model
+LOGICAL_AXIS_RULES = @t5export.standard_logical_axis_rules()
+"""
+
+# Runs in a TensorFlow-only process: loads a version, runs one signature.
+# JAX, flax and t5export cannot be imported there (TF and Keras try to import
+# jax opportunistically; they work without it).
+_TF_RUNNER = textwrap.dedent("""
+    import json, sys
+
+    class NoJax:
+      def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('jax', 'jaxlib', 'flax', 't5export'):
+          raise ImportError(f'{name} is blocked in the TensorFlow-only run')
+
+    sys.meta_path.insert(0, NoJax())
+    import numpy as np
+    import tensorflow as tf
+    for line in sys.stdin:
+      req = json.loads(line)
+      try:
+        fn = tf.saved_model.load(req['dir']).signatures[req['signature']]
+        inputs = dict(np.load(req['inputs']))
+        out = fn(**{k: tf.constant(v) for k, v in inputs.items()})
+        out = {k: tf.cast(v, tf.float32) if v.dtype == tf.bfloat16 else v
+               for k, v in out.items()}  # numpy alone has no bfloat16.
+        np.savez(req['out'], **{k: v.numpy() for k, v in out.items()})
+        reply = {'ok': True, 'jax_imported': 'jax' in sys.modules}
+      except Exception as e:  # Reported to the test.
+        reply = {'ok': False, 'error': repr(e)}
+      print(json.dumps(reply), flush=True)
+    """)
+
+
+def _offline_cmd(ckpt, export_dir, gin_file, *extra) -> list[str]:
+  return [sys.executable, '-m', 't5export.offline', f'--ckpt={ckpt}',
+          f'--export_dir={export_dir}', f'--gin_file={gin_file}', *extra]
+
+
+def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+  return subprocess.run(cmd, cwd=REPO, env=_ENV, capture_output=True,
+                        text=True, timeout=timeout)
+
+
+def _mlp_variables(seed: int) -> dict:
+  """Non-initial MlpBn variables: a few adam steps and random batch stats."""
+  model = models.MlpBn()
+  variables = models.init_mlp_bn(model, jax.random.PRNGKey(seed))
+  state = train_state.FlaxOptimTrainState.create(optax.adam(0.1), variables)
+  rng = np.random.default_rng(seed)
+  for _ in range(seed % 3 + 1):
+    grads = jax.tree_util.tree_map(
+        lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype),
+        state.params)
+    state = state.apply_gradient(grads)
+  stats = jax.tree_util.tree_map(
+      lambda x: jnp.asarray(rng.random(x.shape) + 0.5, x.dtype),
+      state.flax_mutables)
+  return state.replace_flax_mutables(stats)
+
+
+def _mlp_jax(variables: dict) -> dict:
+  serve = models.make_mlp_serve_fn(models.MlpBn())
+  out = jax.jit(serve)(variables, {'x': _MLP_X})
+  return {k: np.asarray(v) for k, v in out.items()}
+
+
+def _fixture_jax(params: dict) -> dict:
+  out = jax.jit(t5x_fixture_model.serve)({'params': params},
+                                         {'tokens': _TOKENS})
+  return {k: np.asarray(v) for k, v in out.items()}
+
+
+def _to_np(tree):
+  return jax.tree_util.tree_map(np.asarray, tree)
+
+
+def _listing(path: pathlib.Path) -> dict[str, tuple[int, int]] | None:
+  """Every entry under `path` with size and mtime (None if absent)."""
+  if not path.exists():
+    return None
+  return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns)
+          for p in sorted(path.rglob('*'))}
+
+
+@pytest.fixture(scope='module')
+def work(tmp_path_factory) -> pathlib.Path:
+  root = tmp_path_factory.mktemp('offline')
+  (root / 'mlp.gin').write_text(_MLP_GIN)
+  (root / 'fixture.gin').write_text(_FIXTURE_GIN)
+  return root
+
+
+@pytest.fixture(scope='module')
+def background(work):
+  """Writes three checkpoints and starts their exports concurrently."""
+  jobs = {}
+  # 1. orbax CheckpointManager, composite 'state' item holding
+  #    FlaxOptimTrainState.state_dict(), steps 3 and 5: the latest is used.
+  states = {}
+  with ocp.CheckpointManager(work / 'manager') as manager:
+    for step in (3, 5):
+      state = _mlp_variables(step).replace_step(jnp.asarray(step, jnp.int32))
+      states[step] = state
+      manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state.state_dict())))
+    manager.wait_until_finished()
+  jobs['manager'] = (work / 'export_manager', states[5], [])
+  # 2. PyTreeCheckpointer of plain flax variables (no step: --step gives
+  #    it), with a --gin.NAME=VALUE override of the signature name, and
+  #    without the check (--no_validate).
+  state = _mlp_variables(7)
+  ocp.PyTreeCheckpointer().save(
+      work / 'pytree', _to_np({'params': state.params, **state.flax_mutables}))
+  jobs['pytree'] = (work / 'export_pytree', state,
+                    ['--step=7', "--gin.t5export.Signature.name='predict'",
+                     '--no_validate'])
+  # 3. flax msgpack of a T5X-layout state dict, exported as bfloat16.
+  params = _to_np(jax.tree_util.tree_map(
+      lambda x: x * 1.5, t5x_fixture_model.init_model(
+          jax.random.PRNGKey(12))['params']))
+  opt = optax.adam(0.1).init(params)
+  (work / 'state.msgpack').write_bytes(serialization.msgpack_serialize({
+      'target': params, 'state': {'step': np.int32(12), 'param_states':
+                                  _to_np(serialization.to_state_dict(opt))}}))
+  jobs['msgpack'] = (work / 'export_msgpack', params, ['--dtype=bfloat16'])
+
+  sources = {'manager': work / 'manager', 'pytree': work / 'pytree',
+             'msgpack': work / 'state.msgpack'}
+  procs = {}
+  for name, (export_dir, _, extra) in jobs.items():
+    gin_file = work / ('fixture.gin' if name == 'msgpack' else 'mlp.gin')
+    procs[name] = subprocess.Popen(
+        _offline_cmd(sources[name], export_dir, gin_file, *extra), cwd=REPO,
+        env=_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  results = {}
+
+  def result(name: str):
+    if name not in results:
+      _, stderr = procs[name].communicate(timeout=600)
+      results[name] = (procs[name].returncode, stderr)
+    export_dir, expected, _ = jobs[name]
+    return results[name], export_dir, expected
+
+  yield result
+  for proc in procs.values():
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+
+
+@pytest.fixture(scope='module')
+def tf_run(work):
+  """Runs a published version in one long-lived TensorFlow-only process."""
+  proc = subprocess.Popen([sys.executable, '-c', _TF_RUNNER], cwd=work,
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True, env=_ENV)
+  count = [0]
+
+  def run(version_dir, inputs: dict, signature='serving_default') -> dict:
+    count[0] += 1
+    inputs_file = work / f'tf_in_{count[0]}.npz'
+    out_file = work / f'tf_out_{count[0]}.npz'
+    np.savez(inputs_file, **inputs)
+    proc.stdin.write(json.dumps({
+        'dir': str(version_dir), 'signature': signature,
+        'inputs': str(inputs_file), 'out': str(out_file)}) + '\n')
+    proc.stdin.flush()
+    reply = json.loads(proc.stdout.readline())
+    assert reply['ok'], reply
+    assert not reply['jax_imported']
+    return dict(np.load(out_file))
+
+  yield run
+  proc.stdin.close()
+  proc.wait(timeout=60)
+
+
+def _assert_success(returncode: int, stderr: str, export_dir: pathlib.Path,
+                    version: int, *, validated: bool = True) -> pathlib.Path:
+  assert returncode == 0, stderr[-3000:]
+  for phase in ('[read]', '[convert]', '[write, check, publish]'):
+    assert f'offline {phase}' in stderr, phase
+  # The exporter's own write / check / publish lines, with times and sizes.
+  assert 'saved to' in stderr and 'published version' in stderr
+  assert ('check passed' in stderr) == validated
+  assert sorted(os.listdir(export_dir)) == [str(version)]  # No staging left.
+  version_dir = export_dir / str(version)
+  meta = json.loads((version_dir / 'assets.extra' / 't5export.json')
+                    .read_text())
+  assert meta['step'] == version
+  assert (version_dir / 'assets.extra' / 'config.gin').is_file()
+  return version_dir
+
+
+def _assert_outputs(got: dict, want: dict, atol: float = 1e-5) -> None:
+  assert sorted(got) == sorted(want)
+  for key in want:
+    np.testing.assert_allclose(got[key], want[key], atol=atol, rtol=1e-5,
+                               err_msg=key)
+
+
+def test_t5x_fixture(background, t5x_checkpoint_dir, work, tf_run):
+  del background  # Started first, so those exports overlap with this one.
+  export_dir = work / 'export_t5x'
+  proc = _run(_offline_cmd(t5x_checkpoint_dir, export_dir,
+                           work / 'fixture.gin'))
+  version_dir = _assert_success(proc.returncode, proc.stderr, export_dir, 1)
+  assert 'offline [read]: t5x checkpoint' in proc.stderr
+  reference = np.load(t5x_checkpoint_dir / 'params_reference.npz')
+  params = paths.unflatten({k: reference[k] for k in reference.files})
+  _assert_outputs(tf_run(version_dir, {'tokens': _TOKENS}),
+                  _fixture_jax(params))
+  meta = json.loads((version_dir / 'assets.extra' / 't5export.json')
+                    .read_text())
+  entry = meta['params']['params/token_embedder/embedding']
+  assert entry['logical_axes'] == ['vocab', 'embed']  # From INIT_FN.
+
+  # Publishing the same step again is refused; nothing changes.
+  before = _listing(export_dir)
+  again = _run(_offline_cmd(t5x_checkpoint_dir, export_dir,
+                            work / 'fixture.gin'))
+  _assert_one_error(again, 'VersionExistsError: Version 1 already exists')
+  assert 'overwrite' in again.stderr
+  assert _listing(export_dir) == before
+
+
+def test_orbax_checkpoint_manager(background, tf_run):
+  (returncode, stderr), export_dir, state = background('manager')
+  version_dir = _assert_success(returncode, stderr, export_dir, 5)
+  assert 'offline [read]: orbax checkpoint' in stderr
+  variables = {'params': state.params, **state.flax_mutables}
+  _assert_outputs(tf_run(version_dir, {'x': _MLP_X}), _mlp_jax(variables))
+
+
+def test_orbax_pytree_checkpointer_step_flag_and_gin_shorthand(background,
+                                                               tf_run):
+  (returncode, stderr), export_dir, state = background('pytree')
+  version_dir = _assert_success(returncode, stderr, export_dir, 7,
+                                validated=False)
+  variables = {'params': state.params, **state.flax_mutables}
+  _assert_outputs(tf_run(version_dir, {'x': _MLP_X}, signature='predict'),
+                  _mlp_jax(variables))
+
+
+def test_flax_msgpack_cast_to_bfloat16(background, tf_run):
+  (returncode, stderr), export_dir, params = background('msgpack')
+  version_dir = _assert_success(returncode, stderr, export_dir, 12)
+  assert 'cast to bfloat16' in stderr
+  meta = json.loads((version_dir / 'assets.extra' / 't5export.json')
+                    .read_text())
+  assert {e['dtype'] for e in meta['params'].values()} == {'bfloat16'}
+  cast = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.bfloat16),
+                                params)
+  want = _fixture_jax(cast)
+  assert want['logits'].dtype == jnp.bfloat16  # The model ran in bfloat16.
+  _assert_outputs(tf_run(version_dir, {'tokens': _TOKENS}),
+                  {k: v.astype(np.float32) for k, v in want.items()})
+
+
+def test_same_version_as_the_training_callback(background, work):
+  """The callback, given the same state and config, publishes the same."""
+  import t5export  # pylint: disable=g-import-not-at-top
+  from t5export import verify  # pylint: disable=g-import-not-at-top
+
+  (returncode, stderr), export_dir, state = background('manager')
+  assert returncode == 0, stderr[-2000:]
+  sig = t5export.Signature(
+      name='serving_default',
+      method=models.make_mlp_serve_fn(models.MlpBn()),
+      input_specs={'x': ('b, 16', 'float32')},
+      sample_inputs={'x': _MLP_X[:2]})
+  callback_dir = work / 'export_callback'
+  cb = t5export.ExportCallback(
+      export_dir=callback_dir, signatures=[sig], on_steps=[5],
+      async_export=False, warmup=True,
+      logical_axis_rules=t5export.standard_logical_axis_rules())
+  cb(5, train_state=state)
+  cb.close()
+  ours, theirs = export_dir / '5', callback_dir / '5'
+  got, want = verify.load_params(ours), verify.load_params(theirs)
+  assert paths.flatten(got).keys() == paths.flatten(want).keys()
+  for key, value in paths.flatten(want).items():
+    np.testing.assert_array_equal(paths.flatten(got)[key], value)
+  meta_ours, meta_theirs = (verify.read_metadata(d) for d in (ours, theirs))
+  for key in ('step', 'parameters', 'params', 'signatures', 'platforms'):
+    assert meta_ours[key] == meta_theirs[key], key
+
+
+# --- errors -----------------------------------------------------------------
+
+
+def _assert_one_error(proc: subprocess.CompletedProcess, message: str) -> str:
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  lines = [l for l in proc.stderr.splitlines() if l.startswith(_ERROR_PREFIX)]
+  assert len(lines) == 1, proc.stderr[-3000:]
+  assert message in lines[0], lines[0]
+  return lines[0]
+
+
+def test_missing_checkpoint_leaves_no_export_dir(work):
+  export_dir = work / 'never_created'
+  proc = _run(_offline_cmd(work / 'no_such_ckpt', export_dir,
+                           work / 'mlp.gin'))
+  _assert_one_error(proc, 'CheckpointNotFoundError: Checkpoint path')
+  assert not export_dir.exists()
+
+
+def test_unknown_format(work):
+  (work / 'not_a_ckpt').mkdir()
+  (work / 'not_a_ckpt' / 'notes.txt').write_text('hello')
+  export_dir = work / 'export_existing'
+  export_dir.mkdir()
+  (export_dir / 'README').write_text('keep me')
+  before = _listing(export_dir)
+  proc = _run(_offline_cmd(work / 'not_a_ckpt', export_dir, work / 'mlp.gin'))
+  line = _assert_one_error(proc, 'UnknownCheckpointFormatError')
+  assert 'Looked for an orbax PyTree checkpoint' in line
+  assert _listing(export_dir) == before
+
+
+def test_no_params_in_checkpoint(work):
+  path = work / 'opt_only.msgpack'
+  path.write_bytes(serialization.msgpack_serialize(
+      {'state': {'step': np.int32(1), 'param_states': {'mu': np.ones(3)}}}))
+  export_dir = work / 'export_no_params'
+  proc = _run(_offline_cmd(path, export_dir, work / 'mlp.gin'))
+  _assert_one_error(proc, "NoParamsInCheckpointError: Checkpoint")
+  assert not export_dir.exists()
+
+
+def test_params_not_matching_the_model(work):
+  state = _mlp_variables(1)
+  params = _to_np(state.params)
+  del params['head']['bias']  # missing
+  params['dense_0']['kernel'] = params['dense_0']['kernel'][:8]  # shape
+  params['extra'] = {'w': np.ones(2, np.float32)}  # unexpected
+  ocp.PyTreeCheckpointer().save(work / 'mismatch', {
+      'params': params, **_to_np(state.flax_mutables)})
+  export_dir = work / 'export_mismatch'
+  export_dir.mkdir()
+  before = _listing(export_dir)
+  proc = _run(_offline_cmd(work / 'mismatch', export_dir, work / 'mlp.gin',
+                           '--step=1'))
+  line = _assert_one_error(proc, 'ParamsMismatchError')
+  assert 'missing (1): - params/head/bias' in line
+  assert 'unexpected (1): - params/extra/w' in line
+  assert ('params/dense_0/kernel: expected (16, 32) float32, got (8, 32) '
+          'float32') in line or (
+              'params/dense_0/kernel: expected (16, 32), got (8, 32)' in line)
+  assert _listing(export_dir) == before
+
+
+def test_checkpoint_without_step_needs_step_flag(work):
+  ocp.PyTreeCheckpointer().save(work / 'stepless', {'params': {
+      'w': np.ones(2, np.float32)}})
+  proc = _run(_offline_cmd(work / 'stepless', work / 'export_stepless',
+                           work / 'mlp.gin'))
+  _assert_one_error(proc, 'does not record its step; pass --step')
+  assert not (work / 'export_stepless').exists()
+
+
+# --- in-process helpers -----------------------------------------------------
+
+
+def test_rewrite_args():
+  assert offline.rewrite_args(
+      ['prog', '--gin.EXPORT_BATCH=8', "--gin.a.b='x=y'", '--no_validate',
+       '--ckpt=/c']) == [
+           'prog', '--gin_bindings=EXPORT_BATCH = 8',
+           "--gin_bindings=a.b = 'x=y'", '--novalidate', '--ckpt=/c']
+  with pytest.raises(ValueError, match='--gin.NAME=VALUE'):
+    offline.rewrite_args(['--gin.FOO'])
+
+
+def test_cast_params():
+  params = {'w': np.ones(2, np.float32), 'i': np.arange(3, dtype=np.int32)}
+  cast = offline.cast_params(params, 'bfloat16')
+  assert cast['w'].dtype == jnp.bfloat16 and cast['i'].dtype == np.int32
+  assert offline.cast_params(params, None) is params
