@@ -1,0 +1,578 @@
+"""Tests for t5export.exporter with real flax models, JAX and TensorFlow.
+
+Three real models are exported once per module (module-scoped fixtures):
+the MlpBn classifier (logical axes, batch_stats; exported twice to check
+the in-place update), a small CNN with BatchNorm lowered for ('cpu',
+'cuda'), and TinyT5 with a text-in/text-out signature (TF tokenizer around
+greedy decoding) and a token signature with polymorphic batch and length.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import flax.linen as nn
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow_serving.apis import prediction_log_pb2
+
+from examples import models
+from examples import tokenizer
+import t5export
+from t5export import errors
+from t5export import exporter as exporter_lib
+from t5export import paths
+from t5export import verify
+
+VENV_BIN = os.path.dirname(sys.executable)
+MAX_DECODE_LEN = 4
+
+
+# --- models -------------------------------------------------------------------
+
+
+class SmallCnn(nn.Module):
+  """Conv -> BatchNorm -> ReLU -> mean pool -> Dense."""
+
+  @nn.compact
+  def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
+    x = nn.Conv(4, (3, 3), name='conv')(x)
+    x = nn.BatchNorm(use_running_average=not train, name='bn')(x)
+    x = nn.relu(x).mean(axis=(1, 2))
+    return nn.Dense(3, name='head')(x)
+
+
+def _perturb(params, seed: int, scale: float = 0.3):
+  """Same structure, visibly different values."""
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+  return jax.tree_util.tree_unflatten(treedef, [
+      x + scale * jax.random.normal(k, x.shape, x.dtype)
+      for x, k in zip(leaves, keys)])
+
+
+def _with_batch_stats(variables, seed: int):
+  """Random but valid running statistics, so BatchNorm is not identity."""
+  flat = paths.flatten(variables['batch_stats'])
+  stats = {}
+  for i, (path, x) in enumerate(flat.items()):
+    value = jax.random.normal(jax.random.PRNGKey(seed * 100 + i), x.shape)
+    stats[path] = jnp.abs(value) + 0.5 if path.endswith('var') else value
+  return {**variables, 'batch_stats': paths.unflatten(stats)}
+
+
+def _rng_x(batch: int, seed: int, *shape: int) -> np.ndarray:
+  return np.random.default_rng(seed).normal(size=(batch, *shape)).astype(
+      np.float32)
+
+
+def _mlp_signature(model, **kwargs) -> t5export.Signature:
+  return t5export.Signature(
+      name='serving_default', method=models.make_mlp_serve_fn(model),
+      input_specs={'x': ('b, 16', 'float32')}, **kwargs)
+
+
+# --- module-scoped exports ------------------------------------------------------
+
+
+@pytest.fixture(scope='module')
+def mlp(tmp_path_factory):
+  """MlpBn exported at step 100, then updated in place and exported at 200."""
+  model = models.MlpBn()
+  variables = _with_batch_stats(
+      models.init_mlp_bn(model, jax.random.PRNGKey(0)), 7)
+  state1 = t5export.InferenceState.create(variables).replace_step(100)
+  sig = _mlp_signature(model, sample_inputs={'x': _rng_x(3, 0, 16)})
+  export_dir = str(tmp_path_factory.mktemp('mlp') / 'mlp_model')
+  exporter = t5export.SavedModelExporter(
+      export_dir, [sig], keep=3,
+      logical_axis_rules=t5export.standard_logical_axis_rules())
+  path1 = exporter.export(state1, metrics={'eval': {'accuracy': 0.5}})
+  traces = exporter.module.trace_count
+  state2 = state1.replace_params(
+      _perturb(state1.params, 1)).replace_flax_mutables(
+          {'batch_stats': _with_batch_stats(state1.variables, 11)[
+              'batch_stats']}).replace_step(200)
+  path2 = exporter.export(state2, metrics={'eval': {'accuracy': 0.75}})
+  return dict(model=model, sig=sig, exporter=exporter, export_dir=export_dir,
+              states=(state1, state2), paths=(path1, path2),
+              traces=(traces, exporter.module.trace_count))
+
+
+@pytest.fixture(scope='module')
+def cnn(tmp_path_factory):
+  """SmallCnn with BatchNorm, lowered for ('cpu', 'cuda'), no axes."""
+  model = SmallCnn()
+  variables = _with_batch_stats(dict(model.init(
+      jax.random.PRNGKey(1), jnp.zeros((1, 8, 8, 1)), train=False)), 3)
+  state = t5export.InferenceState.create(variables).replace_step(5)
+
+  def serve(variables, inputs):
+    return {'probs': jax.nn.softmax(
+        model.apply(variables, inputs['image'], train=False))}
+
+  sig = t5export.Signature(
+      name='classify', method=serve,
+      input_specs={'image': ('b, 8, 8, 1', 'float32')},
+      sample_inputs={'image': _rng_x(2, 5, 8, 8, 1)})
+  export_dir = str(tmp_path_factory.mktemp('cnn') / 'cnn_model')
+  exporter = t5export.SavedModelExporter(export_dir, [sig],
+                                         platforms=('cpu', 'cuda'))
+  path = exporter.export(state)
+  return dict(model=model, state=state, export_dir=export_dir, path=path)
+
+
+@pytest.fixture(scope='module')
+def t5(tmp_path_factory):
+  """TinyT5: text -> text (TF tokenizer around greedy decode) and tokens."""
+  model = models.TinyT5()
+  variables = models.init_tiny_t5(model, jax.random.PRNGKey(2))
+  state = t5export.InferenceState.create(variables).replace_step(10)
+  serve = models.make_t5_serve_fn(model, MAX_DECODE_LEN)
+  text_sig = t5export.Signature(
+      name='serving_default', method=serve,
+      input_specs={'text': ('b', 'string')},
+      preprocessor=tokenizer.tf_preprocess,
+      postprocessor=tokenizer.tf_postprocess,
+      sample_inputs={'text': np.array([b'hello', b'', b'tiny t5'],
+                                      dtype=object)})
+  tokens_sig = t5export.Signature(
+      name='tokens', method=serve,
+      input_specs={'encoder_tokens': ('b, n', 'int32')},
+      sample_inputs={'encoder_tokens': _tokens(2, 6, seed=0)})
+  export_dir = str(tmp_path_factory.mktemp('t5') / 't5_model')
+  exporter = t5export.SavedModelExporter(
+      export_dir, [text_sig, tokens_sig],
+      logical_axis_rules=t5export.standard_logical_axis_rules())
+  path = exporter.export(state)
+  return dict(model=model, state=state, export_dir=export_dir, path=path,
+              exporter=exporter)
+
+
+def _tokens(batch: int, length: int, *, seed: int) -> np.ndarray:
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(models.BYTE_OFFSET, models.BYTE_VOCAB_SIZE,
+                        size=(batch, length)).astype(np.int32)
+  tokens[:, -1] = models.PAD_ID  # Some padding.
+  return tokens
+
+
+# --- TensorFlow only ------------------------------------------------------------
+
+_TF_ONLY_SCRIPT = textwrap.dedent('''
+    import os, pickle, sys
+
+    class _NoJax:
+      # TensorFlow imports jax when it is installed (tf.lite's util, in a
+      # try/except ImportError); serving machines have no JAX, so block it.
+      def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('jax', 'jaxlib', 'flax', 't5export'):
+          raise ImportError(name + ' is blocked in this TF-only process')
+
+    sys.meta_path.insert(0, _NoJax())
+    import tensorflow as tf
+    request = pickle.load(open(sys.argv[1], 'rb'))
+    results, loaded = {}, {}
+    for key, export_dir, signature, inputs in request:
+      versions = [int(n) for n in os.listdir(export_dir) if n.isdigit()]
+      path = os.path.join(export_dir, str(max(versions)))
+      if path not in loaded:
+        loaded[path] = tf.saved_model.load(path)
+      fn = loaded[path].signatures[signature]
+      out = fn(**{k: tf.constant(v) for k, v in inputs.items()})
+      results[key] = (path, {k: v.numpy() for k, v in out.items()})
+    bad = sorted(m for m in sys.modules
+                 if m.split('.')[0] in ('jax', 'jaxlib', 'flax', 't5export'))
+    results['__modules__'] = bad
+    pickle.dump(results, open(sys.argv[2], 'wb'))
+''')
+
+
+def _jax_t5_tokens(t5_fixture, tokens: np.ndarray) -> np.ndarray:
+  decode = jax.jit(functools.partial(
+      models.greedy_decode, model=t5_fixture['model'],
+      max_decode_len=MAX_DECODE_LEN))
+  return np.asarray(decode({'params': t5_fixture['state'].params},
+                           jnp.asarray(tokens)))
+
+
+def test_tf_only_process_serves_newest_version_like_jax(mlp, cnn, t5,
+                                                        tmp_path):
+  request, expected = [], {}
+  mlp_state = mlp['states'][1]  # The newest version is step 200.
+  cnn_state = cnn['state']
+  for batch in (1, 7):
+    x = _rng_x(batch, 10 + batch, 16)
+    request.append((f'mlp{batch}', mlp['export_dir'], 'serving_default',
+                    {'x': x}))
+    expected[f'mlp{batch}'] = {'logits': mlp['model'].apply(
+        mlp_state.variables, x, train=False)}
+    image = _rng_x(batch, 20 + batch, 8, 8, 1)
+    request.append((f'cnn{batch}', cnn['export_dir'], 'classify',
+                    {'image': image}))
+    expected[f'cnn{batch}'] = {'probs': jax.nn.softmax(cnn['model'].apply(
+        cnn_state.variables, image, train=False))}
+    for length in {1: (5,), 7: (9,)}[batch]:  # Both sizes, both lengths.
+      tokens = _tokens(batch, length, seed=batch * length)
+      request.append((f't5_{batch}_{length}', t5['export_dir'], 'tokens',
+                      {'encoder_tokens': tokens}))
+      expected[f't5_{batch}_{length}'] = {
+          'tokens': _jax_t5_tokens(t5, tokens)}
+    text = np.array([f'row {i} {"x" * i}'.encode() for i in range(batch)],
+                    dtype=object)
+    request.append((f'text{batch}', t5['export_dir'], 'serving_default',
+                    {'text': text}))
+    expected_tokens = _jax_t5_tokens(t5, tokenizer.encode(list(text)))
+    expected[f'text{batch}'] = {'text': np.array(
+        tokenizer.decode_bytes(expected_tokens), dtype=object)}
+
+  request_file, result_file = tmp_path / 'req.pkl', tmp_path / 'res.pkl'
+  request_file.write_bytes(pickle.dumps(request))
+  script = tmp_path / 'tf_only.py'
+  script.write_text(_TF_ONLY_SCRIPT)
+  env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
+  proc = subprocess.run(
+      [sys.executable, str(script), str(request_file), str(result_file)],
+      capture_output=True, text=True, env=env, cwd=str(tmp_path),
+      timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  results = pickle.loads(result_file.read_bytes())
+  assert results.pop('__modules__') == []
+  assert results['mlp1'][0] == mlp['paths'][1]  # The newest version.
+  for key, want in expected.items():
+    _, got = results[key]
+    assert set(got) == set(want), key
+    for name, value in want.items():
+      value = np.asarray(value)
+      assert got[name].shape == value.shape, (key, name)
+      if value.dtype.kind in 'fc':
+        np.testing.assert_allclose(got[name], value, atol=1e-5, rtol=1e-5,
+                                   err_msg=key)
+      else:
+        np.testing.assert_array_equal(got[name], value, err_msg=key)
+
+
+def test_saved_model_cli_lists_signatures(t5):
+  out = subprocess.run(
+      [os.path.join(VENV_BIN, 'saved_model_cli'), 'show', '--all', '--dir',
+       t5['path']], capture_output=True, text=True, check=True,
+      timeout=120).stdout
+  assert "signature_def['serving_default']" in out
+  assert "signature_def['tokens']" in out
+  assert "inputs['text'] tensor_info:" in out
+  assert "inputs['encoder_tokens'] tensor_info:" in out
+  assert "outputs['tokens'] tensor_info:" in out
+
+
+def test_keras_tfsm_layer_runs(mlp):
+  import keras  # pylint: disable=g-import-not-at-top
+  layer = keras.layers.TFSMLayer(mlp['paths'][1],
+                                 call_endpoint='serving_default')
+  x = _rng_x(4, 3, 16)
+  out = layer(x)
+  want = mlp['model'].apply(mlp['states'][1].variables, x, train=False)
+  np.testing.assert_allclose(np.asarray(out['logits']), want, atol=1e-5,
+                             rtol=1e-5)
+
+
+# --- metadata, warm-up, params ------------------------------------------------
+
+
+def test_metadata_content(mlp):
+  meta = verify.read_metadata(mlp['paths'][0])
+  module = mlp['exporter'].module
+  assert meta['step'] == 100
+  assert meta['time_utc'].endswith('+00:00')
+  import flax  # pylint: disable=g-import-not-at-top
+  import jaxlib  # pylint: disable=g-import-not-at-top
+  assert meta['versions'] == {
+      'jax': jax.__version__, 'jaxlib': jaxlib.__version__,
+      'tensorflow': tf.__version__, 'flax': flax.__version__,
+      't5export': t5export.__version__}
+  assert meta['jax_serialization_version'] == (
+      jax.config.jax_export_calling_convention_version)
+  assert meta['platforms'] == ['cpu']
+  sig = meta['signatures']['serving_default']
+  assert sig['inputs'] == {'x': {'shape': 'b, 16', 'dtype': 'float32'}}
+  assert sig['outputs'] == {'logits': {'shape': [None, 4],
+                                       'dtype': 'float32'}}
+  assert meta['parameters'] == list(module.param_paths)
+  kernel = meta['params']['params/dense_0/kernel']
+  assert kernel['shape'] == [16, 32] and kernel['dtype'] == 'float32'
+  assert kernel['logical_axes'] == ['embed', 'mlp']
+  assert kernel['mesh_axes'] == [None, 'model']
+  mean = meta['params']['batch_stats/bn_0/mean']
+  assert mean['shape'] == [32]
+  assert meta['check']['validated'] is True
+  check = meta['check']['signatures']['serving_default']
+  assert check['passed'] is True
+  assert 0.0 <= check['max_abs_error']['logits'] <= 1e-5
+  assert meta['metrics'] == {'eval/accuracy': 0.5}
+  assert not os.path.exists(os.path.join(mlp['paths'][0],
+                                         verify.GIN_CONFIG_FILE))
+
+
+def test_metadata_of_two_signatures_with_processors(t5):
+  meta = verify.read_metadata(t5['path'])
+  assert set(meta['signatures']) == {'serving_default', 'tokens'}
+  text = meta['signatures']['serving_default']
+  assert text['inputs'] == {'text': {'shape': 'b', 'dtype': 'string'}}
+  assert text['outputs'] == {'text': {'shape': [None], 'dtype': 'string'}}
+  assert text['method_inputs'] == {
+      'encoder_tokens': {'shape': 'b, 16', 'dtype': 'int32'}}
+  tokens = meta['signatures']['tokens']
+  assert tokens['inputs'] == {
+      'encoder_tokens': {'shape': 'b, n', 'dtype': 'int32'}}
+  assert tokens['outputs'] == {
+      'tokens': {'shape': [None, MAX_DECODE_LEN], 'dtype': 'int32'}}
+  emb = meta['params']['params/token_embedder']
+  assert emb['logical_axes'] == ['vocab', 'embed']
+  assert emb['mesh_axes'] == ['model', None]
+  for name in ('serving_default', 'tokens'):
+    assert meta['check']['signatures'][name]['passed'] is True
+    # Strings and ints compare exactly.
+    assert set(meta['check']['signatures'][name]['max_abs_error'].values()
+               ) == {0.0}
+
+
+def test_cuda_and_cpu_lowering_runs_on_cpu(cnn):
+  meta = verify.read_metadata(cnn['path'])
+  assert meta['platforms'] == ['cpu', 'cuda']
+  assert meta['check']['signatures']['classify']['passed'] is True
+  assert meta['params']['params/conv/kernel']['logical_axes'] is None
+
+
+def test_warmup_records_parse_as_prediction_logs(mlp, t5):
+  for path, sigs in ((mlp['paths'][1], [mlp['sig']]),
+                     (t5['path'], None)):
+    records = list(tf.data.TFRecordDataset(
+        os.path.join(path, verify.WARMUP_FILE)).as_numpy_iterator())
+    logs = [prediction_log_pb2.PredictionLog.FromString(r) for r in records]
+    assert all(log.WhichOneof('log_type') == 'predict_log' for log in logs)
+    names = [log.predict_log.request.model_spec.signature_name
+             for log in logs]
+    if sigs is None:
+      assert names == ['serving_default', 'tokens']
+      text = tf.make_ndarray(logs[0].predict_log.request.inputs['text'])
+      assert list(text) == [b'hello', b'', b'tiny t5']
+      tokens = logs[1].predict_log.request.inputs['encoder_tokens']
+      np.testing.assert_array_equal(tf.make_ndarray(tokens),
+                                    _tokens(2, 6, seed=0))
+    else:
+      assert names == ['serving_default']
+      x = tf.make_ndarray(logs[0].predict_log.request.inputs['x'])
+      np.testing.assert_array_equal(x, sigs[0].sample_inputs['x'])
+
+
+def test_load_params_is_bit_exact(mlp, t5):
+  for path, state in ((mlp['paths'][1], mlp['states'][1]),
+                      (t5['path'], t5['state'])):
+    loaded = verify.load_params(path)
+    want = paths.flatten(state.variables)
+    got = paths.flatten(loaded)
+    assert list(got) == list(want)
+    for name, value in want.items():
+      value = np.asarray(value)
+      assert got[name].dtype == value.dtype, name
+      assert np.asarray(got[name]).tobytes() == value.tobytes(), name
+
+
+def test_second_export_updates_in_place_without_retracing(mlp):
+  before, after = mlp['traces']
+  assert before >= 1 and after == before
+  assert mlp['exporter'].versions() == [100, 200]
+  old = verify.load_params(mlp['paths'][0])
+  new = verify.load_params(mlp['paths'][1])
+  for state, params in zip(mlp['states'], (old, new)):
+    for name, value in paths.flatten(state.variables).items():
+      np.testing.assert_array_equal(paths.flatten(params)[name], value)
+  x = _rng_x(2, 9, 16)
+  for path, state in zip(mlp['paths'], mlp['states']):
+    verify.compare_with_jax(
+        path, 'serving_default',
+        lambda inputs, s=state: models.make_mlp_serve_fn(mlp['model'])(
+            s.variables, inputs), {'x': x}, atol=1e-5, rtol=1e-5)
+
+
+def test_call_exported_round_trip(mlp):
+  fn = verify.call_exported(mlp['paths'][1], 'serving_default')
+  x = _rng_x(3, 4, 16)
+  out = fn({'x': x})
+  np.testing.assert_allclose(
+      out['logits'], mlp['model'].apply(mlp['states'][1].variables, x,
+                                        train=False), atol=1e-5, rtol=1e-5)
+
+
+# --- refusals ------------------------------------------------------------------
+
+
+def test_non_finite_params_refused_naming_the_param(mlp):
+  state = mlp['states'][1]
+  params = jax.tree_util.tree_map(np.array, state.params)
+  params['bn_1']['scale'][3] = np.nan
+  params['head']['kernel'][0, 0] = np.inf
+  bad = state.replace_params(params).replace_step(300)
+  with pytest.raises(errors.NonFiniteParamsError,
+                     match=r"Parameter 'params/bn_1/scale' holds 1 non-finite "
+                     r'value\(s\) \(NaN/Inf\) out of 32; the export was '
+                     r'refused.*allow_non_finite=True'):
+    mlp['exporter'].export(bad)
+  assert mlp['exporter'].versions() == [100, 200]
+  assert not [n for n in os.listdir(mlp['export_dir']) if n.startswith('.')]
+
+
+def test_allow_non_finite_publishes(tmp_path):
+  model = models.MlpBn()
+  variables = models.init_mlp_bn(model, jax.random.PRNGKey(3))
+  state = t5export.InferenceState.create(variables)
+  params = jax.tree_util.tree_map(np.array, state.params)
+  params['head']['bias'][1] = np.nan
+  state = state.replace_params(params).replace_step(1)
+  sig = _mlp_signature(model, sample_inputs={'x': _rng_x(2, 1, 16)})
+  exporter = t5export.SavedModelExporter(str(tmp_path), [sig],
+                                         allow_non_finite=True)
+  path = exporter.export(state)  # The check treats NaN == NaN.
+  assert np.isnan(verify.load_params(path)['params']['head']['bias'][1])
+
+
+def test_existing_version_is_not_overwritten(mlp):
+  path = mlp['paths'][1]
+  before = os.path.getmtime(os.path.join(path, verify.METADATA_FILE))
+  with pytest.raises(errors.VersionExistsError,
+                     match=r"Version 200 already exists at '.*/200'; it was "
+                     r'not changed. Pass overwrite=True'):
+    mlp['exporter'].export(mlp['states'][1])
+  assert os.path.getmtime(os.path.join(path, verify.METADATA_FILE)) == before
+
+
+def test_mismatch_refuses_to_publish(tmp_path):
+  model = models.MlpBn()
+  variables = models.init_mlp_bn(model, jax.random.PRNGKey(4))
+  state = t5export.InferenceState.create(variables).replace_step(1)
+
+  def wrong_postprocessor(outputs):
+    # Differs only inside the saved graph: what a broken processor does.
+    shift = 0.0 if tf.executing_eagerly() else 0.25
+    return {'logits': outputs['logits'] + shift}
+
+  sig = _mlp_signature(model, postprocessor=wrong_postprocessor,
+                       sample_inputs={'x': _rng_x(2, 1, 16)})
+  exporter = t5export.SavedModelExporter(str(tmp_path), [sig])
+  with pytest.raises(errors.ExportCheckError,
+                     match=r"signature 'serving_default', output 'logits': "
+                     r'max abs error 0.25 vs JAX.*The version was not '
+                     r'published') as info:
+    exporter.export(state)
+  assert info.value.signature == 'serving_default'
+  assert info.value.max_abs_error == pytest.approx(0.25, abs=1e-6)
+  assert os.listdir(tmp_path) == []  # No version, no staging dir.
+
+
+# --- retention, resume, overwrite ------------------------------------------------
+
+
+@pytest.fixture
+def gin_keep_two():
+  gin.clear_config()
+  gin.parse_config('t5export.SavedModelExporter.keep = 2')
+  yield
+  gin.clear_config()
+
+
+def test_retention_keep_best_resume_overwrite(tmp_path, gin_keep_two):
+  model = models.MlpBn()
+  variables = models.init_mlp_bn(model, jax.random.PRNGKey(5))
+  state = t5export.InferenceState.create(variables)
+  sig = _mlp_signature(model)
+  export_dir = str(tmp_path / 'models')
+  options = dict(keep_best=(1, 'acc', 'max'), validate=False, warmup=False)
+
+  exporter = t5export.SavedModelExporter(export_dir, [sig], **options)
+  for step, acc in ((1, 0.5), (2, 0.9), (3, 0.6), (4, 0.7), (5, 0.8)):
+    exporter.export(state.replace_step(step), metrics={'acc': acc})
+  # Newest two by gin's keep=2, plus the best by accuracy.
+  assert exporter.versions() == [2, 4, 5]
+  config = open(os.path.join(export_dir, '5', verify.GIN_CONFIG_FILE)).read()
+  assert 'SavedModelExporter.keep = 2' in config
+
+  # A crash left staging directories; a new exporter resumes.
+  for stale in ('.tmp-6-deadbeef', '.tmp-del-3-cafe'):
+    os.makedirs(os.path.join(export_dir, stale, 'variables'))
+  exporter = t5export.SavedModelExporter(export_dir, [sig], **options)
+  assert sorted(os.listdir(export_dir)) == ['2', '4', '5']
+  assert exporter.metrics()[2] == {'acc': 0.9}
+  exporter.export(state.replace_step(6), metrics={'acc': 0.1})
+  assert exporter.versions() == [2, 5, 6]  # Best (2) survived the restart.
+  # The version just written is kept even when it is the oldest.
+  exporter.export(state.replace_step(0), metrics={'acc': 0.0})
+  assert exporter.versions() == [0, 2, 5, 6]
+
+  with pytest.raises(errors.VersionExistsError, match=r'Version 6 already'):
+    exporter.export(state.replace_step(6), metrics={'acc': 0.2})
+  assert verify.read_metadata(os.path.join(export_dir, '6'))['metrics'] == {
+      'acc': 0.1}
+  replacer = t5export.SavedModelExporter(export_dir, [sig], overwrite=True,
+                                         **options)
+  replacer.export(state.replace_step(6), metrics={'acc': 0.95})
+  assert verify.read_metadata(os.path.join(export_dir, '6'))['metrics'] == {
+      'acc': 0.95}
+  assert replacer.versions() == [5, 6]  # 6 is now also the best.
+  assert sorted(os.listdir(export_dir)) == ['5', '6']
+
+
+def test_export_dir_errors(tmp_path):
+  model = models.MlpBn()
+  sig = _mlp_signature(model)
+  a_file = tmp_path / 'file'
+  a_file.write_text('x')
+  with pytest.raises(errors.ExportDirError,
+                     match=r"export_dir '.*/file' exists and is not a "
+                     r'directory'):
+    t5export.SavedModelExporter(str(a_file), [sig])
+  with pytest.raises(errors.ExportDirError,
+                     match=r"export_dir '.*/file/sub' cannot be created"):
+    t5export.SavedModelExporter(str(a_file / 'sub'), [sig])
+
+
+@pytest.mark.parametrize('kwargs, error, message', [
+    (dict(keep=0), ValueError, r'keep must be an int >= 1 or None, got 0'),
+    (dict(keep_best=(1, 'acc', 'median')), ValueError,
+     r"keep_best mode must be 'max' or 'min', got 'median'"),
+    (dict(keep_best=(0, 'acc')), ValueError,
+     r'keep_best n must be an int >= 1, got 0'),
+    (dict(keep_best='acc'), TypeError, r"keep_best='acc' is not valid"),
+    (dict(atol=-1), ValueError, r'atol must be a number >= 0, got -1'),
+])
+def test_invalid_options(tmp_path, kwargs, error, message):
+  sig = _mlp_signature(models.MlpBn())
+  with pytest.raises(error, match=message):
+    t5export.SavedModelExporter(str(tmp_path), [sig], **kwargs)
+
+
+def test_invalid_signatures(tmp_path):
+  sig = _mlp_signature(models.MlpBn())
+  with pytest.raises(errors.SignatureError,
+                     match=r"duplicate names \['serving_default'\]"):
+    t5export.SavedModelExporter(str(tmp_path), [sig, sig])
+  with pytest.raises(errors.SignatureError, match=r'signatures is empty'):
+    t5export.SavedModelExporter(str(tmp_path), [])
+
+
+def test_flatten_metrics_and_check_finite():
+  assert exporter_lib.flatten_metrics(
+      {'a': {'b': np.float32(0.5), 'c': jnp.int32(3)}, 'd': 'x'}) == {
+          'a/b': 0.5, 'a/c': 3, 'd': 'x'}
+  exporter_lib.check_finite({'w': jnp.ones(3, jnp.bfloat16),
+                             'i': np.arange(3)})
+  with pytest.raises(errors.NonFiniteParamsError, match=r"'params/w' holds 2"):
+    exporter_lib.check_finite(
+        {'params': {'w': jnp.array([np.inf, 1, -np.inf], jnp.bfloat16)}})
