@@ -204,10 +204,22 @@ def _locate_single(path: str) -> _Located | None:
   t5x_file = os.path.join(path, _T5X_FILE)
   if os.path.isfile(t5x_file) and _is_t5x_file(t5x_file):
     return _Located(T5X, t5x_file, name_step)
-  items = _orbax_items(path)
+  items = [os.path.join(path, n) for n in _orbax_items(path)]
   if items:
-    return _Located(ORBAX, os.path.join(path, items[0]), name_step)
+    with_params = [i for i in items if _has_params(i)]
+    return _Located(ORBAX, (with_params or items)[0], name_step)
   return None
+
+
+def _has_params(item_dir: str) -> bool:
+  """Whether an orbax item's tree holds params (by its `_METADATA`)."""
+  try:
+    structure = _orbax_structure(item_dir)
+    _select(structure, item_dir)
+  except (errors.T5ExportError, OSError, ValueError, KeyError, TypeError,
+          AttributeError):
+    return False
+  return True
 
 
 def _steps_under(path: str) -> dict[int, _Located]:

@@ -22,6 +22,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import serialization
+from flax.training import train_state as flax_train_state
 import tensorstore as ts
 
 from t5export import checkpoints
@@ -155,6 +156,22 @@ def test_standard_checkpointer_state_dict_stored_step(tmp_path):
   got = checkpoints.read_params(tmp_path / 'ckpt')
   assert got.step == 55  # From state/step: the directory is not numbered.
   _assert_tree_equal(got.params, _params(5))
+
+
+def test_flax_train_state_saved_by_orbax(tmp_path):
+  """A flax.training TrainState (raw optax tuples) beside a params-less item."""
+  state = flax_train_state.TrainState.create(
+      apply_fn=None, params=_params(12), tx=optax.adam(0.1))
+  state = state.replace(step=12)
+  with ocp.CheckpointManager(tmp_path / 'm') as manager:
+    manager.save(12, args=ocp.args.Composite(
+        aux=ocp.args.StandardSave({'rng': np.arange(2, dtype=np.uint32)}),
+        train=ocp.args.StandardSave(state)))
+    manager.wait_until_finished()
+  got = checkpoints.read_params(tmp_path / 'm')
+  assert got.path.endswith(os.path.join('12', 'train'))
+  assert (got.step, got.flax_mutables) == (12, {})
+  _assert_tree_equal(got.params, _params(12))
 
 
 def test_t5x_orbax_layout(tmp_path):
