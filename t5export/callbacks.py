@@ -222,9 +222,13 @@ class ExportCallback(periodic_actions.PeriodicAction):
       ValueError: an option has a bad value, or no trigger is set.
       errors.ExportDirError: `export_dir` is unusable.
     """
+    if isinstance(signatures, Iterable) and not isinstance(
+        signatures, (str, bytes)):
+      signatures = list(signatures)  # A generator is read once.
     steps = _check_args(
-        export_dir=export_dir, export_every_steps=export_every_steps, every_secs=every_secs,
-        on_steps=on_steps, num_train_steps=num_train_steps,
+        export_dir=export_dir, export_every_steps=export_every_steps,
+        every_secs=every_secs, on_steps=on_steps,
+        num_train_steps=num_train_steps,
         export_on_final_step=export_on_final_step, on_error=on_error,
         signatures=signatures)
     if export_on_final_step and num_train_steps is not None:
@@ -237,7 +241,6 @@ class ExportCallback(periodic_actions.PeriodicAction):
     self._on_error = on_error
     self._metric_writer = metric_writer
     self._num_train_steps = num_train_steps
-    signatures = list(signatures)
     self._is_writer = jax.process_index() == 0
     self._exporter: exporter_lib.SavedModelExporter | None = None
     self._worker: async_lib.AsyncWorker | None = None
@@ -376,7 +379,7 @@ class ExportCallback(periodic_actions.PeriodicAction):
     self._export(self._train_state, step, self._metrics)
 
   def _crossed(self, previous: int | None, step: int) -> bool:
-    """Whether a trigger step lies in (previous, step] (non-contiguous calls)."""
+    """Whether a trigger step lies in (previous, step] (sparse calls)."""
     if previous is None or step <= previous:
       return False
     if self._every_steps is not None and (
@@ -426,7 +429,9 @@ class ExportCallback(periodic_actions.PeriodicAction):
       logging.warning(
           't5export: version %d already published in %s (or handed off); '
           'not exporting it again.', step, self._export_dir)
-      return os.path.join(self._exporter.export_dir, str(step)) if sync else None
+      if not sync:
+        return None
+      return os.path.join(self._exporter.export_dir, str(step))
     self._last_step_handed_off = step
     item = (snap, dict(metrics or {}))
     if not sync:

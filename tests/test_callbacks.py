@@ -84,11 +84,12 @@ def trainer() -> Trainer:
   return Trainer(model, serve, sig, train_step)
 
 
-def _callback(trainer: Trainer, export_dir, **kwargs) -> callbacks.ExportCallback:
+def _callback(trainer: Trainer, export_dir,
+              **kwargs) -> callbacks.ExportCallback:
   kwargs.setdefault('keep', None)
   kwargs.setdefault('warmup', False)
-  return callbacks.ExportCallback(
-      export_dir=str(export_dir), signatures=[trainer.signature], **kwargs)
+  kwargs.setdefault('signatures', [trainer.signature])
+  return callbacks.ExportCallback(export_dir=str(export_dir), **kwargs)
 
 
 def _served(version_dir: str) -> np.ndarray:
@@ -206,7 +207,7 @@ def test_plain_loop_inline_context_manager_export_now_and_metrics(
 
 
 class _Gate:
-  """Blocks the exporter's writes until released (a deliberately slow export)."""
+  """Holds the exporter's writes until released: a deliberately slow export."""
 
   def __init__(self, exporter):
     self.entered = threading.Semaphore(0)
@@ -243,8 +244,9 @@ def test_async_holds_at_most_one_queued_snapshot_latest_wins(
     else:
       stats = cb.worker.stats
       assert stats['running'] and stats['queued'] == 1
-      # Memory stays bounded: the running and the newest queued snapshot.
-      assert _live_snapshots() == [1, step]
+  # Memory stays bounded: only the running and the newest queued snapshot
+  # are alive; the replaced ones (2..5) were freed.
+  assert _live_snapshots() == [1, 6]
   # The training thread never waited for the blocked export.
   assert not gate.release.is_set() and cb.exports_done == 0
   gate.release.set()
@@ -369,6 +371,10 @@ def test_resume_continues_version_sequence_without_overwriting(
      r'on_steps must hold ints >= 0, got \[-1\]'),
     (dict(export_every_steps=5, on_error='ignore'), ValueError,
      r"on_error must be one of \('raise', 'log'\), got 'ignore'"),
+    (dict(export_every_steps=5, signatures=[]), ValueError,
+     'signatures is empty'),
+    (dict(export_every_steps=5, signatures=iter([])), ValueError,
+     'signatures is empty'),
 ])
 def test_invalid_arguments_are_named(trainer, tmp_path, kwargs, error, match):
   with pytest.raises(error, match=match):
