@@ -370,7 +370,7 @@ class Signature:
     except Exception as e:  # pylint: disable=broad-except
       raise errors.SignatureError(
           f'Signature {self.name!r}: the preprocessor failed on the serving '
-          f'input specs {self.describe()["inputs"]}: {type(e).__name__}: {e}'
+          f'input specs {self._describe_inputs()}: {type(e).__name__}: {e}'
       ) from e
     outputs = concrete.structured_outputs
     flat = paths.flatten(outputs)
@@ -419,6 +419,9 @@ class Signature:
         lambda s: s.polymorphic_shape, self.method_inputs,
         is_leaf=lambda x: isinstance(x, InputSpec))
 
+  def _describe_inputs(self) -> dict[str, dict[str, str]]:
+    return {n: s.describe() for n, s in self.inputs.items()}
+
   def describe(self) -> dict[str, Any]:
     """A JSON-friendly description (for export metadata).
 
@@ -429,7 +432,7 @@ class Signature:
     is_spec = lambda x: isinstance(x, InputSpec)
     return {
         'name': self.name,
-        'inputs': {n: s.describe() for n, s in self.inputs.items()},
+        'inputs': self._describe_inputs(),
         'method_inputs': {
             p: s.describe() for p, s in paths.flatten(
                 self.method_inputs, is_leaf=is_spec).items()},
