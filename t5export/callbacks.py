@@ -579,6 +579,28 @@ class ExportCallback(periodic_actions.PeriodicAction):
     """The background worker (None if not async or not process 0)."""
     return self._worker
 
+  @property
+  def stats(self) -> dict[str, Any]:
+    """This callback's counters, and its worker's when async.
+
+    Keys: exports_done, exports_skipped, bytes_written, blocking_secs_last,
+    blocking_secs_max, export_secs_total and, when async, 'worker' (the
+    `AsyncWorker.stats`: submitted, completed, replaced, failed, ...).
+    """
+    with self._lock:
+      out = {
+          'exports_done': self.exports_done,
+          'exports_skipped': self.exports_skipped,
+          'bytes_written': self.bytes_written,
+          'blocking_secs_last': (self.blocking_secs[-1]
+                                 if self.blocking_secs else None),
+          'blocking_secs_max': max(self.blocking_secs, default=None),
+          'export_secs_total': sum(self.export_secs),
+      }
+    if self._worker is not None:
+      out['worker'] = self._worker.stats
+    return out
+
   def versions(self) -> list[int]:
     """The published versions in export_dir, ascending ([] if not writer)."""
     return self._exporter.versions() if self._exporter is not None else []

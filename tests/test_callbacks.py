@@ -253,6 +253,10 @@ def test_async_holds_at_most_one_queued_snapshot_latest_wins(
   cb.close()
   assert gate.steps == [1, 6]
   assert cb.worker.stats['replaced'] == 4
+  stats = cb.stats
+  assert stats['exports_done'] == 2 and stats['worker']['replaced'] == 4
+  # Handing off never waited for the 60 s-gated export.
+  assert stats['blocking_secs_max'] < 30
   _assert_versions_match(tmp_path, {1: expected[1], 6: expected[6]})
   assert not cb.worker.is_alive
 
