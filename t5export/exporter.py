@@ -348,10 +348,16 @@ class SavedModelExporter:
       raise errors.ExportDirError(
           f'export_dir {d!r} cannot be created ({e.strerror or e}). Pass a '
           'directory you can write, or fix its parent\'s permissions.') from e
-    if not os.access(d, os.W_OK | os.X_OK):
+    # A real write: os.access says yes to root even on a read-only mount.
+    probe = os.path.join(d, f'{STAGING_PREFIX}probe-{uuid.uuid4().hex[:8]}')
+    try:
+      os.mkdir(probe)
+      os.rmdir(probe)
+    except OSError as e:
       raise errors.ExportDirError(
-          f'export_dir {d!r} is not writable by this process. Fix its '
-          'permissions or pass another directory.')
+          f'export_dir {d!r} is not writable by this process '
+          f'({e.strerror or e}). Fix its permissions or pass another '
+          'directory.') from e
 
   def _resume(self) -> None:
     stale = [n for n in os.listdir(self._export_dir)
@@ -439,12 +445,21 @@ class SavedModelExporter:
         published and the staging directory is gone.
     """
     step = int(snap.step)
+    if step < 0:
+      raise ValueError(
+          f'The step is {step}; versions are non-negative integers (TF Serving '
+          'ignores other directory names). Export a state with step >= 0.')
     final = self._version_dir(step)
     if os.path.exists(final) and not self._overwrite:
       raise errors.VersionExistsError(final, step)
     if not self._allow_non_finite:
       check_finite(snap.variables)
     metrics = flatten_metrics(metrics)
+    if self._keep_best is not None and self._keep_best.metric not in metrics:
+      logging.warning(
+          't5export: step %d has no metric %r (keep_best); it can only be '
+          'kept as one of the newest. Metrics given: %s.', step,
+          self._keep_best.metric, sorted(metrics))
     total_start = time.monotonic()
 
     start = time.monotonic()

@@ -430,6 +430,13 @@ def test_non_finite_params_refused_naming_the_param(mlp):
   assert not [n for n in os.listdir(mlp['export_dir']) if n.startswith('.')]
 
 
+def test_negative_step_refused(mlp):
+  with pytest.raises(ValueError,
+                     match=r'The step is -1; versions are non-negative '
+                     r'integers'):
+    mlp['exporter'].export(mlp['states'][0].replace_step(-1))
+
+
 def test_allow_non_finite_publishes(tmp_path):
   model = models.MlpBn()
   variables = models.init_mlp_bn(model, jax.random.PRNGKey(3))
