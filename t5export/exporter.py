@@ -142,7 +142,7 @@ def _dir_nbytes(path: str) -> int:
 
 def _fsync_tree(path: str) -> None:
   """fsyncs every file, then every directory (deepest first) under path."""
-  for root, dirs, files in os.walk(path, topdown=False):
+  for root, _, files in os.walk(path, topdown=False):
     for name in files:
       fd = os.open(os.path.join(root, name), os.O_RDONLY)
       try:
@@ -150,7 +150,6 @@ def _fsync_tree(path: str) -> None:
       finally:
         os.close(fd)
     _fsync_dir(root)
-    del dirs
 
 
 def _fsync_dir(path: str) -> None:

@@ -412,6 +412,27 @@ def test_call_exported_round_trip(mlp):
                                         train=False), atol=1e-5, rtol=1e-5)
 
 
+def test_bfloat16_params_round_trip_bit_exact(tmp_path):
+  model = models.MlpBn()
+  variables = models.init_mlp_bn(model, jax.random.PRNGKey(6))
+  state = t5export.InferenceState.create(variables)
+  state = state.replace_params(jax.tree_util.tree_map(
+      lambda x: x.astype(jnp.bfloat16), state.params)).replace_step(3)
+  sig = _mlp_signature(model, sample_inputs={'x': _rng_x(2, 6, 16)})
+  exporter = t5export.SavedModelExporter(str(tmp_path), [sig], warmup=False)
+  path = exporter.export(state)
+  meta = verify.read_metadata(path)
+  kernel = meta['params']['params/dense_0/kernel']
+  assert kernel['dtype'] == kernel['source_dtype'] == 'bfloat16'
+  assert meta['params']['batch_stats/bn_0/mean']['dtype'] == 'float32'
+  got = paths.flatten(verify.load_params(path))
+  for name, value in paths.flatten(state.variables).items():
+    value = np.asarray(value)
+    assert got[name].dtype == value.dtype, name
+    assert np.asarray(got[name]).tobytes() == value.tobytes(), name
+  assert not os.path.exists(os.path.join(path, verify.WARMUP_FILE))
+
+
 # --- refusals ------------------------------------------------------------------
 
 
