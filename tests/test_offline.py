@@ -194,7 +194,8 @@ def background(work):
   (work / 'state.msgpack').write_bytes(serialization.msgpack_serialize({
       'target': params, 'state': {'step': np.int32(12), 'param_states':
                                   _to_np(serialization.to_state_dict(opt))}}))
-  jobs['msgpack'] = (work / 'export_msgpack', params, ['--dtype=bfloat16'])
+  jobs['msgpack'] = (work / 'export_msgpack', params,
+                     ['--dtype=bfloat16', '--platforms=cpu'])
 
   sources = {'manager': work / 'manager', 'pytree': work / 'pytree',
              'msgpack': work / 'state.msgpack'}
@@ -321,6 +322,7 @@ def test_flax_msgpack_cast_to_bfloat16(background, tf_run):
   meta = json.loads((version_dir / 'assets.extra' / 't5export.json')
                     .read_text())
   assert {e['dtype'] for e in meta['params'].values()} == {'bfloat16'}
+  assert meta['platforms'] == ['cpu']
   cast = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.bfloat16),
                                 params)
   want = _fixture_jax(cast)
@@ -356,6 +358,35 @@ def test_same_version_as_the_training_callback(background, work):
   meta_ours, meta_theirs = (verify.read_metadata(d) for d in (ours, theirs))
   for key in ('step', 'parameters', 'params', 'signatures', 'platforms'):
     assert meta_ours[key] == meta_theirs[key], key
+
+
+def test_export_checkpoint_api_overwrites_a_version(background, work):
+  """The Python entry point, gin-free, replacing version 7 (overwrite)."""
+  import t5export  # pylint: disable=g-import-not-at-top
+  from t5export import verify  # pylint: disable=g-import-not-at-top
+
+  (returncode, stderr), export_dir, state = background('pytree')
+  assert returncode == 0, stderr[-2000:]
+  old = verify.read_metadata(export_dir / '7')
+  sig = t5export.Signature(
+      name='renamed', method=models.make_mlp_serve_fn(models.MlpBn()),
+      input_specs={'x': ('b, 16', 'float32')},
+      sample_inputs={'x': _MLP_X[:2]})
+  options = offline.OfflineOptions(signatures=[sig])
+  with pytest.raises(t5export.errors.VersionExistsError):
+    offline.export_checkpoint(work / 'pytree', export_dir, step=7,
+                              options=options)
+  path = offline.export_checkpoint(work / 'pytree', export_dir, step=7,
+                                   overwrite=True, options=options)
+  assert path == str(export_dir / '7')
+  assert sorted(os.listdir(export_dir)) == ['7']
+  new = verify.read_metadata(path)
+  assert list(new['signatures']) == ['renamed']
+  assert new['time_utc'] != old['time_utc']
+  got = verify.load_params(path)
+  for key, value in paths.flatten(
+      {'params': state.params, **state.flax_mutables}).items():
+    np.testing.assert_array_equal(paths.flatten(got)[key], value)
 
 
 # --- errors -----------------------------------------------------------------
