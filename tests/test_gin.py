@@ -181,7 +181,7 @@ def test_dynamic_registration_includes_classic_export_gin(tmp_path):
 
 
 def test_dynamic_registration_in_a_fresh_process():
-  """`import t5export` in gin resolves ExportCallback lazily (no prior import)."""
+  """`import t5export` in gin resolves ExportCallback via the lazy face."""
   code = textwrap.dedent("""
       import json, sys
       import gin
