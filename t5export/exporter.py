@@ -668,4 +668,6 @@ class SavedModelExporter:
       result['signatures'][sig.name] = {'max_abs_error': worst,
                                         'passed': True,
                                         'batches': len(batches)}
+    # Validated means at least one signature was actually run and compared.
+    result['validated'] = bool(result['signatures'])
     return result

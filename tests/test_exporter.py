@@ -593,6 +593,10 @@ def test_invalid_signatures(tmp_path):
     t5export.SavedModelExporter(str(tmp_path), [sig, sig])
   with pytest.raises(errors.SignatureError, match=r'signatures is empty'):
     t5export.SavedModelExporter(str(tmp_path), [])
+  with pytest.raises(TypeError,
+                     match=r"signatures must be t5export.Signature objects; "
+                     r"got 'serving_default'"):
+    t5export.SavedModelExporter(str(tmp_path), ['serving_default'])
 
 
 def test_flatten_metrics_and_check_finite():
