@@ -9,6 +9,7 @@ TensorFlow; its outputs are compared with JAX.
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import pickle
@@ -129,7 +130,7 @@ def _nested_method(model):
   return lambda variables, inputs: model.apply(variables, inputs)
 
 
-# --- fixtures -------------------------------------------------------------------
+# --- fixtures -----------------------------------------------------------------
 
 
 def _inputs_for(name, batch, seq=None, seed=0):
@@ -255,7 +256,7 @@ def _assert_close(expected, got, **tol):
     np.testing.assert_allclose(np.asarray(flat_g[key]), e, err_msg=key, **tol)
 
 
-# --- tests ------------------------------------------------------------------------
+# --- tests --------------------------------------------------------------------
 
 
 @pytest.mark.parametrize('name', ['mlp', 'cnn'])
@@ -459,3 +460,65 @@ def test_constructor_validates_names_and_platforms():
 def test_tf_variable_name_is_tf_safe(path, name):
   assert jax_module.tf_variable_name(path) == name
   tf.Variable(0.0, name=jax_module.tf_variable_name(path))  # TF accepts it
+
+
+_MEMORY_SCRIPT = textwrap.dedent('''
+    import gc, json, threading, time
+    import jax.numpy as jnp, numpy as np, psutil, tensorflow as tf
+    from t5export import jax_module
+    proc = psutil.Process()
+
+    class Peak:
+      """Peak RSS above the RSS at entry, sampled every millisecond."""
+      def __enter__(self):
+        gc.collect()
+        self.base = self.peak = proc.memory_info().rss
+        self.stop = False
+        def sample():
+          while not self.stop:
+            self.peak = max(self.peak, proc.memory_info().rss)
+            time.sleep(0.001)
+        self.thread = threading.Thread(target=sample)
+        self.thread.start()
+        return self
+      def __exit__(self, *exc):
+        self.stop = True
+        self.thread.join()
+        self.peak = max(self.peak, proc.memory_info().rss)
+        self.added = (self.peak - self.base) / 2**20
+
+    LEAF_MIB, N = 32, 4
+    def tree(value):
+      return {'params': {f'w{i}': np.full((LEAF_MIB * 2**18,), value + i,
+                                          np.float32) for i in range(N)}}
+    v1, v2 = tree(1.0), tree(2.0)
+    v3 = {'params': {k: jnp.asarray(a) * 3 for k, a in v1['params'].items()}}
+    fn = lambda v, x: x + sum(w[0] for w in v['params'].values())
+    with Peak() as build:
+      module = jax_module.JaxModule(
+          v1, {'f': fn}, input_signatures={'f': tf.TensorSpec([None])},
+          polymorphic_shapes={'f': '(b,)'})
+    with Peak() as update_np:
+      module.update_variables(v2)
+    with Peak() as update_jax:
+      module.update_variables(v3)
+    assert module.param_vars[1].numpy()[0] == 6.0
+    print(json.dumps({'leaf': LEAF_MIB, 'params': LEAF_MIB * N,
+                      'build': build.added, 'update_numpy': update_np.added,
+                      'update_jax': update_jax.added}))
+''')
+
+
+def test_build_and_update_hold_at_most_a_leaf_or_two_extra():
+  proc = subprocess.run(
+      [sys.executable, '-c', _MEMORY_SCRIPT], capture_output=True, text=True,
+      cwd=REPO_ROOT, timeout=300,
+      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  mem = json.loads(proc.stdout.strip().splitlines()[-1])
+  leaf, params = mem['leaf'], mem['params']
+  # Building: the variables themselves plus at most ~one leaf in flight.
+  assert params <= mem['build'] < params + 2 * leaf, mem
+  # Updating in place: never a second full copy of the weights.
+  assert mem['update_numpy'] < params - leaf, mem
+  assert mem['update_jax'] < params - leaf, mem

@@ -97,7 +97,8 @@ def test_gin_configures_signature():
     gin.parse_config("""
         t5export.Signature.name = 'serving_default'
         t5export.Signature.input_specs = {'x': ('b, 16', 'float32')}
-        t5export.Signature.sample_inputs = {'x': [[0.5, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]}
+        t5export.Signature.sample_inputs = {
+            'x': [[0.5, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]}
     """)
     sig = serving.Signature(method=_mlp_method)
   finally:
@@ -108,7 +109,7 @@ def test_gin_configures_signature():
   assert sig.sample_inputs['x'].shape == (1, 16)
 
 
-# --- validation -----------------------------------------------------------------
+# --- validation ---------------------------------------------------------------
 
 _X = {'x': ('b, 16', 'float32')}
 
@@ -229,7 +230,7 @@ def test_make_module_and_serving_fn_errors():
     other.make_serving_fn(module)
 
 
-# --- end to end ----------------------------------------------------------------
+# --- end to end ---------------------------------------------------------------
 
 
 class Vocab(tf.Module):
@@ -310,7 +311,8 @@ def exported(tmp_path_factory):
       'tuple_out': [{'x': np.random.default_rng(b).normal(
           size=(b, 16)).astype(np.float32)} for b in (1, 7)],
       'bag': [{'words': np.array([['red', 'blue', 'nope'][:n]] * b,
-                                 dtype=object)} for b in (1, 7) for n in (2, 3)],
+                                 dtype=object)}
+              for b in (1, 7) for n in (2, 3)],
   }
   jobs, expected, modules = [], [], {}
   for name, (variables, sigs) in cases.items():
