@@ -1,0 +1,276 @@
+"""Subprocess half of tests/test_multiprocess.py.
+
+One process of a run: either one of N `jax.distributed` processes on
+127.0.0.1 (gloo CPU collectives; the test sets XLA_FLAGS to force 2 host
+devices and JAX_PLATFORMS=cpu) or a lone process with 8 forced devices.
+It trains a few steps of the tiny T5 with its train state sharded over a
+('data', 'model') mesh by T5X's 2-D parameter rules and exports through
+`t5export.ExportCallback`, then prints JSON lines for the test.
+
+Modes:
+  export  train, export every 2 steps (async), close; process 0 saves the
+          final gathered params to --params_out (npz) for the test's
+          unsharded reference export.
+  nan     the params turn NaN before the step-2 export: process 0 refuses
+          to publish (NonFiniteParamsError); every process reports what
+          close() raised and how long it took.
+  silent  no TensorFlow: process 0 never reports a round of an
+          `ExportCoordinator`; process 1 must time out with a clear error.
+
+Usage:
+  python tests/_mp_worker.py --mode export --process_id 0 --num_processes 2 \
+      --port 12345 --mesh 2,2 --export_dir DIR --params_out FILE
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import jax
+
+# Small enough to be quick; 4 heads and a 260 vocab divide a 4-way 'model'
+# axis, d_model 32 divides 'data'.
+T5_CONFIG = dict(num_heads=4, head_dim=8, d_model=32, d_ff=64)
+DECODE_LEN = 6
+BATCH, ENC_LEN, DEC_LEN = 4, 8, 6
+
+
+_T0 = time.monotonic()
+
+
+def emit(**fields: Any) -> None:
+  """One JSON line for the test (gloo writes other lines to stdout)."""
+  print(json.dumps({**fields, 't': round(time.monotonic() - _T0, 2)}),
+        flush=True)
+
+
+def make_model() -> Any:
+  from examples import models  # pylint: disable=g-import-not-at-top
+  return models.TinyT5(models.TinyT5Config(**T5_CONFIG))
+
+
+def sample_tokens(seed: int, shape: tuple[int, int]) -> Any:
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(seed)
+  return rng.integers(4, 260, size=shape).astype(np.int32)
+
+
+def make_signatures(model: Any) -> list[Any]:
+  """Greedy decoding (int tokens) and teacher-forced logits (floats)."""
+  import t5export  # pylint: disable=g-import-not-at-top
+  from examples import models  # pylint: disable=g-import-not-at-top
+
+  def logits(variables, inputs):
+    return {'logits': model.apply({'params': variables['params']},
+                                  inputs['encoder_tokens'],
+                                  inputs['decoder_tokens'])}
+
+  return [
+      t5export.Signature(
+          name='serving_default',
+          method=models.make_t5_serve_fn(model, DECODE_LEN),
+          input_specs={'encoder_tokens': ('b, n', 'int32')},
+          sample_inputs={'encoder_tokens': sample_tokens(1, (2, ENC_LEN))}),
+      t5export.Signature(
+          name='logits', method=logits,
+          input_specs={'encoder_tokens': ('b, n', 'int32'),
+                       'decoder_tokens': ('b, m', 'int32')},
+          sample_inputs={'encoder_tokens': sample_tokens(2, (2, ENC_LEN)),
+                         'decoder_tokens': sample_tokens(3, (2, DEC_LEN))}),
+  ]
+
+
+def _digest(flat: dict[str, Any]) -> str:
+  h = hashlib.sha256()
+  for path, x in flat.items():
+    h.update(path.encode())
+    h.update(x.tobytes())
+  return h.hexdigest()
+
+
+def train_and_export(args: argparse.Namespace) -> None:
+  """Modes 'export' and 'nan'."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+
+  import t5export  # pylint: disable=g-import-not-at-top
+  from examples import models  # pylint: disable=g-import-not-at-top
+  from t5export import errors  # pylint: disable=g-import-not-at-top
+  from t5export import partitioning  # pylint: disable=g-import-not-at-top
+  from t5export import paths  # pylint: disable=g-import-not-at-top
+
+  rows, cols = (int(v) for v in args.mesh.split(','))
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(rows, cols),
+                           ('data', 'model'))
+  rules = t5export.standard_logical_axis_rules(
+      activation_partitioning_dims=1, parameter_partitioning_dims=2)
+  model = make_model()
+  # Same seed on every process: shard_state keeps each process's shards.
+  variables = models.init_tiny_t5(model, jax.random.PRNGKey(0))
+  state = t5export.FlaxOptimTrainState.create(optax.adamw(1e-2), variables)
+  state = partitioning.shard_state(state, mesh, rules)
+  shardings = partitioning.shardings_for(
+      mesh, partitioning.get_mesh_axes(state, rules))
+
+  def loss_fn(params, batch):
+    logits = model.apply({'params': params}, batch['enc'],
+                         models.shift_right(batch['dec']))
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, batch['dec']).mean()
+
+  def step_fn(state, batch):
+    return state.apply_gradient(jax.grad(loss_fn)(state.params, batch))
+
+  train_step = jax.jit(step_fn, out_shardings=shardings, donate_argnums=(0,))
+  poison = jax.jit(lambda s: s.replace_params(
+      jax.tree.map(lambda x: x * jnp.nan, s.params)), out_shardings=shardings)
+  batch_sharding = jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec('data'))
+  host_batch = {'enc': sample_tokens(10, (BATCH, ENC_LEN)),
+                'dec': sample_tokens(11, (BATCH, DEC_LEN))}
+  batch = {k: jax.make_array_from_callback(v.shape, batch_sharding,
+                                           lambda idx, v=v: v[idx])
+           for k, v in host_batch.items()}
+
+  signatures = make_signatures(model)
+  if args.mode == 'nan':
+    # A directory process 0 cannot create: its constructor fails, and the
+    # others must learn that instead of training on without a writer.
+    try:
+      t5export.ExportCallback(
+          export_dir=args.bad_dir, signatures=signatures,
+          export_every_steps=2, multiprocess_timeout_secs=args.timeout)
+      ctor_error = None
+    except Exception as e:  # pylint: disable=broad-except
+      ctor_error = e
+    emit(event='ctor', process=jax.process_index(),
+         error_type=type(ctor_error).__name__ if ctor_error else None,
+         error=str(ctor_error) if ctor_error else None)
+  cb = t5export.ExportCallback(
+      export_dir=args.export_dir, signatures=signatures,
+      export_every_steps=2, num_train_steps=args.steps, keep=None,
+      logical_axis_rules=rules, async_export=True, warmup=False,
+      multiprocess_timeout_secs=args.timeout)
+  callbacks = {'raise': cb}
+  if args.mode == 'nan':
+    # The same failure with on_error='log' and a synchronous write: every
+    # process logs it and keeps training.
+    callbacks['log'] = t5export.ExportCallback(
+        export_dir=args.export_dir + '_log', signatures=signatures,
+        export_every_steps=2, num_train_steps=args.steps,
+        async_export=False, on_error='log', warmup=False,
+        multiprocess_timeout_secs=args.timeout)
+  emit(event='created', process=jax.process_index(), pid=os.getpid(),
+       has_exporter=cb.exporter is not None,
+       export_dir_exists=os.path.exists(args.export_dir))
+  failures: dict[str, Any] = {}
+  close_secs: dict[str, float] = {}
+  try:
+    for step in range(1, args.steps + 1):
+      state = train_step(state, batch)
+      if args.mode == 'nan' and step == 2:
+        state = poison(state)
+      for c in callbacks.values():
+        c(step, train_state=state)
+      emit(event='step', step=step)
+  except Exception as e:  # pylint: disable=broad-except
+    failures['loop'] = e
+  for name in sorted(callbacks):  # 'log' first, then 'raise'.
+    start = time.monotonic()
+    try:
+      callbacks[name].close()
+    except Exception as e:  # pylint: disable=broad-except
+      failures[name] = e
+    close_secs[name] = time.monotonic() - start
+  error = failures.get('loop') or failures.get('raise')
+  specs = paths.flatten(jax.tree.map(lambda x: x.sharding.spec, state.params))
+  host = paths.flatten(partitioning.gather_to_host(state.params))
+  emit(event='done', process=jax.process_index(), pid=os.getpid(),
+       step=int(partitioning.gather_to_host(state.step)),
+       error_type=type(error).__name__ if error else None,
+       error=str(error) if error else None,
+       is_writer_failed=isinstance(error, errors.WriterFailedError),
+       is_writer_timeout=isinstance(error, errors.WriterTimeoutError),
+       failures={k: f'{type(v).__name__}: {v}' for k, v in failures.items()},
+       close_secs=close_secs, published=cb.published,
+       exports_done=cb.exports_done,
+       exports_done_by={k: c.exports_done for k, c in callbacks.items()},
+       blocking_secs=cb.blocking_secs,
+       fully_addressable=sorted(
+           p for p, x in paths.flatten(state.params).items()
+           if x.is_fully_addressable),
+       specs={p: [list(e) if isinstance(e, tuple) else e for e in s]
+              for p, s in specs.items()},
+       digest=_digest(host),
+       export_dir_exists=os.path.exists(args.export_dir))
+  if jax.process_index() == 0 and args.params_out and error is None:
+    np.savez(args.params_out, **host)
+
+
+def silent(args: argparse.Namespace) -> None:
+  """Process 0 never reports; the others must time out, not hang."""
+  from t5export import distributed  # pylint: disable=g-import-not-at-top
+  from t5export import errors  # pylint: disable=g-import-not-at-top
+
+  coord = distributed.ExportCoordinator(timeout_secs=args.timeout)
+  start = time.monotonic()
+  if coord.is_writer:
+    if args.die:  # As if killed: no report, no shutdown.
+      os._exit(3)  # pylint: disable=protected-access
+    # Alive (it hosts the coordination service) but silent.
+    time.sleep(args.timeout + 3)
+    emit(event='done', process=0, error_type=None, error=None,
+         elapsed=time.monotonic() - start)
+    return
+  error = None
+  try:
+    coord.run(lambda: 'never', what='publish step 1')
+  except errors.T5ExportError as e:
+    error = e
+  emit(event='done', process=jax.process_index(),
+       error_type=type(error).__name__ if error else None,
+       error=str(error) if error else None,
+       is_writer_failed=isinstance(error, errors.WriterFailedError),
+       elapsed=time.monotonic() - start)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument('--mode', choices=('export', 'nan', 'silent'),
+                      required=True)
+  parser.add_argument('--process_id', type=int, default=0)
+  parser.add_argument('--num_processes', type=int, default=1)
+  parser.add_argument('--port', type=int, default=0)
+  parser.add_argument('--mesh', default='2,2')
+  parser.add_argument('--export_dir', default='')
+  parser.add_argument('--params_out', default='')
+  parser.add_argument('--bad_dir', default='')
+  parser.add_argument('--steps', type=int, default=4)
+  parser.add_argument('--timeout', type=float, default=60.0)
+  parser.add_argument('--die', action='store_true')
+  args = parser.parse_args()
+  if args.num_processes > 1:
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+    jax.distributed.initialize(
+        coordinator_address=f'127.0.0.1:{args.port}',
+        num_processes=args.num_processes, process_id=args.process_id,
+        initialization_timeout=60)
+  if args.mode == 'silent':
+    silent(args)
+  else:
+    train_and_export(args)
+  if args.num_processes > 1:
+    jax.distributed.shutdown()
+
+
+if __name__ == '__main__':
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
+      __file__))))
+  main()
