@@ -14,7 +14,9 @@ One export (DESIGN.md data-flow steps 5-7):
    use), `tf_serving_warmup_requests`;
 6. fsync every file and directory, then rename the staging directory to
    `<export_dir>/<step>/` in one `os.rename`, so TensorFlow Serving (which
-   watches integer subdirectories) never sees a partial version;
+   watches integer subdirectories) never sees a partial version (with
+   `overwrite=True` an existing version is swapped atomically where the OS
+   allows it, Linux `renameat2`);
 7. retention: keep the `keep` newest versions plus the `keep_best` best by a
    metric, never the version just written.
 
@@ -27,6 +29,7 @@ directories left by a crash. One exporter (one process) writes an
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+import ctypes
 import dataclasses
 import datetime
 import json
@@ -167,6 +170,19 @@ def _remove(path: str) -> None:
                         f'{STAGING_PREFIX}del-{base}-{uuid.uuid4().hex[:8]}')
   os.rename(path, doomed)
   shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _exchange(a: str, b: str) -> bool:
+  """Atomically swaps two directories (Linux renameat2); False if unsupported."""
+  try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = libc.renameat2
+  except (OSError, AttributeError):
+    return False
+  at_fdcwd, rename_exchange = -100, 2
+  result = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b),
+                     rename_exchange)
+  return result == 0
 
 
 def _tensor_info_json(info: Any) -> dict[str, Any]:
@@ -521,7 +537,11 @@ class SavedModelExporter:
       if not self._overwrite:  # Appeared while we were writing.
         raise errors.VersionExistsError(final, int(os.path.basename(final)))
       logging.warning('t5export: overwrite=True: replacing version %s.', final)
-      _remove(final)
+      if _exchange(staging, final):  # Atomic: readers see old or new.
+        _fsync_dir(self._export_dir)
+        shutil.rmtree(staging, ignore_errors=True)  # Now the old version.
+        return
+      _remove(final)  # No atomic exchange here: a short gap, never a mix.
     os.rename(staging, final)
     _fsync_dir(self._export_dir)
 
