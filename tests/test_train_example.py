@@ -116,19 +116,24 @@ def test_gin_train_file_configures_train(tmp_path):
   assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['2', '4']
 
 
-def test_gin_t5_train_file_parses_and_binds_sizes(tmp_path):
+def test_gin_t5_export_file_binds_train_and_signature(tmp_path):
   gin.clear_config()
   try:
+    gin.add_config_file_search_path(str(REPO_ROOT))
     gin.parse_config_files_and_bindings(
-        [str(REPO_ROOT / 'gin' / 'examples' / 'tiny_t5_train.gin')],
-        [f'WORKDIR = {str(tmp_path)!r}'])
-    overrides = gin.query_parameter('%MODEL_OVERRIDES')
+        [str(REPO_ROOT / 'gin' / 'examples' / 'tiny_t5.gin')],
+        [f'WORKDIR = {str(tmp_path / "w")!r}',
+         f'EXPORT_DIR = {str(tmp_path / "e")!r}',
+         f'MODEL_OVERRIDES = {SMALL_T5!r}'])
+    assert gin.query_parameter('%EXPORT_EVERY_STEPS') == 20
     assert gin.query_parameter('train.model_name') == 'tiny_t5'
+    sig = train_lib.t5_signature()  # Bound by gin: the small model.
+    overrides = gin.query_parameter('%MODEL_OVERRIDES')
   finally:
     gin.clear_config()
-  # The bound overrides build a valid model config.
-  task = train_lib.make_task('tiny_t5', overrides)
-  assert task.model.config.d_model == overrides['d_model']
+  assert overrides == SMALL_T5
+  assert sig.name == 'serving_default'
+  assert list(sig.sample_inputs) == ['text']
 
 
 @pytest.mark.parametrize('kwargs, match', [
@@ -143,3 +148,60 @@ def test_train_rejects_bad_arguments(tmp_path, kwargs, match):
   args.update(kwargs)
   with pytest.raises(ValueError, match=match):
     train_lib.train(**args)
+
+
+def _published(export_dir) -> list[int]:
+  return sorted(int(d) for d in os.listdir(export_dir) if d.isdigit())
+
+
+def test_mlp_bn_gin_exports_versions_that_match_the_trained_model(tmp_path):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  export_dir = tmp_path / 'export'
+  gin.clear_config()
+  try:
+    gin.add_config_file_search_path(str(REPO_ROOT))
+    gin.parse_config_files_and_bindings(
+        [str(REPO_ROOT / 'gin' / 'examples' / 'mlp_bn.gin')],
+        [f'WORKDIR = {str(tmp_path / "work")!r}',
+         f'EXPORT_DIR = {str(export_dir)!r}', 'NUM_STEPS = 7',
+         'EXPORT_EVERY_STEPS = 3', 'CHECKPOINT_EVERY_STEPS = 100',
+         'train.write_summaries = False'])
+    result = train_lib.train()
+    sig = train_lib.mlp_signature()
+  finally:
+    gin.clear_config()
+  versions = _published(export_dir)
+  # Async exports: a newer snapshot may replace a queued one, but the
+  # final step is always published.
+  assert versions and versions[-1] == 7
+  assert set(versions) <= {3, 6, 7}
+  newest = str(export_dir / '7')
+  params = t5export.verify.load_params(newest)
+  np.testing.assert_array_equal(
+      params['batch_stats']['bn_0']['mean'],
+      result.state.flax_mutables['batch_stats']['bn_0']['mean'])
+  x = sig.sample_inputs['x']
+  loaded = tf.saved_model.load(newest)
+  got = loaded.signatures['serving_default'](x=tf.constant(x))['logits']
+  want = sig.method({'params': result.state.params,
+                     **result.state.flax_mutables}, {'x': x})['logits']
+  np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_run_example_serves_strings_from_a_tf_only_process(tmp_path):
+  from examples import run_example  # pylint: disable=g-import-not-at-top
+  gin.clear_config()
+  try:
+    report = run_example.run(
+        output_dir=str(tmp_path / 'out'), num_steps=12, export_every_steps=6,
+        requests=['abc', 'héllo'],
+        gin_bindings=[f'MODEL_OVERRIDES = {SMALL_T5!r}',
+                      'train.write_summaries = False'])
+  finally:
+    gin.clear_config()
+  steps = [v['step'] for v in report['versions']]
+  assert steps[-1] == 12 and set(steps) <= {6, 12}
+  assert all(v['passed'] for v in report['versions'])
+  assert len(report['answers']) == 2
+  assert all(isinstance(a, str) for a in report['answers'])
