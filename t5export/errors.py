@@ -237,3 +237,10 @@ class WriterTimeoutError(WriterFailedError, TimeoutError):
 
 class BarrierTimeoutError(T5ExportError, TimeoutError):
   """Not every process reached an export's closing barrier in time."""
+
+
+# --- offline export configuration -------------------------------------------
+
+
+class GinConfigError(T5ExportError, ValueError):
+  """The gin files or bindings given to an offline export are not usable."""
