@@ -134,8 +134,8 @@ class Config:
     self.reexports = 2
     self.serve_size = 250_000 if smoke else 25_000_000
     self.serve_calls = 5 if smoke else 30
-    self.throughput_steps = 20 if smoke else 300
-    self.export_every = 10 if smoke else 100
+    self.throughput_steps = 20 if smoke else 800
+    self.export_every = 10 if smoke else 400
     self.blocking_size = self.main_size
     self.offline_size = self.main_size
 
@@ -438,13 +438,17 @@ def make_side(name: str, root: pathlib.Path, width: int, **kw) -> Any:
   raise ValueError(f'side must be "ours" or "orbax", got {name!r}')
 
 
-def raw_write(variables: dict, path: pathlib.Path) -> None:
+def raw_write(variables: dict, path: pathlib.Path, *,
+              fsync: bool = False) -> None:
   """The hardware limit: the param bytes to one file with ndarray.tofile."""
   import jax
   import numpy as np
   with open(path, 'wb') as f:
     for leaf in jax.tree_util.tree_leaves(variables):
       np.asarray(leaf).tofile(f)
+    if fsync:
+      f.flush()
+      os.fsync(f.fileno())
 
 
 # --------------------------------------------------------------------------
@@ -475,13 +479,15 @@ def worker_export(spec: dict[str, Any]) -> dict[str, Any]:
   for r in range(spec['reexports']):
     variables = bump(variables)
     with phases(f're{r}'):
-      path = side.export(variables, r + 2)
-    if spec['side'] == 'orbax':
-      shutil.rmtree(path, ignore_errors=True)
+      side.export(variables, r + 2)
+    # orbax's versions stay until the process ends (ours keeps 2): deleting
+    # freshly written files would spare it the disk writeback ours pays.
     if spec['raw']:
       raw_path = root / 'raw.bin'
       with phases(f'raw{r}'):
         raw_write(variables, raw_path)
+      with phases(f'rawsync{r}'):
+        raw_write(variables, raw_path, fsync=True)
       raw_path.unlink()
   del jax
   return {'phases': phases.phases, 'param_bytes': nbytes}
@@ -806,6 +812,9 @@ WORKERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 
 def worker_main(task: str, spec_json: str) -> int:
   spec = json.loads(spec_json)
+  if os.environ.get('BENCH_VERBOSE'):
+    from absl import logging as absl_logging
+    absl_logging.set_verbosity(absl_logging.INFO)
   try:
     result = WORKERS[task](spec)
   except Exception as e:  # Reported to the parent as the figure's error.
@@ -951,10 +960,16 @@ def parse_exports(cfg: Config, res: Results,
     def raw_time(o):
       return _median([o['phases'][f'raw{r}']['seconds']
                       for r in range(cfg.reexports)])
+    def rawsync_time(o):
+      return _median([o['phases'][f'rawsync{r}']['seconds']
+                      for r in range(cfg.reexports)])
     emit(figure_record(
         'reexport_vs_raw_write', [re_time(o) / raw_time(o) for o in ours],
         raw_s=_median([raw_time(o) for o in ours]),
-        ours_s=_median([re_time(o) for o in ours])))
+        ours_s=_median([re_time(o) for o in ours]),
+        vs_raw_write_fsync=summarize([re_time(o) / rawsync_time(o)
+                                      for o in ours]),
+        raw_fsync_s=_median([rawsync_time(o) for o in ours])))
   else:
     emit(error_record('reexport_vs_raw_write', err_for('ours')))
   for kind, phase_names in (('first_export', ['first']),
@@ -979,10 +994,6 @@ def parse_exports(cfg: Config, res: Results,
                     '*_hwm: the kernel VmHWM after clear_refs'))
       else:
         emit(error_record(name, err_for('ours', 'orbax')))
-
-
-def _scaling_sizes(cfg: Config) -> list[str]:
-  return ['25M', '400M'] if not cfg.smoke else ['25M', '400M']
 
 
 def plan_scaling(cfg: Config) -> list[Item]:
