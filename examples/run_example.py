@@ -5,10 +5,10 @@ r"""`make example`: train the tiny T5, publish versions, serve one from TF.
    SavedModel version every EXPORT_EVERY_STEPS steps, in the background).
 2. Lists the published versions under the export dir with their steps and
    the result of each version's check (from `assets.extra/t5export.json`).
-3. Answers string requests from the newest version in a fresh Python
-   process that imports only TensorFlow (JAX, flax and t5export are made
-   unimportable there, and it asserts none was loaded), printing each
-   request and answer.
+3. Answers string requests from every published version (so you see the
+   answers improve) in a fresh Python process that imports only TensorFlow
+   (JAX, flax and t5export are made unimportable there, and it asserts none
+   was loaded), and prints each request and the newest version's answer.
 
 Usage:
   python -m examples.run_example [--output_dir example_output] \
@@ -66,14 +66,15 @@ _SERVE_SCRIPT = textwrap.dedent('''
     for _name in ('jax', 'jaxlib', 'flax', 't5export'):
       sys.modules[_name] = None  # Unimportable in this process.
     import tensorflow as tf
-    version_dir, requests = sys.argv[1], json.loads(sys.argv[2])
-    loaded = tf.saved_model.load(version_dir)
-    serve = loaded.signatures['serving_default']
-    out = serve(text=tf.constant(requests, tf.string))['text'].numpy()
+    version_dirs, requests = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+    answers = []
+    for version_dir in version_dirs:
+      serve = tf.saved_model.load(version_dir).signatures['serving_default']
+      out = serve(text=tf.constant(requests, tf.string))['text'].numpy()
+      answers.append([a.decode('utf-8', errors='replace') for a in out])
     jax_imported = any(sys.modules.get(n) is not None
                        for n in ('jax', 'jaxlib', 'flax', 't5export'))
     assert not jax_imported, 'the serving process imported JAX'
-    answers = [a.decode('utf-8', errors='replace') for a in out]
     print(json.dumps({'answers': answers, 'jax_imported': jax_imported}))
 ''')
 
@@ -109,29 +110,29 @@ def published_versions(export_dir: str | os.PathLike[str]
   return sorted(out, key=lambda v: v['step'])
 
 
-def serve_in_tf_only_process(version_dir: str, requests: Sequence[str]
-                             ) -> list[str]:
-  """Sends `requests` to `version_dir` from a TF-only Python process.
+def serve_in_tf_only_process(version_dirs: Sequence[str],
+                             requests: Sequence[str]) -> list[list[str]]:
+  """Sends `requests` to each version from one TF-only Python process.
 
   Args:
-    version_dir: a published version.
+    version_dirs: published versions.
     requests: strings for the 'serving_default' signature.
 
   Returns:
-    The decoded answers.
+    The decoded answers, one list per version.
 
   Raises:
     RuntimeError: if the process fails (its stderr tail is included).
   """
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
   proc = subprocess.run(
-      [sys.executable, '-c', _SERVE_SCRIPT, version_dir,
+      [sys.executable, '-c', _SERVE_SCRIPT, json.dumps(list(version_dirs)),
        json.dumps(list(requests))],
-      capture_output=True, text=True, env=env, check=False, timeout=300)
+      capture_output=True, text=True, env=env, check=False, timeout=600)
   lines = [l for l in proc.stdout.splitlines() if l.startswith('{')]
   if proc.returncode or not lines:
     raise RuntimeError(
-        f'Serving {version_dir} in a TF-only process failed (exit '
+        f'Serving {list(version_dirs)} in a TF-only process failed (exit '
         f'{proc.returncode}):\n{proc.stderr[-3000:]}')
   result = json.loads(lines[-1])
   if result['jax_imported']:
@@ -154,8 +155,9 @@ def run(*, output_dir: str, num_steps: int | None = None,
     gin_bindings: extra gin bindings (applied last).
 
   Returns:
-    {'versions': [...], 'requests': [...], 'answers': [...],
-     'history': the trainer's history, 'seconds': wall time}.
+    {'versions': [...], 'requests': [...], 'answers': the newest version's
+     answers, 'answers_by_version': one list per version, 'history': the
+     trainer's history, 'seconds': wall time}.
 
   Raises:
     RuntimeError: if no version was published or serving failed.
@@ -189,7 +191,9 @@ def run(*, output_dir: str, num_steps: int | None = None,
   versions = published_versions(export_dir)
   if not versions:
     raise RuntimeError(f'No version was published under {export_dir}.')
-  print(f'== Published versions in {export_dir}:')
+  print(f'== Published versions in {export_dir} (exports run in the '
+        'background; while one is being written, a newer due snapshot '
+        'replaces a waiting one, so some due steps are skipped):')
   for v in versions:
     status = {True: 'check passed', False: 'check FAILED',
               None: 'not checked'}[v['passed']]
@@ -199,18 +203,26 @@ def run(*, output_dir: str, num_steps: int | None = None,
           f'{v["time_utc"]}  {status}  max_abs_error {errs}')
 
   newest = versions[-1]
-  print(f'== Serving version {newest["step"]} from a process that imports '
-        'only TensorFlow:', flush=True)
-  answers = serve_in_tf_only_process(newest['path'], requests)
+  print('== Asking every version from a process that imports only '
+        'TensorFlow (JAX made unimportable there):', flush=True)
+  all_answers = serve_in_tf_only_process([v['path'] for v in versions],
+                                         requests)
+  width = max(len(repr(r)) for r in requests)
+  for v, answers in zip(versions, all_answers):
+    shown = ', '.join(f'{a!r}' for a in answers)
+    print(f'   version {v["step"]:>5}: {shown}')
+  answers = all_answers[-1]
+  print(f'== Newest version ({newest["step"]}):')
   for req, ans in zip(requests, answers):
-    print(f'   request {req!r:>14} -> answer {ans!r}  (expected '
-          f'{req[::-1]!r})')
+    mark = 'ok' if ans == req[::-1] else f'expected {req[::-1]!r}'
+    print(f'   request {req!r:>{width}} -> answer {ans!r}  ({mark})')
   seconds = time.time() - start
   print(f'== Done in {seconds:.0f}s. Try it yourself:\n'
         f'   saved_model_cli run --dir {newest["path"]} --tag_set serve '
         "--signature_def serving_default --input_exprs 'text=[\"hello\"]'")
   return {'versions': versions, 'requests': list(requests),
-          'answers': answers, 'history': result.history, 'seconds': seconds}
+          'answers': answers, 'answers_by_version': all_answers,
+          'history': result.history, 'seconds': seconds}
 
 
 class _ProgressFilter(py_logging.Filter):

@@ -203,5 +203,7 @@ def test_run_example_serves_strings_from_a_tf_only_process(tmp_path):
   steps = [v['step'] for v in report['versions']]
   assert steps[-1] == 12 and set(steps) <= {6, 12}
   assert all(v['passed'] for v in report['versions'])
+  assert len(report['answers_by_version']) == len(steps)
+  assert report['answers'] == report['answers_by_version'][-1]
   assert len(report['answers']) == 2
   assert all(isinstance(a, str) for a in report['answers'])
