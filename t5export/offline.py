@@ -198,7 +198,41 @@ def parse_gin(files: Sequence[str], bindings: Sequence[str],
   for path in [*search_paths, _PACKAGE_GIN_DIR]:
     if os.path.isdir(path):
       gin.add_config_file_search_path(path)
-  gin.parse_config_files_and_bindings(list(files), list(bindings))
+  try:
+    gin.parse_config_files_and_bindings(list(files), list(bindings))
+  except errors.T5ExportError:
+    raise
+  except Exception as e:  # gin raises many types (syntax, import, binding).
+    hint = ("Set SIGNATURES = [@t5export.Signature()] after include "
+            "'offline.gin' (see gin/offline.gin). " if 'REQUIRED' in str(e)
+            else '')
+    raise errors.GinConfigError(
+        f'The gin config (--gin_file {list(files)}, --gin_bindings '
+        f'{list(bindings)}) is not usable: {type(e).__name__}: '
+        f'{str(e).rstrip(".")}. {hint}--gin_search_paths '
+        f'{list(search_paths)} and the package gin/ directory are searched '
+        'for files and includes.') from e
+
+
+def make_options() -> OfflineOptions:
+  """`OfflineOptions()` from the parsed gin config.
+
+  Returns:
+    The options.
+
+  Raises:
+    GinConfigError: a required macro (SIGNATURES) is unset, or a gin
+      reference fails to evaluate.
+  """
+  try:
+    return OfflineOptions()
+  except errors.T5ExportError:
+    raise
+  except Exception as e:  # gin wraps failures of the referenced callables.
+    raise errors.GinConfigError(
+        f'The gin config does not give usable offline options: '
+        f'{type(e).__name__}: {str(e).rstrip(".")}. Set SIGNATURES = [@t5export.Signature()] '
+        "(and INIT_FN) after include 'offline.gin'; see gin/offline.gin.") from e
 
 
 def _call_init(init_fn: Callable[..., Any], rng: jax.Array) -> Any:
@@ -321,7 +355,7 @@ def export_checkpoint(ckpt: str, export_dir: str, *, step: int | None = None,
   if before_gin is not None:
     before_gin()
   if options is None:
-    options = OfflineOptions()
+    options = make_options()
 
   start = time.monotonic()
   state = build_state(contents, version, options, dtype=dtype)

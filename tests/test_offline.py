@@ -9,6 +9,7 @@ The exports run concurrently in the background while other tests proceed.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import pathlib
@@ -163,7 +164,7 @@ def work(tmp_path_factory) -> pathlib.Path:
 
 
 class _Job:
-  """One `python -m t5export.offline` run started in the background."""
+  """One `python -m t5export.offline` run, in the background pool."""
 
   def __init__(self, source, export_dir: pathlib.Path, gin_file, extra=(),
                expected=None):
@@ -171,21 +172,14 @@ class _Job:
     self.expected = expected
     self.cmd = _offline_cmd(source, export_dir, gin_file, *extra)
     self.before: dict[str, tuple[int, int]] | None = None
-    self.proc: subprocess.Popen | None = None
-    self._result = None
+    self._future: concurrent.futures.Future | None = None
 
-  def start(self) -> None:
+  def start(self, pool: concurrent.futures.Executor) -> None:
     self.before = _listing(self.export_dir)  # Taken before the run starts.
-    self.proc = subprocess.Popen(
-        self.cmd, cwd=REPO, env=_ENV, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
+    self._future = pool.submit(_run, self.cmd)
 
   def result(self) -> subprocess.CompletedProcess:
-    if self._result is None:
-      stdout, stderr = self.proc.communicate(timeout=600)
-      self._result = subprocess.CompletedProcess(
-          self.proc.args, self.proc.returncode, stdout, stderr)
-    return self._result
+    return self._future.result(timeout=900)
 
 
 @pytest.fixture(scope='module')
@@ -264,13 +258,16 @@ def background(work):
   jobs['stepless'] = _Job(work / 'stepless', work / 'export_stepless',
                           mlp_gin)
 
-  for job in jobs.values():  # All inputs are written: start every run.
-    job.start()
-  yield jobs
-  for job in jobs.values():
-    if job.proc.poll() is None:
-      job.proc.kill()
-      job.proc.wait()
+  # A gin file that does not set SIGNATURES.
+  (work / 'no_signatures.gin').write_text("include 'offline.gin'\n")
+  jobs['no_signatures'] = _Job(work / 'state.msgpack', work / 'export_nosig',
+                               work / 'no_signatures.gin')
+
+  # All inputs are written: run them, three at a time (memory and 2 cores).
+  with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
+    for job in jobs.values():
+      job.start(pool)
+    yield jobs
 
 
 @pytest.fixture(scope='module')
@@ -495,6 +492,13 @@ def test_params_not_matching_the_model(background):
 def test_checkpoint_without_step_needs_step_flag(background):
   job = background['stepless']
   _assert_one_error(job.result(), 'does not record its step; pass --step')
+  assert not job.export_dir.exists()
+
+
+def test_gin_config_without_signatures(background):
+  job = background['no_signatures']
+  line = _assert_one_error(job.result(), 'GinConfigError: The gin config')
+  assert 'SIGNATURES' in line and 'gin/offline.gin' in line
   assert not job.export_dir.exists()
 
 
