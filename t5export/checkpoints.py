@@ -308,8 +308,8 @@ def _select(keys: Mapping[str, Any], source: str) -> dict[str, Any]:
     source: the checkpoint path, for messages.
 
   Returns:
-    {'params': key or None (whole tree), 'mutables': {name: key path tuple},
-    'step': key path tuple or None}.
+    {'params': key path tuple (() for the whole tree), 'mutables':
+    {collection: key path tuple}, 'step': key path tuple or None}.
 
   Raises:
     NoParamsInCheckpointError: no params in the tree.
