@@ -34,7 +34,7 @@ export directory this run created is removed again).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 import inspect
 import os
 import shutil
