@@ -10,12 +10,14 @@ It trains a few steps of the tiny T5 with its train state sharded over a
 Modes:
   export  train, export every 2 steps (async), close; process 0 saves the
           final gathered params to --params_out (npz) for the test's
-          unsharded reference export.
-  nan     the params turn NaN before the step-2 export: process 0 refuses
-          to publish (NonFiniteParamsError); every process reports what
-          close() raised and how long it took.
+          unsharded reference export. With --failures, then: a callback
+          whose export_dir (--bad_dir) process 0 cannot create, and two
+          more steps whose params turn NaN before the export, so process 0
+          refuses to publish (NonFiniteParamsError), once with
+          on_error='raise' (async) and once with 'log' (sync); every
+          process reports what it raised and how long close() took.
   silent  no TensorFlow: process 0 never reports a round of an
-          `ExportCoordinator`; process 1 must time out with a clear error.
+          `ExportCoordinator` (or dies, --die); process 1 must not hang.
 
 Usage:
   python tests/_mp_worker.py --mode export --process_id 0 --num_processes 2 \
@@ -95,7 +97,7 @@ def _digest(flat: dict[str, Any]) -> str:
 
 
 def train_and_export(args: argparse.Namespace) -> None:
-  """Modes 'export' and 'nan'."""
+  """Mode 'export' (see the module docstring)."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
@@ -140,78 +142,93 @@ def train_and_export(args: argparse.Namespace) -> None:
            for k, v in host_batch.items()}
 
   signatures = make_signatures(model)
-  if args.mode == 'nan':
-    # A directory process 0 cannot create: its constructor fails, and the
-    # others must learn that instead of training on without a writer.
-    try:
-      t5export.ExportCallback(
-          export_dir=args.bad_dir, signatures=signatures,
-          export_every_steps=2, multiprocess_timeout_secs=args.timeout)
-      ctor_error = None
-    except Exception as e:  # pylint: disable=broad-except
-      ctor_error = e
-    emit(event='ctor', process=jax.process_index(),
-         error_type=type(ctor_error).__name__ if ctor_error else None,
-         error=str(ctor_error) if ctor_error else None)
-  cb = t5export.ExportCallback(
-      export_dir=args.export_dir, signatures=signatures,
-      export_every_steps=2, num_train_steps=args.steps, keep=None,
-      logical_axis_rules=rules, async_export=True, warmup=False,
-      multiprocess_timeout_secs=args.timeout)
-  callbacks = {'raise': cb}
-  if args.mode == 'nan':
-    # The same failure with on_error='log' and a synchronous write: every
-    # process logs it and keeps training.
-    callbacks['log'] = t5export.ExportCallback(
-        export_dir=args.export_dir + '_log', signatures=signatures,
-        export_every_steps=2, num_train_steps=args.steps,
-        async_export=False, on_error='log', warmup=False,
+
+  def export_phase(phase: str, state: Any, steps: range, export_dir: str,
+                   poison_at: int | None = None) -> Any:
+    """Trains over `steps`, exporting every 2 steps; emits 'done:<phase>'."""
+    cb = t5export.ExportCallback(
+        export_dir=export_dir, signatures=signatures,
+        export_every_steps=2, num_train_steps=steps[-1], keep=None,
+        logical_axis_rules=rules, async_export=True, warmup=False,
         multiprocess_timeout_secs=args.timeout)
-  emit(event='created', process=jax.process_index(), pid=os.getpid(),
-       has_exporter=cb.exporter is not None,
-       export_dir_exists=os.path.exists(args.export_dir))
-  failures: dict[str, Any] = {}
-  close_secs: dict[str, float] = {}
-  try:
-    for step in range(1, args.steps + 1):
-      state = train_step(state, batch)
-      if args.mode == 'nan' and step == 2:
-        state = poison(state)
-      for c in callbacks.values():
-        c(step, train_state=state)
-      emit(event='step', step=step)
-  except Exception as e:  # pylint: disable=broad-except
-    failures['loop'] = e
-  for name in sorted(callbacks):  # 'log' first, then 'raise'.
-    start = time.monotonic()
+    callbacks = {'raise': cb}
+    if poison_at is not None:
+      # The same failure with on_error='log' and a synchronous write: every
+      # process logs it and keeps training.
+      callbacks['log'] = t5export.ExportCallback(
+          export_dir=export_dir + '_log', signatures=signatures,
+          export_every_steps=2, num_train_steps=steps[-1],
+          async_export=False, on_error='log', warmup=False,
+          multiprocess_timeout_secs=args.timeout)
+    emit(event=f'created:{phase}', process=jax.process_index(),
+         pid=os.getpid(), has_exporter=cb.exporter is not None,
+         export_dir_exists=os.path.exists(export_dir))
+    failures: dict[str, Any] = {}
+    close_secs: dict[str, float] = {}
     try:
-      callbacks[name].close()
+      for step in steps:
+        state = train_step(state, batch)
+        if step == poison_at:
+          state = poison(state)
+        for c in callbacks.values():
+          c(step, train_state=state)
+        emit(event='step', step=step)
     except Exception as e:  # pylint: disable=broad-except
-      failures[name] = e
-    close_secs[name] = time.monotonic() - start
-  error = failures.get('loop') or failures.get('raise')
-  specs = paths.flatten(jax.tree.map(lambda x: x.sharding.spec, state.params))
-  host = paths.flatten(partitioning.gather_to_host(state.params))
-  emit(event='done', process=jax.process_index(), pid=os.getpid(),
-       step=int(partitioning.gather_to_host(state.step)),
-       error_type=type(error).__name__ if error else None,
-       error=str(error) if error else None,
-       is_writer_failed=isinstance(error, errors.WriterFailedError),
-       is_writer_timeout=isinstance(error, errors.WriterTimeoutError),
-       failures={k: f'{type(v).__name__}: {v}' for k, v in failures.items()},
-       close_secs=close_secs, published=cb.published,
-       exports_done=cb.exports_done,
-       exports_done_by={k: c.exports_done for k, c in callbacks.items()},
-       blocking_secs=cb.blocking_secs,
-       fully_addressable=sorted(
-           p for p, x in paths.flatten(state.params).items()
-           if x.is_fully_addressable),
-       specs={p: [list(e) if isinstance(e, tuple) else e for e in s]
-              for p, s in specs.items()},
-       digest=_digest(host),
-       export_dir_exists=os.path.exists(args.export_dir))
-  if jax.process_index() == 0 and args.params_out and error is None:
-    np.savez(args.params_out, **host)
+      failures['loop'] = e
+    for name in sorted(callbacks):  # 'log' first, then 'raise'.
+      start = time.monotonic()
+      try:
+        callbacks[name].close()
+      except Exception as e:  # pylint: disable=broad-except
+        failures[name] = e
+      close_secs[name] = time.monotonic() - start
+    error = failures.get('loop') or failures.get('raise')
+    specs = paths.flatten(
+        jax.tree.map(lambda x: x.sharding.spec, state.params))
+    host = paths.flatten(partitioning.gather_to_host(state.params))
+    emit(event=f'done:{phase}', process=jax.process_index(), pid=os.getpid(),
+         step=int(partitioning.gather_to_host(state.step)),
+         error_type=type(error).__name__ if error else None,
+         error=str(error) if error else None,
+         is_writer_failed=isinstance(error, errors.WriterFailedError),
+         is_writer_timeout=isinstance(error, errors.WriterTimeoutError),
+         failures={k: f'{type(v).__name__}: {v}'
+                   for k, v in failures.items()},
+         close_secs=close_secs, published=cb.published,
+         exports_done=cb.exports_done,
+         exports_done_by={k: c.exports_done for k, c in callbacks.items()},
+         blocking_secs=cb.blocking_secs,
+         fully_addressable=sorted(
+             p for p, x in paths.flatten(state.params).items()
+             if x.is_fully_addressable),
+         specs={p: [list(e) if isinstance(e, tuple) else e for e in s]
+                for p, s in specs.items()},
+         digest=_digest(host),
+         export_dir_exists=os.path.exists(export_dir))
+    if (phase == 'export' and jax.process_index() == 0 and args.params_out
+        and error is None):
+      np.savez(args.params_out, **host)
+    return state
+
+  state = export_phase('export', state, range(1, args.steps + 1),
+                       args.export_dir)
+  if not args.failures:
+    return
+  # A directory process 0 cannot create: its constructor fails, and the
+  # others must learn that instead of training on without a writer.
+  try:
+    t5export.ExportCallback(
+        export_dir=args.bad_dir, signatures=signatures,
+        export_every_steps=2, multiprocess_timeout_secs=args.timeout)
+    ctor_error = None
+  except Exception as e:  # pylint: disable=broad-except
+    ctor_error = e
+  emit(event='ctor', process=jax.process_index(),
+       error_type=type(ctor_error).__name__ if ctor_error else None,
+       error=str(ctor_error) if ctor_error else None)
+  # Params turn NaN before the next export: process 0 refuses to publish.
+  export_phase('nan', state, range(args.steps + 1, args.steps + 3),
+               args.export_dir + '_nan', poison_at=args.steps + 2)
 
 
 def silent(args: argparse.Namespace) -> None:
@@ -243,8 +260,8 @@ def silent(args: argparse.Namespace) -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser()
-  parser.add_argument('--mode', choices=('export', 'nan', 'silent'),
-                      required=True)
+  parser.add_argument('--mode', choices=('export', 'silent'), required=True)
+  parser.add_argument('--failures', action='store_true')
   parser.add_argument('--process_id', type=int, default=0)
   parser.add_argument('--num_processes', type=int, default=1)
   parser.add_argument('--port', type=int, default=0)

@@ -1,0 +1,412 @@
+"""Sharded and multi-process export (t5export.distributed + ExportCallback).
+
+The subprocess runs (tests/_mp_worker.py) are started together by one
+module-scoped fixture, so the idle time of one run (process 1 waiting for
+process 0's write) is used by the others; each test then waits for its own.
+
+* 2 `jax.distributed` processes on 127.0.0.1 (gloo, 2 forced CPU devices
+  each) train the tiny T5 sharded by the 2-D rules on a (2, 2) mesh and
+  export through ExportCallback; the result must equal a single-process,
+  unsharded export of the same params bit for bit, and only process 0 may
+  write (process 1 is given export_dirs below a regular file, so any
+  attempt to create them fails).
+* the same processes then go on with failures (saving two more process
+  startups): an export_dir process 0 cannot create, then NaN params that
+  process 0 refuses to publish; process 1 must end with process 0's
+  message within the timeout (on_error='raise'), or log it and go on
+  (on_error='log').
+* process 0 silent (alive, never reports) or dead: process 1 must not hang.
+* one process with 8 forced devices on a (2, 4) mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import _mp_worker  # tests/ is on sys.path (pytest rootdir-relative import).
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+WORKER = str(pathlib.Path(__file__).resolve().parent / '_mp_worker.py')
+# Per run, generous: the runs share 2 CPU cores with each other.
+RUN_TIMEOUT = 300
+MP_TIMEOUT = 120       # multiprocess_timeout_secs of the 2-process run.
+SILENT_TIMEOUT = 5     # ... of the silent-writer run.
+
+
+# --- running the worker -----------------------------------------------------
+
+
+def _env(device_count: int) -> dict[str, str]:
+  env = dict(os.environ)
+  env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={device_count}'
+  env['JAX_PLATFORMS'] = 'cpu'
+  env['PYTHONPATH'] = os.pathsep.join(
+      [str(REPO_ROOT)] + ([env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
+  env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+  return env
+
+
+def _free_port() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class Proc:
+  """What one worker process left behind."""
+  returncode: int
+  rows: list[dict[str, Any]]
+  stderr: str
+  secs: float
+
+  def event(self, name: str) -> dict[str, Any]:
+    found = [r for r in self.rows if r.get('event') == name]
+    assert found, f'no {name!r} line; stderr:\n{self.stderr[-5000:]}'
+    return found[-1]
+
+
+class Run:
+  """N worker processes started together; `result()` waits for all."""
+
+  def __init__(self, name: str, *, num_processes: int, devices: int,
+               args_for: Any):
+    self.name = name
+    self._start = time.monotonic()
+    port = _free_port()
+    self._procs = []
+    for i in range(num_processes):
+      argv = [sys.executable, WORKER, '--process_id', str(i),
+              '--num_processes', str(num_processes), '--port', str(port),
+              *args_for(i)]
+      self._procs.append(subprocess.Popen(
+          argv, env=_env(devices), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+          stderr=subprocess.PIPE, text=True))
+    self._result: list[Proc] | None = None
+
+  def result(self, *, check: bool = True) -> list[Proc]:
+    """Waits (bounded) for every process; fails with their stderr."""
+    if self._result is None:
+      out = []
+      deadline = self._start + RUN_TIMEOUT
+      for i, proc in enumerate(self._procs):
+        try:
+          stdout, stderr = proc.communicate(
+              timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+          self.kill()
+          stdout, stderr = proc.communicate()
+          pytest.fail(f'{self.name}: process {i} did not finish within '
+                      f'{RUN_TIMEOUT}s; stderr:\n{stderr[-5000:]}')
+        rows = [json.loads(line) for line in stdout.splitlines()
+                if line.startswith('{')]
+        out.append(Proc(proc.returncode, rows, stderr,
+                        time.monotonic() - self._start))
+      self._result = out
+    if check:
+      for i, p in enumerate(self._result):
+        assert p.returncode == 0, (
+            f'{self.name}: process {i} exited {p.returncode}; stderr:\n'
+            f'{p.stderr[-5000:]}')
+    return self._result
+
+  def kill(self) -> None:
+    for proc in self._procs:
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+  """Starts every subprocess run at once; kills leftovers at the end."""
+  root = tmp_path_factory.mktemp('mp')
+  blocker = root / 'blocker'  # A regular file: nothing can be created below.
+  blocker.write_text('')
+  dirs = {name: root / name for name in ('export2', 'export8')}
+
+  def two_proc(name: str, mode: str, *extra: str):
+    def args_for(i: int) -> list[str]:
+      export_dir = dirs[name] / 'export' if i == 0 else blocker / 'export'
+      argv = ['--mode', mode, '--mesh', '2,2', '--export_dir',
+              str(export_dir), '--bad_dir', str(blocker / 'bad'), *extra]
+      if i == 0:
+        argv += ['--params_out', str(dirs[name] / 'params.npz')]
+      return argv
+    dirs[name].mkdir()
+    return Run(name, num_processes=2, devices=2, args_for=args_for)
+
+  started = {
+      'silent': Run('silent', num_processes=2, devices=1, args_for=lambda i: [
+          '--mode', 'silent', '--timeout', str(SILENT_TIMEOUT)]),
+      'dead': Run('dead', num_processes=2, devices=1, args_for=lambda i: [
+          '--mode', 'silent', '--die', '--timeout', str(RUN_TIMEOUT)]),
+      'export2': two_proc('export2', 'export', '--steps', '4', '--failures',
+                          '--timeout', str(MP_TIMEOUT)),
+  }
+  dirs['export8'].mkdir()
+  started['export8'] = Run('export8', num_processes=1, devices=8,
+                           args_for=lambda i: [
+                               '--mode', 'export', '--mesh', '2,4',
+                               '--steps', '3', '--export_dir',
+                               str(dirs['export8'] / 'export'),
+                               '--params_out',
+                               str(dirs['export8'] / 'params.npz')])
+  yield {'runs': started, 'dirs': dirs, 'blocker': blocker, 'root': root}
+  for run in started.values():
+    run.kill()
+
+
+# --- the unsharded, single-process reference --------------------------------
+
+
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory):
+  """Exports given params unsharded in this process (one exporter, one trace).
+
+  Returns:
+    export(npz_path, step) -> version dir.
+  """
+  import t5export  # pylint: disable=g-import-not-at-top
+  from t5export import paths  # pylint: disable=g-import-not-at-top
+
+  model = _mp_worker.make_model()
+  exporter = t5export.SavedModelExporter(
+      tmp_path_factory.mktemp('reference') / 'export',
+      _mp_worker.make_signatures(model), keep=None, warmup=False,
+      validate=False)  # The test compares the outputs itself.
+
+  def export(npz_path: pathlib.Path, step: int) -> str:
+    params = paths.unflatten(_load_npz(npz_path))
+    state = t5export.InferenceState.create({'params': params})
+    return exporter.export(state.replace_step(step))
+
+  return export
+
+
+def _load_npz(path: pathlib.Path) -> dict[str, np.ndarray]:
+  with np.load(path) as f:
+    return {k: f[k] for k in f.files}
+
+
+def _same_bits(a: Any, b: Any) -> bool:
+  a, b = np.asarray(a), np.asarray(b)
+  return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def _signature_outputs(version_dir: str) -> dict[str, np.ndarray]:
+  """Runs both signatures on inputs unlike the sample inputs."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  loaded = tf.saved_model.load(str(version_dir))
+  enc = tf.constant(_mp_worker.sample_tokens(20, (3, 7)))
+  dec = tf.constant(_mp_worker.sample_tokens(21, (3, 5)))
+  out = {}
+  for name, kwargs in (('serving_default', {'encoder_tokens': enc}),
+                       ('logits', {'encoder_tokens': enc,
+                                   'decoder_tokens': dec})):
+    for key, value in loaded.signatures[name](**kwargs).items():
+      out[f'{name}/{key}'] = value.numpy()
+  return out
+
+
+def _assert_same_as_reference(version_dir: pathlib.Path, ref_dir: str,
+                              npz_path: pathlib.Path) -> None:
+  """Params and signature outputs equal the unsharded export, bit for bit."""
+  from t5export import paths  # pylint: disable=g-import-not-at-top
+  from t5export import verify  # pylint: disable=g-import-not-at-top
+
+  got = paths.flatten(verify.load_params(version_dir))
+  want = paths.flatten(verify.load_params(ref_dir))
+  trained = _load_npz(npz_path)
+  assert list(got) == list(want) == ['params/' + p for p in trained]
+  bad = [p for p in got if not (_same_bits(got[p], want[p]) and
+                                _same_bits(got[p], trained[p[7:]]))]
+  assert not bad, f'params differ from the unsharded export: {bad}'
+  got_out, want_out = (_signature_outputs(version_dir),
+                       _signature_outputs(ref_dir))
+  assert sorted(got_out) == ['logits/logits', 'serving_default/tokens']
+  for key, value in got_out.items():
+    assert _same_bits(value, want_out[key]), key
+  assert np.isfinite(got_out['logits/logits']).all()
+
+
+def _assert_mesh_axes_recorded(version_dir: pathlib.Path,
+                               specs: dict[str, list[Any]]) -> None:
+  from t5export import verify  # pylint: disable=g-import-not-at-top
+  meta = verify.read_metadata(version_dir)['params']
+  assert len(meta) == len(specs)
+  for path, spec in specs.items():
+    assert meta['params/' + path]['mesh_axes'] == spec, path
+
+
+# --- tests --------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_two_processes_export_like_one(runs, reference):
+  p0, p1 = runs['runs']['export2'].result()
+  d0, d1 = p0.event('done:export'), p1.event('done:export')
+  assert d0['error'] is None and d1['error'] is None, (d0['failures'],
+                                                       d1['failures'])
+  assert d0['step'] == d1['step'] == 4
+  # Every param lives on devices of both processes; the 2-D rules split
+  # 'embed' over 'data', which spans them.
+  assert d0['fully_addressable'] == [] and d1['fully_addressable'] == []
+  assert d0['specs']['encoder_layers_0/mlp/wi'] == ['data', 'model']
+  assert d0['specs'] == d1['specs']
+  assert d0['digest'] == d1['digest']  # Both gathered the same params.
+
+  # Only process 0 built an exporter and wrote. Process 1's export_dir is
+  # below a regular file: creating anything there would have failed.
+  export_dir = runs['dirs']['export2'] / 'export'
+  assert p0.event('created:export')['has_exporter']
+  assert not p1.event('created:export')['has_exporter']
+  assert not d1['export_dir_exists'] and d1['published'] == []
+  assert runs['blocker'].is_file() and runs['blocker'].read_text() == ''
+  assert sorted(os.listdir(export_dir)) == ['2', '4']  # No staging left.
+  assert d0['published'] == [str(export_dir / '2'), str(export_dir / '4')]
+  assert d0['exports_done'] == 2 and d1['exports_done'] == 0
+  # Both called the export at the same steps.
+  assert len(d0['blocking_secs']) == len(d1['blocking_secs']) == 2
+
+  _assert_mesh_axes_recorded(export_dir / '4', d0['specs'])
+  npz = runs['dirs']['export2'] / 'params.npz'
+  _assert_same_as_reference(export_dir / '4', reference(npz, 4), npz)
+
+  # Version 2 holds the step-2 params, not a stale or later view.
+  from t5export import paths  # pylint: disable=g-import-not-at-top
+  from t5export import verify  # pylint: disable=g-import-not-at-top
+  v2 = paths.flatten(verify.load_params(export_dir / '2'))
+  v4 = paths.flatten(verify.load_params(export_dir / '4'))
+  assert any(not _same_bits(v2[p], v4[p]) for p in v4)
+
+
+@pytest.mark.multiprocess
+def test_eight_devices_one_process_export_like_unsharded(runs, reference):
+  (p,) = runs['runs']['export8'].result()
+  d = p.event('done:export')
+  assert d['error'] is None, d['failures']
+  assert d['step'] == 3
+  # (2, 4) mesh: 'mlp' 4-way over 'model', 'embed' 2-way over 'data'.
+  assert d['specs']['encoder_layers_0/mlp/wi'] == ['data', 'model']
+  assert d['specs']['encoder_layers_0/mlp/wo'] == ['model', 'data']
+  export_dir = runs['dirs']['export8'] / 'export'
+  assert sorted(os.listdir(export_dir)) == ['2', '3']
+  _assert_mesh_axes_recorded(export_dir / '3', d['specs'])
+  npz = runs['dirs']['export8'] / 'params.npz'
+  _assert_same_as_reference(export_dir / '3', reference(npz, 3), npz)
+
+
+@pytest.mark.multiprocess
+def test_writer_failure_reaches_the_other_process(runs):
+  p0, p1 = runs['runs']['export2'].result()
+
+  # Process 0 cannot create its export_dir: process 1 learns why.
+  c0, c1 = p0.event('ctor'), p1.event('ctor')
+  assert c0['error_type'] == 'ExportDirError'
+  assert c1['error_type'] == 'WriterFailedError'
+  assert 'process 0 (the writer) failed to create the exporter' in c1['error']
+  assert 'ExportDirError' in c1['error'] and 'Not a directory' in c1['error']
+
+  # NaN params: process 0 refuses to publish step 6 (async, on_error=
+  # 'raise'); process 1 ends with process 0's message, well within the
+  # timeout, at the same call (close()).
+  d0, d1 = p0.event('done:nan'), p1.event('done:nan')
+  assert d0['error_type'] == 'ExportFailedError'
+  assert 'NonFiniteParamsError' in d0['error']
+  assert d1['error_type'] == 'WriterFailedError' and d1['is_writer_failed']
+  assert not d1['is_writer_timeout']
+  assert 'process 0 (the writer) failed to publish step 6' in d1['error']
+  assert 'NonFiniteParamsError' in d1['error']
+  assert "'params/" in d1['error']  # Names the parameter.
+  assert d1['close_secs']['raise'] < MP_TIMEOUT
+  assert 'loop' not in d0['failures'] and 'loop' not in d1['failures']
+
+  # on_error='log' (sync write): logged everywhere, training went on.
+  assert 'log' not in d0['failures'] and 'log' not in d1['failures']
+  assert d0['exports_done_by'] == d1['exports_done_by'] == {'raise': 0,
+                                                            'log': 0}
+  root = runs['dirs']['export2']
+  assert os.listdir(root / 'export_nan') == []
+  assert os.listdir(root / 'export_nan_log') == []
+  assert not d1['export_dir_exists']
+  assert runs['blocker'].is_file() and runs['blocker'].read_text() == ''
+
+
+@pytest.mark.multiprocess
+def test_silent_writer_times_out(runs):
+  p0, p1 = runs['runs']['silent'].result()
+  d1 = p1.event('done')
+  assert d1['error_type'] == 'WriterTimeoutError' and d1['is_writer_failed']
+  assert (f'process 0 did not report the outcome of "publish step 1" within '
+          f'{SILENT_TIMEOUT}s') in d1['error']
+  assert 'multiprocess_timeout_secs' in d1['error']
+  assert SILENT_TIMEOUT * 0.9 <= d1['elapsed'] < SILENT_TIMEOUT + 30
+  assert p0.event('done')['error'] is None
+
+
+@pytest.mark.multiprocess
+def test_dead_writer_does_not_hang(runs):
+  # The coordinator's timeout is RUN_TIMEOUT here: ending well before it
+  # means process 1 noticed the death rather than timing out.
+  p0, p1 = runs['runs']['dead'].result(check=False)
+  assert p0.returncode == 3
+  done = [r for r in p1.rows if r.get('event') == 'done']
+  if done:  # Our error came first ...
+    assert done[0]['error_type'] == 'WriterFailedError', done
+    assert 'lost contact with process 0' in done[0]['error']
+    assert done[0]['elapsed'] < 60
+  else:  # ... or JAX's coordination service ended the process.
+    assert p1.returncode != 0
+    assert 'JAX distributed service detected fatal errors' in p1.stderr, (
+        p1.stderr[-5000:])
+
+
+# --- single process: the coordinator is a pass-through ------------------------
+
+
+def test_coordinator_single_process_passes_through():
+  from t5export import distributed  # pylint: disable=g-import-not-at-top
+  coord = distributed.ExportCoordinator(timeout_secs=1)
+  assert not coord.active and coord.is_writer
+  assert coord.run(lambda: 'made', what='x') == 'made'
+  drained = []
+  assert coord.publish(5, lambda: '/d/5', sync=True) == '/d/5'
+  assert coord.publish(6, lambda: None, sync=False,
+                       drain=lambda: drained.append('p')) is None
+  coord.settle(lambda: drained.append('s'))
+  coord.close(lambda: drained.append('c'))
+  coord.close(lambda: drained.append('again'))
+  # Single process: no rounds, drains run as given (no latest-wins change).
+  assert drained == ['s', 'c'] and coord.rounds == 0
+
+
+@pytest.mark.parametrize('value, error', [
+    (0, ValueError), (-1.5, ValueError), ('60', TypeError), (True, TypeError),
+    (None, TypeError)])
+def test_coordinator_rejects_bad_timeout(value, error):
+  from t5export import distributed  # pylint: disable=g-import-not-at-top
+  with pytest.raises(error, match='multiprocess_timeout_secs'):
+    distributed.ExportCoordinator(timeout_secs=value)
+
+
+def test_distributed_is_light():
+  code = ('import sys, t5export.distributed; '
+          "print([m for m in sys.modules if m.split('.')[0] in "
+          "('tensorflow', 'keras', 'tf_keras')])")
+  proc = subprocess.run([sys.executable, '-c', code], env=_env(1),
+                        cwd=REPO_ROOT, capture_output=True, text=True,
+                        timeout=120)
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  assert proc.stdout.strip() == '[]', proc.stdout
