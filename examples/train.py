@@ -289,6 +289,7 @@ def train(*,
           weight_decay: float = 1e-4,
           clip_norm: float = 1.0,
           max_checkpoints_to_keep: int = 2,
+          model_parallel: int = 1,
           write_summaries: bool = True,
           callbacks_extra: Sequence[Any] = ()) -> TrainResult:
   """Trains an example model; resumes from the latest checkpoint in workdir.
@@ -313,6 +314,9 @@ def train(*,
     weight_decay: adamw weight decay.
     clip_norm: global gradient norm clip.
     max_checkpoints_to_keep: orbax retention.
+    model_parallel: size of the mesh's 'model' axis (params with 'vocab',
+      'mlp', 'heads' axes are sharded over it); the rest of the devices
+      form the 'data' axis (the batch is sharded over it).
     write_summaries: write TensorBoard scalars to workdir.
     callbacks_extra: more callbacks from Python (not gin), run after
       `callbacks`.
@@ -321,8 +325,8 @@ def train(*,
     A `TrainResult`.
 
   Raises:
-    ValueError: for invalid sizes, an unknown model, or a batch size that
-      does not divide over the devices.
+    ValueError: for invalid sizes, an unknown model, or a batch size or
+      model_parallel that does not divide over the devices.
   """
   if not workdir:
     raise ValueError(
@@ -334,10 +338,17 @@ def train(*,
     _check_positive(name, value)
   if eval_every_steps is not None:
     _check_positive('eval_every_steps', eval_every_steps)
+  _check_positive('model_parallel', model_parallel)
   n_devices = jax.device_count()
-  if batch_size % n_devices:
+  if n_devices % model_parallel:
     raise ValueError(
-        f'batch_size must be a multiple of the device count {n_devices}, got '
+        f'model_parallel must divide the device count {n_devices}, got '
+        f'{model_parallel}.')
+  n_data = n_devices // model_parallel
+  if batch_size % n_data:
+    raise ValueError(
+        f'batch_size must be a multiple of the data-parallel size {n_data} '
+        f'({n_devices} devices / model_parallel {model_parallel}), got '
         f'{batch_size}.')
   task = make_task(model_name, model_overrides)
   all_callbacks = list(callbacks) + list(callbacks_extra)
@@ -346,7 +357,8 @@ def train(*,
 
   # State, placed on the mesh by the params' logical axes.
   mesh = jax.sharding.Mesh(
-      np.array(jax.devices()).reshape(n_devices, 1), ('data', 'model'))
+      np.array(jax.devices()).reshape(n_data, model_parallel),
+      ('data', 'model'))
   rules = t5export.standard_logical_axis_rules()
   tx = make_optimizer(learning_rate, num_steps, warmup_steps=warmup_steps,
                       weight_decay=weight_decay, clip_norm=clip_norm)

@@ -142,6 +142,8 @@ def test_gin_t5_export_file_binds_train_and_signature(tmp_path):
     ({'workdir': ''}, "workdir must be a directory path, got ''"),
     ({'model_overrides': {'width': 3}},
      r"model_overrides has fields \['width'\]"),
+    ({'model_parallel': 3}, 'model_parallel must divide the device count'),
+    ({'batch_size': 0}, 'batch_size must be a positive int, got 0'),
 ])
 def test_train_rejects_bad_arguments(tmp_path, kwargs, match):
   args = {'model_name': 'tiny_t5', 'num_steps': 2, 'workdir': tmp_path}
@@ -207,3 +209,32 @@ def test_run_example_serves_strings_from_a_tf_only_process(tmp_path):
   assert report['answers'] == report['answers_by_version'][-1]
   assert len(report['answers']) == 2
   assert all(isinstance(a, str) for a in report['answers'])
+
+
+_TWO_DEVICE_SCRIPT = '''
+import sys
+import jax
+from examples import train
+assert jax.device_count() == 2, jax.devices()
+r = train.train(model_name='tiny_t5', num_steps=4, batch_size=8,
+                workdir=sys.argv[1], log_every_steps=2, write_summaries=False,
+                model_parallel=2, model_overrides=%r)
+emb = r.state.params['token_embedder']
+assert tuple(emb.sharding.spec) == ('model', None), emb.sharding.spec
+assert len(emb.addressable_shards) == 2
+assert emb.addressable_shards[0].data.shape[0] == emb.shape[0] // 2
+print('OK', r.history[-1]['loss'])
+''' % (SMALL_T5,)
+
+
+def test_trains_with_params_sharded_over_two_devices(tmp_path):
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  env = dict(os.environ,
+             XLA_FLAGS='--xla_force_host_platform_device_count=2',
+             PYTHONPATH=str(REPO_ROOT))
+  proc = subprocess.run(
+      [sys.executable, '-c', _TWO_DEVICE_SCRIPT, str(tmp_path)],
+      capture_output=True, text=True, env=env, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert 'OK' in proc.stdout
