@@ -23,10 +23,16 @@ train step may donate its buffers right after); the snapshot then goes to an
 runs inline. The exporter is created once; its JaxModule is traced on the
 first export and updated in place afterwards.
 
-Multi-process runs: every process calls the callback at the same steps, and
-every process joins the gather in `take_snapshot`; only process 0 writes.
-Everything that only the writer does is in `_publish`, where a barrier and
-the propagation of the writer's errors to the other processes will go.
+Multi-process runs (`jax.distributed`): every process calls the callback at
+the same steps, and every process joins the gather in `take_snapshot`; only
+process 0 creates the exporter and writes. A `distributed.ExportCoordinator`
+makes the others follow it: process 0's outcome (published, or the error)
+reaches every process within `multiprocess_timeout_secs`
+(`errors.WriterFailedError` / `errors.WriterTimeoutError` on the others) and
+all leave each export together. With async export, a background failure
+surfaces on every process at the next export, `wait()` or `close()`, and
+each export first waits for the previous one (no latest-wins replacement).
+See docs/multiprocess.md.
 
 Gin: registered as `t5export.ExportCallback`; `gin/export.gin` binds it to
 macros (EXPORT_DIR, SIGNATURES, EXPORT_EVERY_STEPS, KEEP).
@@ -46,6 +52,7 @@ import gin
 import jax
 
 from t5export import async_export as async_lib
+from t5export import distributed
 from t5export import errors
 from t5export import exporter as exporter_lib
 from t5export import snapshot as snapshot_lib
@@ -185,7 +192,9 @@ class ExportCallback(periodic_actions.PeriodicAction):
                atol: float = 1e-5,
                rtol: float = 1e-5,
                warmup: bool = True,
-               allow_non_finite: bool = False):
+               allow_non_finite: bool = False,
+               multiprocess_timeout_secs: float = (
+                   distributed.DEFAULT_TIMEOUT_SECS)):
     """Validates the options and prepares the exporter (process 0).
 
     Args:
@@ -216,6 +225,10 @@ class ExportCallback(periodic_actions.PeriodicAction):
       rtol: relative tolerance of the check.
       warmup: write TF Serving warm-up requests.
       allow_non_finite: publish params holding NaN/Inf.
+      multiprocess_timeout_secs: under `jax.distributed`, how long the other
+        processes wait for process 0 to report an export (and for each
+        other at its barrier) before raising `errors.WriterTimeoutError`
+        (`errors.BarrierTimeoutError`); see `t5export.distributed`.
 
     Raises:
       TypeError: an option has the wrong type (the message names it).
@@ -246,12 +259,18 @@ class ExportCallback(periodic_actions.PeriodicAction):
     self._worker: async_lib.AsyncWorker | None = None
     self._published_before: set[int] = set()
     self._last_step_handed_off: int | None = None
+    # Multi-process: process 0 alone creates the exporter and writes; the
+    # others follow its outcome (inactive in a single process).
+    self._coordinator = distributed.ExportCoordinator(
+        timeout_secs=multiprocess_timeout_secs)
+    self._exporter = self._coordinator.run(
+        lambda: exporter_lib.SavedModelExporter(
+            self._export_dir, signatures, keep=keep, keep_best=keep_best,
+            validate=validate, atol=atol, rtol=rtol, platforms=platforms,
+            warmup=warmup, allow_non_finite=allow_non_finite,
+            logical_axis_rules=logical_axis_rules),
+        what=f'create the exporter for {self._export_dir}')
     if self._is_writer:
-      self._exporter = exporter_lib.SavedModelExporter(
-          self._export_dir, signatures, keep=keep, keep_best=keep_best,
-          validate=validate, atol=atol, rtol=rtol, platforms=platforms,
-          warmup=warmup, allow_non_finite=allow_non_finite,
-          logical_axis_rules=logical_axis_rules)
       self._published_before = set(self._exporter.versions())
       if self._async:
         self._worker = async_lib.AsyncWorker(
@@ -359,8 +378,7 @@ class ExportCallback(periodic_actions.PeriodicAction):
         returned).
     """
     self._before_call()
-    if self._worker is not None:
-      self._worker.wait()
+    self._coordinator.settle(self._drain)
     step = int(train_state.step)
     start = time.perf_counter()
     snap = snapshot_lib.take_snapshot(train_state, rules=self._rules)
@@ -405,11 +423,31 @@ class ExportCallback(periodic_actions.PeriodicAction):
   def _publish(self, snap: snapshot_lib.HostSnapshot,
                metrics: Mapping[str, Any] | None, *,
                sync: bool) -> str | None:
+    """Publishes on process 0; under jax.distributed the others follow.
+
+    See `t5export.distributed`: the previous async export is settled first,
+    process 0's outcome reaches every process (`errors.WriterFailedError`
+    on the others if it failed) and all leave together.
+    """
+    return self._coordinator.publish(
+        snap.step, lambda: self._publish_local(snap, metrics, sync=sync),
+        sync=sync, drain=self._drain)
+
+  def _drain(self) -> bool:
+    """Waits for the background export; False if one failed and was logged."""
+    if self._worker is None:
+      return True
+    failed = self._worker.stats['failed']
+    self._worker.wait()
+    return self._worker.stats['failed'] == failed
+
+  def _publish_local(self, snap: snapshot_lib.HostSnapshot,
+                     metrics: Mapping[str, Any] | None, *,
+                     sync: bool) -> str | None:
     """The writer's part: skip if published, else hand off or write inline.
 
-    Every process reaches this at the same steps with the same snapshot
-    step, so a multi-process barrier (and propagating the writer's result
-    to the others, `errors.WriterFailedError`) belongs here.
+    Only process 0 runs this (`_publish` routes it through the
+    coordinator).
 
     Args:
       snap: the gathered host snapshot.
@@ -496,7 +534,10 @@ class ExportCallback(periodic_actions.PeriodicAction):
     if self._closed:
       raise RuntimeError('ExportCallback is closed; create a new one.')
     self._flush_scalars()
-    if self._worker is not None:
+    # Under jax.distributed a failure surfaces at the next export, wait() or
+    # close() on every process at once (t5export.distributed), never on
+    # process 0 alone between two training steps.
+    if self._worker is not None and not self._coordinator.active:
       self._worker.check()
 
   # --- lifecycle ------------------------------------------------------------
@@ -504,11 +545,14 @@ class ExportCallback(periodic_actions.PeriodicAction):
   def wait(self) -> None:
     """Waits until the queued export (if any) is published.
 
+    Under `jax.distributed` every process must call it at the same point.
+
     Raises:
       errors.ExportFailedError: an export failed (on_error='raise').
+      errors.WriterFailedError: on processes other than 0, process 0's
+        export failed or it did not report in time.
     """
-    if self._worker is not None:
-      self._worker.wait()
+    self._coordinator.settle(self._drain)
     self._flush_scalars()
 
   def close(self) -> None:
@@ -516,13 +560,15 @@ class ExportCallback(periodic_actions.PeriodicAction):
 
     Raises:
       errors.ExportFailedError: an export failed (on_error='raise').
+      errors.WriterFailedError: on processes other than 0, process 0's
+        export failed or it did not report in time.
     """
     if self._closed:
       return
     self._closed = True
     try:
-      if self._worker is not None:
-        self._worker.close()
+      self._coordinator.close(
+          self._worker.close if self._worker is not None else None)
     finally:
       self._flush_scalars()
       if self._metric_writer is not None:
