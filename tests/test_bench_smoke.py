@@ -24,6 +24,9 @@ RATIO_FIELDS = ('ratio', 'min', 'max', 'q1', 'q3')
 # tests side by side, so the hard limit here leaves room for that load.
 SMOKE_LIMIT_S = 240
 
+# About 45 s of CPU in two processes; longer while the rest of the suite runs.
+pytestmark = pytest.mark.slow
+
 
 def _figure_names() -> list[str]:
   """FIGURES as declared in tools/bench.py (imported without running it)."""
