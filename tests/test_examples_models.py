@@ -12,7 +12,7 @@ from jax import export as jax_export
 
 from examples import models
 
-MAX_DECODE_LEN = 5
+MAX_DECODE_LEN = 4
 
 
 @pytest.fixture(scope='module')

@@ -227,6 +227,7 @@ print('OK', r.history[-1]['loss'])
 ''' % (SMALL_T5,)
 
 
+@pytest.mark.slow
 def test_trains_with_params_sharded_over_two_devices(tmp_path):
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
