@@ -2,7 +2,7 @@
 """Benchmarks t5export side by side with orbax-export and the hardware limit.
 
 `make bench` runs this file. It prints one JSON object per figure, one per
-line, and (with `--write`) rewrites the table in BENCHMARKS.md. Every figure
+line, and (a full run) rewrites the table in BENCHMARKS.md. Every figure
 is a ratio of two things measured in the same run, interleaved, because these
 machines are noisy: the median of `--repeats` paired runs is reported with
 the spread (min, max, quartiles).
@@ -21,9 +21,10 @@ parameters; training throughput uses the example tiny T5 when
 t5export package never imports it.
 
 Usage:
-  python tools/bench.py                 # full run (< 30 min on 2 cores)
+  python tools/bench.py                 # full run (< 30 min on 2 cores),
+                                        # rewrites the table in BENCHMARKS.md
   python tools/bench.py --smoke         # tiny sizes, < 60 s (tests use it)
-  python tools/bench.py --write         # also update BENCHMARKS.md
+  python tools/bench.py --no-write      # full run, leave BENCHMARKS.md
   python tools/bench.py --only reexport_vs_orbax,scaling_slope
 """
 
@@ -1265,6 +1266,26 @@ def _fmt(x: Any) -> str:
   return str(x)
 
 
+_DETAIL_SKIP = {'figure', 'ratio', 'min', 'max', 'q1', 'q3', 'n', 'target',
+                'met', 'what', 'error', 'orbax', 'sampler', 'cache', 'note'}
+
+
+def _details(rec: dict[str, Any]) -> str:
+  """Numeric and short text details of a record, for the table."""
+  parts = []
+  for key, value in rec.items():
+    if key in _DETAIL_SKIP:
+      continue
+    if isinstance(value, dict) and 'ratio' in value:
+      parts.append(f'{key} {_fmt(value["ratio"])}')
+    elif isinstance(value, dict):
+      parts.append(f'{key} ' + ', '.join(f'{k}: {_fmt(v)}'
+                                        for k, v in value.items()))
+    elif isinstance(value, (int, float, str)) and len(str(value)) < 60:
+      parts.append(f'{key} {_fmt(value)}')
+  return '; '.join(parts)
+
+
 def render_table(records: Sequence[dict], info: dict[str, Any],
                  cfg: Config, seconds: float) -> str:
   """The measured table with the machine, versions and date."""
@@ -1281,20 +1302,24 @@ def render_table(records: Sequence[dict], info: dict[str, Any],
       f'Model: {cfg.depth} Dense layers (float32); sizes '
       + ', '.join(f'{k} = {n:,} params' for k, n in cfg.sizes.items())
       + f'; {cfg.repeats} repeat(s).', '',
-      '| figure | median | spread (min .. max) | n | target | met |',
-      '|---|---|---|---|---|---|']
+      '| figure | what | median | spread (min .. max) | n | target | met | '
+      'details (medians) |',
+      '|---|---|---|---|---|---|---|---|']
   for rec in records:
     if 'error' in rec:
-      lines.append(f'| `{rec["figure"]}` | error: {rec["error"][:120]} | | '
-                   f'| {rec["target"]} | **missed** (not measured) |')
+      lines.append(f'| `{rec["figure"]}` | {rec["what"]} | error: '
+                   f'{rec["error"][:160]} | | | {rec["target"]} | '
+                   '**missed** (not measured) | |')
       continue
     extra = ''
     if isinstance(rec.get('orbax'), dict):
       extra = f' (orbax {_fmt(rec["orbax"]["ratio"])})'
     lines.append(
-        f'| `{rec["figure"]}` | {_fmt(rec["ratio"])}{extra} | '
+        f'| `{rec["figure"]}` | {rec["what"]} | '
+        f'{_fmt(rec["ratio"])}{extra} | '
         f'{_fmt(rec["min"])} .. {_fmt(rec["max"])} | {rec["n"]} | '
-        f'{rec["target"]} | {"met" if rec["met"] else "**missed**"} |')
+        f'{rec["target"]} | {"met" if rec["met"] else "**missed**"} | '
+        f'{_details(rec)} |')
   lines += ['', TABLE_END]
   return '\n'.join(lines)
 
@@ -1335,8 +1360,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument('--repeats', type=int, default=None)
   parser.add_argument('--only', default='',
                       help='comma-separated figure names')
-  parser.add_argument('--write', action='store_true',
-                      help='rewrite the table in BENCHMARKS.md')
+  parser.add_argument('--write', action=argparse.BooleanOptionalAction,
+                      default=None,
+                      help='rewrite the table in BENCHMARKS.md (default: '
+                           'yes for a full run, no with --smoke or --only)')
   parser.add_argument('--workdir', default=None)
   parser.add_argument('--worker', default=None, help=argparse.SUPPRESS)
   parser.add_argument('--spec', default='{}', help=argparse.SUPPRESS)
@@ -1387,7 +1414,9 @@ def main(argv: Sequence[str] | None = None) -> int:
       shutil.rmtree(workdir, ignore_errors=True)
   seconds = time.time() - start
   log(f'done in {seconds:.0f} s')
-  if args.write:
+  write = args.write if args.write is not None else not (
+      args.smoke or args.only)
+  if write:
     info = machine_info_start
     info['loadavg_end'] = os.getloadavg()[0]
     write_markdown(REPO / 'BENCHMARKS.md',
