@@ -188,12 +188,14 @@ def compare_outputs(signature_name: str, actual: Mapping[str, Any],
       result[name] = 0.0
       continue
     a64, e64 = a.astype(np.float64), e.astype(np.float64)
-    diff = np.abs(a64 - e64)
-    both_nan = np.isnan(a64) & np.isnan(e64)
-    diff = np.where(both_nan, 0.0, diff)
+    # Equal values (same-signed infinities too) and NaN in both agree; any
+    # other non-finite difference (Inf vs a number) does not.
+    same = (a64 == e64) | (np.isnan(a64) & np.isnan(e64))
+    with np.errstate(invalid='ignore'):
+      diff = np.where(same, 0.0, np.abs(a64 - e64))
     max_err = float(np.max(diff)) if diff.size else 0.0
     if np.isnan(max_err) or np.any(
-        (diff > atol + rtol * np.abs(e64)) | (np.isnan(diff))):
+        (diff > atol + rtol * np.abs(e64)) | ~np.isfinite(diff)):
       raise errors.ExportCheckError(
           signature_name, name, max_err if not np.isnan(max_err) else
           float('nan'), f'atol={atol:g}, rtol={rtol:g}')
