@@ -1,0 +1,66 @@
+"""Subprocess for the kill loop in test_reliability: exports until killed.
+
+  python tests/_kill_worker.py EXPORT_DIR MODE KEEP
+
+MODE is 'exporter' (`SavedModelExporter.export` in a loop) or 'callback'
+(`ExportCallback` with async export, called after every "training step").
+The worker imports everything and warms up (one export into a scratch
+directory: the first jax2tf trace, TensorFlow save and load cost seconds),
+prints `ready`, and waits for a line on stdin before it touches EXPORT_DIR,
+so the test can overlap one worker's start with the previous worker's run
+and the kill lands in the steady state or in the start of the exporter. Then it constructs the exporter
+(which removes stale staging directories), prints `resumed <json listing>`,
+and exports `_reliability_model.params_for(step)` as versions
+max(existing)+1, +2, ... printing `published <step>` after each, until the
+test SIGKILLs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+
+def main(argv: list[str]) -> None:
+  export_dir, mode, keep = argv[1], argv[2], int(argv[3])
+  import _reliability_model as model  # pylint: disable=g-import-not-at-top
+  from t5export import callbacks  # pylint: disable=g-import-not-at-top
+  from t5export import exporter as exporter_lib  # pylint: disable=g-import-not-at-top
+  sig = model.signature()
+  scratch = tempfile.mkdtemp(prefix='t5export-kill-warmup-')
+  try:
+    exporter_lib.SavedModelExporter(scratch, [sig]).export(model.state_for(0))
+  finally:
+    shutil.rmtree(scratch, ignore_errors=True)
+  print('ready', flush=True)
+  if not sys.stdin.readline().strip():
+    return  # The test closed stdin: not needed after all.
+  if mode == 'exporter':
+    exporter = exporter_lib.SavedModelExporter(export_dir, [sig], keep=keep)
+  else:
+    cb = callbacks.ExportCallback(
+        export_dir=export_dir, signatures=[sig], export_every_steps=1,
+        keep=keep, async_export=True, on_error='raise')
+    exporter = cb.exporter
+  print('resumed ' + json.dumps(sorted(os.listdir(export_dir))), flush=True)
+  start = max(exporter.versions(), default=0) + 1
+  seen = 0
+  for step in range(start, start + 10_000):
+    if mode == 'exporter':
+      exporter.export(model.state_for(step))
+      print(f'published {step}', flush=True)
+    else:
+      cb(step, train_state=model.state_for(step))
+      published = list(cb.published)  # Appended to by the worker thread.
+      for path in published[seen:]:
+        print(f'published {os.path.basename(path)}', flush=True)
+      seen = len(published)
+      time.sleep(0.02)  # A "training step".
+
+
+if __name__ == '__main__':
+  main(sys.argv)

@@ -1,0 +1,424 @@
+"""Reliability of publishing: kills, failing writes, resume, NaN, load.
+
+What an exporter running unattended inside a long training job must hold:
+
+* a SIGKILL at any moment never leaves a partial version under an integer
+  name, never loses the newest versions, and the next start removes what
+  the killed process left behind (`.tmp-*`);
+* a full disk, a file-size limit or a read-only filesystem fails the export
+  with a clear error; with `on_error='log'` training goes on and the next
+  export succeeds once space is back; earlier versions are untouched and no
+  staging directory is left;
+* a training run killed and restarted from its checkpoint continues the
+  version sequence without overwriting or duplicating a version, and
+  retention counts the versions from before the restart;
+* params holding NaN/Inf are refused unless allowed;
+* 200 exports in one process hold open files, threads and memory flat.
+
+The workers (`tests/_kill_worker.py`, `_fsize_worker.py`, `_resume_worker.py`)
+export `_reliability_model.params_for(step)`, so this process can check
+every published version against the JAX function without seeing the
+worker's memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TESTS = REPO / 'tests'
+sys.path.insert(0, str(TESTS))
+import _reliability_model as model  # pylint: disable=g-import-not-at-top,wrong-import-position
+import _small_fs  # pylint: disable=g-import-not-at-top,wrong-import-position
+import t5export  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5export import errors  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5export import paths  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5export import verify  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+_ENV = {**os.environ,
+        'PYTHONPATH': os.pathsep.join([str(REPO), str(TESTS)]),
+        'TF_CPP_MIN_LOG_LEVEL': '2'}
+
+STAGING_PREFIX = '.tmp-'
+
+
+def _versions(export_dir: str) -> list[int]:
+  return sorted(int(n) for n in os.listdir(export_dir) if n.isdigit())
+
+
+def _staging(export_dir: str) -> list[str]:
+  return sorted(n for n in os.listdir(export_dir)
+                if n.startswith(STAGING_PREFIX))
+
+
+def _digest(version_dir: str) -> str:
+  """sha256 over every file's relative path and bytes."""
+  h = hashlib.sha256()
+  for root, dirs, files in os.walk(version_dir):
+    dirs.sort()
+    for name in sorted(files):
+      path = os.path.join(root, name)
+      h.update(os.path.relpath(path, version_dir).encode())
+      with open(path, 'rb') as f:
+        h.update(f.read())
+  return h.hexdigest()
+
+
+class _Checker:
+  """Checks versions fully once per distinct content (sha256 of the files)."""
+
+  def __init__(self):
+    self._passed: set[str] = set()
+    self.full_checks = 0
+
+  def check(self, version_dir: str) -> None:
+    digest = _digest(version_dir)
+    if digest in self._passed:
+      return
+    model.check_version(version_dir)
+    self.full_checks += 1
+    self._passed.add(digest)
+
+
+# --- 1. crash safety: SIGKILL at random moments ---------------------------------
+
+KILLS = 20
+KILL_SEED = 20261122
+KILL_AFTER_PUBLISHED = (0, 1, 2)  # Versions a worker publishes before...
+KILL_FRACTION = 1.25  # ...a kill at U(0, this) x one export's duration.
+WORKERS_AHEAD = 2  # Started before they are needed: imports overlap.
+KEEP = 3
+
+
+def _spawn_kill_worker(export_dir: str, mode: str, log_path: pathlib.Path
+                       ) -> subprocess.Popen:
+  stderr = open(log_path, 'w')  # pylint: disable=consider-using-with
+  proc = subprocess.Popen(
+      [sys.executable, str(TESTS / '_kill_worker.py'), export_dir, mode,
+       str(KEEP)], cwd=REPO, env=_ENV, stdin=subprocess.PIPE,
+      stdout=subprocess.PIPE, stderr=stderr, text=True)
+  stderr.close()
+  return proc
+
+
+def _read_line(proc: subprocess.Popen, timeout: float) -> str:
+  ready, _, _ = select.select([proc.stdout], [], [], timeout)
+  return proc.stdout.readline().strip() if ready else ''
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_never_publishes_a_partial_version(
+    tmp_path):
+  """20 SIGKILLs at random moments; every version left loads and checks."""
+  export_dir = str(tmp_path / 'export')
+  rng = np.random.default_rng(KILL_SEED)
+  modes = [('exporter', 'callback')[int(b)] for b in rng.integers(0, 2, KILLS)]
+  # A kill moment: after k published versions, then a random fraction of
+  # one export's (measured) duration, so the kills spread over every phase
+  # of an export (and over the exporter's start, which removes leftovers)
+  # however fast or loaded the machine is.
+  after = rng.choice(KILL_AFTER_PUBLISHED, KILLS)
+  fractions = rng.uniform(0.0, KILL_FRACTION, KILLS)
+  export_secs = 1.0  # Updated from the workers' publish times.
+  checker = _Checker()
+  report = [f'seed={KILL_SEED} kills={KILLS} after={after.tolist()} '
+            f'fractions={np.round(fractions, 3).tolist()}']
+  ever: set[int] = set()
+  leftovers_before_start = 0
+  cleanups_seen = 0
+  kills_mid_write = 0
+  newest = 0
+  workers = [_spawn_kill_worker(export_dir, modes[j], tmp_path / f'w{j}.log')
+             for j in range(min(WORKERS_AHEAD, KILLS))]
+  try:
+    for i in range(KILLS):
+      worker = workers.pop(0)
+      line = _read_line(worker, 300)
+      assert line == 'ready', (
+          f'kill #{i}: worker not ready: {line!r}; log '
+          f'{(tmp_path / f"w{i}.log").read_text()[-3000:]}')
+      before = _staging(export_dir) if os.path.isdir(export_dir) else []
+      worker.stdin.write('go\n')
+      worker.stdin.flush()
+      j = i + WORKERS_AHEAD  # Keep WORKERS_AHEAD starting in the background.
+      if j < KILLS:
+        workers.append(_spawn_kill_worker(export_dir, modes[j],
+                                          tmp_path / f'w{j}.log'))
+      out, stamps = [], [time.monotonic()]
+      while sum(l.startswith('published') for l in out) < after[i]:
+        line = _read_line(worker, 300)
+        assert line, f'kill #{i}: worker stopped early; output {out}'
+        out.append(line)
+        if line.startswith('published'):
+          stamps.append(time.monotonic())
+      if len(stamps) > 2:  # The steady state: time between two publishes.
+        export_secs = stamps[-1] - stamps[-2]
+      delay = fractions[i] * export_secs
+      where = (f'kill #{i} ({modes[i]}, {delay:.2f}s after '
+               f'{after[i]} published)')
+      time.sleep(delay)
+      worker.send_signal(signal.SIGKILL)
+      rc = worker.wait()
+      out += worker.stdout.read().splitlines()
+      worker.stdout.close()
+      worker.stdin.close()
+      assert rc == -signal.SIGKILL, (
+          f'{where}: worker exited by itself with {rc}, not by the kill; log '
+          f'{(tmp_path / f"w{i}.log").read_text()[-3000:]}')
+      published = [int(l.split()[1]) for l in out if l.startswith('published')]
+      resumed = [json.loads(l.split(' ', 1)[1]) for l in out
+                 if l.startswith('resumed ')]
+      if before:
+        leftovers_before_start += 1
+      if resumed:
+        # The worker's start removed every staging dir left by earlier kills.
+        assert not [n for n in resumed[0] if n.startswith(STAGING_PREFIX)], (
+            f'{where}: after constructing the exporter: {resumed[0]}')
+        cleanups_seen += bool(before)
+      versions = _versions(export_dir) if os.path.isdir(export_dir) else []
+      staging = _staging(export_dir) if os.path.isdir(export_dir) else []
+      kills_mid_write += bool(staging)
+      report.append(f'{where}: published {published}, left versions '
+                    f'{versions}, staging {staging}')
+      for v in versions:
+        checker.check(os.path.join(export_dir, str(v)))
+      ever.update(published, versions)
+      assert len(versions) <= KEEP + 1, '\n'.join(report)  # +1: killed
+      # between publish and retention; the next export trims it.
+      assert max(versions, default=0) >= newest, '\n'.join(report)
+      newest = max(versions, default=0)
+      # Nothing lost: the KEEP newest versions ever seen are all still there.
+      assert set(sorted(ever)[-KEEP:]) <= set(versions), '\n'.join(report)
+  finally:
+    for w in workers:  # Left over when an assertion failed.
+      w.kill()
+      w.wait()
+  print('\n'.join(report))
+
+  from t5export import exporter as exporter_lib  # pylint: disable=g-import-not-at-top
+  left = _staging(export_dir)
+  versions = _versions(export_dir)
+  exporter_lib.SavedModelExporter(export_dir, [model.signature()], keep=KEEP)
+  assert _staging(export_dir) == [], '\n'.join(report)
+  assert _versions(export_dir) == versions, '\n'.join(report)
+  summary = (f'{len(ever)} versions published, {checker.full_checks} full '
+             f'checks, {kills_mid_write} kills left staging dirs, '
+             f'{leftovers_before_start} starts found leftovers '
+             f'({cleanups_seen} seen removed), final leftovers {left}')
+  print(summary)
+  # The kills must have hit the interesting moments, or this test proves
+  # nothing: several while a version was being written, and starts that
+  # had leftovers to clean up.
+  assert kills_mid_write >= 3, summary + '\n' + '\n'.join(report)
+  assert cleanups_seen >= 2, summary + '\n' + '\n'.join(report)
+  assert len(ever) >= 10, summary + '\n' + '\n'.join(report)
+
+
+# --- 2. write failures: file-size limit, full disk, read-only filesystem -------
+
+FSIZE_LIMIT = 4096  # Bytes: below saved_model.pb, above nothing we need.
+
+
+def test_file_size_limit_fails_exports_clearly_and_training_continues(
+    tmp_path):
+  """EFBIG mid-write: clear error, nothing half-published, then recovery."""
+  log_dir, raise_dir = str(tmp_path / 'log'), str(tmp_path / 'raise')
+  proc = subprocess.run(
+      [sys.executable, str(TESTS / '_fsize_worker.py'), log_dir, raise_dir,
+       str(FSIZE_LIMIT), str(KEEP)], cwd=REPO, env=_ENV, capture_output=True,
+      text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  result = json.loads(proc.stdout.strip().splitlines()[-1])
+
+  # on_error='log': the loop ran all 6 steps; steps 3-4 failed, each with
+  # a message naming the cause and the staged file; 5-6 published again.
+  log = result['log']
+  assert [r['step'] for r in log] == [1, 2, 3, 4, 5, 6]
+  assert [r['failed'] for r in log] == [0, 0, 1, 2, 2, 2]
+  for r in log[2:4]:
+    assert 'File too large' in r['last_error'], r
+    assert f'.tmp-{r["step"]}-' in r['last_error'], r  # The staged path.
+  assert [r['versions'] for r in log] == [
+      [1], [1, 2], [1, 2], [1, 2], [1, 2, 5], [2, 5, 6]]
+  assert all(r['staging'] == [] for r in log), log
+  # Earlier versions are untouched by the failures and the recovery.
+  assert log[-1]['digests']['2'] == log[1]['digests']['2']
+  assert log[-2]['digests']['1'] == log[0]['digests']['1']
+
+  # on_error='raise': the failure comes back on wait(), then export resumes.
+  rs = result['raise']
+  assert 'raised' not in rs[0] and 'raised' not in rs[2], rs
+  assert rs[1]['raised'].startswith('ExportFailedError: '), rs[1]
+  assert 'OutOfRangeError' in rs[1]['raised'], rs[1]
+  assert 'File too large' in rs[1]['raised'], rs[1]
+  assert [r['versions'] for r in rs] == [[1], [1], [1, 3]]
+  assert all(r['staging'] == [] for r in rs), rs
+  assert rs[2]['digests']['1'] == rs[0]['digests']['1']
+
+  for d in (log_dir, raise_dir):
+    assert _staging(d) == []
+    for v in _versions(d):
+      model.check_version(os.path.join(d, str(v)))
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+  with _small_fs.tmpfs(str(tmp_path / 'fs'), size='2m') as path:
+    yield path
+
+
+def test_full_disk_fails_export_and_training_continues(small_fs):
+  """ENOSPC on a real (tiny tmpfs) disk with on_error='log', then space back."""
+  from t5export import callbacks  # pylint: disable=g-import-not-at-top
+  export_dir = os.path.join(small_fs, 'export')
+  cb = callbacks.ExportCallback(
+      export_dir=export_dir, signatures=[model.signature()],
+      export_every_steps=1, keep=KEEP, on_error='log', async_export=True)
+  try:
+    cb(1, train_state=model.state_for(1))
+    cb.wait()
+    digest = _digest(os.path.join(export_dir, '1'))
+    filler = _small_fs.fill(small_fs)
+    for step in (2, 3):  # The loop keeps going; each export fails.
+      cb(step, train_state=model.state_for(step))
+      cb.wait()
+      stats = cb.stats['worker']
+      assert stats['failed'] == step - 1
+      assert 'No space left on device' in str(stats['last_error'])
+      assert _versions(export_dir) == [1]
+      assert _staging(export_dir) == []
+    os.remove(filler)  # Space is back.
+    cb(4, train_state=model.state_for(4))
+    cb.wait()
+  finally:
+    cb.close()
+  assert cb.stats['worker']['failed'] == 2
+  assert _versions(export_dir) == [1, 4]
+  assert _staging(export_dir) == []
+  assert _digest(os.path.join(export_dir, '1')) == digest
+  for v in (1, 4):
+    model.check_version(os.path.join(export_dir, str(v)))
+
+
+def test_read_only_filesystem_fails_export_then_recovers(small_fs):
+  """A filesystem turning read-only mid-run: clear error, then recovery."""
+  from t5export import exporter as exporter_lib  # pylint: disable=g-import-not-at-top
+  export_dir = os.path.join(small_fs, 'export')
+  exporter = exporter_lib.SavedModelExporter(
+      export_dir, [model.signature()], keep=KEEP)
+  exporter.export(model.state_for(1))
+  digest = _digest(os.path.join(export_dir, '1'))
+  _small_fs.remount(small_fs, read_only=True)
+  try:
+    with pytest.raises(Exception, match='Read-only file system') as info:
+      exporter.export(model.state_for(2))
+    assert '.tmp-2-' in str(info.value)  # Names the staging path.
+    # A new exporter (a restarted job) says so before any work.
+    with pytest.raises(errors.ExportDirError,
+                       match=r'is not writable.*Read-only file system'):
+      exporter_lib.SavedModelExporter(export_dir, [model.signature()])
+  finally:
+    _small_fs.remount(small_fs, read_only=False)
+  assert _versions(export_dir) == [1]
+  assert _staging(export_dir) == []
+  exporter.export(model.state_for(2))  # The same step, now it can write.
+  assert _versions(export_dir) == [1, 2]
+  assert _digest(os.path.join(export_dir, '1')) == digest
+  for v in (1, 2):
+    model.check_version(os.path.join(export_dir, str(v)))
+
+
+# --- 4. non-finite params ---------------------------------------------------
+
+
+def _with_bad_values(step: int, bad: dict[str, float]) -> dict:
+  variables = model.params_for(step)
+  flat = paths.flatten(variables)
+  for path, value in bad.items():
+    flat[path].reshape(-1)[-1] = value
+  return variables
+
+
+@pytest.fixture(scope='module')
+def nan_exporters(tmp_path_factory):
+  """Two exporters on fresh directories: the default one and an allowing one."""
+  from t5export import exporter as exporter_lib  # pylint: disable=g-import-not-at-top
+  root = tmp_path_factory.mktemp('non_finite')
+  refusing = exporter_lib.SavedModelExporter(
+      str(root / 'refuse'), [model.signature()], keep=KEEP)
+  refusing.export(model.state_for(1))
+  allowing = exporter_lib.SavedModelExporter(
+      str(root / 'allow'), [model.signature()], keep=KEEP,
+      allow_non_finite=True)
+  return refusing, allowing
+
+
+@pytest.mark.parametrize('bad, first', [
+    ({'params/dense_1/kernel': np.nan}, 'params/dense_1/kernel'),
+    # Two bad leaves: the message names the first in path order.
+    ({'params/dense_1/bias': np.inf, 'params/dense_0/kernel': -np.inf},
+     'params/dense_0/kernel'),
+])
+def test_non_finite_params_are_refused_naming_the_first(nan_exporters, bad,
+                                                         first):
+  refusing, _ = nan_exporters
+  digest = _digest(os.path.join(refusing.export_dir, '1'))
+  state = t5export.InferenceState.create(
+      _with_bad_values(2, bad)).replace_step(2)
+  with pytest.raises(errors.NonFiniteParamsError,
+                     match=rf"Parameter '{first}' holds 1 non-finite value"
+                     r'.*allow_non_finite=True') as info:
+    refusing.export(state)
+  assert info.value.path == first
+  assert refusing.versions() == [1]
+  assert _staging(refusing.export_dir) == []
+  assert _digest(os.path.join(refusing.export_dir, '1')) == digest
+
+
+def test_non_finite_flax_mutables_are_refused_too(nan_exporters):
+  """A NaN in a mutable collection (e.g. batch_stats) counts as well."""
+  refusing, _ = nan_exporters
+  variables = {**model.params_for(3),
+               'batch_stats': {'mean': np.array([0.0, np.nan], np.float32)}}
+  state = t5export.InferenceState.create(variables).replace_step(3)
+  with pytest.raises(errors.NonFiniteParamsError,
+                     match=r"Parameter 'batch_stats/mean' holds 1 non-finite"):
+    refusing.export(state)
+  assert refusing.versions() == [1]
+
+
+@pytest.mark.parametrize('value', [np.nan, np.inf])
+def test_allow_non_finite_publishes_them_as_they_are(nan_exporters, value):
+  """allow_non_finite=True: published, checked (NaN/Inf outputs agree)."""
+  _, allowing = nan_exporters
+  step = 10 if np.isnan(value) else 11
+  bad = _with_bad_values(step, {'params/dense_0/bias': value})
+  path = allowing.export(t5export.InferenceState.create(bad).replace_step(step))
+  stored = paths.flatten(verify.load_params(path))
+  np.testing.assert_array_equal(np.asarray(stored['params/dense_0/bias']),
+                                bad['params']['dense_0']['bias'])
+  meta = verify.read_metadata(path)
+  assert meta['check']['validated'] is True
+
+
+def test_check_tells_infinity_from_a_number():
+  """The check passes equal infinities and fails Inf against a finite value."""
+  inf = np.array([1.0, np.inf, -np.inf, np.nan], np.float32)
+  assert verify.compare_outputs('s', {'y': inf}, {'y': inf.copy()},
+                                atol=1e-5, rtol=1e-5) == {'y': 0.0}
+  finite = np.array([1.0, 3.0e38, -np.inf, np.nan], np.float32)
+  with pytest.raises(errors.ExportCheckError,
+                     match=r"output 'y': max abs error inf"):
+    verify.compare_outputs('s', {'y': finite}, {'y': inf}, atol=1e-5,
+                           rtol=1e-5)
