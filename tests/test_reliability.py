@@ -422,3 +422,66 @@ def test_check_tells_infinity_from_a_number():
                      match=r"output 'y': max abs error inf"):
     verify.compare_outputs('s', {'y': finite}, {'y': inf}, atol=1e-5,
                            rtol=1e-5)
+
+
+# --- 3. resume after a killed training job ------------------------------------
+
+RESUME_STEPS, RESUME_KILL_AT, RESUME_KEEP = 16, 11, 4
+RESUME_EVERY, RESUME_CKPT_EVERY = 2, 4
+
+
+@pytest.mark.slow
+def test_restarted_training_continues_the_version_sequence(tmp_path):
+  """Killed at step 11, restarted from its checkpoint: 12, 14, 16 follow."""
+  from examples import train as train_lib  # pylint: disable=g-import-not-at-top
+  from t5export import callbacks  # pylint: disable=g-import-not-at-top
+  workdir, export_dir = str(tmp_path / 'run'), str(tmp_path / 'export')
+  proc = subprocess.run(
+      [sys.executable, str(TESTS / '_resume_worker.py'), workdir, export_dir,
+       *(str(n) for n in (RESUME_STEPS, RESUME_KILL_AT, RESUME_KEEP,
+                          RESUME_EVERY, RESUME_CKPT_EVERY))],
+      cwd=REPO, env=_ENV, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == -signal.SIGKILL, proc.stderr[-5000:]
+  before = _versions(export_dir)
+  # Exports 2..10 were published; keep=4 left the newest four.
+  assert before == [4, 6, 8, 10], before
+  digests = {v: _digest(os.path.join(export_dir, str(v))) for v in before}
+  inodes = {v: os.stat(os.path.join(export_dir, str(v))).st_ino
+            for v in before}
+
+  cb = callbacks.ExportCallback(
+      export_dir=export_dir, signatures=[train_lib.mlp_signature()],
+      export_every_steps=RESUME_EVERY, keep=RESUME_KEEP, async_export=False)
+  result = train_lib.train(
+      model_name='mlp_bn', num_steps=RESUME_STEPS, batch_size=8,
+      workdir=workdir, checkpoint_every_steps=RESUME_CKPT_EVERY,
+      callbacks=[cb], log_every_steps=RESUME_CKPT_EVERY,
+      write_summaries=False)
+  start = result.start_step
+  # The checkpoint of step 8 (or 4, if the kill beat its async save).
+  assert start in (4, 8), start
+  # Steps start+1..16 ran again: versions already published are skipped,
+  # never written twice; the sequence goes on from where it stopped.
+  redone = [v for v in before if v > start]
+  assert cb.exports_skipped == len(redone), (start, cb.exports_skipped)
+  published = [int(os.path.basename(p)) for p in cb.published]
+  assert published == [12, 14, 16], published
+  # Retention counted the versions from before the restart: of
+  # 4, 6, 8, 10, 12, 14, 16 the newest four remain.
+  after = _versions(export_dir)
+  assert after == [10, 12, 14, 16], after
+  assert _staging(export_dir) == []
+  # Version 10 is the one written before the kill, not overwritten.
+  assert _digest(os.path.join(export_dir, '10')) == digests[10]
+  assert os.stat(os.path.join(export_dir, '10')).st_ino == inodes[10]
+  for v in after:
+    assert verify.read_metadata(os.path.join(export_dir, str(v)))['step'] == v
+  # The last version holds the final trained variables, bit for bit.
+  final = os.path.join(export_dir, str(RESUME_STEPS))
+  stored = paths.flatten(verify.load_params(final))
+  state = result.state
+  trained = paths.flatten({'params': state.params, **state.flax_mutables})
+  assert sorted(stored) == sorted(trained)
+  for path, value in trained.items():
+    np.testing.assert_array_equal(np.asarray(stored[path]), np.asarray(value),
+                                  err_msg=path)
