@@ -434,7 +434,7 @@ def train(*,
   finally:
     manager.wait_until_finished()
     manager.close()
-    writer.flush()
+    writer.close()
     _close_all(all_callbacks)
   return TrainResult(state=state, start_step=start_step, history=history,
                      checkpoint_steps=checkpoint_steps)
