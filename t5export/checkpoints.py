@@ -6,21 +6,16 @@ Formats (`detect_format` names them):
   with standard or composite items such as 'default' or 'state',
   `PyTreeCheckpointer`, `StandardCheckpointer`), including T5X's orbax layout
   `checkpoint_<step>/state`. Only the params subtree (and flax mutables and
-  the step) is restored: the orbax metadata gives the tree, and
-  `PyTreeRestore(item=subset, partial_restore=True)` never opens the
-  optimizer-state arrays.
-- 't5x': T5X's legacy layout (version 3): a msgpack `checkpoint` file
-  `{'version': 3, 'optimizer': {'target': ..., 'state': {'step',
-  'param_states'}, 'flax_mutables'?}}` whose large leaves are relative
-  TensorStore specs (zarr arrays in `target.<dotted path>/` beside it) and
-  whose small leaves are inline flax msgpack arrays. The msgpack file is
-  streamed: `param_states` is skipped without being decoded, and the
-  optimizer-state TensorStore arrays are never opened.
+  the step) is restored: the orbax metadata gives the tree, and a partial
+  restore never opens the optimizer-state arrays (`orbax_checkpoints`).
+- 't5x': T5X's legacy layout (version 3): a msgpack `checkpoint` file whose
+  large leaves are TensorStore arrays beside it; `param_states` is never
+  decoded and the optimizer-state arrays are never opened
+  (`msgpack_checkpoints` reads it).
 - 'flax_msgpack': a file written with `flax.serialization.msgpack_serialize`
-  / `to_bytes` (a state dict or a bare params tree), including the numbered
-  files of flax's legacy `checkpoints.save_checkpoint`. msgpack has no
-  index, so the file is read whole (sequentially); optimizer subtrees
-  ('opt_state', 'param_states') are skipped without being decoded.
+  / `to_bytes`, or flax's legacy `checkpoints.save_checkpoint`; read
+  sequentially, optimizer subtrees skipped without being decoded
+  (`msgpack_checkpoints`).
 
 What counts as params: the 'target' subtree (T5X / t5export
 `FlaxOptimTrainState.state_dict()` layout, with 'flax_mutables' beside it),
@@ -40,17 +35,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 import dataclasses
-import json
 import os
 import re
 from typing import Any
 
 from absl import logging
 import jax
-import msgpack
 import numpy as np
 
 from t5export import errors
+from t5export import msgpack_checkpoints
+from t5export import orbax_checkpoints
 from t5export import paths
 
 ORBAX = 'orbax'
@@ -59,7 +54,6 @@ FLAX_MSGPACK = 'flax_msgpack'
 FORMATS = (ORBAX, T5X, FLAX_MSGPACK)
 
 # Keys of a train-state dict that are never variables.
-_OPTIMIZER_KEYS = frozenset({'opt_state', 'param_states'})
 _NON_VARIABLE_KEYS = frozenset({
     'step', 'state', 'opt_state', 'param_states', 'optimizer', 'target',
     'flax_mutables', 'rng', 'rngs', 'dropout_rng', 'metrics', 'tx',
@@ -67,10 +61,7 @@ _NON_VARIABLE_KEYS = frozenset({
 # Preferred orbax item names in a composite step, most likely first.
 _ITEM_PREFERENCE = ('state', 'default', 'train_state', 'params', 'model')
 _STEP_NAME = re.compile(r'^(?:(?P<prefix>[A-Za-z][\w.-]*?)_)?(?P<step>\d+)$')
-_ORBAX_METADATA = '_METADATA'
 _ORBAX_STEP_METADATA = '_CHECKPOINT_METADATA'
-_T5X_FILE = 'checkpoint'
-_MSGPACK_LIMIT = 2**31 - 1
 _LOOKED_FOR = (
     'an orbax PyTree checkpoint (a directory with _METADATA, or a step '
     'directory / CheckpointManager directory holding such items), a T5X '
@@ -118,34 +109,8 @@ class _Located:
 # --- locating ---------------------------------------------------------------
 
 
-def _is_msgpack_map_file(path: str) -> bool:
-  """True if the file starts with a msgpack map header."""
-  try:
-    with open(path, 'rb') as f:
-      head = f.read(1)
-  except OSError:
-    return False
-  return bool(head) and (0x80 <= head[0] <= 0x8f or head[0] in (0xde, 0xdf))
-
-
-def _is_t5x_file(path: str) -> bool:
-  """True for a T5X msgpack `checkpoint` file (version >= 1).
-
-  T5X writes {'version': ..., 'optimizer': ...}; only the first key is read.
-  """
-  if not _is_msgpack_map_file(path):
-    return False
-  with open(path, 'rb') as f:
-    unpacker = msgpack.Unpacker(f, raw=False, max_buffer_size=_MSGPACK_LIMIT)
-    try:
-      return (unpacker.read_map_header() > 0
-              and unpacker.unpack() in ('version', 'optimizer'))
-    except (ValueError, msgpack.exceptions.UnpackException):
-      return False
-
-
 def _is_orbax_item(path: str) -> bool:
-  return os.path.isfile(os.path.join(path, _ORBAX_METADATA))
+  return os.path.isfile(os.path.join(path, orbax_checkpoints.METADATA))
 
 
 def _step_of_name(name: str, *, strict: bool = False) -> int | None:
@@ -188,9 +153,9 @@ def _locate_single(path: str) -> _Located | None:
   parent_step = _step_of_name(os.path.basename(os.path.dirname(path)),
                               strict=True)
   if os.path.isfile(path):
-    if _is_t5x_file(path):
+    if msgpack_checkpoints.is_t5x_file(path):
       return _Located(T5X, path, parent_step)
-    if _is_msgpack_map_file(path):
+    if msgpack_checkpoints.is_msgpack_map_file(path):
       return _Located(FLAX_MSGPACK, path, name_step)
     return None
   if _is_orbax_item(path):
@@ -201,8 +166,8 @@ def _locate_single(path: str) -> _Located | None:
     if in_step_dir:  # An item of a CheckpointManager step.
       step = parent_step
     return _Located(ORBAX, path, step)
-  t5x_file = os.path.join(path, _T5X_FILE)
-  if os.path.isfile(t5x_file) and _is_t5x_file(t5x_file):
+  t5x_file = os.path.join(path, msgpack_checkpoints.T5X_FILE)
+  if os.path.isfile(t5x_file) and msgpack_checkpoints.is_t5x_file(t5x_file):
     return _Located(T5X, t5x_file, name_step)
   items = [os.path.join(path, n) for n in _orbax_items(path)]
   if items:
@@ -214,7 +179,7 @@ def _locate_single(path: str) -> _Located | None:
 def _has_params(item_dir: str) -> bool:
   """Whether an orbax item's tree holds params (by its `_METADATA`)."""
   try:
-    structure = _orbax_structure(item_dir)
+    structure = orbax_checkpoints.structure(item_dir)
     _select(structure, item_dir)
   except (errors.T5ExportError, OSError, ValueError, KeyError, TypeError,
           AttributeError):
@@ -386,90 +351,8 @@ def _contents(located: _Located, tree: Mapping[str, Any],
 # --- orbax --------------------------------------------------------------------
 
 
-def _read_counter() -> int | None:
-  """This process's bytes-read counter (Linux), or None."""
-  try:
-    with open('/proc/self/io') as f:
-      for line in f:
-        if line.startswith('rchar:'):
-          return int(line.split()[1])
-  except OSError:
-    pass
-  return None
-
-
 def _read_orbax(located: _Located) -> CheckpointContents:
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-
-  with ocp.PyTreeCheckpointer() as checkpointer:
-    return _restore_orbax(checkpointer, located)
-
-
-class _OrbaxLeaf:
-  """One leaf of an orbax tree, as described by its `_METADATA` file."""
-
-  def __init__(self, value_type: str):
-    self.value_type = value_type
-
-  def __repr__(self) -> str:
-    return f'_OrbaxLeaf({self.value_type!r})'
-
-
-def _orbax_structure(item_dir: str) -> Any:
-  """The checkpoint's tree, read from `_METADATA` without opening arrays.
-
-  `PyTreeCheckpointer.metadata` would open every array (optimizer state
-  included) to report shapes; the key structure is all that is needed.
-
-  Args:
-    item_dir: an orbax PyTree checkpoint directory.
-
-  Returns:
-    Nested dicts (lists for sequences) with `_OrbaxLeaf` leaves.
-  """
-  with open(os.path.join(item_dir, _ORBAX_METADATA)) as f:
-    metadata = json.load(f)
-  entries = metadata.get('tree_metadata') if isinstance(metadata, dict) else None
-  if not isinstance(entries, dict):
-    raise errors.UnknownCheckpointFormatError(
-        f'Orbax checkpoint {item_dir!r} has a {_ORBAX_METADATA} file without '
-        "'tree_metadata'; it was not written by a PyTree / Standard "
-        'checkpoint handler.')
-  root: dict[Any, Any] = {}
-  sequences = set()
-  for entry in entries.values():
-    keys = entry['key_metadata']
-    value = entry.get('value_metadata', {})
-    node = root
-    for depth, key in enumerate(keys):
-      name = key['key']
-      if key.get('key_type') == 1:  # A sequence index.
-        name = int(name)
-        sequences.add(id(node))
-      if depth == len(keys) - 1:
-        if value.get('skip_deserialize') and value.get('value_type') in (
-            'Dict', 'List', 'Tuple', 'None'):
-          node[name] = {} if value['value_type'] == 'Dict' else None
-        else:
-          node[name] = _OrbaxLeaf(value.get('value_type', ''))
-      else:
-        node = node.setdefault(name, {})
-
-  def rebuild(node: Any) -> Any:
-    if not isinstance(node, dict):
-      return node
-    children = {k: rebuild(v) for k, v in node.items()}
-    if id(node) in sequences:
-      return [children[i] for i in sorted(children)]
-    return children
-
-  return rebuild(root)
-
-
-def _restore_orbax(checkpointer: Any, located: _Located) -> CheckpointContents:
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-
-  structure = _orbax_structure(located.path)
+  structure = orbax_checkpoints.structure(located.path)
   if not isinstance(structure, Mapping):
     raise errors.UnknownCheckpointFormatError(
         f'Orbax checkpoint {located.path!r} holds a '
@@ -479,112 +362,16 @@ def _restore_orbax(checkpointer: Any, located: _Located) -> CheckpointContents:
   keypaths = [selection['params'], *selection['mutables'].values()]
   if selection['step'] is not None:
     keypaths.append(selection['step'])
-  if () in keypaths:
-    item = dict(structure)
-  else:
-    item = {}
-    for keypath in keypaths:
-      node = item
-      for key in keypath[:-1]:
-        node = node.setdefault(key, {})
-      node[keypath[-1]] = _get(structure, keypath)
-
-  def restore_args(leaf: _OrbaxLeaf) -> Any:
-    if leaf.value_type in ('jax.Array', 'np.ndarray'):
-      return ocp.RestoreArgs(restore_type=np.ndarray)
-    return ocp.RestoreArgs()
-
-  args = jax.tree_util.tree_map(restore_args, item)
-  before = _read_counter()
-  restored = checkpointer.restore(
-      located.path, args=ocp.args.PyTreeRestore(
-          item=item, restore_args=args, partial_restore=True))
-  after = _read_counter()
-  bytes_read = after - before if None not in (before, after) else None
+  restored, bytes_read = orbax_checkpoints.restore(
+      located.path, structure, keypaths)
   return _contents(located, _plain(restored), selection, bytes_read)
 
 
 # --- msgpack (flax and T5X) ---------------------------------------------------
 
 
-def _decode_ndarray(data: bytes) -> np.ndarray:
-  shape, dtype_name, buffer = msgpack.unpackb(data, raw=True)
-  if dtype_name == b'bfloat16':
-    dtype = jax.numpy.bfloat16
-  else:
-    dtype = np.dtype(dtype_name.decode())
-  return np.frombuffer(buffer, dtype=dtype).reshape(shape).copy()
-
-
-def _ext_hook(code: int, data: bytes) -> Any:
-  """Decodes flax's msgpack extension types (arrays, scalars, complex)."""
-  if code == 1:
-    return _decode_ndarray(data)
-  if code == 2:
-    real, imag = msgpack.unpackb(data)
-    return complex(real, imag)
-  if code == 3:
-    return _decode_ndarray(data)[()]
-  return msgpack.ExtType(code, data)
-
-
-def _unchunk(tree: Any) -> Any:
-  """Reassembles arrays flax split into '__msgpack_chunked_array__' dicts."""
-  if not isinstance(tree, dict):
-    return tree
-  if '__msgpack_chunked_array__' in tree:
-    shape = tuple(tree['shape'][str(i)] for i in range(len(tree['shape'])))
-    chunks = [tree['chunks'][str(i)] for i in range(len(tree['chunks']))]
-    return np.concatenate(chunks).reshape(shape)
-  return {k: _unchunk(v) for k, v in tree.items()}
-
-
-def _stream(unpacker: msgpack.Unpacker, depth: int) -> Any:
-  """Unpacks the next value, skipping optimizer subtrees without decoding.
-
-  Within the top two levels, 'opt_state' and 'param_states' values are
-  skipped (read past, never decoded) and 'state' / 'optimizer' maps are
-  descended into.
-
-  Args:
-    unpacker: positioned at a value.
-    depth: how many more map levels to filter.
-
-  Returns:
-    The value, with optimizer subtrees left out.
-  """
-  try:
-    size = unpacker.read_map_header()
-  except ValueError:  # Not a map: read it whole.
-    return unpacker.unpack()
-  out = {}
-  for _ in range(size):
-    key = unpacker.unpack()
-    if key in _OPTIMIZER_KEYS:
-      unpacker.skip()
-    elif depth > 0 and key in ('state', 'optimizer'):
-      out[key] = _stream(unpacker, depth - 1)
-    else:
-      out[key] = unpacker.unpack()
-  return out
-
-
-def _read_msgpack_tree(path: str) -> Any:
-  with open(path, 'rb') as f:
-    unpacker = msgpack.Unpacker(
-        f, raw=False, ext_hook=_ext_hook, strict_map_key=False,
-        max_buffer_size=_MSGPACK_LIMIT)
-    try:
-      tree = _stream(unpacker, depth=2)
-    except (ValueError, msgpack.exceptions.UnpackException) as e:
-      raise errors.UnknownCheckpointFormatError(
-          f'{path!r} is not a readable msgpack checkpoint ({e}). Looked for '
-          f'{_LOOKED_FOR}.') from e
-  return _unchunk(tree)
-
-
 def _read_flax_msgpack(located: _Located) -> CheckpointContents:
-  tree = _read_msgpack_tree(located.path)
+  tree = msgpack_checkpoints.read_tree(located.path, looked_for=_LOOKED_FOR)
   if not isinstance(tree, dict):
     raise errors.UnknownCheckpointFormatError(
         f'Flax msgpack file {located.path!r} holds a {type(tree).__name__}, '
@@ -593,68 +380,15 @@ def _read_flax_msgpack(located: _Located) -> CheckpointContents:
   return _contents(located, tree, selection, os.path.getsize(located.path))
 
 
-def _is_ts_spec(leaf: Any) -> bool:
-  return isinstance(leaf, dict) and 'driver' in leaf and (
-      'kvstore' in leaf or 'path' in leaf)
-
-
-def _absolute_spec(spec: Mapping[str, Any], ckpt_dir: str) -> dict[str, Any]:
-  """The spec with its relative file path made absolute (as T5X does)."""
-  spec = json.loads(json.dumps(spec))  # Deep copy of plain JSON.
-  metadata = spec.get('metadata', {})
-  metadata.pop('chunks', None)
-  metadata.pop('compressor', None)
-  store = spec['kvstore'] if 'kvstore' in spec else spec
-  if isinstance(store, dict) and store.get('driver') in ('gcs', 'gfile'):
-    store['driver'] = 'file'  # Read a copied checkpoint locally.
-    store.pop('bucket', None)
-  key = 'path'
-  store[key] = os.path.join(ckpt_dir, store[key])
-  return spec
-
-
-def _dir_size(path: str) -> int:
-  total = 0
-  for root, _, files in os.walk(path):
-    total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
-  return total
-
-
 def _read_t5x(located: _Located) -> CheckpointContents:
-  tree = _read_msgpack_tree(located.path)
-  if not isinstance(tree, dict):
-    raise errors.UnknownCheckpointFormatError(
-        f'T5X checkpoint file {located.path!r} is not a msgpack dict.')
-  version = tree.get('version', 0)
-  state = tree['optimizer'] if version and 'optimizer' in tree else tree
-  if not isinstance(state, dict):
-    raise errors.NoParamsInCheckpointError(
-        f"T5X checkpoint {located.path!r} has no 'optimizer' dict.")
+  state = msgpack_checkpoints.t5x_state(
+      msgpack_checkpoints.read_tree(located.path, looked_for=_LOOKED_FOR),
+      located.path)
   selection = _select(state, located.path)
-  ckpt_dir = os.path.dirname(os.path.abspath(located.path))
-  bytes_read = os.path.getsize(located.path)
-  subtrees = [selection['params'], *selection['mutables'].values()]
-  specs = {}
-  for keypath in subtrees:
-    for leaf_path, leaf in paths.flatten(
-        _get(state, keypath), is_leaf=_is_ts_spec).items():
-      if _is_ts_spec(leaf):
-        specs[(keypath, leaf_path)] = _absolute_spec(leaf, ckpt_dir)
-  if specs:
-    import tensorstore as ts  # pylint: disable=g-import-not-at-top
-
-    opened = {k: ts.open(spec, open=True, read=True)
-              for k, spec in specs.items()}
-    reads = {k: future.result().read() for k, future in opened.items()}
-    for (keypath, leaf_path), future in reads.items():
-      node = _get(state, keypath)
-      *parents, last = leaf_path.split('/') if leaf_path else ['']
-      for part in parents:
-        node = node[part]
-      node[last] = np.asarray(future.result())
-      store = specs[(keypath, leaf_path)].get('kvstore', {})
-      if isinstance(store, dict) and os.path.isdir(store.get('path', '')):
-        bytes_read += _dir_size(store['path'])
+  subtrees = [_get(state, keypath) for keypath in (
+      selection['params'], *selection['mutables'].values())]
+  bytes_read = os.path.getsize(located.path) + (
+      msgpack_checkpoints.read_tensorstore_leaves(subtrees, located.path))
   return _contents(located, state, selection, bytes_read)
 
 

@@ -27,6 +27,7 @@ import tensorstore as ts
 
 from t5export import checkpoints
 from t5export import errors
+from t5export import orbax_checkpoints
 from t5export import paths
 from t5export import train_state
 
@@ -225,9 +226,9 @@ def test_orbax_ocdbt_reads_far_fewer_bytes_than_full_restore(tmp_path):
   assert got.bytes_read is not None
   # mu and nu are 2x the params: a full read would be >= 3x.
   assert params_bytes * 0.9 <= got.bytes_read < params_bytes * 1.5
-  before = checkpoints._read_counter()  # pylint: disable=protected-access
+  before = orbax_checkpoints.read_counter()
   ocp.PyTreeCheckpointer().restore(path)
-  full = checkpoints._read_counter() - before  # pylint: disable=protected-access
+  full = orbax_checkpoints.read_counter() - before
   assert full > params_bytes * 2.5
 
 
@@ -447,9 +448,11 @@ def test_read_params_rejects_bad_step(tmp_path):
     checkpoints.read_params(tmp_path, step=-1)
 
 
-def test_module_stays_light(t5x_checkpoint_dir):
+def test_module_stays_light(t5x_checkpoint_dir, orbax_manager_dir):
   code = ('import sys; from t5export import checkpoints; '
+          'from t5export import msgpack_checkpoints, orbax_checkpoints; '
           f'checkpoints.read_params({str(t5x_checkpoint_dir)!r}); '
+          f'checkpoints.read_params({str(orbax_manager_dir)!r}); '
           "assert 'tensorflow' not in sys.modules, 'tensorflow imported'")
   subprocess.run([sys.executable, '-c', code], check=True, cwd=_REPO,
                  capture_output=True, timeout=120)
