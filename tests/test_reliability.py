@@ -485,3 +485,99 @@ def test_restarted_training_continues_the_version_sequence(tmp_path):
   for path, value in trained.items():
     np.testing.assert_array_equal(np.asarray(stored[path]), np.asarray(value),
                                   err_msg=path)
+
+
+# --- 6. load: 200 exports in one process ----------------------------------------
+
+LOAD_EXPORTS = 200
+LOAD_WARMUP = 20
+LOAD_KEEP = 3
+# Bounds on growth from after the warm-up to the end (180 exports). Open
+# files and threads must come back to exactly where they were: every
+# export opens and closes its files, and the one worker thread is reused.
+# Memory: RSS is noisy (allocator arenas, TF's caches settle late), so the
+# bound is 64 MiB over 180 exports (0.36 MiB per export): above that noise
+# (measured: ~0.09 MiB per export with validate=False, i.e. ~16 MiB), yet a
+# leak of a loaded SavedModel, a JaxModule or a snapshot per export fails
+# it. With validate=True (the default, used here) it currently grows ~0.5
+# MiB per export: see test_200_exports_hold_memory_flat.
+FD_GROWTH = 0
+THREAD_GROWTH = 0
+RSS_GROWTH_MIB = 64
+
+
+def _resources() -> dict[str, int]:
+  import gc  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+  import psutil  # pylint: disable=g-import-not-at-top
+  gc.collect()
+  return {'fds': len(os.listdir('/proc/self/fd')),
+          'threads': threading.active_count(),
+          'tasks': len(os.listdir('/proc/self/task')),
+          'rss_mib': psutil.Process().memory_info().rss // 2**20}
+
+
+@pytest.fixture(scope='module')
+def load_run(tmp_path_factory):
+  """200 async exports (every step, keep=3), watched after each one."""
+  from t5export import callbacks  # pylint: disable=g-import-not-at-top
+  export_dir = str(tmp_path_factory.mktemp('load') / 'export')
+  cb = callbacks.ExportCallback(
+      export_dir=export_dir, signatures=[model.signature()],
+      export_every_steps=1, keep=LOAD_KEEP, async_export=True)
+  samples, listings = {}, {}
+  start = time.monotonic()
+  try:
+    for step in range(1, LOAD_EXPORTS + 1):
+      cb(step, train_state=model.state_for(step))
+      cb.wait()  # One export at a time, so none is replaced (latest wins).
+      listings[step] = sorted(os.listdir(export_dir))
+      if step in (LOAD_WARMUP, LOAD_EXPORTS // 2, LOAD_EXPORTS):
+        samples[step] = _resources()
+  finally:
+    cb.close()
+  secs = time.monotonic() - start
+  first, last = samples[LOAD_WARMUP], samples[LOAD_EXPORTS]
+  per_export = (last['rss_mib'] - first['rss_mib']) / (
+      LOAD_EXPORTS - LOAD_WARMUP)
+  report = (f'{LOAD_EXPORTS} exports in {secs:.0f}s ({secs / LOAD_EXPORTS:.2f}'
+            f's each); RSS growth {per_export:.2f} MiB/export after the '
+            f'warm-up; resources after export {samples}')
+  print(report)
+  return dict(cb=cb, export_dir=export_dir, samples=samples,
+              listings=listings, report=report)
+
+
+@pytest.mark.slow
+def test_200_exports_keep_versions_files_and_threads_flat(load_run):
+  """Always `keep` versions, no staging left; fds and threads do not grow."""
+  cb, report = load_run['cb'], load_run['report']
+  for step, listing in load_run['listings'].items():
+    # Retention holds the directory at `keep` versions after each export.
+    want = [str(v) for v in range(max(1, step - LOAD_KEEP + 1), step + 1)]
+    assert listing == sorted(want), (step, listing)
+  assert cb.exports_done == LOAD_EXPORTS, report
+  assert cb.stats['worker']['replaced'] == 0, report
+  assert cb.stats['worker']['failed'] == 0, report
+  first = load_run['samples'][LOAD_WARMUP]
+  last = load_run['samples'][LOAD_EXPORTS]
+  assert last['fds'] - first['fds'] <= FD_GROWTH, report
+  assert last['threads'] - first['threads'] <= THREAD_GROWTH, report
+  assert last['tasks'] - first['tasks'] <= THREAD_GROWTH, report
+  for v in _versions(load_run['export_dir']):
+    model.check_version(os.path.join(load_run['export_dir'], str(v)))
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason=(
+    'KNOWN LEAK (reported): the exporter\'s check loads each staged '
+    'SavedModel with tf.saved_model.load and calls its signature; TF keeps '
+    'the functions (and their XLA compilations) of every loaded copy, ~0.5 '
+    'MiB per export for this tiny model. Remove this marker once the check '
+    'loads through a throw-away tf.Graph/Session (XPASS then).'))
+def test_200_exports_hold_memory_flat(load_run):
+  """RSS grows < 64 MiB over the 180 exports after the warm-up."""
+  first = load_run['samples'][LOAD_WARMUP]
+  last = load_run['samples'][LOAD_EXPORTS]
+  assert last['rss_mib'] - first['rss_mib'] < RSS_GROWTH_MIB, (
+      load_run['report'])
