@@ -125,8 +125,8 @@ class ExportCoordinator:
     coord.close(drain=worker.close)
 
   Attributes:
-    last_reported: the last version path process 0 reported as published
-      (known on every process), or None.
+    last_reported: the last version path process 0 reported with a
+      synchronous export (known on every process), or None.
   """
 
   def __init__(self, *, timeout_secs: float = DEFAULT_TIMEOUT_SECS,

@@ -410,3 +410,57 @@ def test_distributed_is_light():
                         timeout=120)
   assert proc.returncode == 0, proc.stderr[-5000:]
   assert proc.stdout.strip() == '[]', proc.stdout
+
+
+# --- the local launcher (examples/launch_local.py) -------------------------
+
+
+def _launch(*argv: str) -> subprocess.CompletedProcess:
+  try:
+    return subprocess.run(
+        [sys.executable, '-m', 'examples.launch_local', *argv],
+        env=_env(1), cwd=REPO_ROOT, capture_output=True, text=True,
+        timeout=120)
+  except subprocess.TimeoutExpired as e:
+    pytest.fail(f'launch_local {argv} did not finish in 120s; stderr:\n'
+                f'{(e.stderr or "")[-5000:]}')
+
+
+def _launch_rows(proc: subprocess.CompletedProcess) -> list[dict[str, Any]]:
+  # Lines are '[p<i>] <output>'; gloo may glue its own text after ours.
+  rows = []
+  for line in proc.stdout.splitlines():
+    _, _, rest = line.partition('] ')
+    if rest.startswith('{'):
+      rows.append(json.loads(rest[:rest.index('}') + 1]))
+  return rows
+
+
+@pytest.mark.multiprocess
+def test_launch_local_runs_one_jax_distributed_job():
+  proc = _launch('--num_processes', '2', '--devices_per_process', '2', '--',
+                 'tests/_launch_probe.py')
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  rows = sorted(_launch_rows(proc), key=lambda r: r['process'])
+  assert [r['process'] for r in rows] == [0, 1], proc.stdout
+  for r in rows:
+    assert (r['processes'], r['devices'], r['local_devices']) == (2, 4, 2)
+    assert r['allgather_sum'] == 3  # 1 + 2: the processes talked (gloo).
+
+
+@pytest.mark.multiprocess
+def test_launch_local_ends_the_others_when_one_fails():
+  start = time.monotonic()
+  proc = _launch('--num_processes', '2', '--grace_secs', '2', '--',
+                 'tests/_launch_probe.py', '--fail_process', '1',
+                 '--exit_code', '7')
+  assert proc.returncode == 7, proc.stderr[-5000:]
+  assert 'process 1 exited 7' in proc.stderr
+  assert 'killing process 0' in proc.stderr  # It would sleep 600s.
+  assert time.monotonic() - start < 100
+
+
+def test_launch_local_needs_a_target():
+  proc = _launch('--num_processes', '2')
+  assert proc.returncode != 0
+  assert 'Nothing to run' in proc.stderr
