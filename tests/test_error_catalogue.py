@@ -1,0 +1,476 @@
+"""One test per row of docs/errors.md: bad input, what the user sees, what is kept.
+
+Each test is named `test_<row id>` after its row of the table in
+docs/errors.md and asserts the exception class AND the message the row
+promises, and that nothing already published changed. The offline rows run
+`python -m t5export.offline` as a subprocess (all five at once, in a
+module-scoped fixture) and check its one stderr line, its exit status and
+that the export directory is byte-for-byte as before.
+`test_docs_table_matches_tests` keeps the table and the tests in step.
+"""
+
+from __future__ import annotations
+
+import builtins
+import hashlib
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import flax.linen as nn
+from flax import serialization
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TESTS = REPO / 'tests'
+sys.path.insert(0, str(TESTS))
+import _reliability_model as model  # pylint: disable=g-import-not-at-top,wrong-import-position
+import _small_fs  # pylint: disable=g-import-not-at-top,wrong-import-position
+from examples import models  # pylint: disable=g-import-not-at-top,wrong-import-position
+import t5export  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5export import callbacks  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5export import errors  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5export import exporter as exporter_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+DOC = REPO / 'docs' / 'errors.md'
+_ENV = {**os.environ,
+        'PYTHONPATH': os.pathsep.join([str(REPO), str(TESTS)]),
+        'TF_CPP_MIN_LOG_LEVEL': '2'}
+_OFFLINE_PREFIX = 't5export.offline: error: '
+
+
+def _tree_digest(root: str) -> dict[str, str]:
+  """{relative path: sha256} of every file and directory under root."""
+  out = {}
+  for dirpath, dirs, files in os.walk(root):
+    for d in dirs:
+      out[os.path.relpath(os.path.join(dirpath, d), root) + '/'] = ''
+    for f in files:
+      path = os.path.join(dirpath, f)
+      with open(path, 'rb') as fh:
+        out[os.path.relpath(path, root)] = hashlib.sha256(
+            fh.read()).hexdigest()
+  return out
+
+
+def _callback(export_dir: str, **kwargs) -> callbacks.ExportCallback:
+  options = dict(export_dir=export_dir, signatures=[model.signature()],
+                 export_every_steps=10)
+  options.update(kwargs)
+  return callbacks.ExportCallback(**options)
+
+
+@pytest.fixture(scope='module')
+def published(tmp_path_factory):
+  """An exporter that has published version 1 of the reliability MLP."""
+  export_dir = str(tmp_path_factory.mktemp('catalogue') / 'export')
+  exporter = exporter_lib.SavedModelExporter(
+      export_dir, [model.signature()], keep=3)
+  exporter.export(model.state_for(1))
+  return exporter
+
+
+def _assert_kept(exporter: exporter_lib.SavedModelExporter,
+                 before: dict[str, str]) -> None:
+  """Nothing published changed and no staging directory was left."""
+  assert _tree_digest(exporter.export_dir) == before
+  assert not [n for n in os.listdir(exporter.export_dir)
+              if n.startswith('.tmp-')]
+
+
+# --- ExportCallback options ---------------------------------------------------
+
+
+@pytest.mark.parametrize('value', [0, -1000])
+def test_export_every_steps_not_positive(tmp_path, value):
+  export_dir = tmp_path / 'export'
+  with pytest.raises(ValueError,
+                     match=rf'export_every_steps must be > 0, got {value}\. '
+                     'Use None to turn this trigger off'):
+    _callback(str(export_dir), export_every_steps=value)
+  assert not export_dir.exists()  # Checked before anything is created.
+
+
+@pytest.mark.parametrize('value, type_name', [
+    (1.5, 'float'), ('1000', 'str'), (True, 'bool')])
+def test_export_every_steps_not_an_int(tmp_path, value, type_name):
+  export_dir = tmp_path / 'export'
+  with pytest.raises(TypeError,
+                     match=rf'export_every_steps must be a positive int or '
+                     rf'None, got .* \({type_name}\)\. In gin write e\.g\. '
+                     r'`ExportCallback\.export_every_steps = 1000`'):
+    _callback(str(export_dir), export_every_steps=value)
+  assert not export_dir.exists()
+
+
+def test_on_error_unknown(tmp_path):
+  with pytest.raises(ValueError,
+                     match=r"on_error must be one of \('raise', 'log'\), got "
+                     "'ignore'"):
+    _callback(str(tmp_path / 'export'), on_error='ignore')
+  assert not (tmp_path / 'export').exists()
+
+
+@pytest.mark.parametrize('keep', [0, 2.5])
+def test_keep_not_a_positive_int(tmp_path, keep):
+  with pytest.raises(ValueError,
+                     match=rf'keep must be an int >= 1 or None, got {keep}'):
+    exporter_lib.SavedModelExporter(str(tmp_path / 'export'),
+                                    [model.signature()], keep=keep)
+
+
+# --- export_dir ---------------------------------------------------------------
+
+
+def test_export_dir_is_a_file(tmp_path):
+  path = tmp_path / 'model'
+  path.write_text('not a directory')
+  with pytest.raises(errors.ExportDirError,
+                     match=r'export_dir .*model.* exists and is not a '
+                     'directory. Pass a directory'):
+    _callback(str(path))
+  assert path.read_text() == 'not a directory'
+
+
+def test_export_dir_under_a_file(tmp_path):
+  (tmp_path / 'file').write_text('x')
+  with pytest.raises(errors.ExportDirError,
+                     match=r'export_dir .*file/export.* cannot be created '
+                     r'\(Not a directory\)'):
+    exporter_lib.SavedModelExporter(str(tmp_path / 'file' / 'export'),
+                                    [model.signature()])
+  assert (tmp_path / 'file').read_text() == 'x'
+
+
+def test_export_dir_not_writable(tmp_path):
+  # Root ignores permission bits: a read-only filesystem (or an immutable
+  # directory) is what stops it.
+  with _small_fs.read_only_dir(str(tmp_path / 'ro')) as path:
+    before = sorted(os.listdir(path))
+    with pytest.raises(errors.ExportDirError,
+                       match=r'export_dir .*ro.* is not writable by this '
+                       r'process \((Read-only file system|Operation not '
+                       r'permitted)\)'):
+      exporter_lib.SavedModelExporter(path, [model.signature()])
+    assert sorted(os.listdir(path)) == before
+
+
+# --- signatures -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize('name', ['serving default!', '1st', ''])
+def test_invalid_signature_name(name):
+  with pytest.raises(errors.SignatureError,
+                     match=rf"Signature name '{re.escape(name)}' is invalid: "
+                     r"use letters, digits, '_', '\.' and '-'"):
+    model.signature(name=name)
+
+
+def test_input_specs_do_not_match_the_method(published):
+  before = _tree_digest(published.export_dir)
+  sig = model.signature(input_specs={'x': ('b, 5', 'float32')},
+                        sample_inputs={'x': np.ones((2, 5), np.float32)})
+  exporter = exporter_lib.SavedModelExporter(published.export_dir, [sig])
+  with pytest.raises(errors.SignatureError,
+                     match=r"Signature 'serving_default': the method does not "
+                     r"accept inputs matching its specs \{'x': \{'shape': "
+                     r"'b, 5'.*TypeError: dot_general requires contracting "
+                     r'dimensions to have the same shape'):
+    exporter.export(model.state_for(2))
+  _assert_kept(published, before)
+
+
+def test_input_names_do_not_match_the_method(published):
+  before = _tree_digest(published.export_dir)
+  sig = model.signature(input_specs={'y': ('b, 4', 'float32')},
+                        sample_inputs={'y': np.ones((2, 4), np.float32)})
+  exporter = exporter_lib.SavedModelExporter(published.export_dir, [sig])
+  with pytest.raises(errors.SignatureError,
+                     match=r"the method does not accept inputs matching its "
+                     r"specs \{'y'.*KeyError: 'x'"):
+    exporter.export(model.state_for(2))
+  _assert_kept(published, before)
+
+
+# --- params changing between exports --------------------------------------------
+
+
+def test_params_structure_changed(published):
+  before = _tree_digest(published.export_dir)
+  variables = model.params_for(2)
+  variables['params']['dense_2'] = {'bias': np.zeros(3, np.float32)}
+  with pytest.raises(errors.VariableMismatchError,
+                     match=r'(?s)unexpected.*params/dense_2/bias'):
+    published.export(
+        t5export.InferenceState.create(variables).replace_step(2))
+  _assert_kept(published, before)
+
+
+def test_params_shape_changed(published):
+  before = _tree_digest(published.export_dir)
+  state = t5export.InferenceState.create(
+      model.params_for(2, hidden=9)).replace_step(2)
+  with pytest.raises(errors.VariableMismatchError,
+                     match=r'changed shape or dtype:\n  - params/dense_0/bias: '
+                     r'expected \(8,\) float32, got \(9,\) float32'):
+    published.export(state)
+  _assert_kept(published, before)
+
+
+def test_params_dtype_changed(published):
+  before = _tree_digest(published.export_dir)
+  variables = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16),
+                                     model.params_for(2))
+  with pytest.raises(errors.VariableMismatchError,
+                     match=r'params/dense_0/bias: expected \(8,\) float32, got '
+                     r'\(8,\) bfloat16'):
+    published.export(
+        t5export.InferenceState.create(variables).replace_step(2))
+  _assert_kept(published, before)
+
+
+def test_non_finite_params(published):
+  before = _tree_digest(published.export_dir)
+  variables = model.params_for(2)
+  variables['params']['dense_1']['kernel'][0, 0] = np.nan
+  with pytest.raises(errors.NonFiniteParamsError,
+                     match=r"Parameter 'params/dense_1/kernel' holds 1 "
+                     r'non-finite value\(s\) \(NaN/Inf\) out of 24; the export '
+                     r'was refused.*allow_non_finite=True'):
+    published.export(
+        t5export.InferenceState.create(variables).replace_step(2))
+  _assert_kept(published, before)
+
+
+def test_version_already_exists(published):
+  before = _tree_digest(published.export_dir)
+  with pytest.raises(errors.VersionExistsError,
+                     match=r"Version 1 already exists at .*; it was not "
+                     r'changed\. Pass overwrite=True'):
+    published.export(model.state_for(1))
+  _assert_kept(published, before)
+
+
+# --- logical axes -------------------------------------------------------------
+
+
+class _HalfAxes(nn.Module):
+  """One Dense with logical axes, one without."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(4, use_bias=False, kernel_init=nn.with_logical_partitioning(
+        nn.initializers.lecun_normal(), ('embed', 'mlp')))(x)
+    return nn.Dense(3, name='head')(x)
+
+
+class _OwnAxisName(nn.Module):
+  """A kernel whose second logical axis is a name no standard rule knows."""
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(3, use_bias=False, kernel_init=nn.with_logical_partitioning(
+        nn.initializers.lecun_normal(), ('embed', 'my_axis')))(x)
+
+
+def test_missing_axes():
+  variables = _HalfAxes().init(jax.random.PRNGKey(0), jnp.zeros((1, 4)))
+  with pytest.raises(errors.MissingAxesError,
+                     match=r'2 parameter\(s\) have no logical axis names:\n'
+                     r'  - params/head/bias\n  - params/head/kernel\n'):
+    t5export.FlaxOptimTrainState.create(optax.adam(1e-3), variables)
+
+
+def test_logical_axis_without_rule(tmp_path):
+  variables = _OwnAxisName().init(jax.random.PRNGKey(0), jnp.zeros((1, 4)))
+  state = t5export.InferenceState.create(variables).replace_step(1)
+  sig = model.signature(
+      method=lambda v, inputs: {'logits': _OwnAxisName().apply(v, inputs['x'])})
+  exporter = exporter_lib.SavedModelExporter(
+      str(tmp_path / 'export'), [sig],
+      logical_axis_rules=t5export.standard_logical_axis_rules())
+  with pytest.raises(errors.UnmappedLogicalAxisError,
+                     match=r"Logical axis 'my_axis' of parameter "
+                     r"'params/Dense_0/kernel' has no rule\..*Add a rule such "
+                     r"as \('my_axis', None\)"):
+    exporter.export(state)
+  assert os.listdir(tmp_path / 'export') == []
+
+
+# --- gin ------------------------------------------------------------------------
+
+
+def test_gin_unknown_parameter():
+  # gin's own error, at parse time: nothing runs.
+  with pytest.raises(ValueError,
+                     match=r"Configurable 'ExportCallback' doesn't have a "
+                     r"parameter named 'export_every_step'\.\n  In bindings "
+                     r'string line 1'):
+    gin.parse_config('ExportCallback.export_every_step = 1000')
+  gin.clear_config()
+
+
+# --- offline ------------------------------------------------------------------
+
+_OFFLINE_GIN = f"""
+from __gin__ import dynamic_registration
+import t5export
+from examples import models
+include 'offline.gin'
+SIGNATURES = [@t5export.Signature()]
+t5export.Signature:
+  name = 'serving_default'
+  method = @models.make_mlp_serve_fn()
+  input_specs = {{'x': ('b, 16', 'float32')}}
+  sample_inputs = {{'x': {np.ones((2, 16)).tolist()}}}
+models.make_mlp_serve_fn.model = @models.MlpBn()
+models.init_mlp_bn.model = @models.MlpBn()
+INIT_FN = @models.init_mlp_bn
+"""
+
+_OFFLINE_CASES = ('missing', 'unknown_format', 'no_params', 'mismatch',
+                  'exists')
+
+
+def _mlp_variables() -> dict:
+  boxed = models.init_mlp_bn(models.MlpBn(), jax.random.PRNGKey(0))
+  return jax.tree_util.tree_map(np.asarray, nn.unbox(boxed))
+
+
+@pytest.fixture(scope='module')
+def offline_runs(tmp_path_factory):
+  """Each offline error case run at once; {case: (proc, before, after)}."""
+  root = tmp_path_factory.mktemp('offline_errors')
+  gin_file = root / 'mlp.gin'
+  gin_file.write_text(_OFFLINE_GIN)
+  variables = _mlp_variables()
+  good = {'step': 5, **variables}
+  wrong = jax.tree_util.tree_map(lambda x: x, variables)
+  wrong['params']['dense_0']['kernel'] = np.zeros((16, 7), np.float32)
+  del wrong['params']['head']['bias']
+  ckpts = {
+      'missing': root / 'no_such_checkpoint',
+      'unknown_format': root / 'notes',
+      'no_params': root / 'opt_only.msgpack',
+      'mismatch': root / 'wrong.msgpack',
+      'exists': root / 'good.msgpack',
+  }
+  ckpts['unknown_format'].mkdir()
+  (ckpts['unknown_format'] / 'README.txt').write_text('not a checkpoint')
+  ckpts['no_params'].write_bytes(serialization.msgpack_serialize(
+      {'step': 5, 'opt_state': {'count': np.array(5, np.int32)}}))
+  ckpts['mismatch'].write_bytes(serialization.msgpack_serialize(
+      {'step': 5, **wrong}))
+  ckpts['exists'].write_bytes(serialization.msgpack_serialize(good))
+  procs = {}
+  for case in _OFFLINE_CASES:
+    export_dir = root / f'export_{case}'
+    # An export dir that already holds a version (5 for 'exists').
+    (export_dir / ('5' if case == 'exists' else '1')).mkdir(parents=True)
+    (export_dir / ('5' if case == 'exists' else '1') / 'saved_model.pb'
+     ).write_bytes(b'published earlier')
+    before = _tree_digest(str(export_dir))
+    procs[case] = (subprocess.Popen(  # pylint: disable=consider-using-with
+        [sys.executable, '-m', 't5export.offline', f'--ckpt={ckpts[case]}',
+         f'--export_dir={export_dir}', f'--gin_file={gin_file}'],
+        cwd=REPO, env=_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True), export_dir, before)
+  out = {}
+  for case, (proc, export_dir, before) in procs.items():
+    _, stderr = proc.communicate(timeout=600)
+    out[case] = (proc.returncode, stderr, before,
+                 _tree_digest(str(export_dir)))
+  return out
+
+
+def _offline_error(offline_runs, case: str) -> str:
+  """The one error line; asserts exit 1 and an unchanged export dir."""
+  rc, stderr, before, after = offline_runs[case]
+  lines = [l for l in stderr.splitlines() if l.startswith(_OFFLINE_PREFIX)]
+  assert rc == 1, stderr[-3000:]
+  assert len(lines) == 1, stderr[-3000:]
+  assert after == before  # The export dir is exactly as it was.
+  return lines[0][len(_OFFLINE_PREFIX):]
+
+
+def test_offline_missing_checkpoint(offline_runs):
+  line = _offline_error(offline_runs, 'missing')
+  assert re.match(r'CheckpointNotFoundError: .*no_such_checkpoint.* does not '
+                  'exist', line), line
+
+
+def test_offline_unknown_format(offline_runs):
+  line = _offline_error(offline_runs, 'unknown_format')
+  assert re.match(r'UnknownCheckpointFormatError: .*notes.* is not', line), line
+
+
+def test_offline_no_params_in_checkpoint(offline_runs):
+  line = _offline_error(offline_runs, 'no_params')
+  assert re.match(r'NoParamsInCheckpointError: .*opt_only\.msgpack', line), line
+
+
+def test_offline_params_do_not_match_the_model(offline_runs):
+  line = _offline_error(offline_runs, 'mismatch')
+  assert line.startswith('ParamsMismatchError: The checkpoint variables do '
+                         'not match the model:'), line
+  assert 'missing (1): - params/head/bias' in line, line
+  assert 'params/dense_0/kernel: expected (16, 32), got (16, 7)' in line, line
+
+
+def test_offline_version_exists_without_overwrite(offline_runs):
+  line = _offline_error(offline_runs, 'exists')
+  assert re.match(r"VersionExistsError: Version 5 already exists at .*"
+                  r"export_exists/5'; it was not changed\. Pass "
+                  r'overwrite=True \(offline: --overwrite\)', line), line
+
+
+# --- the table and the tests agree --------------------------------------------
+
+
+def _doc_row_ids() -> list[str]:
+  """The first cell of every row of the catalogue table, e.g. `missing_axes`."""
+  ids = []
+  for line in DOC.read_text(encoding='utf-8').splitlines():
+    m = re.match(r'^\|\s*`([a-z0-9_]+)`\s*\|', line)
+    if m:
+      ids.append(m.group(1))
+  return ids
+
+
+def test_docs_table_matches_tests():
+  ids = _doc_row_ids()
+  assert len(ids) == len(set(ids)), f'duplicate row ids in {DOC}: {ids}'
+  tests = {name[len('test_'):] for name in globals()
+           if name.startswith('test_') and callable(globals()[name])}
+  tests.discard('docs_table_matches_tests')
+  assert set(ids) == tests, (
+      f'rows without a test: {sorted(set(ids) - tests)}; tests without a '
+      f'row: {sorted(tests - set(ids))}')
+  # The rows issue 7 asks for, at least.
+  required = {
+      'export_every_steps_not_positive', 'export_every_steps_not_an_int',
+      'export_dir_is_a_file', 'export_dir_not_writable',
+      'invalid_signature_name', 'input_specs_do_not_match_the_method',
+      'params_structure_changed', 'params_shape_changed',
+      'params_dtype_changed', 'missing_axes', 'logical_axis_without_rule',
+      'gin_unknown_parameter', 'offline_missing_checkpoint',
+      'offline_unknown_format', 'offline_no_params_in_checkpoint',
+      'offline_params_do_not_match_the_model',
+      'offline_version_exists_without_overwrite'}
+  assert required <= set(ids), sorted(required - set(ids))
+  # Every row names an exception class that exists, in its third column.
+  for line in DOC.read_text(encoding='utf-8').splitlines():
+    m = re.match(r'^\|\s*`([a-z0-9_]+)`\s*\|[^|]*\|([^|]*)\|', line)
+    if m:
+      names = re.findall(r'([A-Z][A-Za-z]*Error)\b', m.group(2))
+      assert names, f'row {m.group(1)} names no exception class'
+      for name in names:
+        assert hasattr(errors, name) or hasattr(builtins, name), (
+            m.group(1), name)
