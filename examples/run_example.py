@@ -13,7 +13,7 @@ r"""`make example`: train the tiny T5, publish versions, serve one from TF.
 Usage:
   python -m examples.run_example [--output_dir example_output] \
       [--num_steps 400] [--export_every_steps 20] [--keep] \
-      [--request hello --request world] [--gin_bindings 'train.seed = 1']
+      [--request hello --request world] [--gin_bindings 'examples.train.seed = 1']
 
 The output directory is emptied first unless --keep is given (then training
 resumes from its latest checkpoint and the version sequence continues).
@@ -41,20 +41,6 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 GIN_FILE = REPO_ROOT / 'gin' / 'examples' / 'tiny_t5.gin'
 METADATA = os.path.join('assets.extra', 't5export.json')
 DEFAULT_REQUESTS = ('hello', 'jax', 'serving', 'abcdefgh')
-
-_OUTPUT_DIR = flags.DEFINE_string(
-    'output_dir', str(REPO_ROOT / 'example_output'),
-    'Holds work/ (checkpoints, summaries) and export/ (SavedModel versions).')
-_NUM_STEPS = flags.DEFINE_integer('num_steps', None,
-                                  'Training steps (default: the gin file).')
-_EXPORT_EVERY = flags.DEFINE_integer(
-    'export_every_steps', None, 'Export interval (default: the gin file).')
-_KEEP = flags.DEFINE_bool(
-    'keep', False, 'Keep the output dir and resume instead of starting over.')
-_REQUESTS = flags.DEFINE_multi_string(
-    'request', list(DEFAULT_REQUESTS), 'Strings to send to the newest version.')
-_GIN_BINDINGS = flags.DEFINE_multi_string(
-    'gin_bindings', [], 'Extra gin bindings, e.g. "train.seed = 1".')
 
 # Runs in a separate interpreter: TensorFlow only, no JAX, no t5export.
 # `import tensorflow` itself imports jax when it is installed (tf.lite's util
@@ -237,16 +223,48 @@ class _ProgressFilter(py_logging.Filter):
     return '/t5export/' in path and 'publish' in record.getMessage()
 
 
-def main(argv: Sequence[str]) -> None:
+def _define_flags() -> dict[str, Any]:
+  """Defines the command-line flags; only when run as a program.
+
+  absl flags are process-global: defining them at import would clash with
+  any other module that defines a flag of the same name (t5export.offline
+  has --gin_bindings too) when both are imported in one process, as tests do.
+
+  Returns:
+    The flag holders by name.
+  """
+  return {
+      'output_dir': flags.DEFINE_string(
+          'output_dir', str(REPO_ROOT / 'example_output'),
+          'Holds work/ (checkpoints, summaries) and export/ (SavedModel '
+          'versions).'),
+      'num_steps': flags.DEFINE_integer(
+          'num_steps', None, 'Training steps (default: the gin file).'),
+      'export_every_steps': flags.DEFINE_integer(
+          'export_every_steps', None,
+          'Export interval (default: the gin file).'),
+      'keep': flags.DEFINE_bool(
+          'keep', False,
+          'Keep the output dir and resume instead of starting over.'),
+      'requests': flags.DEFINE_multi_string(
+          'request', list(DEFAULT_REQUESTS),
+          'Strings to send to the newest version.'),
+      'gin_bindings': flags.DEFINE_multi_string(
+          'gin_bindings', [],
+          'Extra gin bindings, e.g. "examples.train.seed = 1".'),
+  }
+
+
+def main(argv: Sequence[str], flag_values: dict[str, Any]) -> None:
+  """Runs the example with the parsed command-line flags."""
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   logging.set_verbosity(logging.INFO)
   logging.get_absl_handler().addFilter(_ProgressFilter())
-  run(output_dir=_OUTPUT_DIR.value, num_steps=_NUM_STEPS.value,
-      export_every_steps=_EXPORT_EVERY.value, keep=_KEEP.value,
-      requests=_REQUESTS.value, gin_bindings=_GIN_BINDINGS.value)
+  run(**{name: holder.value for name, holder in flag_values.items()})
 
 
 if __name__ == '__main__':
-  app.run(main)
+  _flag_values = _define_flags()
+  app.run(lambda argv: main(argv, _flag_values))

@@ -107,7 +107,7 @@ def test_gin_train_file_configures_train(tmp_path):
     gin.parse_config_files_and_bindings(
         [str(REPO_ROOT / 'gin' / 'examples' / 'mlp_bn_train.gin')],
         [f'WORKDIR = {str(tmp_path)!r}', 'NUM_STEPS = 4',
-         'CHECKPOINT_EVERY_STEPS = 2', 'train.write_summaries = False'])
+         'CHECKPOINT_EVERY_STEPS = 2', 'examples.train.write_summaries = False'])
     result = train_lib.train()
   finally:
     gin.clear_config()
@@ -126,7 +126,7 @@ def test_gin_t5_export_file_binds_train_and_signature(tmp_path):
          f'EXPORT_DIR = {str(tmp_path / "e")!r}',
          f'MODEL_OVERRIDES = {SMALL_T5!r}'])
     assert gin.query_parameter('%EXPORT_EVERY_STEPS') == 20
-    assert gin.query_parameter('train.model_name') == 'tiny_t5'
+    assert gin.query_parameter('examples.train.model_name') == 'tiny_t5'
     sig = train_lib.t5_signature()  # Bound by gin: the small model.
     overrides = gin.query_parameter('%MODEL_OVERRIDES')
   finally:
@@ -167,7 +167,7 @@ def test_mlp_bn_gin_exports_versions_that_match_the_trained_model(tmp_path):
         [f'WORKDIR = {str(tmp_path / "work")!r}',
          f'EXPORT_DIR = {str(export_dir)!r}', 'NUM_STEPS = 7',
          'EXPORT_EVERY_STEPS = 3', 'CHECKPOINT_EVERY_STEPS = 100',
-         'train.write_summaries = False'])
+         'examples.train.write_summaries = False'])
     result = train_lib.train()
     sig = train_lib.mlp_signature()
   finally:
@@ -199,7 +199,7 @@ def test_run_example_serves_strings_from_a_tf_only_process(tmp_path):
         output_dir=str(tmp_path / 'out'), num_steps=12, export_every_steps=6,
         requests=['abc', 'héllo'],
         gin_bindings=[f'MODEL_OVERRIDES = {SMALL_T5!r}',
-                      'train.write_summaries = False'])
+                      'examples.train.write_summaries = False'])
   finally:
     gin.clear_config()
   steps = [v['step'] for v in report['versions']]
