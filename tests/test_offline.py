@@ -1,22 +1,34 @@
-"""Tests for `python -m t5export.offline`, run as a real subprocess.
+"""Tests for `python -m t5export.offline`.
 
 Each checkpoint format is written by its real library (orbax
 CheckpointManager, orbax PyTreeCheckpointer, flax msgpack) or is the real
-T5X fixture. Every published version is loaded and run in a TensorFlow-only
-process (no JAX imported) and compared with the JAX model on the same params.
-The exports run concurrently in the background while other tests proceed.
+T5X fixture. Every format is exported once by a real `python -m
+t5export.offline` subprocess, and one error is reported by one; the
+subprocesses run concurrently in the background while other tests proceed.
+The other runs call the same CLI in this process (`offline.main` after absl
+parses the `offline.rewrite_args` command line), which is the subprocess's
+code path without the interpreter start and the imports. Every published
+version is loaded and run in one TensorFlow-only process (no JAX imported)
+and compared with the JAX model on the same params.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import functools
+import io
 import json
+import logging
 import os
 import pathlib
 import subprocess
 import sys
 import textwrap
 
+from absl import flags
+from absl import logging as absl_logging
+import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,17 +126,63 @@ def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
                         text=True, timeout=timeout)
 
 
+def _run_in_process(cmd: list[str]) -> subprocess.CompletedProcess:
+  """Runs an `_offline_cmd` command line in this process.
+
+  absl parses `offline.rewrite_args(argv)` as `offline.run` does, then
+  `offline.main` runs; its exit status and its stderr with the absl log
+  lines (absl logs to stderr in the subprocess) are returned as a
+  subprocess's would be. The flags, the gin config and the absl logger are
+  restored afterwards.
+
+  Args:
+    cmd: the `python -m t5export.offline` command line.
+
+  Returns:
+    The run's exit status and stderr (with the log lines).
+  """
+  argv = ['t5export.offline', *cmd[cmd.index('t5export.offline') + 1:]]
+  absl_logger = logging.getLogger('absl')
+  level = absl_logger.level
+  stderr = io.StringIO()
+  handler = logging.StreamHandler(stderr)
+  absl_logger.addHandler(handler)
+  try:
+    remaining = flags.FLAGS(offline.rewrite_args(argv))
+    absl_logging.set_verbosity(absl_logging.INFO)  # As --verbosity=0.
+    with contextlib.redirect_stderr(stderr):
+      try:
+        offline.main(remaining)
+        returncode = 0
+      except SystemExit as e:
+        returncode = e.code
+  finally:
+    flags.FLAGS.unparse_flags()
+    gin.clear_config()
+    absl_logger.removeHandler(handler)
+    absl_logger.setLevel(level)
+  return subprocess.CompletedProcess(cmd, returncode, '', stderr.getvalue())
+
+
+_TX = optax.adam(0.1)
+# One trace each for every seed (a fresh jit per call would recompile).
+_apply_gradient = jax.jit(lambda state, grads: state.apply_gradient(grads))
+
+
+@functools.cache
+def _mlp_init() -> dict:
+  return models.init_mlp_bn(models.MlpBn(), jax.random.PRNGKey(0))
+
+
 def _mlp_variables(seed: int) -> dict:
   """Non-initial MlpBn variables: a few adam steps and random batch stats."""
-  model = models.MlpBn()
-  variables = models.init_mlp_bn(model, jax.random.PRNGKey(seed))
-  state = train_state.FlaxOptimTrainState.create(optax.adam(0.1), variables)
+  state = train_state.FlaxOptimTrainState.create(_TX, _mlp_init())
   rng = np.random.default_rng(seed)
   for _ in range(seed % 3 + 1):
     grads = jax.tree_util.tree_map(
         lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype),
         state.params)
-    state = state.apply_gradient(grads)
+    state = _apply_gradient(state, grads)
   stats = jax.tree_util.tree_map(
       lambda x: jnp.asarray(rng.random(x.shape) + 0.5, x.dtype),
       state.flax_mutables)
@@ -164,30 +222,40 @@ def work(tmp_path_factory) -> pathlib.Path:
 
 
 class _Job:
-  """One `python -m t5export.offline` run, in the background pool."""
+  """One offline run: a `python -m t5export.offline` subprocess in the
+  background pool, or (`in_process`) the same command line run in this
+  process when its result is first asked for."""
 
   def __init__(self, source, export_dir: pathlib.Path, gin_file, extra=(),
-               expected=None):
+               expected=None, *, in_process: bool = False):
     self.export_dir = export_dir
     self.expected = expected
+    self.in_process = in_process
     self.cmd = _offline_cmd(source, export_dir, gin_file, *extra)
     self.before: dict[str, tuple[int, int]] | None = None
     self._future: concurrent.futures.Future | None = None
+    self._result: subprocess.CompletedProcess | None = None
 
   def start(self, pool: concurrent.futures.Executor) -> None:
     self.before = _listing(self.export_dir)  # Taken before the run starts.
-    self._future = pool.submit(_run, self.cmd)
+    if not self.in_process:
+      self._future = pool.submit(_run, self.cmd)
 
   def result(self) -> subprocess.CompletedProcess:
-    return self._future.result(timeout=900)
+    if not self.in_process:
+      return self._future.result(timeout=900)
+    if self._result is None:  # gin and absl flags: the main thread only.
+      self._result = _run_in_process(self.cmd)
+    return self._result
 
 
 @pytest.fixture(scope='module')
 def background(work):
-  """Writes the checkpoints and starts every export (and error) run at once.
+  """Writes the checkpoints and starts the subprocess runs at once.
 
-  The runs overlap with each other and with the tests; each test waits for
-  the run it checks.
+  The subprocesses (one export per format, one error) overlap with each
+  other and with the tests; each test waits for the run it checks. The
+  in-process runs happen when a test first asks for their result.
   """
   jobs = {}
   mlp_gin, fixture_gin = work / 'mlp.gin', work / 'fixture.gin'
@@ -212,7 +280,7 @@ def background(work):
   jobs['pytree'] = _Job(
       work / 'pytree', work / 'export_pytree', mlp_gin,
       ['--step=7', "--gin.t5export.Signature.name='predict'",
-       '--no_validate'], expected=state)
+       '--no_validate'], expected=state, in_process=True)
   # 3. flax msgpack of a T5X-layout state dict, exported as bfloat16.
   params = _to_np(jax.tree_util.tree_map(
       lambda x: x * 1.5, t5x_fixture_model.init_model(
@@ -227,20 +295,22 @@ def background(work):
 
   # Errors. A missing checkpoint, into an export dir that does not exist.
   jobs['missing'] = _Job(work / 'no_such_ckpt', work / 'never_created',
-                         mlp_gin)
+                         mlp_gin, in_process=True)
   # Not a checkpoint, into an existing export dir holding a file.
   (work / 'not_a_ckpt').mkdir()
   (work / 'not_a_ckpt' / 'notes.txt').write_text('hello')
   (work / 'export_existing').mkdir()
   (work / 'export_existing' / 'README').write_text('keep me')
+  # The error path of a real subprocess.
   jobs['unknown'] = _Job(work / 'not_a_ckpt', work / 'export_existing',
                          mlp_gin)
   # Optimizer state only.
   (work / 'opt_only.msgpack').write_bytes(serialization.msgpack_serialize(
       {'state': {'step': np.int32(1), 'param_states': {'mu': np.ones(3)}}}))
   jobs['no_params'] = _Job(work / 'opt_only.msgpack', work / 'export_none',
-                           mlp_gin)
-  # Params with one missing, one unexpected and one wrongly shaped param.
+                           mlp_gin, in_process=True)
+  # Params with one missing, one unexpected and one wrongly shaped param
+  # (found after the gin config is loaded).
   state = _mlp_variables(1)
   params = _to_np(state.params)
   del params['head']['bias']
@@ -251,19 +321,20 @@ def background(work):
   (work / 'export_mismatch').mkdir()
   (work / 'export_mismatch' / 'README').write_text('keep me')
   jobs['mismatch'] = _Job(work / 'mismatch', work / 'export_mismatch',
-                          mlp_gin, ['--step=1'])
+                          mlp_gin, ['--step=1'], in_process=True)
   # No step recorded and no --step.
   ocp.PyTreeCheckpointer().save(work / 'stepless', {'params': {
       'w': np.ones(2, np.float32)}})
   jobs['stepless'] = _Job(work / 'stepless', work / 'export_stepless',
-                          mlp_gin)
+                          mlp_gin, in_process=True)
 
   # A gin file that does not set SIGNATURES.
   (work / 'no_signatures.gin').write_text("include 'offline.gin'\n")
   jobs['no_signatures'] = _Job(work / 'state.msgpack', work / 'export_nosig',
-                               work / 'no_signatures.gin')
+                               work / 'no_signatures.gin', in_process=True)
 
-  # All inputs are written: run them, three at a time (memory and 2 cores).
+  # All inputs are written: run the subprocesses, three at a time (memory
+  # and 2 cores).
   with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
     for job in jobs.values():
       job.start(pool)
@@ -339,8 +410,8 @@ def test_t5x_fixture(background, t5x_checkpoint_dir, work, tf_run):
 
   # Publishing the same step again is refused; nothing changes.
   before = _listing(export_dir)
-  again = _run(_offline_cmd(t5x_checkpoint_dir, export_dir,
-                            work / 'fixture.gin'))
+  again = _run_in_process(_offline_cmd(t5x_checkpoint_dir, export_dir,
+                                       work / 'fixture.gin'))
   _assert_one_error(again, 'VersionExistsError: Version 1 already exists')
   assert 'overwrite' in again.stderr
   assert _listing(export_dir) == before
