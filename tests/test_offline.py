@@ -368,8 +368,15 @@ def tf_run(work):
   proc.wait(timeout=60)
 
 
-def _assert_success(returncode: int, stderr: str, export_dir: pathlib.Path,
-                    version: int, *, validated: bool = True) -> pathlib.Path:
+def _metadata(version_dir: pathlib.Path) -> dict:
+  return json.loads((version_dir / 'assets.extra' / 't5export.json')
+                    .read_text())
+
+
+def _assert_success(proc: subprocess.CompletedProcess,
+                    export_dir: pathlib.Path, version: int, *,
+                    validated: bool = True) -> pathlib.Path:
+  returncode, stderr = proc.returncode, proc.stderr
   assert returncode == 0, stderr[-3000:]
   for phase in ('[read]', '[convert]', '[write, check, publish]'):
     assert f'offline {phase}' in stderr, phase
@@ -378,9 +385,7 @@ def _assert_success(returncode: int, stderr: str, export_dir: pathlib.Path,
   assert ('check passed' in stderr) == validated
   assert sorted(os.listdir(export_dir)) == [str(version)]  # No staging left.
   version_dir = export_dir / str(version)
-  meta = json.loads((version_dir / 'assets.extra' / 't5export.json')
-                    .read_text())
-  assert meta['step'] == version
+  assert _metadata(version_dir)['step'] == version
   assert (version_dir / 'assets.extra' / 'config.gin').is_file()
   return version_dir
 
@@ -397,15 +402,13 @@ def test_t5x_fixture(background, t5x_checkpoint_dir, work, tf_run):
   export_dir = work / 'export_t5x'
   proc = _run(_offline_cmd(t5x_checkpoint_dir, export_dir,
                            work / 'fixture.gin'))
-  version_dir = _assert_success(proc.returncode, proc.stderr, export_dir, 1)
+  version_dir = _assert_success(proc, export_dir, 1)
   assert 'offline [read]: t5x checkpoint' in proc.stderr
   reference = np.load(t5x_checkpoint_dir / 'params_reference.npz')
   params = paths.unflatten({k: reference[k] for k in reference.files})
   _assert_outputs(tf_run(version_dir, {'tokens': _TOKENS}),
                   _fixture_jax(params))
-  meta = json.loads((version_dir / 'assets.extra' / 't5export.json')
-                    .read_text())
-  entry = meta['params']['params/token_embedder/embedding']
+  entry = _metadata(version_dir)['params']['params/token_embedder/embedding']
   assert entry['logical_axes'] == ['vocab', 'embed']  # From INIT_FN.
 
   # Publishing the same step again is refused; nothing changes.
@@ -418,23 +421,17 @@ def test_t5x_fixture(background, t5x_checkpoint_dir, work, tf_run):
 
 
 def test_orbax_checkpoint_manager(background, tf_run):
-  job = background['manager']
-  returncode, stderr, export_dir, state = (
-      job.result().returncode, job.result().stderr, job.export_dir,
-      job.expected)
-  version_dir = _assert_success(returncode, stderr, export_dir, 5)
-  assert 'offline [read]: orbax checkpoint' in stderr
+  job, state = background['manager'], background['manager'].expected
+  version_dir = _assert_success(job.result(), job.export_dir, 5)
+  assert 'offline [read]: orbax checkpoint' in job.result().stderr
   variables = {'params': state.params, **state.flax_mutables}
   _assert_outputs(tf_run(version_dir, {'x': _MLP_X}), _mlp_jax(variables))
 
 
 def test_orbax_pytree_checkpointer_step_flag_and_gin_shorthand(background,
                                                                tf_run):
-  job = background['pytree']
-  returncode, stderr, export_dir, state = (
-      job.result().returncode, job.result().stderr, job.export_dir,
-      job.expected)
-  version_dir = _assert_success(returncode, stderr, export_dir, 7,
+  job, state = background['pytree'], background['pytree'].expected
+  version_dir = _assert_success(job.result(), job.export_dir, 7,
                                 validated=False)
   variables = {'params': state.params, **state.flax_mutables}
   _assert_outputs(tf_run(version_dir, {'x': _MLP_X}, signature='predict'),
@@ -442,14 +439,10 @@ def test_orbax_pytree_checkpointer_step_flag_and_gin_shorthand(background,
 
 
 def test_flax_msgpack_cast_to_bfloat16(background, tf_run):
-  job = background['msgpack']
-  returncode, stderr, export_dir, params = (
-      job.result().returncode, job.result().stderr, job.export_dir,
-      job.expected)
-  version_dir = _assert_success(returncode, stderr, export_dir, 12)
-  assert 'cast to bfloat16' in stderr
-  meta = json.loads((version_dir / 'assets.extra' / 't5export.json')
-                    .read_text())
+  job, params = background['msgpack'], background['msgpack'].expected
+  version_dir = _assert_success(job.result(), job.export_dir, 12)
+  assert 'cast to bfloat16' in job.result().stderr
+  meta = _metadata(version_dir)
   assert {e['dtype'] for e in meta['params'].values()} == {'bfloat16'}
   assert meta['platforms'] == ['cpu']
   cast = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.bfloat16),
