@@ -412,6 +412,30 @@ def test_unknown_format(tmp_path):
       checkpoints.read_params(path)
 
 
+def test_unreadable_files_of_a_known_format(tmp_path):
+  """Files that look like a format at first and fail inside its reader."""
+  (tmp_path / 'orbax').mkdir()
+  (tmp_path / 'orbax' / '_METADATA').write_text('{}')
+  with pytest.raises(errors.UnknownCheckpointFormatError,
+                     match="_METADATA file without 'tree_metadata'"):
+    checkpoints.read_params(tmp_path / 'orbax')
+  # A msgpack map header, then a byte msgpack never uses.
+  (tmp_path / 'broken.msgpack').write_bytes(b'\x81\xc1')
+  assert checkpoints.detect_format(tmp_path / 'broken.msgpack') == (
+      checkpoints.FLAX_MSGPACK)
+  with pytest.raises(errors.UnknownCheckpointFormatError,
+                     match=r'not a readable msgpack checkpoint .*Looked for'):
+    checkpoints.read_params(tmp_path / 'broken.msgpack')
+  (tmp_path / 'checkpoint_3').mkdir()
+  (tmp_path / 'checkpoint_3' / 'checkpoint').write_bytes(
+      msgpack.packb({'version': 3, 'optimizer': 5}))
+  assert checkpoints.detect_format(tmp_path / 'checkpoint_3') == (
+      checkpoints.T5X)
+  with pytest.raises(errors.NoParamsInCheckpointError,
+                     match="has no 'optimizer' dict"):
+    checkpoints.read_params(tmp_path / 'checkpoint_3')
+
+
 def test_no_params(tmp_path):
   sd = _state_dict(_params(1), step=1)
   del sd['target']
