@@ -1296,8 +1296,9 @@ def render_table(records: Sequence[dict], info: dict[str, Any],
       f'{" --smoke" if cfg.smoke else ""}` in {seconds / 60:.1f} min on '
       f'{info.get("nproc")} CPUs ({info.get("cpu", "?")}), '
       f'{info.get("memory_gib", "?")} GiB, Linux {info["kernel"]}, '
-      f'Python {info["python"]}; load average at start '
-      f'{info["loadavg_start"]:.2f}.',
+      f'Python {info["python"]}; load average (other sessions\' work on '
+      f'the same machine) {info["loadavg_start"]:.1f} at start, '
+      f'{info.get("loadavg_end", float("nan")):.1f} at the end.',
       'Versions: ' + ', '.join(f'{k} {x}' for k, x in v.items()) + '.',
       f'Model: {cfg.depth} Dense layers (float32); sizes '
       + ', '.join(f'{k} = {n:,} params' for k, n in cfg.sizes.items())
@@ -1344,6 +1345,29 @@ def write_markdown(path: pathlib.Path, table: str,
   path.write_text('# Benchmarks\n\n' + block + '\n')
 
 
+def render_saved(path: pathlib.Path) -> int:
+  """Rewrites BENCHMARKS.md from the JSON lines an earlier run printed."""
+  info, run, records = None, {}, []
+  for line in path.read_text().splitlines():
+    obj = json.loads(line)
+    if 'machine' in obj:
+      info = obj['machine']
+    elif 'run' in obj:
+      run = obj['run']
+    elif 'figure' in obj:
+      records.append(obj)
+  if info is None or not records:
+    raise SystemExit(f'--render: {path} holds no machine line or no figures')
+  info['loadavg_end'] = run.get('loadavg_end', float('nan'))
+  cfg = Config(smoke=run.get('smoke', False), repeats=run.get('repeats'),
+               workdir=path.parent)
+  write_markdown(REPO / 'BENCHMARKS.md',
+                 render_table(records, info, cfg, run.get('seconds', 0.0)),
+                 records)
+  log(f'BENCHMARKS.md rewritten from {path}')
+  return 0
+
+
 # --------------------------------------------------------------------------
 # Driver
 
@@ -1367,9 +1391,14 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument('--workdir', default=None)
   parser.add_argument('--worker', default=None, help=argparse.SUPPRESS)
   parser.add_argument('--spec', default='{}', help=argparse.SUPPRESS)
+  parser.add_argument('--render', default=None, metavar='JSONL',
+                      help='rewrite BENCHMARKS.md from the saved stdout of '
+                           'an earlier run, measuring nothing')
   args = parser.parse_args(argv)
   if args.worker:
     return worker_main(args.worker, args.spec)
+  if args.render:
+    return render_saved(pathlib.Path(args.render))
   wanted = set(FIGURES) if not args.only else set(args.only.split(','))
   unknown = wanted - set(FIGURES)
   if unknown:
@@ -1414,6 +1443,9 @@ def main(argv: Sequence[str] | None = None) -> int:
       shutil.rmtree(workdir, ignore_errors=True)
   seconds = time.time() - start
   log(f'done in {seconds:.0f} s')
+  sys.stdout.write(json.dumps({'run': {
+      'seconds': seconds, 'loadavg_end': os.getloadavg()[0],
+      'smoke': cfg.smoke, 'repeats': cfg.repeats}}) + '\n')
   write = args.write if args.write is not None else not (
       args.smoke or args.only)
   if write:
