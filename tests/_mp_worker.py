@@ -10,7 +10,9 @@ It trains a few steps of the tiny T5 with its train state sharded over a
 Modes:
   export  train, export every 2 steps (async), close; process 0 saves the
           final gathered params to --params_out (npz) for the test's
-          unsharded reference export. With --failures, then: a callback
+          unsharded reference export. With --rules_1d, then the same params
+          placed by the 1-D rules are exported by a second callback
+          (export_now). With --failures, then: a callback
           whose export_dir (--bad_dir) process 0 cannot create, and two
           more steps whose params turn NaN before the export, so process 0
           refuses to publish (NonFiniteParamsError), once with
@@ -86,6 +88,16 @@ def make_signatures(model: Any) -> list[Any]:
           sample_inputs={'encoder_tokens': sample_tokens(2, (2, ENC_LEN)),
                          'decoder_tokens': sample_tokens(3, (2, DEC_LEN))}),
   ]
+
+
+def _specs(params: Any) -> dict[str, list[Any]]:
+  """Each param's PartitionSpec as JSON (path -> one entry per dim)."""
+  from t5export import paths  # pylint: disable=g-import-not-at-top
+  flat = paths.flatten(jax.tree.map(lambda x: x.sharding.spec, params),
+                       is_leaf=lambda x: isinstance(
+                           x, jax.sharding.PartitionSpec))
+  return {p: [list(e) if isinstance(e, tuple) else e for e in spec]
+          for p, spec in flat.items()}
 
 
 def _digest(flat: dict[str, Any]) -> str:
@@ -183,8 +195,6 @@ def train_and_export(args: argparse.Namespace) -> None:
         failures[name] = e
       close_secs[name] = time.monotonic() - start
     error = failures.get('loop') or failures.get('raise')
-    specs = paths.flatten(
-        jax.tree.map(lambda x: x.sharding.spec, state.params))
     host = paths.flatten(partitioning.gather_to_host(state.params))
     emit(event=f'done:{phase}', process=jax.process_index(), pid=os.getpid(),
          step=int(partitioning.gather_to_host(state.step)),
@@ -201,8 +211,7 @@ def train_and_export(args: argparse.Namespace) -> None:
          fully_addressable=sorted(
              p for p, x in paths.flatten(state.params).items()
              if x.is_fully_addressable),
-         specs={p: [list(e) if isinstance(e, tuple) else e for e in s]
-                for p, s in specs.items()},
+         specs=_specs(state.params),
          digest=_digest(host),
          export_dir_exists=os.path.exists(export_dir))
     if (phase == 'export' and jax.process_index() == 0 and args.params_out
@@ -212,6 +221,20 @@ def train_and_export(args: argparse.Namespace) -> None:
 
   state = export_phase('export', state, range(1, args.steps + 1),
                        args.export_dir)
+  if args.rules_1d:
+    # The same params placed by the 1-D rules ('embed' never sharded),
+    # exported at once by a second callback.
+    rules_1d = t5export.standard_logical_axis_rules()
+    state_1d = partitioning.shard_state(state, mesh, rules_1d)
+    cb_1d = t5export.ExportCallback(
+        export_dir=args.export_dir + '_1d', signatures=signatures,
+        export_every_steps=1000, logical_axis_rules=rules_1d,
+        async_export=False, warmup=False,
+        multiprocess_timeout_secs=args.timeout)
+    path = cb_1d.export_now(state_1d)
+    cb_1d.close()
+    emit(event='done:1d', process=jax.process_index(), path=path,
+         specs=_specs(state_1d.params))
   if not args.failures:
     return
   # A directory process 0 cannot create: its constructor fails, and the
@@ -262,6 +285,7 @@ def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument('--mode', choices=('export', 'silent'), required=True)
   parser.add_argument('--failures', action='store_true')
+  parser.add_argument('--rules_1d', action='store_true')
   parser.add_argument('--process_id', type=int, default=0)
   parser.add_argument('--num_processes', type=int, default=1)
   parser.add_argument('--port', type=int, default=0)

@@ -159,7 +159,7 @@ def runs(tmp_path_factory):
   started['export8'] = Run('export8', num_processes=1, devices=8,
                            args_for=lambda i: [
                                '--mode', 'export', '--mesh', '2,4',
-                               '--steps', '3', '--export_dir',
+                               '--steps', '3', '--rules_1d', '--export_dir',
                                str(dirs['export8'] / 'export'),
                                '--params_out',
                                str(dirs['export8'] / 'params.npz')])
@@ -182,15 +182,19 @@ def reference(tmp_path_factory):
   from t5export import paths  # pylint: disable=g-import-not-at-top
 
   model = _mp_worker.make_model()
+  done: dict[tuple[str, int], str] = {}
   exporter = t5export.SavedModelExporter(
       tmp_path_factory.mktemp('reference') / 'export',
       _mp_worker.make_signatures(model), keep=None, warmup=False,
       validate=False)  # The test compares the outputs itself.
 
   def export(npz_path: pathlib.Path, step: int) -> str:
-    params = paths.unflatten(_load_npz(npz_path))
-    state = t5export.InferenceState.create({'params': params})
-    return exporter.export(state.replace_step(step))
+    key = (str(npz_path), step)
+    if key not in done:
+      params = paths.unflatten(_load_npz(npz_path))
+      state = t5export.InferenceState.create({'params': params})
+      done[key] = exporter.export(state.replace_step(step))
+    return done[key]
 
   return export
 
@@ -294,6 +298,7 @@ def test_two_processes_export_like_one(runs, reference):
 
 @pytest.mark.multiprocess
 def test_eight_devices_one_process_export_like_unsharded(runs, reference):
+  """2-D rules on a (2, 4) mesh, then the 1-D rules, both via the callback."""
   (p,) = runs['runs']['export8'].result()
   d = p.event('done:export')
   assert d['error'] is None, d['failures']
@@ -306,6 +311,14 @@ def test_eight_devices_one_process_export_like_unsharded(runs, reference):
   _assert_mesh_axes_recorded(export_dir / '3', d['specs'])
   npz = runs['dirs']['export8'] / 'params.npz'
   _assert_same_as_reference(export_dir / '3', reference(npz, 3), npz)
+
+  # The same params placed by the 1-D rules: 'embed' is never sharded.
+  d1 = p.event('done:1d')
+  assert d1['path'] == str(runs['dirs']['export8'] / 'export_1d' / '3')
+  assert d1['specs']['encoder_layers_0/mlp/wi'] == [None, 'model']
+  assert d1['specs']['encoder_layers_0/mlp/wo'] == ['model', None]
+  _assert_mesh_axes_recorded(pathlib.Path(d1['path']), d1['specs'])
+  _assert_same_as_reference(pathlib.Path(d1['path']), reference(npz, 3), npz)
 
 
 @pytest.mark.multiprocess
