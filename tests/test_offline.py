@@ -283,7 +283,7 @@ def background(work):
        '--no_validate'], expected=state, in_process=True)
   # 3. flax msgpack of a T5X-layout state dict, exported as bfloat16.
   params = _to_np(jax.tree_util.tree_map(
-      lambda x: x * 1.5, t5x_fixture_model.init_model(
+      lambda x: x * 1.5, jax.jit(t5x_fixture_model.init_model)(
           jax.random.PRNGKey(12))['params']))
   opt = optax.adam(0.1).init(params)
   (work / 'state.msgpack').write_bytes(serialization.msgpack_serialize({
