@@ -585,7 +585,7 @@ class ExportCallback(periodic_actions.PeriodicAction):
       return
     try:  # Don't mask the exception already on its way out.
       self.close()
-    except errors.ExportFailedError as e:
+    except errors.T5ExportError as e:  # Incl. WriterFailedError (others).
       logging.error('t5export: %s (while handling %s)', e, exc_type.__name__)
 
   # --- introspection --------------------------------------------------------
