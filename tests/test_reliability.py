@@ -342,6 +342,30 @@ def test_read_only_filesystem_fails_export_then_recovers(small_fs):
 # --- 4. non-finite params ---------------------------------------------------
 
 
+class _ErrorLogs:
+  """Collects absl ERROR log messages emitted inside the block."""
+
+  def __enter__(self) -> list[str]:
+    import logging as std_logging  # pylint: disable=g-import-not-at-top
+    from absl import logging  # pylint: disable=g-import-not-at-top
+    self.lines: list[str] = []
+    lines = self.lines
+
+    class Handler(std_logging.Handler):
+
+      def emit(self, record):
+        if record.levelno >= std_logging.ERROR:
+          lines.append(record.getMessage())
+
+    self._handler = Handler()
+    self._logger = logging.get_absl_logger()
+    self._logger.addHandler(self._handler)
+    return lines
+
+  def __exit__(self, *exc) -> None:
+    self._logger.removeHandler(self._handler)
+
+
 def _with_bad_values(step: int, bad: dict[str, float]) -> dict:
   variables = model.params_for(step)
   flat = paths.flatten(variables)
@@ -410,6 +434,27 @@ def test_allow_non_finite_publishes_them_as_they_are(nan_exporters, value):
                                 bad['params']['dense_0']['bias'])
   meta = verify.read_metadata(path)
   assert meta['check']['validated'] is True
+
+
+def test_non_finite_export_in_training_is_logged_and_training_goes_on(
+    tmp_path):
+  """ExportCallback(on_error='log'): a NaN step is refused, the next exports."""
+  from t5export import callbacks  # pylint: disable=g-import-not-at-top
+  export_dir = str(tmp_path / 'export')
+  cb = callbacks.ExportCallback(
+      export_dir=export_dir, signatures=[model.signature()],
+      export_every_steps=1, keep=KEEP, on_error='log', async_export=False)
+  with cb:
+    cb(1, train_state=model.state_for(1))
+    bad = _with_bad_values(2, {'params/dense_0/kernel': np.nan})
+    with _ErrorLogs() as logged:
+      cb(2, train_state=t5export.InferenceState.create(bad).replace_step(2))
+    cb(3, train_state=model.state_for(3))
+  assert any("Parameter 'params/dense_0/kernel' holds 1 non-finite" in line
+             for line in logged), logged
+  assert cb.exports_done == 2
+  assert _versions(export_dir) == [1, 3]
+  assert _staging(export_dir) == []
 
 
 def test_check_tells_infinity_from_a_number():
