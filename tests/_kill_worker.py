@@ -7,10 +7,9 @@ MODE is 'exporter' (`SavedModelExporter.export` in a loop) or 'callback'
 The worker imports everything and warms up (one export into a scratch
 directory: the first jax2tf trace, TensorFlow save and load cost seconds),
 prints `ready`, and waits for a line on stdin before it touches EXPORT_DIR,
-so the test can overlap one worker's start with the previous worker's run
-and the kill lands in the steady state or in the start of the exporter. Then it constructs the exporter
-(which removes stale staging directories), prints `resumed <json listing>`,
-and exports `_reliability_model.params_for(step)` as versions
+so the test can overlap one worker's start with the previous worker's
+run. Then it constructs the exporter (which removes stale staging
+directories), prints `resumed <json listing>`, and exports `_reliability_model.params_for(step)` as versions
 max(existing)+1, +2, ... printing `published <step>` after each, until the
 test SIGKILLs it.
 """

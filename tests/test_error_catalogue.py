@@ -1,4 +1,4 @@
-"""One test per row of docs/errors.md: bad input, what the user sees, what is kept.
+"""One test per row of docs/errors.md: bad input, what users see, what is kept.
 
 Each test is named `test_<row id>` after its row of the table in
 docs/errors.md and asserts the exception class AND the message the row
@@ -162,7 +162,7 @@ def test_export_dir_not_writable(tmp_path):
     assert sorted(os.listdir(path)) == before
 
 
-# --- signatures -----------------------------------------------------------------
+# --- signatures ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize('name', ['serving default!', '1st', ''])
@@ -199,7 +199,7 @@ def test_input_names_do_not_match_the_method(published):
   _assert_kept(published, before)
 
 
-# --- params changing between exports --------------------------------------------
+# --- params changing between exports ------------------------------------------
 
 
 def test_params_structure_changed(published):
@@ -304,7 +304,7 @@ def test_logical_axis_without_rule(tmp_path):
   assert os.listdir(tmp_path / 'export') == []
 
 
-# --- gin ------------------------------------------------------------------------
+# --- gin ----------------------------------------------------------------------
 
 
 def test_gin_unknown_parameter():

@@ -91,7 +91,7 @@ class _Checker:
     self._passed.add(digest)
 
 
-# --- 1. crash safety: SIGKILL at random moments ---------------------------------
+# --- 1. crash safety: SIGKILL at random moments -------------------------------
 
 KILLS = 20
 KILL_SEED = 20261122
@@ -225,7 +225,7 @@ def test_sigkill_at_random_moments_never_publishes_a_partial_version(
   assert len(ever) >= 10, summary + '\n' + '\n'.join(report)
 
 
-# --- 2. write failures: file-size limit, full disk, read-only filesystem -------
+# --- 2. write failures: file-size limit, full disk, read-only filesystem ------
 
 FSIZE_LIMIT = 4096  # Bytes: below saved_model.pb, above nothing we need.
 
@@ -532,7 +532,7 @@ def test_restarted_training_continues_the_version_sequence(tmp_path):
                                   err_msg=path)
 
 
-# --- 6. load: 200 exports in one process ----------------------------------------
+# --- 6. load: 200 exports in one process --------------------------------------
 
 LOAD_EXPORTS = 200
 LOAD_WARMUP = 20
