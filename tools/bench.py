@@ -1012,9 +1012,9 @@ def parse_exports(cfg: Config, res: Results,
 
 def plan_scaling(cfg: Config) -> list[Item]:
   items = []
+  # All three sizes from the same kind of process (the export pairs also
+  # write raw files between re-exports, which changes the disk's load).
   for label in ('25M', '100M', '400M'):
-    if label == '100M':
-      continue  # From the export pairs (same worker, same settings).
     items.append(Item(f'scaling/{label}', 'export', {
         'side': 'ours', 'n_params': cfg.sizes[label], 'depth': cfg.depth,
         'tf_first': True, 'reexports': _reps(cfg), 'raw': False,
@@ -1025,16 +1025,10 @@ def plan_scaling(cfg: Config) -> list[Item]:
 def parse_scaling(cfg: Config, res: Results,
                   emit: Callable[[dict], None]) -> None:
   times: dict[int, list[float]] = {}
-  for label in ('25M', '400M'):
+  for label in ('25M', '100M', '400M'):
     r = _get(res, f'scaling/{label}')
     times[cfg.sizes[label]] = [r['phases'][f're{i}']['seconds']
                                for i in range(_reps(cfg))]
-  mid = []
-  for rep in range(cfg.repeats):
-    r = _get(res, f'export/ours/before/{rep}')
-    mid.append(_median([r['phases'][f're{i}']['seconds']
-                        for i in range(cfg.reexports)]))
-  times[cfg.main_size] = mid
   sizes = sorted(times)
   k = min(len(v) for v in times.values())
   xs = [math.log(n) for n in sizes]
@@ -1045,7 +1039,10 @@ def parse_scaling(cfg: Config, res: Results,
       'scaling_slope', slopes,
       seconds={str(n): _median(times[n]) for n in sizes},
       slope_of_medians=_slope(xs, [math.log(_median(times[n]))
-                                   for n in sizes])))
+                                   for n in sizes]),
+      step_slopes=[round(_slope(xs[i:i + 2], [math.log(_median(times[n]))
+                                               for n in sizes[i:i + 2]]), 3)
+                   for i in range(len(sizes) - 1)]))
 
 
 def _slope(xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -1288,6 +1285,8 @@ def _details(rec: dict[str, Any]) -> str:
     elif isinstance(value, dict):
       parts.append(f'{key} ' + ', '.join(f'{k}: {_fmt(v)}'
                                         for k, v in value.items()))
+    elif isinstance(value, list) and len(value) < 8:
+      parts.append(f'{key} ' + ', '.join(_fmt(v) for v in value))
     elif isinstance(value, (int, float, str)) and len(str(value)) < 60:
       parts.append(f'{key} {_fmt(value)}')
   return '; '.join(parts)
@@ -1426,9 +1425,6 @@ def main(argv: Sequence[str] | None = None) -> int:
   sys.stdout.write(json.dumps({'machine': machine_info_start}) + '\n')
   start = time.time()
   active = [g for g in GROUPS if wanted & set(g[1])]
-  if any(g[0] == 'scaling' for g in active) and not any(
-      g[0] == 'exports' for g in active):
-    active.insert(0, GROUPS[0])  # Scaling's 100M point is the export pairs.
   try:
     items = [item for g in active for item in g[2](cfg)]
     res = execute(items, cfg)
