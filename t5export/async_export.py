@@ -356,7 +356,7 @@ class AsyncWorker:
     if e is not None:
       raise errors.ExportFailedError(
           f'Background work in {self.name!r} failed: {type(e).__name__}: '
-          f'{e}. ({shared.failed} failure(s) so far; pass on_error=\'log\' '
+          f'{str(e).rstrip(".")}. ({shared.failed} failure(s) so far; pass on_error=\'log\' '
           'to log failures and keep training.)') from e
 
   def _check_not_worker_thread(self, what: str) -> None:

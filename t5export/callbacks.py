@@ -381,7 +381,8 @@ class ExportCallback(periodic_actions.PeriodicAction):
     self._coordinator.settle(self._drain)
     step = int(train_state.step)
     start = time.perf_counter()
-    snap = snapshot_lib.take_snapshot(train_state, rules=self._rules)
+    snap = snapshot_lib.take_snapshot(train_state, rules=self._rules,
+                                      keep_arrays=self._is_writer)
     path = self._publish(snap, metrics, sync=True)
     self._record_blocking(step, time.perf_counter() - start)
     return path
@@ -411,7 +412,8 @@ class ExportCallback(periodic_actions.PeriodicAction):
               metrics: Mapping[str, Any] | None) -> None:
     """Snapshot on the training thread, then publish (hand off or inline)."""
     start = time.perf_counter()
-    snap = snapshot_lib.take_snapshot(train_state, rules=self._rules)
+    snap = snapshot_lib.take_snapshot(train_state, rules=self._rules,
+                                      keep_arrays=self._is_writer)
     if snap.step != step and not self._step_mismatch_warned:
       self._step_mismatch_warned = True
       logging.warning(

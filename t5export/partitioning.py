@@ -17,6 +17,7 @@ Light: this module never imports TensorFlow.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+import functools
 from typing import Any
 
 from absl import logging
@@ -377,7 +378,7 @@ def _copy_fully_addressable(x: jax.Array) -> np.ndarray:
   return out
 
 
-def _gather_leaf(keypath: Any, x: Any) -> np.ndarray:
+def _gather_leaf(keypath: Any, x: Any, *, keep: bool = True) -> Any:
   if isinstance(x, jax.core.Tracer):
     raise TypeError(
         f'gather_to_host got a traced value at {paths.path_str(keypath)!r}; '
@@ -389,18 +390,25 @@ def _gather_leaf(keypath: Any, x: Any) -> np.ndarray:
           'jitted step?). Take the snapshot before the step that donates it.')
     if x.is_fully_addressable or x.is_fully_replicated:
       # Replicated over processes: every process already holds the value.
+      if not keep:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
       return _copy_fully_addressable(x)
-    # Spread over processes: an all-gather every process joins.
+    # Spread over processes: an all-gather every process joins, keeping the
+    # result or not.
     gathered = multihost_utils.process_allgather(x, tiled=True)
+    if not keep:
+      del gathered  # Joined the collective; this process drops the leaf.
+      return jax.ShapeDtypeStruct(x.shape, x.dtype)
     return np.array(gathered, copy=True)
   if isinstance(x, (np.ndarray, np.generic, bool, int, float, complex)):
-    return np.array(x, copy=True)
+    array = np.array(x, copy=True)
+    return array if keep else jax.ShapeDtypeStruct(array.shape, array.dtype)
   raise TypeError(
       f'gather_to_host: leaf {paths.path_str(keypath)!r} is a '
       f'{type(x).__name__}; expected jax.Array, numpy array or a number.')
 
 
-def gather_to_host(tree: Any) -> Any:
+def gather_to_host(tree: Any, *, keep: bool = True) -> Any:
   """Copies every array of `tree` to host numpy, leaf by leaf.
 
   Fully addressable arrays are assembled from their shards on this host.
@@ -412,21 +420,28 @@ def gather_to_host(tree: Any) -> Any:
 
   Args:
     tree: a pytree of `jax.Array`, numpy arrays or Python numbers.
+    keep: False on a process that must join the collectives but has no use
+      for the values (in a multi-process export, every process but the
+      writer): each gathered leaf is dropped at once, so the extra memory is
+      one leaf, and `jax.ShapeDtypeStruct` placeholders come back.
 
   Returns:
-    The same structure with `np.ndarray` leaves (numbers become 0-d arrays).
+    The same structure with `np.ndarray` leaves (numbers become 0-d arrays),
+    or `jax.ShapeDtypeStruct` leaves when `keep` is False.
 
   Raises:
     TypeError: for traced values or leaves of other types.
     ValueError: for deleted (donated) arrays.
   """
-  return jax.tree_util.tree_map_with_path(_gather_leaf, tree)
+  return jax.tree_util.tree_map_with_path(
+      functools.partial(_gather_leaf, keep=keep), tree)
 
 
 def tree_nbytes(tree: Any) -> int:
-  """Total bytes of the array leaves of `tree`."""
+  """Total bytes of the array leaves (or shape/dtype placeholders) of `tree`."""
   return sum(
-      int(getattr(x, 'nbytes', 0)) for x in jax.tree_util.tree_leaves(tree))
+      int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+      for x in jax.tree_util.tree_leaves(tree) if hasattr(x, 'dtype'))
 
 
 __all__ = [

@@ -81,8 +81,8 @@ def _axes_by_path(spec_state: train_state.InferenceState) -> AxesByPath:
 
 
 def take_snapshot(state: Any, *,
-                  rules: Sequence[tuple[str, Any]] | None = None
-                  ) -> HostSnapshot:
+                  rules: Sequence[tuple[str, Any]] | None = None,
+                  keep_arrays: bool = True) -> HostSnapshot:
   """Strips, resolves axes and gathers a state to host.
 
   Under `jax.distributed` every process must call this at the same step with
@@ -94,9 +94,14 @@ def take_snapshot(state: Any, *,
       is dropped unread) or an `InferenceState`.
     rules: logical axis rules (e.g. `standard_logical_axis_rules()`); when
       given and the state has axes, each variable's mesh axes are recorded.
+    keep_arrays: False on a process that only joins the gather (every
+      process but the writer in a multi-process export): the variables are
+      `jax.ShapeDtypeStruct` placeholders and at most one gathered leaf is
+      held at a time.
 
   Returns:
-    A `HostSnapshot` owning numpy copies of the params and mutables.
+    A `HostSnapshot` owning numpy copies of the params and mutables
+    (shape/dtype placeholders when `keep_arrays` is False).
 
   Raises:
     TypeError: if `state` is not a state.
@@ -116,7 +121,8 @@ def take_snapshot(state: Any, *,
     logging.info('take_snapshot: the state declares no logical axes; '
                  'mesh axes are not recorded.')
   step = int(np.asarray(partitioning.gather_to_host(inference.step)))
-  variables = partitioning.gather_to_host(inference.variables)
+  variables = partitioning.gather_to_host(inference.variables,
+                                          keep=keep_arrays)
   nbytes = partitioning.tree_nbytes(variables)
   logging.info('Snapshot of step %d: %d arrays, %.1f MiB in %.3fs.', step,
                len(jax.tree_util.tree_leaves(variables)), nbytes / 2**20,

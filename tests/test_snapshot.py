@@ -234,3 +234,15 @@ def test_import_does_not_pull_tensorflow():
                         capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr[-5000:]
   assert proc.stdout.strip() == '[]'
+
+
+def test_keep_arrays_false_joins_the_gather_but_holds_no_values():
+  params = {'dense': {'kernel': jnp.arange(12, dtype=jnp.float32).reshape(3, 4)}}
+  state = train_state.InferenceState.create({"params": params})
+  kept = snapshot.take_snapshot(state)
+  dropped = snapshot.take_snapshot(state, keep_arrays=False)
+  leaf = dropped.variables['params']['dense']['kernel']
+  assert isinstance(leaf, jax.ShapeDtypeStruct)
+  assert (leaf.shape, leaf.dtype) == ((3, 4), np.float32)
+  assert dropped.nbytes == kept.nbytes == 48
+  assert dropped.step == kept.step == 0
