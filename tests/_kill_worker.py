@@ -2,8 +2,10 @@
 
   python tests/_kill_worker.py EXPORT_DIR MODE KEEP
 
-MODE is 'exporter' (`SavedModelExporter.export` in a loop) or 'callback'
-(`ExportCallback` with async export, called after every "training step").
+MODE is 'exporter' (`SavedModelExporter.export` in a loop), 'callback'
+(`ExportCallback` with async export, called after every "training step")
+or 'overwrite' (`SavedModelExporter(overwrite=True)` publishing the newest
+version again and again: the atomic swap of an existing version).
 The worker imports everything and warms up (one export into a scratch
 directory: the first jax2tf trace, TensorFlow save and load cost seconds),
 prints `ready`, and waits for a line on stdin before it touches EXPORT_DIR,
@@ -38,8 +40,9 @@ def main(argv: list[str]) -> None:
   print('ready', flush=True)
   if not sys.stdin.readline().strip():
     return  # The test closed stdin: not needed after all.
-  if mode == 'exporter':
-    exporter = exporter_lib.SavedModelExporter(export_dir, [sig], keep=keep)
+  if mode in ('exporter', 'overwrite'):
+    exporter = exporter_lib.SavedModelExporter(
+        export_dir, [sig], keep=keep, overwrite=mode == 'overwrite')
   else:
     cb = callbacks.ExportCallback(
         export_dir=export_dir, signatures=[sig], export_every_steps=1,
@@ -49,7 +52,9 @@ def main(argv: list[str]) -> None:
   start = max(exporter.versions(), default=0) + 1
   seen = 0
   for step in range(start, start + 10_000):
-    if mode == 'exporter':
+    if mode == 'overwrite':  # The newest version, again (same params).
+      step = max(start - 1, 1)
+    if mode in ('exporter', 'overwrite'):
       exporter.export(model.state_for(step))
       print(f'published {step}', flush=True)
     else:

@@ -97,6 +97,7 @@ KILLS = 20
 KILL_SEED = 20261122
 KILL_AFTER_PUBLISHED = (0, 1, 2)  # Versions a worker publishes before...
 KILL_FRACTION = 1.25  # ...a kill at U(0, this) x one export's duration.
+KILL_MODES = ('exporter', 'callback', 'overwrite')  # See _kill_worker.py.
 WORKERS_AHEAD = 2  # Started before they are needed: imports overlap.
 KEEP = 3
 
@@ -123,7 +124,8 @@ def test_sigkill_at_random_moments_never_publishes_a_partial_version(
   """20 SIGKILLs at random moments; every version left loads and checks."""
   export_dir = str(tmp_path / 'export')
   rng = np.random.default_rng(KILL_SEED)
-  modes = [('exporter', 'callback')[int(b)] for b in rng.integers(0, 2, KILLS)]
+  modes = [KILL_MODES[int(b)]
+           for b in rng.integers(0, len(KILL_MODES), KILLS)]
   # A kill moment: after k published versions, then a random fraction of
   # one export's (measured) duration, so the kills spread over every phase
   # of an export (and over the exporter's start, which removes leftovers)
