@@ -12,33 +12,28 @@ One export (DESIGN.md data-flow steps 5-7):
    pre/post-processing around it);
 5. `assets.extra/`: `t5export.json` metadata, `config.gin` (when gin is in
    use), `tf_serving_warmup_requests`;
-6. fsync every file and directory, then rename the staging directory to
-   `<export_dir>/<step>/` in one `os.rename`, so TensorFlow Serving (which
-   watches integer subdirectories) never sees a partial version (with
-   `overwrite=True` an existing version is swapped atomically where the OS
-   allows it, Linux `renameat2`);
+6. fsync every file and directory, then publish: rename the staging
+   directory to `<export_dir>/<step>/` in one step (`versions`), so
+   TensorFlow Serving never sees a partial version;
 7. retention: keep the `keep` newest versions plus the `keep_best` best by a
-   metric, never the version just written.
+   metric, never the version just written (`versions`).
 
 On construction the exporter resumes: it lists the published versions (and
 their metrics, from each version's metadata) and removes stale `.tmp-*`
 directories left by a crash. One exporter (one process) writes an
-`export_dir` at a time.
+`export_dir` at a time. The directory layout, atomic publish and retention
+live in `t5export.versions`; this module orchestrates one export.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-import ctypes
-import dataclasses
 import datetime
 import json
 import os
-import re
 import shutil
 import time
 from typing import Any
-import uuid
 
 from absl import logging
 import flax
@@ -55,134 +50,18 @@ from t5export import paths
 from t5export import serving
 from t5export import snapshot as snapshot_lib
 from t5export import verify
+from t5export import versions as versions_lib
 from tensorflow.core.protobuf import saved_model_pb2
 from tensorflow_serving.apis import model_pb2
 from tensorflow_serving.apis import predict_pb2
 from tensorflow_serving.apis import prediction_log_pb2
 
-STAGING_PREFIX = '.tmp-'
 METADATA_FORMAT_VERSION = 1
-_VERSION_RE = re.compile(r'^[0-9]+$')
-
-
-@dataclasses.dataclass(frozen=True)
-class KeepBest:
-  """Keep the `n` best versions by a metric, besides the newest ones.
-
-  Attributes:
-    n: how many best versions to keep (>= 1).
-    metric: the metric name as passed to `export(..., metrics=...)`
-      (nested dicts are joined with '/', e.g. 'eval/accuracy').
-    mode: 'max' (higher is better) or 'min'.
-  """
-  n: int
-  metric: str
-  mode: str = 'max'
-
-  def __post_init__(self):
-    if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
-      raise ValueError(f'keep_best n must be an int >= 1, got {self.n!r}.')
-    if not isinstance(self.metric, str) or not self.metric:
-      raise ValueError(
-          f'keep_best metric must be a non-empty metric name, got '
-          f'{self.metric!r}.')
-    if self.mode not in ('max', 'min'):
-      raise ValueError(
-          f"keep_best mode must be 'max' or 'min', got {self.mode!r}.")
-
-  @classmethod
-  def parse(cls, value: Any) -> KeepBest | None:
-    """Accepts None, a KeepBest, or a `(n, metric[, mode])` sequence."""
-    if value is None or isinstance(value, KeepBest):
-      return value
-    if isinstance(value, Sequence) and not isinstance(value, str) and (
-        len(value) in (2, 3)):
-      return cls(*value)
-    raise TypeError(
-        f'keep_best={value!r} is not valid; pass (n, metric_name, '
-        "'max'|'min') or exporter.KeepBest(n, metric, mode).")
-
-
-def flatten_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
-  """Makes metrics JSON-ready: nested names joined by '/', scalars as float.
-
-  Args:
-    metrics: `{name: value}`, values may be nested mappings, numpy/JAX
-      scalars, or anything else (kept as its str()).
-
-  Returns:
-    A flat `{name: float | int | str}` dict.
-  """
-  out: dict[str, Any] = {}
-
-  def visit(prefix: str, value: Any) -> None:
-    if isinstance(value, Mapping):
-      for k, v in value.items():
-        visit(f'{prefix}/{k}' if prefix else str(k), v)
-      return
-    if hasattr(value, 'compute') and callable(value.compute):
-      value = value.compute()  # A clu metric.
-    try:
-      array = np.asarray(value)
-    except Exception:  # pylint: disable=broad-except
-      array = None
-    if array is not None and array.shape == () and array.dtype.kind in 'biuf':
-      out[prefix] = float(array) if array.dtype.kind == 'f' else int(array)
-    else:
-      out[prefix] = str(value)
-
-  visit('', dict(metrics or {}))
-  return out
-
-
-def _dir_nbytes(path: str) -> int:
-  total = 0
-  for root, _, files in os.walk(path):
-    for name in files:
-      total += os.path.getsize(os.path.join(root, name))
-  return total
-
-
-def _fsync_tree(path: str) -> None:
-  """fsyncs every file, then every directory (deepest first) under path."""
-  for root, _, files in os.walk(path, topdown=False):
-    for name in files:
-      fd = os.open(os.path.join(root, name), os.O_RDONLY)
-      try:
-        os.fsync(fd)
-      finally:
-        os.close(fd)
-    _fsync_dir(root)
-
-
-def _fsync_dir(path: str) -> None:
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
-
-
-def _remove(path: str) -> None:
-  """Removes a directory: renamed out of sight first, then deleted."""
-  parent, base = os.path.split(path)
-  doomed = os.path.join(parent,
-                        f'{STAGING_PREFIX}del-{base}-{uuid.uuid4().hex[:8]}')
-  os.rename(path, doomed)
-  shutil.rmtree(doomed, ignore_errors=True)
-
-
-def _exchange(a: str, b: str) -> bool:
-  """Atomically swaps two directories (Linux renameat2); False if unsupported."""
-  try:
-    libc = ctypes.CDLL(None, use_errno=True)
-    renameat2 = libc.renameat2
-  except (OSError, AttributeError):
-    return False
-  at_fdcwd, rename_exchange = -100, 2
-  result = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b),
-                     rename_exchange)
-  return result == 0
+# Re-exported: they were defined here before the version-directory mechanics
+# moved to `versions`.
+STAGING_PREFIX = versions_lib.STAGING_PREFIX
+KeepBest = versions_lib.KeepBest
+flatten_metrics = versions_lib.flatten_metrics
 
 
 def _tensor_info_json(info: Any) -> dict[str, Any]:
@@ -321,7 +200,6 @@ class SavedModelExporter:
       if not isinstance(value, (int, float)) or value < 0:
         raise ValueError(f'{arg} must be a number >= 0, got {value!r}.')
     self._signatures = signatures
-    self._keep = keep
     self._keep_best = KeepBest.parse(keep_best)
     self._validate = validate
     self._atol, self._rtol = float(atol), float(rtol)
@@ -335,8 +213,9 @@ class SavedModelExporter:
     self._cast_bfloat16 = cast_bfloat16
     self._module: jax_module.JaxModule | None = None
     self._serving_fns: dict[str, Any] | None = None
-    self._metrics: dict[int, dict[str, Any]] = {}
-    self._prepare_dir()
+    self._dir = versions_lib.VersionDirectory(
+        self._export_dir, keep=keep, keep_best=self._keep_best,
+        overwrite=overwrite)
     self._resume()
 
   # --- directory ----------------------------------------------------------
@@ -351,48 +230,18 @@ class SavedModelExporter:
     """The JaxModule (None before the first export)."""
     return self._module
 
-  def _prepare_dir(self) -> None:
-    d = self._export_dir
-    if os.path.exists(d) and not os.path.isdir(d):
-      raise errors.ExportDirError(
-          f'export_dir {d!r} exists and is not a directory. Pass a directory '
-          '(it is created if missing) and move the file away.')
-    try:
-      os.makedirs(d, exist_ok=True)
-    except OSError as e:
-      raise errors.ExportDirError(
-          f'export_dir {d!r} cannot be created ({e.strerror or e}). Pass a '
-          'directory you can write, or fix its parent\'s permissions.') from e
-    # A real write: os.access says yes to root even on a read-only mount.
-    probe = os.path.join(d, f'{STAGING_PREFIX}probe-{uuid.uuid4().hex[:8]}')
-    try:
-      os.mkdir(probe)
-      os.rmdir(probe)
-    except OSError as e:
-      raise errors.ExportDirError(
-          f'export_dir {d!r} is not writable by this process '
-          f'({e.strerror or e}). Fix its permissions or pass another '
-          'directory.') from e
-
   def _resume(self) -> None:
-    stale = [n for n in os.listdir(self._export_dir)
-             if n.startswith(STAGING_PREFIX)]
-    for name in stale:
-      logging.warning('t5export: removing stale staging directory %s (left '
-                      'by an interrupted export).', name)
-      shutil.rmtree(os.path.join(self._export_dir, name), ignore_errors=True)
+    """Removes stale staging dirs; reads each version's recorded metrics."""
+    stale = self._dir.remove_stale_staging()
     for version in self.versions():
       try:
-        meta = verify.read_metadata(self._version_dir(version))
+        meta = verify.read_metadata(self._dir.version_dir(version))
       except (errors.VersionNotFoundError, ValueError):
         meta = {}
-      self._metrics[version] = dict(meta.get('metrics') or {})
+      self._dir.record_metrics(version, meta.get('metrics') or {})
     logging.info('t5export: export_dir %s holds versions %s; removed %d stale '
                  'staging dir(s).', self._export_dir, self.versions(),
                  len(stale))
-
-  def _version_dir(self, step: int) -> str:
-    return os.path.join(self._export_dir, str(step))
 
   def versions(self) -> list[int]:
     """The published versions (integer subdirectories), ascending.
@@ -400,13 +249,11 @@ class SavedModelExporter:
     Returns:
       Sorted version numbers.
     """
-    return sorted(int(n) for n in os.listdir(self._export_dir)
-                  if _VERSION_RE.match(n) and
-                  os.path.isdir(os.path.join(self._export_dir, n)))
+    return self._dir.versions()
 
   def metrics(self) -> dict[int, dict[str, Any]]:
     """The metrics recorded for each published version."""
-    return {v: dict(self._metrics.get(v, {})) for v in self.versions()}
+    return self._dir.metrics()
 
   # --- export -------------------------------------------------------------
 
@@ -464,7 +311,7 @@ class SavedModelExporter:
       raise ValueError(
           f'The step is {step}; versions are non-negative integers (TF Serving '
           'ignores other directory names). Export a state with step >= 0.')
-    final = self._version_dir(step)
+    final = self._dir.version_dir(step)
     if os.path.exists(final) and not self._overwrite:
       raise errors.VersionExistsError(final, step)
     if not self._allow_non_finite:
@@ -484,14 +331,13 @@ class SavedModelExporter:
                  'built' if first else 'updated', time.monotonic() - start,
                  snap.nbytes / 2**20)
 
-    staging = os.path.join(
-        self._export_dir, f'{STAGING_PREFIX}{step}-{uuid.uuid4().hex[:8]}')
+    staging = self._dir.staging_dir(step)
     try:
       start = time.monotonic()
       tf.saved_model.save(self._module, staging, signatures=self._serving_fns)
       logging.info('t5export: step %d: saved to %s in %.2fs (%.1f MiB).',
                    step, staging, time.monotonic() - start,
-                   _dir_nbytes(staging) / 2**20)
+                   versions_lib.dir_nbytes(staging) / 2**20)
       check = {'validated': False, 'atol': self._atol, 'rtol': self._rtol,
                'signatures': {}}
       if self._validate:
@@ -503,20 +349,20 @@ class SavedModelExporter:
       os.makedirs(os.path.join(staging, verify.ASSETS_EXTRA), exist_ok=True)
       self._write_metadata(staging, snap, check, metrics)
       n_warmup = self._write_warmup(staging) if self._warmup else 0
-      _fsync_tree(staging)
+      versions_lib.fsync_tree(staging)
       logging.info('t5export: step %d: metadata, %d warm-up request(s), fsync '
                    'in %.2fs.', step, n_warmup, time.monotonic() - start)
-      self._publish(staging, final)
+      self._dir.publish(staging, final)
     except BaseException:
       shutil.rmtree(staging, ignore_errors=True)
       raise
-    self._metrics[step] = metrics
+    self._dir.record_metrics(step, metrics)
     start = time.monotonic()
-    removed = self._apply_retention(protect=step)
+    removed = self._dir.apply_retention(protect=step)
     logging.info('t5export: published version %d at %s in %.2fs total (%.1f '
                  'MiB); retention removed %s.', step, final,
                  time.monotonic() - total_start,
-                 _dir_nbytes(final) / 2**20, removed or 'nothing')
+                 versions_lib.dir_nbytes(final) / 2**20, removed or 'nothing')
     return final
 
   def _ensure_module(self, variables: Any) -> None:
@@ -530,50 +376,6 @@ class SavedModelExporter:
         cast_bfloat16=self._cast_bfloat16)
     self._serving_fns = serving.serving_functions(module, self._signatures)
     self._module = module
-
-  def _publish(self, staging: str, final: str) -> None:
-    """Renames the staged version into place (replacing when allowed)."""
-    if os.path.exists(final):
-      if not self._overwrite:  # Appeared while we were writing.
-        raise errors.VersionExistsError(final, int(os.path.basename(final)))
-      logging.warning('t5export: overwrite=True: replacing version %s.', final)
-      if _exchange(staging, final):  # Atomic: readers see old or new.
-        _fsync_dir(self._export_dir)
-        shutil.rmtree(staging, ignore_errors=True)  # Now the old version.
-        return
-      _remove(final)  # No atomic exchange here: a short gap, never a mix.
-    os.rename(staging, final)
-    _fsync_dir(self._export_dir)
-
-  # --- retention ----------------------------------------------------------
-
-  def _kept_versions(self, versions: list[int], protect: int) -> set[int]:
-    keep = set(versions if self._keep is None else versions[-self._keep:])
-    keep.add(protect)
-    best = self._keep_best
-    if best is not None:
-      scored = []
-      for v in versions:
-        value = self._metrics.get(v, {}).get(best.metric)
-        if isinstance(value, (int, float)) and not np.isnan(value):
-          scored.append((value, v))
-      # Best first; on ties the newer version wins.
-      scored.sort(key=lambda t: (t[0] if best.mode == 'max' else -t[0], t[1]),
-                  reverse=True)
-      keep.update(v for _, v in scored[:best.n])
-    return keep
-
-  def _apply_retention(self, *, protect: int) -> list[int]:
-    """Deletes versions outside keep/keep_best; returns the deleted ones."""
-    versions = self.versions()
-    kept = self._kept_versions(versions, protect)
-    removed = [v for v in versions if v not in kept]
-    for v in removed:
-      _remove(self._version_dir(v))
-      self._metrics.pop(v, None)
-    if removed:
-      _fsync_dir(self._export_dir)
-    return removed
 
   # --- assets.extra -------------------------------------------------------
 
