@@ -16,7 +16,7 @@ The reading side of what `exporter.SavedModelExporter` writes:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 import json
 import os
 from typing import Any
@@ -234,6 +234,52 @@ def run_signature(loaded: Any, version_dir: str, signature_name: str,
     dtype = spec[key].dtype if key in spec else None
     feed[key] = tf.constant(_to_numpy(value), dtype=dtype)
   return {k: v.numpy() for k, v in fn(**feed).items()}
+
+
+def run_signatures_isolated(
+    version_dir: str | os.PathLike[str],
+    requests: Sequence[tuple[str, Mapping[str, Any]]]) -> list[dict[str, Any]]:
+  """Runs serving signatures of a SavedModel in a throw-away TF graph.
+
+  Loads the SavedModel the way TensorFlow Serving does (a graph and session
+  of its own, the SignatureDefs fed by tensor name) and discards both
+  afterwards. Unlike `tf.saved_model.load`, whose functions and XLA
+  compilations stay cached in the process for good, this leaves nothing
+  behind, so a long run of checks (one per export) keeps memory flat.
+
+  Args:
+    version_dir: a version (or any SavedModel) directory.
+    requests: `(signature_name, {input_name: array})` pairs, run in order.
+
+  Returns:
+    One `{output_name: numpy array}` per request.
+
+  Raises:
+    SignatureError: if a signature or one of its inputs does not exist.
+  """
+  version_dir = os.fspath(version_dir)
+  results = []
+  with tf.Graph().as_default() as graph:
+    with tf.compat.v1.Session(graph=graph) as session:
+      meta_graph = tf.compat.v1.saved_model.loader.load(
+          session, [tf.saved_model.SERVING], version_dir)
+      signature_defs = meta_graph.signature_def
+      for name, inputs in requests:
+        if name not in signature_defs:
+          raise errors.SignatureError(
+              f'signature_name={name!r} is not in the SavedModel at '
+              f'{version_dir!r}; it has {sorted(signature_defs)}.')
+        sig_def = signature_defs[name]
+        unknown = sorted(set(inputs) - set(sig_def.inputs))
+        if unknown:
+          raise errors.SignatureError(
+              f'Signature {name!r} of {version_dir!r} has no input(s) '
+              f'{unknown}; its inputs are {sorted(sig_def.inputs)}.')
+        feed = {sig_def.inputs[k].name: _to_numpy(v)
+                for k, v in inputs.items()}
+        fetch = {k: v.name for k, v in sig_def.outputs.items()}
+        results.append(session.run(fetch, feed))
+  return results
 
 
 def compare_with_jax(version_dir: str | os.PathLike[str], signature_name: str,

@@ -616,12 +616,6 @@ def test_200_exports_keep_versions_files_and_threads_flat(load_run):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason=(
-    'KNOWN LEAK (reported): the exporter\'s check loads each staged '
-    'SavedModel with tf.saved_model.load and calls its signature; TF keeps '
-    'the functions (and their XLA compilations) of every loaded copy, ~0.5 '
-    'MiB per export for this tiny model. Remove this marker once the check '
-    'loads through a throw-away tf.Graph/Session (XPASS then).'))
 def test_200_exports_hold_memory_flat(load_run):
   """RSS grows < 64 MiB over the 180 exports after the warm-up."""
   first = load_run['samples'][LOAD_WARMUP]
