@@ -35,9 +35,10 @@ _EXPORTS = {
 }
 # Submodules reachable as attributes, e.g. `t5export.verify.load_params`.
 _SUBMODULES = frozenset({
-    'async_export', 'callbacks', 'checkpoints', 'errors', 'exporter',
-    'jax_module', 'offline', 'partitioning', 'paths', 'serving', 'snapshot',
-    'train_state', 'verify',
+    'async_export', 'callbacks', 'checkpoints', 'distributed', 'errors',
+    'exporter', 'jax_module', 'msgpack_checkpoints', 'offline',
+    'orbax_checkpoints', 'partitioning', 'paths', 'serving', 'snapshot',
+    'train_state', 'verify', 'versions',
 })
 
 __all__ = sorted(_EXPORTS) + ['errors', 'verify', '__version__']

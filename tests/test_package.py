@@ -11,7 +11,8 @@ import pytest
 import t5export
 
 LIGHT_MODULES = ('errors', 'paths', 'train_state', 'partitioning', 'snapshot',
-                 'async_export', 'checkpoints')
+                 'async_export', 'distributed', 'versions', 'checkpoints',
+                 'orbax_checkpoints', 'msgpack_checkpoints')
 
 
 def _imports_tensorflow(code: str) -> bool:
