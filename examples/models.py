@@ -34,6 +34,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax.linen import partitioning as nn_partitioning
 
 PAD_ID = 0
@@ -480,3 +481,34 @@ def make_mlp_serve_fn(model: MlpBn
     return {'logits': logits}
 
   return serve
+
+
+def make_mlp_bn_train_step(model: MlpBn) -> Callable[..., Any]:
+  """A jitted train step for `MlpBn` that donates the train state.
+
+  Cross-entropy on integer labels; BatchNorm's `batch_stats` are updated in
+  train mode and handed back as the state's `flax_mutables`.
+
+  Args:
+    model: the MlpBn module.
+
+  Returns:
+    `train_step(train_state, x, y) -> train_state`, jitted with
+    `donate_argnums=0`; `train_state` is a t5export `FlaxOptimTrainState`
+    (anything with `params`, `flax_mutables` and `apply_gradient`).
+  """
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def train_step(train_state: Any, x: Array, y: Array) -> Any:
+    def loss_fn(params):
+      logits, updates = model.apply(
+          {'params': params, **train_state.flax_mutables}, x, train=True,
+          mutable=['batch_stats'])
+      loss = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+      return loss.mean(), updates
+
+    (_, updates), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        train_state.params)
+    return train_state.apply_gradient(grads, flax_mutables=updates)
+
+  return train_step

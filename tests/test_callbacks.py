@@ -9,7 +9,6 @@ that step's params.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import gc
 import glob
 import os
@@ -65,18 +64,7 @@ def trainer() -> Trainer:
       features=FEATURES, hidden=8, num_layers=1, num_classes=3))
   serve = models.make_mlp_serve_fn(model)
 
-  @functools.partial(jax.jit, donate_argnums=0)
-  def train_step(ts, x, y):
-    def loss_fn(params):
-      logits, updates = model.apply(
-          {'params': params, **ts.flax_mutables}, x, train=True,
-          mutable=['batch_stats'])
-      loss = optax.softmax_cross_entropy_with_integer_labels(logits, y)
-      return loss.mean(), updates
-
-    (_, updates), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        ts.params)
-    return ts.apply_gradient(grads, flax_mutables=updates)
+  train_step = models.make_mlp_bn_train_step(model)
 
   sig = t5export.Signature(
       'serving_default', serve, {'x': (f'b, {FEATURES}', 'float32')},

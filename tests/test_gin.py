@@ -8,7 +8,6 @@ through the package's lazy face).
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import pathlib
@@ -50,18 +49,7 @@ def train(*, callbacks_list=(), num_steps: int = gin.REQUIRED):
   variables = models.init_mlp_bn(MODEL, jax.random.PRNGKey(0))
   ts = t5export.FlaxOptimTrainState.create(optax.sgd(0.1), variables)
 
-  @functools.partial(jax.jit, donate_argnums=0)
-  def train_step(ts, x, y):
-    def loss_fn(params):
-      logits, updates = MODEL.apply(
-          {'params': params, **ts.flax_mutables}, x, train=True,
-          mutable=['batch_stats'])
-      loss = optax.softmax_cross_entropy_with_integer_labels(logits, y)
-      return loss.mean(), updates
-
-    (_, updates), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        ts.params)
-    return ts.apply_gradient(grads, flax_mutables=updates)
+  train_step = models.make_mlp_bn_train_step(MODEL)
 
   expected = {}
   rng = np.random.default_rng(0)
