@@ -381,8 +381,10 @@ class ExportCallback(periodic_actions.PeriodicAction):
     self._coordinator.settle(self._drain)
     step = int(train_state.step)
     start = time.perf_counter()
+    # Synchronous: the state cannot change before the export returns, so
+    # the params need no copy on the way.
     snap = snapshot_lib.take_snapshot(train_state, rules=self._rules,
-                                      keep_arrays=self._is_writer)
+                                      keep_arrays=self._is_writer, copy=False)
     path = self._publish(snap, metrics, sync=True)
     self._record_blocking(step, time.perf_counter() - start)
     return path
@@ -412,8 +414,12 @@ class ExportCallback(periodic_actions.PeriodicAction):
               metrics: Mapping[str, Any] | None) -> None:
     """Snapshot on the training thread, then publish (hand off or inline)."""
     start = time.perf_counter()
-    snap = snapshot_lib.take_snapshot(train_state, rules=self._rules,
-                                      keep_arrays=self._is_writer)
+    # In the background the train loop runs on (and may donate the state's
+    # buffers) while the export reads the snapshot: copy=None copies only
+    # where a view or transfer would not survive that.
+    snap = snapshot_lib.take_snapshot(
+        train_state, rules=self._rules, keep_arrays=self._is_writer,
+        copy=None if self._async else False)
     if snap.step != step and not self._step_mismatch_warned:
       self._step_mismatch_warned = True
       logging.warning(

@@ -46,6 +46,7 @@ import numpy as np
 from t5export import errors
 from t5export import msgpack_checkpoints
 from t5export import orbax_checkpoints
+from t5export import partitioning
 from t5export import paths
 
 ORBAX = 'orbax'
@@ -425,7 +426,44 @@ def read_params(path: str | os.PathLike[str], *,
   located = _locate(path, None if step is None else int(step))
   logging.info('Reading params of %s checkpoint %s (step %s).',
                located.format, located.path, located.step)
-  return _READERS[located.format](located)
+  contents = _READERS[located.format](located)
+  moved = _align_in_place(contents.params) + _align_in_place(
+      contents.flax_mutables)
+  if moved:
+    logging.info('Moved %d array(s) to %d-byte aligned memory (so the export '
+                 'can hand them to TensorFlow without a copy).', moved,
+                 partitioning.HOST_ALIGNMENT)
+  return contents
+
+
+def _align_in_place(tree: dict[str, Any]) -> int:
+  """Replaces each array TensorFlow could not adopt by an aligned copy.
+
+  Readers return arrays wherever their libraries allocated them; TensorFlow
+  can take over only C-contiguous, writeable, 64-byte aligned memory. One
+  leaf is moved at a time and the old one dropped, so this costs one copy
+  of the misplaced leaves but never a second copy of the whole tree.
+
+  Args:
+    tree: a nested dict of numpy arrays, changed in place.
+
+  Returns:
+    How many arrays were moved.
+  """
+  moved = 0
+  for key in list(tree):
+    value = tree[key]
+    if isinstance(value, dict):
+      moved += _align_in_place(value)
+    elif isinstance(value, np.ndarray) and value.size and not (
+        value.flags.c_contiguous and value.flags.writeable and
+        value.ctypes.data % partitioning.HOST_ALIGNMENT == 0):
+      aligned = partitioning.aligned_empty(value.shape, value.dtype)
+      np.copyto(aligned, value, casting='no')
+      tree[key] = aligned
+      del value
+      moved += 1
+  return moved
 
 
 def _expected_leaf(x: Any) -> bool:

@@ -28,6 +28,7 @@ live in `t5export.versions`; this module orchestrates one export.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+import dataclasses
 import datetime
 import json
 import os
@@ -257,18 +258,25 @@ class SavedModelExporter:
 
   # --- export -------------------------------------------------------------
 
-  def export(self, state: Any, metrics: Mapping[str, Any] | None = None
-             ) -> str:
+  def export(self, state: Any, metrics: Mapping[str, Any] | None = None, *,
+             hand_over: bool = False) -> str:
     """Exports a train or inference state as version `int(state.step)`.
 
     Strips the optimizer state, resolves axes (with `logical_axis_rules`),
-    gathers the params to the host (`snapshot.take_snapshot`) and then runs
-    `export_snapshot`.
+    brings the params to the host (`snapshot.take_snapshot`) and then runs
+    `export_snapshot`. The export is synchronous, so the state cannot change
+    before it returns: the params are not copied on the way (on CPU the
+    variables are built or assigned straight from the JAX buffers).
 
     Args:
       state: a `TrainState`, an `InferenceState` or a `HostSnapshot`.
       metrics: optional `{name: scalar}` recorded in the metadata (and used
         by `keep_best`).
+      hand_over: the state's numpy arrays are the caller's to give away
+        (e.g. params just read from a checkpoint, used for nothing else):
+        TensorFlow may take their memory instead of copying them, after
+        which they alias the exported variables. JAX arrays are never
+        handed over.
 
     Returns:
       The published version directory `<export_dir>/<step>`.
@@ -281,7 +289,11 @@ class SavedModelExporter:
       snap = state
     else:
       start = time.monotonic()
-      snap = snapshot_lib.take_snapshot(state, rules=self._rules)
+      snap = snapshot_lib.take_snapshot(state, rules=self._rules, copy=False)
+      if hand_over:
+        # Only the numpy leaves passed through as they were can be given
+        # away; JaxModule copies read-only views of JAX buffers anyway.
+        snap = dataclasses.replace(snap, owns_arrays=True)
       logging.info('t5export: snapshot of step %d: %.1f MiB in %.2fs.',
                    snap.step, snap.nbytes / 2**20, time.monotonic() - start)
     return self.export_snapshot(snap, metrics)
@@ -326,7 +338,7 @@ class SavedModelExporter:
 
     start = time.monotonic()
     first = self._module is None
-    self._ensure_module(snap.variables)
+    self._ensure_module(snap.variables, adopt=snap.owns_arrays)
     logging.info('t5export: step %d: %s JaxModule in %.2fs (%.1f MiB).', step,
                  'built' if first else 'updated', time.monotonic() - start,
                  snap.nbytes / 2**20)
@@ -365,15 +377,19 @@ class SavedModelExporter:
                  versions_lib.dir_nbytes(final) / 2**20, removed or 'nothing')
     return final
 
-  def _ensure_module(self, variables: Any) -> None:
-    """Builds the JaxModule on first use; assigns new values afterwards."""
+  def _ensure_module(self, variables: Any, *, adopt: bool) -> None:
+    """Builds the JaxModule on first use; assigns new values afterwards.
+
+    With `adopt` (a snapshot that owns its arrays) the variables take the
+    arrays' memory instead of copying it.
+    """
     if self._module is not None:
-      self._module.update_variables(variables)
+      self._module.update_variables(variables, adopt_buffers=adopt)
       return
     module = serving.make_module(
         variables, self._signatures, trainable=self._trainable,
         jit_compile=self._jit_compile, platforms=self._platforms,
-        cast_bfloat16=self._cast_bfloat16)
+        cast_bfloat16=self._cast_bfloat16, adopt_buffers=adopt)
     self._serving_fns = serving.serving_functions(module, self._signatures)
     self._module = module
 

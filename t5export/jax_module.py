@@ -24,6 +24,12 @@ TensorFlow.
 
 Variables are built and updated leaf by leaf: at any time at most one extra
 leaf-sized buffer exists besides the caller's arrays and the variables.
+`tf.Variable(ndarray)` and `assign(ndarray)` copy the array. A caller that
+hands its arrays over (`adopt_buffers=True`: host copies nobody else
+references, such as an owned snapshot) lets the variables take their memory
+instead, through DLPack, with no copy; arrays that cannot be handed over
+(read-only, not C-contiguous, not 64-byte aligned as TensorFlow's kernels
+require, or of a dtype DLPack lacks) are copied as before.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import numpy as np
 import tensorflow as tf
 
 from t5export import errors
+from t5export import partitioning
 from t5export import paths
 
 # Platforms jax2tf can lower for (`native_serialization_platforms`).
@@ -96,6 +103,43 @@ def _host_array(leaf: Any) -> np.ndarray:
   return array
 
 
+def _adoptable(array: np.ndarray) -> bool:
+  """Whether TensorFlow can take `array`'s memory without a copy."""
+  return (isinstance(array, np.ndarray) and array.size > 0 and
+          array.flags.c_contiguous and array.flags.writeable and
+          array.ctypes.data % partitioning.HOST_ALIGNMENT == 0 and
+          (array.dtype.kind in 'biufc' or array.dtype == jnp.bfloat16))
+
+
+def _tf_value(array: np.ndarray, *, cast: bool, adopt: bool) -> Any:
+  """The value to build or assign a variable from.
+
+  Args:
+    array: the host array (the caller's dtype).
+    cast: store as float32 (a bfloat16 leaf under `cast_bfloat16`).
+    adopt: the caller hands `array` over: an eligible array becomes a
+      tf.Tensor sharing its memory (DLPack), so the variable takes the
+      buffer instead of copying it.
+
+  Returns:
+    A numpy array (TensorFlow copies it) or a tf.Tensor owning no copy.
+  """
+  if cast:
+    # The float32 version is ours in any case: build it where TF can
+    # adopt it.
+    widened = partitioning.aligned_empty(array.shape, np.float32)
+    np.copyto(widened, array, casting='unsafe')
+    array, adopt = widened, True
+  if not (adopt and _adoptable(array)):
+    return array
+  if array.dtype == jnp.bfloat16:
+    # DLPack has no bfloat16 in numpy's exporter: share the bits as uint16
+    # and reinterpret them in TF (a bitcast aliases, it does not copy).
+    bits = tf.experimental.dlpack.from_dlpack(array.view(np.uint16).__dlpack__())
+    return tf.bitcast(bits, tf.bfloat16)
+  return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
+
+
 @dataclasses.dataclass(frozen=True)
 class _Meta:
   """Untracked metadata (kept out of tf.Module's attribute conversion)."""
@@ -132,6 +176,7 @@ class JaxModule(tf.Module):
                jit_compile: bool = True,
                platforms: Sequence[str] | None = None,
                cast_bfloat16: bool = False,
+               adopt_buffers: bool = False,
                name: str | None = None):
     """Creates the variables and converts the methods.
 
@@ -151,6 +196,11 @@ class JaxModule(tf.Module):
         ('cpu', 'cuda'); default: the current JAX backend.
       cast_bfloat16: store bfloat16 leaves as float32 variables (cast back to
         bfloat16 inside the converted function).
+      adopt_buffers: the caller hands the numpy arrays of `variables` over
+        (copies nobody else references): the variables take their memory
+        without a copy, and the arrays then alias the variables, so the
+        caller must not change or reuse them. Never pass True for views of
+        live JAX arrays or arrays the caller keeps using.
       name: the tf.Module name.
 
     Raises:
@@ -186,9 +236,9 @@ class JaxModule(tf.Module):
         dtypes.append(array.dtype)
         casts.append(cast)
         tf_vars.append(tf.Variable(
-            array.astype(np.float32) if cast else array,
+            _tf_value(array, cast=cast, adopt=adopt_buffers),
             trainable=trainable, name=tf_variable_name(path)))
-        del array  # The variable owns its own copy now.
+        del array  # The variable holds the value (copied or adopted).
     self.param_vars = tf_vars
 
     self._trace_count = 0
@@ -298,7 +348,8 @@ class JaxModule(tf.Module):
       leaves.append(value.astype(dtype) if cast else value)
     return jax.tree_util.tree_unflatten(self._meta.treedef, leaves)
 
-  def update_variables(self, variables: Any) -> None:
+  def update_variables(self, variables: Any, *,
+                       adopt_buffers: bool = False) -> None:
     """Assigns new values into the existing variables, leaf by leaf.
 
     Nothing is traced again and no second full set of variables is built:
@@ -307,6 +358,9 @@ class JaxModule(tf.Module):
     Args:
       variables: a pytree with the same structure, leaf shapes and dtypes as
         the one given to the constructor (numpy or JAX arrays).
+      adopt_buffers: the caller hands the numpy arrays over, as in the
+        constructor: each variable takes its new array's memory instead of
+        copying it (and the array then aliases the variable).
 
     Raises:
       errors.VariableMismatchError: if the structure, a shape or a dtype
@@ -355,5 +409,5 @@ class JaxModule(tf.Module):
       for var, path, cast in zip(self.param_vars, meta.paths,
                                  meta.cast_to_f32):
         array = _host_array(flat[path])
-        var.assign(array.astype(np.float32) if cast else array)
+        var.assign(_tf_value(array, cast=cast, adopt=adopt_buffers))
         del array

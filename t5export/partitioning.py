@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 import functools
 from typing import Any
+import warnings
 
 from absl import logging
 import gin
@@ -361,24 +362,103 @@ def _check_divisible(path: str, shape: Sequence[int], spec: PartitionSpec,
 # --- gather -----------------------------------------------------------------
 
 
-def _copy_fully_addressable(x: jax.Array) -> np.ndarray:
+# TensorFlow's CPU kernels require 64-byte aligned tensor data (they abort
+# the process otherwise); host copies are allocated at this alignment so
+# that `jax_module.JaxModule(adopt_buffers=True)` can hand them to
+# TensorFlow without a copy.
+HOST_ALIGNMENT = 64
+
+
+def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
+  """An uninitialised C-contiguous, writeable array at `HOST_ALIGNMENT`.
+
+  Args:
+    shape: the array shape.
+    dtype: a numpy dtype (ml_dtypes such as bfloat16 included).
+
+  Returns:
+    The array; it owns its memory through its base buffer.
+  """
+  dtype = np.dtype(dtype)
+  nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+  raw = np.empty(nbytes + HOST_ALIGNMENT, dtype=np.uint8)
+  offset = -raw.ctypes.data % HOST_ALIGNMENT
+  return raw[offset:offset + nbytes].view(dtype).reshape(tuple(shape))
+
+
+def _owned_copy(source: Any) -> np.ndarray:
+  """An aligned host copy of one array-like (numpy or a single JAX shard)."""
+  source = np.asarray(source)
+  out = aligned_empty(source.shape, source.dtype)
+  np.copyto(out, source, casting='no')
+  return out
+
+
+@functools.cache
+def host_views_survive_donation() -> bool:
+  """Whether a numpy view of a CPU `jax.Array` outlives donating the array.
+
+  On the CPU backend `np.asarray(x)` aliases x's buffer. PJRT does not
+  donate a buffer that has such an external reference: the donating
+  computation gets a fresh output buffer and the view keeps the values it
+  had. A snapshot of views then costs the training thread no copy. This
+  checks that behaviour once per process on a tiny donated computation,
+  so a JAX version that behaves otherwise makes snapshots copy again
+  instead of reading overwritten memory.
+
+  Returns:
+    True when views are safe to hold across a donating step.
+  """
+  try:
+    cpu = jax.devices('cpu')[0]
+  except RuntimeError:
+    return False
+  expected = np.arange(4096, dtype=np.float32)
+  x = jax.device_put(expected, cpu)
+  view = np.asarray(x)
+  if not np.shares_memory(view, np.asarray(x)):
+    return False  # Not a view: the caller would copy anyway.
+  step = jax.jit(lambda a: a * 2.0 + 1.0, donate_argnums=0)
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore')
+    for _ in range(3):  # Donate repeatedly, as a train loop does.
+      x = step(x)
+  x.block_until_ready()
+  safe = bool(np.array_equal(view, expected))
+  # An explicit delete must not free memory a view still reads either.
+  y = jax.device_put(expected + 1.0, cpu)
+  view_y = np.asarray(y)
+  y.delete()
+  _ = [jax.device_put(np.zeros_like(expected), cpu) for _ in range(3)]
+  safe = safe and bool(np.array_equal(view_y, expected + 1.0))
+  logging.info('t5export: host views of CPU arrays %s donation; snapshots '
+               'on CPU %s.', 'survive' if safe else 'do NOT survive',
+               'hold views' if safe else 'copy')
+  return safe
+
+
+def _host_value(x: jax.Array, *, copy: bool) -> np.ndarray:
   """Assembles a fully addressable array on host, one shard at a time.
 
   Avoids `np.asarray(x)` on the whole array, which would cache a second host
   copy on `x` for as long as `x` lives.
   """
   if len(x.addressable_shards) == 1 or x.is_fully_replicated:
-    # np.array copies: on CPU np.asarray can alias the device buffer, which
-    # donation may later hand to another computation.
-    return np.array(x.addressable_shards[0].data, copy=True)
-  out = np.empty(x.shape, dtype=x.dtype)
+    data = x.addressable_shards[0].data
+    if not copy:
+      # CPU: a view of the buffer; other backends: one device-to-host copy.
+      return np.asarray(data)
+    # A copy: on CPU np.asarray aliases the device buffer, which a later
+    # donation may hand to another computation.
+    return _owned_copy(data)
+  out = aligned_empty(x.shape, x.dtype)
   for shard in x.addressable_shards:
     if shard.replica_id == 0:
       out[shard.index] = np.asarray(shard.data)
   return out
 
 
-def _gather_leaf(keypath: Any, x: Any, *, keep: bool = True) -> Any:
+def _gather_leaf(keypath: Any, x: Any, *, keep: bool, copy: bool) -> Any:
   if isinstance(x, jax.core.Tracer):
     raise TypeError(
         f'gather_to_host got a traced value at {paths.path_str(keypath)!r}; '
@@ -392,31 +472,30 @@ def _gather_leaf(keypath: Any, x: Any, *, keep: bool = True) -> Any:
       # Replicated over processes: every process already holds the value.
       if not keep:
         return jax.ShapeDtypeStruct(x.shape, x.dtype)
-      return _copy_fully_addressable(x)
+      return _host_value(x, copy=copy)
     # Spread over processes: an all-gather every process joins, keeping the
     # result or not.
     gathered = multihost_utils.process_allgather(x, tiled=True)
     if not keep:
       del gathered  # Joined the collective; this process drops the leaf.
       return jax.ShapeDtypeStruct(x.shape, x.dtype)
-    return np.array(gathered, copy=True)
+    return _owned_copy(gathered)
   if isinstance(x, (np.ndarray, np.generic, bool, int, float, complex)):
-    array = np.array(x, copy=True)
+    array = _owned_copy(x) if copy else np.asarray(x)
     return array if keep else jax.ShapeDtypeStruct(array.shape, array.dtype)
   raise TypeError(
       f'gather_to_host: leaf {paths.path_str(keypath)!r} is a '
       f'{type(x).__name__}; expected jax.Array, numpy array or a number.')
 
 
-def gather_to_host(tree: Any, *, keep: bool = True) -> Any:
-  """Copies every array of `tree` to host numpy, leaf by leaf.
+def gather_to_host(tree: Any, *, keep: bool = True, copy: bool = True) -> Any:
+  """Brings every array of `tree` to host numpy, leaf by leaf.
 
   Fully addressable arrays are assembled from their shards on this host.
   Arrays spread over several `jax.distributed` processes are all-gathered:
   EVERY process must call `gather_to_host` with the same tree at the same
   point, or the collective hangs. At most one gathered leaf is in flight
-  beyond the output. The results own their memory, so donating or deleting
-  the source arrays later does not change them.
+  beyond the output.
 
   Args:
     tree: a pytree of `jax.Array`, numpy arrays or Python numbers.
@@ -424,6 +503,13 @@ def gather_to_host(tree: Any, *, keep: bool = True) -> Any:
       for the values (in a multi-process export, every process but the
       writer): each gathered leaf is dropped at once, so the extra memory is
       one leaf, and `jax.ShapeDtypeStruct` placeholders come back.
+    copy: True (default): every result is a new, 64-byte aligned array the
+      caller owns, so donating, deleting or overwriting the sources later
+      does not change it. False: no copy where none is needed; an
+      unsharded array on CPU comes back as a read-only view of its buffer
+      and numpy leaves come back as they are. Use False only while the
+      sources stay unchanged (a synchronous export), or on CPU when
+      `host_views_survive_donation()` holds.
 
   Returns:
     The same structure with `np.ndarray` leaves (numbers become 0-d arrays),
@@ -434,7 +520,7 @@ def gather_to_host(tree: Any, *, keep: bool = True) -> Any:
     ValueError: for deleted (donated) arrays.
   """
   return jax.tree_util.tree_map_with_path(
-      functools.partial(_gather_leaf, keep=keep), tree)
+      functools.partial(_gather_leaf, keep=keep, copy=copy), tree)
 
 
 def tree_nbytes(tree: Any) -> int:
@@ -445,7 +531,8 @@ def tree_nbytes(tree: Any) -> int:
 
 
 __all__ = [
-    'LogicalAxisRules', 'gather_to_host', 'get_mesh_axes',
+    'HOST_ALIGNMENT', 'LogicalAxisRules', 'aligned_empty', 'gather_to_host',
+    'host_views_survive_donation', 'get_mesh_axes',
     'logical_to_mesh_spec', 'shard_state', 'shardings_for',
     'standard_logical_axis_rules', 'tree_nbytes',
 ]

@@ -9,9 +9,21 @@
 3. gather: `partitioning.gather_to_host` copies the (possibly sharded, possibly
    multi-process) arrays to host numpy, leaf by leaf.
 
-The resulting `HostSnapshot` owns its arrays: the train loop may donate or
-overwrite the state's buffers right after `take_snapshot` returns, and the
-background writer (`async_export`) still sees the values of that step.
+How the values reach the host is `take_snapshot`'s `copy` option:
+
+* `copy=True` (default): the snapshot owns aligned copies; the train loop
+  may donate or overwrite the state's buffers right after `take_snapshot`
+  returns, and the background writer (`async_export`) still sees the values
+  of that step. The exporter may hand these copies to TensorFlow without a
+  second copy (`HostSnapshot.owns_arrays`).
+* `copy=False`: no copy where none is needed (read-only views of CPU
+  buffers); only while the state stays unchanged, as in a synchronous
+  export.
+* `copy=None` ("auto", what the training callback uses): no copy where that
+  is still safe across a donating train step: on accelerators the transfer
+  to the host is itself a copy, and on CPU a view keeps PJRT from donating
+  its buffer (`partitioning.host_views_survive_donation`, checked once per
+  process). Otherwise it copies.
 
 Light: this module never imports TensorFlow.
 """
@@ -50,12 +62,17 @@ class HostSnapshot:
       replicated), or None when no rules were given or the state has no
       axes.
     nbytes: total bytes of the numpy arrays in `variables`.
+    owns_arrays: True when `variables` are copies nobody else references
+      (`take_snapshot(copy=True)`): an exporter may then give their memory
+      to TensorFlow instead of copying it, after which the arrays alias the
+      exported variables and must not be changed.
   """
   step: int
   variables: dict[str, Any]
   logical_axes: AxesByPath | None
   mesh_axes: AxesByPath | None
   nbytes: int
+  owns_arrays: bool = False
 
   def flat_variables(self) -> dict[str, np.ndarray]:
     """`{path: array}` in `paths.flatten` order (the export's order)."""
@@ -80,9 +97,23 @@ def _axes_by_path(spec_state: train_state.InferenceState) -> AxesByPath:
   return {path: tuple(spec) for path, spec in flat.items()}
 
 
+def copy_needed_across_donation() -> bool:
+  """Whether a snapshot must copy to survive a donating train step.
+
+  Returns:
+    False on accelerators (the transfer to the host copies) and on CPU when
+    views outlive donation (`partitioning.host_views_survive_donation`);
+    True otherwise.
+  """
+  if jax.default_backend() != 'cpu':
+    return False
+  return not partitioning.host_views_survive_donation()
+
+
 def take_snapshot(state: Any, *,
                   rules: Sequence[tuple[str, Any]] | None = None,
-                  keep_arrays: bool = True) -> HostSnapshot:
+                  keep_arrays: bool = True,
+                  copy: bool | None = True) -> HostSnapshot:
   """Strips, resolves axes and gathers a state to host.
 
   Under `jax.distributed` every process must call this at the same step with
@@ -98,9 +129,14 @@ def take_snapshot(state: Any, *,
       process but the writer in a multi-process export): the variables are
       `jax.ShapeDtypeStruct` placeholders and at most one gathered leaf is
       held at a time.
+    copy: True: the snapshot owns aligned copies (safe whatever happens to
+      the state next). False: views where possible, valid only while the
+      state is unchanged (a synchronous export). None: no copy where that
+      is safe across a donating train step, else a copy (see the module
+      docstring); numpy leaves of the state are not copied then.
 
   Returns:
-    A `HostSnapshot` owning numpy copies of the params and mutables
+    A `HostSnapshot` holding numpy arrays of the params and mutables
     (shape/dtype placeholders when `keep_arrays` is False).
 
   Raises:
@@ -120,13 +156,15 @@ def take_snapshot(state: Any, *,
   elif rules is not None:
     logging.info('take_snapshot: the state declares no logical axes; '
                  'mesh axes are not recorded.')
+  if copy is None:
+    copy = copy_needed_across_donation()
   step = int(np.asarray(partitioning.gather_to_host(inference.step)))
   variables = partitioning.gather_to_host(inference.variables,
-                                          keep=keep_arrays)
+                                          keep=keep_arrays, copy=copy)
   nbytes = partitioning.tree_nbytes(variables)
-  logging.info('Snapshot of step %d: %d arrays, %.1f MiB in %.3fs.', step,
-               len(jax.tree_util.tree_leaves(variables)), nbytes / 2**20,
-               time.perf_counter() - start)
+  logging.info('Snapshot of step %d: %d arrays, %.1f MiB (%s) in %.3fs.',
+               step, len(jax.tree_util.tree_leaves(variables)), nbytes / 2**20,
+               'copied' if copy else 'not copied', time.perf_counter() - start)
   return HostSnapshot(step=step, variables=variables,
                       logical_axes=logical_axes, mesh_axes=mesh_axes,
-                      nbytes=nbytes)
+                      nbytes=nbytes, owns_arrays=bool(copy and keep_arrays))
