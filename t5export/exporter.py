@@ -6,7 +6,9 @@ One export (DESIGN.md data-flow steps 5-7):
    params (unless `allow_non_finite=True`);
 2. build the `JaxModule` on the first export (jax2tf traces once), or assign
    the new values into its variables afterwards (no re-trace);
-3. `tf.saved_model.save` into `<export_dir>/.tmp-<step>-<nonce>/`;
+3. write the SavedModel into `<export_dir>/.tmp-<step>-<nonce>/`
+   (`writer`: the first version with `tf.saved_model.save`, later ones as
+   the first one's graph plus the new variables, written in parallel);
 4. the check: load the staged SavedModel in TensorFlow, run every signature
    that has sample inputs and compare with the JAX method (the same TF
    pre/post-processing around it);
@@ -52,6 +54,7 @@ from t5export import serving
 from t5export import snapshot as snapshot_lib
 from t5export import verify
 from t5export import versions as versions_lib
+from t5export import writer as writer_lib
 from tensorflow.core.protobuf import saved_model_pb2
 from tensorflow_serving.apis import model_pb2
 from tensorflow_serving.apis import predict_pb2
@@ -147,7 +150,8 @@ class SavedModelExporter:
                logical_axis_rules: Any = None,
                trainable: bool = False,
                jit_compile: bool = True,
-               cast_bfloat16: bool = False):
+               cast_bfloat16: bool = False,
+               reuse_graph: bool = True):
     """Prepares the export directory and resumes from what it holds.
 
     Args:
@@ -174,6 +178,9 @@ class SavedModelExporter:
       trainable: export the variables as trainable (with gradients).
       jit_compile: `tf.function(jit_compile=...)` of the methods.
       cast_bfloat16: store bfloat16 params as float32 variables.
+      reuse_graph: write versions after the first as the first one's graph
+        plus the new variables (`writer.SavedModelWriter`); False runs the
+        full `tf.saved_model.save` for every version.
 
     Raises:
       ExportDirError: if `export_dir` is a file or is not writable.
@@ -212,7 +219,9 @@ class SavedModelExporter:
     self._trainable = trainable
     self._jit_compile = jit_compile
     self._cast_bfloat16 = cast_bfloat16
+    self._reuse_graph = reuse_graph
     self._module: jax_module.JaxModule | None = None
+    self._writer: writer_lib.SavedModelWriter | None = None
     self._serving_fns: dict[str, Any] | None = None
     self._dir = versions_lib.VersionDirectory(
         self._export_dir, keep=keep, keep_best=self._keep_best,
@@ -346,10 +355,12 @@ class SavedModelExporter:
     staging = self._dir.staging_dir(step)
     try:
       start = time.monotonic()
-      tf.saved_model.save(self._module, staging, signatures=self._serving_fns)
-      logging.info('t5export: step %d: saved to %s in %.2fs (%.1f MiB).',
+      written = self._writer.write(staging)
+      logging.info('t5export: step %d: saved to %s in %.2fs (%.1f MiB; %s).',
                    step, staging, time.monotonic() - start,
-                   versions_lib.dir_nbytes(staging) / 2**20)
+                   versions_lib.dir_nbytes(staging) / 2**20,
+                   'first graph + new variables' if written == 'variables'
+                   else 'full tf.saved_model.save')
       check = {'validated': False, 'atol': self._atol, 'rtol': self._rtol,
                'signatures': {}}
       if self._validate:
@@ -391,6 +402,8 @@ class SavedModelExporter:
         jit_compile=self._jit_compile, platforms=self._platforms,
         cast_bfloat16=self._cast_bfloat16, adopt_buffers=adopt)
     self._serving_fns = serving.serving_functions(module, self._signatures)
+    self._writer = writer_lib.SavedModelWriter(
+        module, self._serving_fns, reuse_graph=self._reuse_graph)
     self._module = module
 
   # --- assets.extra -------------------------------------------------------
@@ -438,6 +451,7 @@ class SavedModelExporter:
         'options': {
             'trainable': self._trainable, 'jit_compile': self._jit_compile,
             'cast_bfloat16': self._cast_bfloat16,
+            'reuse_graph': self._reuse_graph,
         },
         'signatures': {
             s.name: self._signature_metadata(s, signature_defs[s.name])

@@ -1,0 +1,281 @@
+"""Writes the SavedModel files of one version: in full, or only the weights.
+
+The first version of an export directory is written by
+`tf.saved_model.save`: the graph, the signatures, the object graph, assets
+and the variables. Between versions only the variables change (the
+`JaxModule` is updated in place, nothing is traced again), yet
+`tf.saved_model.save` rebuilds and serializes the whole object graph and
+writes the weights through one single-threaded saver every time; on a
+100M-param model that is most of a re-export.
+
+`SavedModelWriter` therefore keeps the first version's files that do not
+depend on the weights (`saved_model.pb`, `assets/`) and writes every later
+version as those files plus a fresh variables checkpoint:
+
+* the checkpoint keys come from the first version's object graph, so the
+  new checkpoint restores into the same graph (TF Serving's session
+  loader and `tf.saved_model.load` alike);
+* the weights are written as several shards in parallel threads
+  (`SaveV2` per shard, then `MergeV2Checkpoints`: the sharded layout
+  `variables.data-0000i-of-0000N` + one `variables.index` that TensorFlow
+  writes for multi-device models);
+* each shard's data file is fsync-ed by the thread that wrote it, as soon
+  as it is written, so flushing the weights to disk overlaps the other
+  shards' writes (the exporter's later `fsync_tree` then finds them clean);
+* `fingerprint.pb` is computed again for the new files.
+
+If the first checkpoint holds anything besides the module's variables (a
+preprocessor with variables of its own, say), every version is written in
+full, as before. The exporter's check then loads each staged version and
+runs it against JAX, whichever way it was written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+import concurrent.futures
+import os
+import shutil
+import time
+from typing import Any
+
+from absl import logging
+import tensorflow as tf
+
+from t5export import jax_module
+from tensorflow.core.protobuf import trackable_object_graph_pb2
+
+OBJECT_GRAPH_KEY = '_CHECKPOINTABLE_OBJECT_GRAPH'
+VARIABLES_DIR = 'variables'
+VARIABLES_PREFIX = os.path.join(VARIABLES_DIR, 'variables')
+_REWRITTEN = (VARIABLES_DIR, 'fingerprint.pb')
+# The attribute a tf.Variable's value is saved under in a checkpoint.
+_VALUE_ATTRIBUTE = 'VARIABLE_VALUE'
+
+
+def default_shards() -> int:
+  """Parallel shards for the weights: one per CPU, at most 8."""
+  return max(1, min(8, os.cpu_count() or 1))
+
+
+def _variable_keys(graph: trackable_object_graph_pb2.TrackableObjectGraph,
+                   attribute: str, count: int) -> list[str] | None:
+  """Checkpoint keys of `module.<attribute>[0..count)`, from the object graph.
+
+  Returns None when the graph does not have that list of variables.
+  """
+  nodes = graph.nodes
+  root = {c.local_name: c.node_id for c in nodes[0].children}
+  if attribute not in root:
+    return None
+  items = {c.local_name: c.node_id for c in nodes[root[attribute]].children}
+  keys = []
+  for i in range(count):
+    node_id = items.get(str(i))
+    if node_id is None:
+      return None
+    values = [a.checkpoint_key for a in nodes[node_id].attributes
+              if a.name == _VALUE_ATTRIBUTE]
+    if len(values) != 1:
+      return None
+    keys.append(values[0])
+  return keys
+
+
+def _balanced(sizes: list[int], shards: int) -> list[list[int]]:
+  """Indices split into `shards` groups of about equal total size."""
+  groups: list[list[int]] = [[] for _ in range(shards)]
+  loads = [0] * shards
+  for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+    target = loads.index(min(loads))
+    groups[target].append(i)
+    loads[target] += sizes[i]
+  return [sorted(g) for g in groups if g]
+
+
+class SavedModelWriter:
+  """Writes versions of one `JaxModule` as SavedModel directories.
+
+  Example:
+    writer = SavedModelWriter(module, serving_fns)
+    writer.write('/models/t5/.tmp-100')   # -> 'full'
+    module.update_variables(new_values)
+    writer.write('/models/t5/.tmp-200')   # -> 'variables'
+  """
+
+  def __init__(self, module: jax_module.JaxModule,
+               signatures: Mapping[str, Any], *,
+               reuse_graph: bool = True, shards: int | None = None,
+               fsync: bool = True):
+    """Binds the writer to a module and its serving functions.
+
+    Args:
+      module: the module every version saves.
+      signatures: name -> serving tf.function (`tf.saved_model.save`'s
+        `signatures`).
+      reuse_graph: write later versions from the first one's graph plus
+        the variables; False writes every version in full.
+      shards: how many weight shards to write in parallel (default: one per
+        CPU, at most 8; 1 writes a single data file).
+      fsync: fsync each weight shard right after writing it (later
+        versions only).
+
+    Raises:
+      ValueError: if `shards` is not a positive int.
+    """
+    if shards is not None and (not isinstance(shards, int) or
+                               isinstance(shards, bool) or shards < 1):
+      raise ValueError(f'shards must be an int >= 1 or None, got {shards!r}.')
+    self._module = module
+    self._signatures = dict(signatures)
+    self._reuse_graph = reuse_graph
+    self._shards = shards or default_shards()
+    self._fsync = fsync
+    self._template: dict[str, bytes] | None = None
+    self._keys: list[str] | None = None
+    self._object_graph: bytes | None = None
+    self._why_full = '' if reuse_graph else 'reuse_graph=False'
+
+  @property
+  def reuses_graph(self) -> bool:
+    """Whether the next version will be written as graph + variables only."""
+    return self._template is not None
+
+  def write(self, directory: str) -> str:
+    """Writes the module's current state as a SavedModel into `directory`.
+
+    Args:
+      directory: a directory that does not exist yet (the staging dir).
+
+    Returns:
+      'full' (tf.saved_model.save) or 'variables' (first version's graph
+      plus freshly written variables).
+    """
+    if self._template is None:
+      tf.saved_model.save(self._module, directory,
+                          signatures=self._signatures)
+      if self._reuse_graph and not self._why_full:
+        self._capture(directory)
+      return 'full'
+    self._write_from_template(directory)
+    return 'variables'
+
+  # --- first version ------------------------------------------------------
+
+  def _capture(self, directory: str) -> None:
+    """Keeps what later versions reuse, or records why they cannot."""
+    prefix = os.path.join(directory, VARIABLES_PREFIX)
+    reader = tf.train.load_checkpoint(prefix)
+    graph = trackable_object_graph_pb2.TrackableObjectGraph()
+    graph.ParseFromString(reader.get_tensor(OBJECT_GRAPH_KEY))
+    keys = _variable_keys(graph, 'param_vars', len(self._module.param_vars))
+    stored = set(reader.get_variable_to_shape_map()) - {OBJECT_GRAPH_KEY}
+    if keys is None or set(keys) != stored:
+      extra = sorted(stored - set(keys or ()))
+      self._why_full = (
+          'the checkpoint holds more than the module variables '
+          f'({extra[:3]}...)' if extra else
+          'the module variables were not found in the object graph')
+      logging.info('t5export: every version is saved in full: %s.',
+                   self._why_full)
+      return
+    template = {}
+    for root, dirs, files in os.walk(directory):
+      rel_root = os.path.relpath(root, directory)
+      if rel_root == os.curdir:
+        dirs[:] = [d for d in dirs if d not in _REWRITTEN]
+      for name in files:
+        rel = os.path.normpath(os.path.join(rel_root, name))
+        if rel in _REWRITTEN:
+          continue
+        with open(os.path.join(root, name), 'rb') as f:
+          template[rel] = f.read()
+      for name in dirs:  # Keep empty directories such as assets/.
+        template.setdefault(os.path.normpath(os.path.join(rel_root, name)) +
+                            os.sep, b'')
+    self._template = template
+    self._keys = keys
+    self._object_graph = reader.get_tensor(OBJECT_GRAPH_KEY)
+    logging.info('t5export: later versions reuse the first graph (%d file(s), '
+                 '%.1f KiB) and write %d variables in %d shard(s).',
+                 sum(not k.endswith(os.sep) for k in template),
+                 sum(len(v) for v in template.values()) / 1024, len(keys),
+                 min(self._shards, len(keys)))
+
+  # --- later versions -----------------------------------------------------
+
+  def _write_from_template(self, directory: str) -> None:
+    start = time.monotonic()
+    os.makedirs(directory)
+    for rel, data in self._template.items():
+      path = os.path.join(directory, rel)
+      if rel.endswith(os.sep):
+        os.makedirs(path, exist_ok=True)
+        continue
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      try:
+        with open(path, 'wb') as f:
+          f.write(data)
+      except OSError as e:
+        # A failed write() names no file; say which one (full disk, quota).
+        raise OSError(e.errno, e.strerror, path) from e
+    os.makedirs(os.path.join(directory, VARIABLES_DIR))
+    self._write_variables(os.path.join(directory, VARIABLES_PREFIX))
+    try:
+      # pylint: disable=g-import-not-at-top
+      from tensorflow.python.saved_model import fingerprinting_utils
+      fingerprinting_utils.write_fingerprint(directory)
+    except Exception as e:  # pylint: disable=broad-except
+      # Optional for loading and serving; never fail an export over it.
+      logging.warning('t5export: fingerprint.pb not written (%s: %s).',
+                      type(e).__name__, e)
+    logging.info('t5export: wrote graph + variables to %s in %.2fs.',
+                 directory, time.monotonic() - start)
+
+  def _write_variables(self, prefix: str) -> None:
+    """Writes the checkpoint `prefix` (.index + data shards) in parallel."""
+    variables = self._module.param_vars
+    sizes = [int(v.shape.num_elements() or 0) * v.dtype.size
+             for v in variables]
+    groups = _balanced(sizes, min(self._shards, len(variables)))
+    object_graph = tf.constant(self._object_graph, dtype=tf.string)
+    if len(groups) == 1:
+      self._save_v2(prefix, groups[0], object_graph)
+      return
+    temp = prefix + '_temp'
+    parts = [os.path.join(temp, f'part-{i:05d}-of-{len(groups):05d}')
+             for i in range(len(groups))]
+    with concurrent.futures.ThreadPoolExecutor(len(groups)) as pool:
+      futures = [pool.submit(self._save_v2, part, group,
+                             object_graph if i == 0 else None)
+                 for i, (part, group) in enumerate(zip(parts, groups))]
+      for future in futures:
+        future.result()
+    with tf.device('/CPU:0'):
+      tf.raw_ops.MergeV2Checkpoints(
+          checkpoint_prefixes=parts, destination_prefix=prefix,
+          delete_old_dirs=True)
+    shutil.rmtree(temp, ignore_errors=True)
+
+  def _save_v2(self, prefix: str, indices: list[int],
+               object_graph: tf.Tensor | None) -> None:
+    names, tensors = [], []
+    if object_graph is not None:
+      names.append(OBJECT_GRAPH_KEY)
+      tensors.append(object_graph)
+    variables = self._module.param_vars
+    for i in indices:
+      names.append(self._keys[i])
+      tensors.append(variables[i].read_value())
+    with tf.device('/CPU:0'):
+      tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names,
+                        shape_and_slices=[''] * len(names), tensors=tensors)
+    if self._fsync:
+      data = prefix + '.data-00000-of-00001'
+      fd = os.open(data, os.O_RDONLY)
+      try:
+        os.fsync(fd)
+      except OSError as e:
+        raise OSError(e.errno, e.strerror, data) from e
+      finally:
+        os.close(fd)

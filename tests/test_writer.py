@@ -1,0 +1,159 @@
+"""Tests for t5export.writer: later versions as the first graph + variables.
+
+Each version written from the template must load and serve its own weights
+in TensorFlow (object-based `tf.saved_model.load` and the TF1 session loader
+TF Serving uses), be bit-exact to the params exported, and keep the first
+version's graph byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import t5export
+from t5export import jax_module
+from t5export import verify
+from t5export import writer as writer_lib
+
+
+def _mlp(variables, inputs):
+  h = inputs['x']
+  for i in range(len(variables['params'])):
+    layer = variables['params'][f'layer_{i}']
+    h = jax.numpy.tanh(h @ layer['kernel'] + layer['bias'])
+  return {'y': h}
+
+
+def _variables(seed: int, layers: int = 5) -> dict:
+  rng = np.random.default_rng(seed)
+  return {'params': {f'layer_{i}': {
+      'kernel': rng.normal(size=(6, 6)).astype(np.float32),
+      'bias': rng.normal(size=(6,)).astype(np.float32)}
+                     for i in range(layers)}}
+
+
+def _signature() -> t5export.Signature:
+  return t5export.Signature(
+      name='serving_default', method=_mlp,
+      input_specs={'x': ('b, 6', 'float32')},
+      sample_inputs={'x': np.linspace(-1, 1, 12, dtype=np.float32).reshape(
+          2, 6)})
+
+
+def _state(seed: int, step: int) -> t5export.InferenceState:
+  return t5export.InferenceState.create(_variables(seed)).replace_step(step)
+
+
+@pytest.fixture(scope='module')
+def three_versions(tmp_path_factory):
+  export_dir = str(tmp_path_factory.mktemp('writer') / 'm')
+  exporter = t5export.SavedModelExporter(export_dir, [_signature()], keep=None)
+  paths = [exporter.export(_state(seed, step))
+           for seed, step in ((0, 10), (1, 20), (2, 30))]
+  return exporter, paths
+
+
+def test_later_versions_reuse_the_graph_and_write_sharded_variables(
+    three_versions):
+  exporter, (first, second, third) = three_versions
+  with open(os.path.join(first, 'saved_model.pb'), 'rb') as f:
+    graph = f.read()
+  for path in (second, third):
+    with open(os.path.join(path, 'saved_model.pb'), 'rb') as f:
+      assert f.read() == graph
+    data = sorted(n for n in os.listdir(os.path.join(path, 'variables'))
+                  if n.startswith('variables.data-'))
+    shards = min(writer_lib.default_shards(), 10)
+    assert data == [f'variables.data-{i:05d}-of-{shards:05d}'
+                    for i in range(shards)]
+    assert not os.path.exists(os.path.join(path, 'variables',
+                                           'variables_temp'))
+    tf.saved_model.experimental.read_fingerprint(path)  # Written again.
+  assert exporter._writer.reuses_graph  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize('index', [0, 1, 2])
+def test_every_version_is_bit_exact_and_serves_its_own_weights(
+    three_versions, index):
+  _, paths = three_versions
+  path = paths[index]
+  want = _variables(index)
+  loaded = verify.load_params(path)
+  for name, layer in want['params'].items():
+    for leaf in ('kernel', 'bias'):
+      np.testing.assert_array_equal(loaded['params'][name][leaf], layer[leaf])
+  x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(2, 6)
+  expected = np.asarray(_mlp(want, {'x': x})['y'])
+  # Object-based loading.
+  served = tf.saved_model.load(path).signatures['serving_default'](
+      x=tf.constant(x))
+  np.testing.assert_allclose(served['y'].numpy(), expected, rtol=1e-5,
+                             atol=1e-6)
+  # The TF1 session loader TF Serving uses (and the exporter's check).
+  (session_out,) = verify.run_signatures_isolated(
+      path, [('serving_default', {'x': x})])
+  np.testing.assert_allclose(session_out['y'], expected, rtol=1e-5, atol=1e-6)
+  with open(os.path.join(path, verify.METADATA_FILE), encoding='utf-8') as f:
+    meta = json.load(f)
+  assert meta['check']['validated'] and meta['options']['reuse_graph']
+
+
+def test_reuse_graph_false_saves_every_version_in_full(tmp_path):
+  exporter = t5export.SavedModelExporter(tmp_path / 'm', [_signature()],
+                                         reuse_graph=False)
+  exporter.export(_state(0, 1))
+  second = exporter.export(_state(1, 2))
+  assert not exporter._writer.reuses_graph  # pylint: disable=protected-access
+  assert sorted(os.listdir(os.path.join(second, 'variables'))) == [
+      'variables.data-00000-of-00001', 'variables.index']
+  np.testing.assert_array_equal(
+      verify.load_params(second)['params']['layer_0']['kernel'],
+      _variables(1)['params']['layer_0']['kernel'])
+
+
+def _module(variables) -> jax_module.JaxModule:
+  return jax_module.JaxModule(
+      variables, {'f': _mlp},
+      input_signatures={'f': {'x': tf.TensorSpec([None, 6], tf.float32)}},
+      polymorphic_shapes={'f': {'x': '(b, 6)'}})
+
+
+def test_a_module_with_other_checkpointed_state_is_saved_in_full(tmp_path):
+  module = _module(_variables(0))
+  module.extra_state = tf.Variable(3.0)  # Tracked: saved in the checkpoint.
+  writer = writer_lib.SavedModelWriter(module, {'serving_default': (
+      tf.function(lambda x: module.methods['f']({'x': x}),
+                  input_signature=[tf.TensorSpec([None, 6], tf.float32)]))})
+  assert writer.write(str(tmp_path / 'a')) == 'full'
+  assert not writer.reuses_graph
+  module.update_variables(_variables(1))
+  module.extra_state.assign(4.0)
+  assert writer.write(str(tmp_path / 'b')) == 'full'
+  loaded = tf.saved_model.load(str(tmp_path / 'b'))
+  assert float(loaded.extra_state.numpy()) == 4.0
+
+
+def test_single_shard_and_bad_shards(tmp_path):
+  module = _module(_variables(0))
+  fns = {'serving_default': tf.function(
+      lambda x: module.methods['f']({'x': x}),
+      input_signature=[tf.TensorSpec([None, 6], tf.float32)])}
+  writer = writer_lib.SavedModelWriter(module, fns, shards=1)
+  assert writer.write(str(tmp_path / 'a')) == 'full'
+  module.update_variables(_variables(3))
+  assert writer.write(str(tmp_path / 'b')) == 'variables'
+  assert sorted(os.listdir(tmp_path / 'b' / 'variables')) == [
+      'variables.data-00000-of-00001', 'variables.index']
+  loaded = tf.saved_model.load(str(tmp_path / 'b'))
+  np.testing.assert_array_equal(
+      loaded.param_vars[0].numpy(),
+      module.param_vars[0].numpy())
+  with pytest.raises(ValueError, match=r'shards must be an int >= 1 or None, '
+                     r'got 0'):
+    writer_lib.SavedModelWriter(module, fns, shards=0)
