@@ -784,16 +784,14 @@ def worker_offline(spec: dict[str, Any]) -> dict[str, Any]:
     return {'phases': phases.phases, 'dropped': dropped}
   import tensorflow  # noqa: F401
   import t5export
-  from t5export import checkpoints
   width = mlp_width(spec['n_params'], spec['depth'])
   sig = _mlp_signature(width)
+  from t5export import offline
   with phases('offline'):
-    contents = checkpoints.read_params(spec['ckpt'])
-    exporter = t5export.SavedModelExporter(str(out / 'ours'), [sig],
-                                           validate=False)
-    state = t5export.InferenceState.create(contents.variables)
-    path = exporter.export(state.replace_step(contents.step or 0))
-    del contents, state
+    # What `python -m t5export.offline --ckpt ...` runs after parsing gin.
+    path = offline.export_checkpoint(
+        spec['ckpt'], str(out / 'ours'), validate=False,
+        options=offline.OfflineOptions(signatures=[sig]))
   shutil.rmtree(path, ignore_errors=True)
   return {'phases': phases.phases, 'dropped': dropped}
 
@@ -1157,7 +1155,8 @@ def parse_offline(cfg: Config, res: Results,
       [x['ours']['seconds'] / x['raw']['seconds'] for x in rows],
       ours_s=_median([x['ours']['seconds'] for x in rows]),
       raw_s=_median([x['raw']['seconds'] for x in rows]),
-      ours_includes='read_params + first export (tracing), validate=False'))
+      ours_includes='offline.export_checkpoint: read_params + first export '
+                    '(tracing), validate=False'))
   emit(figure_record(
       'offline_peak_rss', [x['ours']['peak']['sampled'] / pb for x in rows],
       hwm=_median([x['ours']['peak']['hwm'] / pb for x in rows]),
