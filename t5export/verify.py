@@ -27,9 +27,9 @@ from jax.experimental import jax2tf
 import numpy as np
 import tensorflow as tf
 
-from tensorflow.core.protobuf import trackable_object_graph_pb2
 from t5export import errors
 from t5export import paths
+from t5export import writer
 
 # Layout of a published version, relative to the version directory.
 ASSETS_EXTRA = 'assets.extra'
@@ -38,7 +38,6 @@ GIN_CONFIG_FILE = os.path.join(ASSETS_EXTRA, 'config.gin')
 WARMUP_FILE = os.path.join(ASSETS_EXTRA, 'tf_serving_warmup_requests')
 # The tracked attribute of JaxModule that holds the params, in order.
 _PARAM_VARS_ATTR = 'param_vars'
-_OBJECT_GRAPH_KEY = '_CHECKPOINTABLE_OBJECT_GRAPH'
 
 
 def read_metadata(version_dir: str | os.PathLike[str]) -> dict[str, Any]:
@@ -66,23 +65,13 @@ def read_metadata(version_dir: str | os.PathLike[str]) -> dict[str, Any]:
 
 def _param_checkpoint_keys(reader: Any, version_dir: str) -> list[str]:
   """Checkpoint keys of JaxModule.param_vars[0..n-1], via the object graph."""
-  graph = trackable_object_graph_pb2.TrackableObjectGraph()
-  graph.ParseFromString(reader.get_tensor(_OBJECT_GRAPH_KEY))
-  root = graph.nodes[0]
-  list_ids = [c.node_id for c in root.children
-              if c.local_name == _PARAM_VARS_ATTR]
-  if not list_ids:
+  keys = writer.param_checkpoint_keys(
+      reader.get_tensor(writer.OBJECT_GRAPH_KEY))
+  if keys is None:
     raise errors.VersionNotFoundError(
-        f'The SavedModel at {version_dir!r} has no {_PARAM_VARS_ATTR!r} list; '
-        'it was not written by t5export.')
-  by_index = {}
-  for child in graph.nodes[list_ids[0]].children:
-    node = graph.nodes[child.node_id]
-    keys = [a.checkpoint_key for a in node.attributes
-            if a.name == 'VARIABLE_VALUE']
-    if keys:
-      by_index[int(child.local_name)] = keys[0]
-  return [by_index[i] for i in range(len(by_index))]
+        f'The SavedModel at {version_dir!r} has no complete \'param_vars\' '
+        'list; it was not written by t5export.')
+  return keys
 
 
 def load_params(version_dir: str | os.PathLike[str]) -> dict[str, Any]:

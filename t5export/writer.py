@@ -51,6 +51,8 @@ VARIABLES_PREFIX = os.path.join(VARIABLES_DIR, 'variables')
 _REWRITTEN = (VARIABLES_DIR, 'fingerprint.pb')
 # The attribute a tf.Variable's value is saved under in a checkpoint.
 _VALUE_ATTRIBUTE = 'VARIABLE_VALUE'
+# The JaxModule attribute holding its variables (a tracked list).
+_PARAM_VARS = 'param_vars'
 
 
 def default_shards() -> int:
@@ -58,19 +60,33 @@ def default_shards() -> int:
   return max(1, min(8, os.cpu_count() or 1))
 
 
-def _variable_keys(graph: trackable_object_graph_pb2.TrackableObjectGraph,
-                   attribute: str, count: int) -> list[str] | None:
-  """Checkpoint keys of `module.<attribute>[0..count)`, from the object graph.
+def param_checkpoint_keys(object_graph: bytes, *,
+                          count: int | None = None) -> list[str] | None:
+  """Checkpoint keys of a `JaxModule`'s `param_vars[0..n)`.
 
-  Returns None when the graph does not have that list of variables.
+  A SavedModel's checkpoint stores each variable under a key derived from
+  its path in the object graph ('param_vars/3/.ATTRIBUTES/VARIABLE_VALUE');
+  the graph itself is the checkpoint's `_CHECKPOINTABLE_OBJECT_GRAPH`
+  entry.
+
+  Args:
+    object_graph: the serialized `TrackableObjectGraph`.
+    count: how many variables the module has (default: as many as the
+      graph lists).
+
+  Returns:
+    The keys in `param_vars` order, or None if the graph has no complete
+    `param_vars` list (not a t5export module).
   """
+  graph = trackable_object_graph_pb2.TrackableObjectGraph()
+  graph.ParseFromString(object_graph)
   nodes = graph.nodes
   root = {c.local_name: c.node_id for c in nodes[0].children}
-  if attribute not in root:
+  if _PARAM_VARS not in root:
     return None
-  items = {c.local_name: c.node_id for c in nodes[root[attribute]].children}
+  items = {c.local_name: c.node_id for c in nodes[root[_PARAM_VARS]].children}
   keys = []
-  for i in range(count):
+  for i in range(len(items) if count is None else count):
     node_id = items.get(str(i))
     if node_id is None:
       return None
@@ -166,9 +182,8 @@ class SavedModelWriter:
     """Keeps what later versions reuse, or records why they cannot."""
     prefix = os.path.join(directory, VARIABLES_PREFIX)
     reader = tf.train.load_checkpoint(prefix)
-    graph = trackable_object_graph_pb2.TrackableObjectGraph()
-    graph.ParseFromString(reader.get_tensor(OBJECT_GRAPH_KEY))
-    keys = _variable_keys(graph, 'param_vars', len(self._module.param_vars))
+    keys = param_checkpoint_keys(reader.get_tensor(OBJECT_GRAPH_KEY),
+                                 count=len(self._module.param_vars))
     stored = set(reader.get_variable_to_shape_map()) - {OBJECT_GRAPH_KEY}
     if keys is None or set(keys) != stored:
       extra = sorted(stored - set(keys or ()))
