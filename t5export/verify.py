@@ -29,38 +29,18 @@ import tensorflow as tf
 
 from t5export import errors
 from t5export import paths
+from t5export import versions
 from t5export import writer
 
-# Layout of a published version, relative to the version directory.
-ASSETS_EXTRA = 'assets.extra'
-METADATA_FILE = os.path.join(ASSETS_EXTRA, 't5export.json')
-GIN_CONFIG_FILE = os.path.join(ASSETS_EXTRA, 'config.gin')
-WARMUP_FILE = os.path.join(ASSETS_EXTRA, 'tf_serving_warmup_requests')
+# Layout of a published version (defined in the light `versions` module).
+ASSETS_EXTRA = versions.ASSETS_EXTRA
+METADATA_FILE = versions.METADATA_FILE
+GIN_CONFIG_FILE = versions.GIN_CONFIG_FILE
+WARMUP_FILE = versions.WARMUP_FILE
 # The tracked attribute of JaxModule that holds the params, in order.
 _PARAM_VARS_ATTR = 'param_vars'
 
-
-def read_metadata(version_dir: str | os.PathLike[str]) -> dict[str, Any]:
-  """Reads the t5export metadata of a published (or staged) version.
-
-  Args:
-    version_dir: a version directory such as `<export_dir>/1000`.
-
-  Returns:
-    The parsed `assets.extra/t5export.json`.
-
-  Raises:
-    VersionNotFoundError: if the directory or its metadata file is missing.
-  """
-  version_dir = os.fspath(version_dir)
-  path = os.path.join(version_dir, METADATA_FILE)
-  if not os.path.isfile(path):
-    raise errors.VersionNotFoundError(
-        f'{version_dir!r} is not a t5export version: {METADATA_FILE} is '
-        'missing. Pass a version directory such as <export_dir>/<step>, '
-        'not the export_dir itself.')
-  with open(path, encoding='utf-8') as f:
-    return json.load(f)
+read_metadata = versions.read_metadata
 
 
 def _param_checkpoint_keys(reader: Any, version_dir: str) -> list[str]:

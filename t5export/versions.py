@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 import ctypes
 import dataclasses
+import json
 import os
 import re
 import shutil
@@ -39,6 +40,51 @@ from t5export import errors
 
 STAGING_PREFIX = '.tmp-'
 _VERSION_RE = re.compile(r'^[0-9]+$')
+
+# Files t5export adds to a version, relative to the version directory.
+ASSETS_EXTRA = 'assets.extra'
+METADATA_FILE = os.path.join(ASSETS_EXTRA, 't5export.json')
+GIN_CONFIG_FILE = os.path.join(ASSETS_EXTRA, 'config.gin')
+WARMUP_FILE = os.path.join(ASSETS_EXTRA, 'tf_serving_warmup_requests')
+
+
+def list_versions(export_dir: str) -> list[int]:
+  """The published versions (integer subdirectories) of `export_dir`.
+
+  Args:
+    export_dir: an export directory; it is only read.
+
+  Returns:
+    Sorted version numbers ([] if the directory does not exist).
+  """
+  if not os.path.isdir(export_dir):
+    return []
+  return sorted(int(n) for n in os.listdir(export_dir)
+                if _VERSION_RE.match(n) and
+                os.path.isdir(os.path.join(export_dir, n)))
+
+
+def read_metadata(version_dir: str | os.PathLike[str]) -> dict[str, Any]:
+  """Reads the t5export metadata of a published (or staged) version.
+
+  Args:
+    version_dir: a version directory such as `<export_dir>/1000`.
+
+  Returns:
+    The parsed `assets.extra/t5export.json`.
+
+  Raises:
+    VersionNotFoundError: if the directory or its metadata file is missing.
+  """
+  version_dir = os.fspath(version_dir)
+  path = os.path.join(version_dir, METADATA_FILE)
+  if not os.path.isfile(path):
+    raise errors.VersionNotFoundError(
+        f'{version_dir!r} is not a t5export version: {METADATA_FILE} is '
+        'missing. Pass a version directory such as <export_dir>/<step>, '
+        'not the export_dir itself.')
+  with open(path, encoding='utf-8') as f:
+    return json.load(f)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,9 +288,7 @@ class VersionDirectory:
     Returns:
       Sorted version numbers.
     """
-    return sorted(int(n) for n in os.listdir(self.export_dir)
-                  if _VERSION_RE.match(n) and
-                  os.path.isdir(os.path.join(self.export_dir, n)))
+    return list_versions(self.export_dir)
 
   def record_metrics(self, step: int, metrics: Mapping[str, Any]) -> None:
     """Remembers a version's (flat) metrics for `keep_best`."""

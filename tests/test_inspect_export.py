@@ -1,0 +1,79 @@
+"""Tests for tools/inspect_export.py on a real export directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import t5export
+import test_writer  # pylint: disable=g-bad-import-order
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(REPO, 'tools', 'inspect_export.py')
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, TOOL, *args], capture_output=True,
+                        text=True, timeout=120, cwd=REPO)
+
+
+@pytest.fixture(scope='module')
+def export_dir(tmp_path_factory):
+  path = str(tmp_path_factory.mktemp('inspect') / 'm')
+  exporter = t5export.SavedModelExporter(path, [test_writer._signature()])
+  exporter.export(test_writer._state(0, 10), metrics={'accuracy': 0.5})
+  exporter.export(test_writer._state(1, 20))
+  os.makedirs(os.path.join(path, '.tmp-30-0123abcd'))  # An interrupted one.
+  return path
+
+
+def test_lists_versions_served_version_and_leftovers(export_dir):
+  proc = _run(export_dir)
+  assert proc.returncode == 0, proc.stderr
+  out = proc.stdout
+  assert 'TF Serving serves version 20 (the highest).' in out
+  lines = {l.split()[0]: l for l in out.splitlines()
+           if l.strip().split(' ')[0].isdigit()}
+  assert set(lines) == {'10', '20'}
+  assert 'passed (max abs err' in lines['10'] and 'accuracy=0.5' in lines['10']
+  assert 'staging leftovers: .tmp-30-0123abcd' in out
+
+
+def test_one_version_in_full_and_as_json(export_dir):
+  proc = _run(os.path.join(export_dir, '20'), '--params')
+  assert proc.returncode == 0, proc.stderr
+  assert "signature 'serving_default'" in proc.stdout
+  assert 'params/layer_4/kernel: [6, 6] float32' in proc.stdout
+  proc = _run(os.path.join(export_dir, '10'), '--json')
+  info = json.loads(proc.stdout)
+  assert info['step'] == 10 and info['n_params'] == 10
+  assert info['metrics'] == {'accuracy': 0.5}
+  assert info['files']['warmup_requests'] is True
+  assert info['check'].startswith('passed')
+  proc = _run(export_dir, '--json')
+  assert [v['step'] for v in json.loads(proc.stdout)['versions']] == [10, 20]
+
+
+def test_bad_path_is_one_line_and_exit_1(tmp_path):
+  proc = _run(str(tmp_path / 'missing'))
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines() == [
+      f"inspect_export: '{tmp_path / 'missing'}' is not a directory; pass an "
+      'export_dir or one of its version directories.']
+
+
+def test_reads_metadata_only_without_tensorflow(export_dir):
+  code = ('import runpy, sys; sys.argv = ["inspect_export", sys.argv[1]]\n'
+          'try:\n'
+          '  runpy.run_path(%r, run_name="__main__")\n'
+          'except SystemExit as e:\n'
+          '  assert e.code == 0, e.code\n'
+          'heavy = sorted(m for m in ("tensorflow", "jax") if m in sys.modules)\n'
+          'assert not heavy, heavy\n' % TOOL)
+  proc = subprocess.run([sys.executable, '-c', code, export_dir],
+                        capture_output=True, text=True, timeout=120, cwd=REPO)
+  assert proc.returncode == 0, proc.stderr[-2000:]

@@ -1,0 +1,189 @@
+"""Shows what an export directory holds, from the versions' metadata.
+
+  python tools/inspect_export.py EXPORT_DIR            # every version
+  python tools/inspect_export.py EXPORT_DIR/600        # one version in full
+  python tools/inspect_export.py EXPORT_DIR --params   # ... with its params
+  python tools/inspect_export.py EXPORT_DIR --json     # machine-readable
+
+For an export directory: each published version (step, time, size, check
+result, metrics), the one TensorFlow Serving serves (the highest), and any
+staging leftovers of an interrupted export. For a version: the library
+versions it was written with, platforms, signatures (inputs and outputs),
+the check per signature, parameter count and bytes, and the extra files.
+It reads `assets.extra/t5export.json` only: no TensorFlow, no JAX, fast on
+a serving host. Exit status 1 with one line on stderr for a path that is
+not an export directory or version.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+import json
+import os
+import sys
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from t5export import errors  # pylint: disable=g-import-not-at-top
+from t5export import versions  # pylint: disable=g-import-not-at-top
+
+
+def _mib(nbytes: int) -> str:
+  if nbytes < 2**20:
+    return f'{nbytes / 2**10:.1f} KiB'
+  return f'{nbytes / 2**20:.1f} MiB'
+
+
+def _check_summary(check: dict[str, Any]) -> str:
+  if not check.get('validated'):
+    return 'not checked'
+  worst = max((err for sig in check.get('signatures', {}).values()
+               for err in sig.get('max_abs_error', {}).values()), default=0.0)
+  passed = all(sig.get('passed', False)
+               for sig in check.get('signatures', {}).values())
+  return f'{"passed" if passed else "FAILED"} (max abs err {worst:.3g})'
+
+
+def describe_export_dir(export_dir: str) -> dict[str, Any]:
+  """Summary of every published version and the staging leftovers.
+
+  Args:
+    export_dir: the directory TF Serving watches.
+
+  Returns:
+    {'export_dir', 'served', 'versions': [...], 'staging': [...]}.
+
+  Raises:
+    errors.VersionNotFoundError: `export_dir` is not a directory.
+  """
+  if not os.path.isdir(export_dir):
+    raise errors.VersionNotFoundError(
+        f'{export_dir!r} is not a directory; pass an export_dir or one of its '
+        'version directories.')
+  rows = []
+  for step in versions.list_versions(export_dir):
+    path = os.path.join(export_dir, str(step))
+    row: dict[str, Any] = {'step': step, 'path': path,
+                           'bytes': versions.dir_nbytes(path)}
+    try:
+      meta = versions.read_metadata(path)
+    except (errors.VersionNotFoundError, ValueError) as e:
+      row['error'] = str(e).splitlines()[0]
+    else:
+      row.update(time_utc=meta.get('time_utc'),
+                 check=_check_summary(meta.get('check', {})),
+                 metrics=meta.get('metrics', {}))
+    rows.append(row)
+  staging = sorted(n for n in os.listdir(export_dir)
+                   if n.startswith(versions.STAGING_PREFIX))
+  return {'export_dir': os.path.abspath(export_dir),
+          'served': rows[-1]['step'] if rows else None,
+          'versions': rows, 'staging': staging}
+
+
+def describe_version(version_dir: str, *, params: bool) -> dict[str, Any]:
+  """The metadata of one version, summarised.
+
+  Args:
+    version_dir: `<export_dir>/<step>`.
+    params: include every parameter's shape, dtype and axes.
+
+  Returns:
+    A JSON-ready dict.
+
+  Raises:
+    errors.VersionNotFoundError: not a t5export version.
+  """
+  meta = versions.read_metadata(version_dir)
+  table = meta.get('params', {})
+  out = {
+      'version_dir': os.path.abspath(version_dir),
+      'step': meta.get('step'), 'time_utc': meta.get('time_utc'),
+      'written_with': meta.get('versions', {}),
+      'platforms': meta.get('platforms'),
+      'options': meta.get('options', {}),
+      'signatures': {
+          name: {'inputs': sig.get('inputs'), 'outputs': sig.get('outputs')}
+          for name, sig in meta.get('signatures', {}).items()},
+      'check': _check_summary(meta.get('check', {})),
+      'check_detail': meta.get('check', {}),
+      'metrics': meta.get('metrics', {}),
+      'n_params': len(table), 'param_bytes': meta.get('nbytes'),
+      'bytes_on_disk': versions.dir_nbytes(version_dir),
+      'files': {name: os.path.exists(os.path.join(version_dir, rel))
+                for name, rel in (('gin_config', versions.GIN_CONFIG_FILE),
+                                  ('warmup_requests', versions.WARMUP_FILE))},
+  }
+  if params:
+    out['params'] = table
+  return out
+
+
+def _print_export_dir(info: dict[str, Any]) -> None:
+  print(f'export_dir: {info["export_dir"]}')
+  if not info['versions']:
+    print('no published versions')
+  else:
+    print(f'TF Serving serves version {info["served"]} (the highest).')
+    print(f'{"version":>10}  {"time (UTC)":<19}  {"size":>10}  check / metrics')
+    for row in info['versions']:
+      if 'error' in row:
+        print(f'{row["step"]:>10}  {row["error"]}')
+        continue
+      metrics = ', '.join(f'{k}={v}' for k, v in sorted(row['metrics'].items()))
+      print(f'{row["step"]:>10}  {str(row["time_utc"])[:19]:<19}  '
+            f'{_mib(row["bytes"]):>10}  {row["check"]}'
+            f'{"; " + metrics if metrics else ""}')
+  print('staging leftovers: ' + (', '.join(info['staging']) or 'none'))
+
+
+def _print_version(info: dict[str, Any]) -> None:
+  print(f'version {info["step"]} at {info["version_dir"]}')
+  print(f'  written {info["time_utc"]} with '
+        + ', '.join(f'{k} {v}' for k, v in info['written_with'].items()))
+  print(f'  platforms {info["platforms"]}; options {info["options"]}')
+  print(f'  {info["n_params"]} params, {_mib(info["param_bytes"] or 0)} '
+        f'({_mib(info["bytes_on_disk"])} on disk); check: {info["check"]}')
+  for name, sig in info['signatures'].items():
+    print(f'  signature {name!r}: inputs {json.dumps(sig["inputs"])} -> '
+          f'outputs {json.dumps(sig["outputs"])}')
+  if info['metrics']:
+    print(f'  metrics {info["metrics"]}')
+  print('  files: ' + ', '.join(f'{k} {"yes" if v else "no"}'
+                                for k, v in info['files'].items()))
+  for path, p in (info.get('params') or {}).items():
+    print(f'  {path}: {p["shape"]} {p["dtype"]} logical={p["logical_axes"]} '
+          f'mesh={p["mesh_axes"]}')
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Runs the tool; returns the exit status."""
+  parser = argparse.ArgumentParser(
+      description='Shows the versions of a t5export export directory.')
+  parser.add_argument('path', help='an export_dir or one version directory')
+  parser.add_argument('--params', action='store_true',
+                      help="list every parameter of a version")
+  parser.add_argument('--json', action='store_true',
+                      help='print JSON instead of text')
+  args = parser.parse_args(argv)
+  try:
+    if os.path.isfile(os.path.join(args.path, versions.METADATA_FILE)):
+      info = describe_version(args.path, params=args.params)
+      show = _print_version
+    else:
+      info = describe_export_dir(args.path)
+      show = _print_export_dir
+  except (errors.VersionNotFoundError, OSError, ValueError) as e:
+    print(f'inspect_export: {e}'.splitlines()[0], file=sys.stderr)
+    return 1
+  if args.json:
+    print(json.dumps(info, indent=2, default=str))
+  else:
+    show(info)
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
