@@ -410,7 +410,9 @@ def host_views_survive_donation() -> bool:
     True when views are safe to hold across a donating step.
   """
   try:
-    cpu = jax.devices('cpu')[0]
+    # A device of this process: under jax.distributed, jax.devices() starts
+    # with process 0's, and a computation there would wait for process 0.
+    cpu = jax.local_devices(backend='cpu')[0]
   except RuntimeError:
     return False
   expected = np.arange(4096, dtype=np.float32)

@@ -157,7 +157,9 @@ def take_snapshot(state: Any, *,
     logging.info('take_snapshot: the state declares no logical axes; '
                  'mesh axes are not recorded.')
   if copy is None:
-    copy = copy_needed_across_donation()
+    # Only a process that keeps the values cares; the check runs a local
+    # computation, never one a non-writer's peers would have to join.
+    copy = copy_needed_across_donation() if keep_arrays else True
   step = int(np.asarray(partitioning.gather_to_host(inference.step)))
   variables = partitioning.gather_to_host(inference.variables,
                                           keep=keep_arrays, copy=copy)
