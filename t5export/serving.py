@@ -9,28 +9,13 @@ gin-friendly way:
       input_specs={'x': ('b, 16', 'float32')})
 
 Input specs. `input_specs` is a pytree (usually a flat dict) whose leaves are
-either `(shape, dtype)` pairs of strings or `tf.TensorSpec`s:
-
-- shape: comma-separated dimensions, each an int or a name ('b, 16',
-  '(b, n)', 'n,' for rank 1, '' or '()' for a scalar). A name is a
-  polymorphic dimension: None in the TF input signature, the same symbol in
-  the jax2tf polymorphic shape, so inputs that share a name must agree at run
-  time ('tokens': 'b, n' and 'mask': 'b, n').
-- dtype: a TensorFlow dtype name ('float32', 'bfloat16', 'int32', 'bool',
-  'string', ...).
-- a `tf.TensorSpec` with None dimensions gets names: the leading one is 'b'
-  (the batch, shared by all inputs), any other is '<input>_<axis>' (its own
-  symbol). Use the string form to say that two dimensions are equal.
-
-Serving inputs are flat keyword arguments named after the (flattened)
-input_specs keys: a flat dict's keys as they are, nested dicts joined with
-'__' ({'a': {'x': ...}} -> 'a__x'), a top-level tuple/list as 'input_0',
-'input_1', ... Each name must be a Python identifier.
-
-Outputs are a flat dict: a dict output keeps its keys, nested containers are
-joined with '/' ({'enc': {'h': ...}} -> 'enc/h'; '/' is fine in a
-SignatureDef output key), a bare tensor is 'output_0', a tuple is
-'output_0', 'output_1', ...
+either `(shape, dtype)` pairs of strings ('b, 16', 'float32') or
+`tf.TensorSpec`s; a named dimension is polymorphic and shared by the inputs
+that name it. Serving inputs are flat keyword arguments named after the
+flattened keys ('a__x' for nested dicts, 'input_0', ... for a tuple) and
+outputs a flat dict ('enc/h' for nested outputs, 'output_0', ... for a
+tensor or tuple). The exact rules are in `t5export.specs`, which parses and
+names; this module checks and builds.
 
 Pre/post-processing. `preprocessor(inputs) -> method_inputs` and
 `postprocessor(outputs) -> outputs` are TensorFlow functions run in the
@@ -53,7 +38,6 @@ that is also usable in URLs and file names).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-import dataclasses
 import re
 from typing import Any
 
@@ -65,174 +49,22 @@ import tensorflow as tf
 from t5export import errors
 from t5export import jax_module
 from t5export import paths
+from t5export import specs
 
 _SIGNATURE_NAME = re.compile(r'^[A-Za-z_][A-Za-z0-9_.\-]*$')
-_IDENTIFIER = re.compile(r'^[A-Za-z_][A-Za-z0-9_]*$')
-_INPUT_SEPARATOR = '__'
-_OUTPUT_SEPARATOR = '/'
-_BATCH_DIM = 'b'
 
-Dim = int | str  # a static size, or the name of a polymorphic dimension
-
-
-@dataclasses.dataclass(frozen=True)
-class InputSpec:
-  """One parsed input: dimensions (ints or names) and a TF dtype.
-
-  Attributes:
-    dims: each dimension, an int or the name of a polymorphic dimension.
-    dtype: the TensorFlow dtype.
-  """
-  dims: tuple[Dim, ...]
-  dtype: tf.dtypes.DType
-
-  @property
-  def shape_string(self) -> str:
-    """The gin-style shape, e.g. 'b, 16'."""
-    return ', '.join(str(d) for d in self.dims)
-
-  @property
-  def polymorphic_shape(self) -> str:
-    """The jax2tf shape string, e.g. '(b, 16)' or '(n,)'."""
-    inner = ', '.join(str(d) for d in self.dims)
-    return f'({inner},)' if len(self.dims) == 1 else f'({inner})'
-
-  def tensor_spec(self, name: str | None = None) -> tf.TensorSpec:
-    """The TF spec: None for every named dimension."""
-    shape = [d if isinstance(d, int) else None for d in self.dims]
-    return tf.TensorSpec(shape, self.dtype, name=name)
-
-  def describe(self) -> dict[str, str]:
-    """JSON-friendly {'shape': ..., 'dtype': ...} (for metadata)."""
-    return {'shape': self.shape_string, 'dtype': self.dtype.name}
+# Spec parsing and naming live in `specs`; these names stay importable from
+# here, where they were first defined.
+Dim = specs.Dim
+InputSpec = specs.InputSpec
+parse_shape = specs.parse_shape
+parse_dtype = specs.parse_dtype
+parse_spec = specs.parse_spec
+name_outputs = specs.name_outputs
 
 
-def _is_spec_leaf(x: Any) -> bool:
-  if isinstance(x, (tf.TensorSpec, InputSpec)):
-    return True
-  return (isinstance(x, (tuple, list)) and len(x) == 2 and
-          isinstance(x[0], str) and not isinstance(x[1], (tuple, list, dict)))
-
-
-def parse_shape(shape: str, *, where: str) -> tuple[Dim, ...]:
-  """Parses 'b, 16' / '(b, n)' / 'n,' / '' into dimensions.
-
-  Args:
-    shape: the shape string.
-    where: what the shape belongs to, for the error message.
-
-  Returns:
-    The dimensions, ints for static sizes and names for polymorphic ones.
-
-  Raises:
-    errors.SignatureError: if a dimension is neither a non-negative int nor
-      an identifier.
-  """
-  text = shape.strip()
-  if text.startswith('(') and text.endswith(')'):
-    text = text[1:-1].strip()
-  if not text:
-    return ()
-  parts = [p.strip() for p in text.split(',')]
-  if parts[-1] == '':  # 'n,' is rank 1.
-    parts = parts[:-1]
-  dims: list[Dim] = []
-  for part in parts:
-    if part.isdigit():
-      dims.append(int(part))
-    elif _IDENTIFIER.match(part):
-      dims.append(part)
-    else:
-      raise errors.SignatureError(
-          f'{where}: cannot parse shape {shape!r}: dimension {part!r} is '
-          'neither a size nor a name. Write dimensions as ints or '
-          "identifiers separated by commas, e.g. 'b, 16' or 'b, n'.")
-  return tuple(dims)
-
-
-def parse_dtype(dtype: Any, *, where: str) -> tf.dtypes.DType:
-  """Parses a dtype name ('float32', 'string', ...) or dtype object.
-
-  Args:
-    dtype: a TF dtype name, a tf.DType or a numpy dtype.
-    where: what the dtype belongs to, for the error message.
-
-  Returns:
-    The TensorFlow dtype.
-
-  Raises:
-    errors.SignatureError: if TensorFlow does not know the dtype.
-  """
-  try:
-    return tf.dtypes.as_dtype(dtype)
-  except (TypeError, ValueError) as e:
-    raise errors.SignatureError(
-        f'{where}: unknown dtype {dtype!r} ({e}). Use a TensorFlow dtype '
-        "name such as 'float32', 'bfloat16', 'int32', 'bool' or "
-        "'string'.") from None
-
-
-def parse_spec(spec: Any, *, where: str, flat_name: str) -> InputSpec:
-  """Parses one `(shape, dtype)` pair or `tf.TensorSpec`.
-
-  Args:
-    spec: the leaf from input_specs.
-    where: what it belongs to, for error messages.
-    flat_name: the input's flat name (names unknown TensorSpec dims).
-
-  Returns:
-    The parsed spec.
-
-  Raises:
-    errors.SignatureError: for an unparseable shape or unknown dtype.
-  """
-  if isinstance(spec, InputSpec):
-    return spec
-  if isinstance(spec, tf.TensorSpec):
-    if spec.shape.rank is None:
-      raise errors.SignatureError(
-          f'{where}: tf.TensorSpec with unknown rank; give every dimension '
-          '(None for a polymorphic one).')
-    dims = tuple(
-        d if d is not None else
-        (_BATCH_DIM if i == 0 else f'{flat_name}_{i}')
-        for i, d in enumerate(spec.shape.as_list()))
-    return InputSpec(dims, spec.dtype)
-  shape, dtype = spec
-  return InputSpec(parse_shape(shape, where=where),
-                   parse_dtype(dtype, where=where))
-
-
-def _flat_input_names(tree: Any) -> list[str]:
-  """Serving argument names of the leaves of a spec tree (see module doc)."""
-  flat = paths.flatten(tree, is_leaf=_is_spec_leaf)
-  top_is_dict = isinstance(tree, Mapping)
-  names = []
-  for path in flat:
-    joined = path.replace('/', _INPUT_SEPARATOR)
-    if top_is_dict:
-      names.append(joined)
-    else:
-      names.append('input' if not path else f'input_{joined}')
-  return names
-
-
-def name_outputs(outputs: Any) -> dict[str, Any]:
-  """Flattens method/postprocessor outputs into the named serving outputs.
-
-  Args:
-    outputs: a tensor, or a (nested) dict/tuple/list of tensors.
-
-  Returns:
-    A flat dict: dict keys kept, nested keys joined with '/', a bare tensor
-    as 'output_0', tuple elements as 'output_<i>'.
-  """
-  flat = paths.flatten(outputs)
-  if isinstance(outputs, Mapping):
-    return dict(flat)
-  if list(flat) == ['']:
-    return {'output_0': flat['']}
-  return {f'output_{path}': leaf for path, leaf in flat.items()}
+def _is_parsed(x: Any) -> bool:
+  return isinstance(x, specs.InputSpec)
 
 
 @gin.configurable(module='t5export')
@@ -298,9 +130,9 @@ class Signature:
     self.postprocessor = postprocessor
 
     self._serving_tree = self._parse_tree(input_specs, 'input_specs')
-    self.input_names = tuple(_flat_input_names(input_specs))
+    self.input_names = tuple(specs.flat_input_names(input_specs))
     for input_name in self.input_names:
-      if not _IDENTIFIER.match(input_name):
+      if not specs.is_identifier(input_name):
         raise errors.SignatureError(
             f'Signature {name!r}: input name {input_name!r} (from '
             'input_specs keys) is not a valid TF argument name; use '
@@ -312,7 +144,7 @@ class Signature:
           "joining nested keys with '__'; rename the keys.")
     self.inputs = dict(zip(
         self.input_names, jax.tree_util.tree_leaves(
-            self._serving_tree, is_leaf=lambda x: isinstance(x, InputSpec))))
+            self._serving_tree, is_leaf=_is_parsed)))
 
     if preprocessor is None:
       if method_input_specs is not None:
@@ -338,23 +170,23 @@ class Signature:
 
   def _parse_tree(self, tree: Any, arg: str) -> Any:
     if tree is None or (isinstance(tree, (Mapping, list, tuple)) and
-                        not _is_spec_leaf(tree) and
+                        not specs.is_spec_leaf(tree) and
                         not jax.tree_util.tree_leaves(
-                            tree, is_leaf=_is_spec_leaf)):
+                            tree, is_leaf=specs.is_spec_leaf)):
       raise errors.SignatureError(
           f'Signature {self.name!r}: {arg} is empty; give at least one '
           "input, e.g. {'x': ('b, 16', 'float32')}.")
-    flat = paths.flatten(tree, is_leaf=_is_spec_leaf)
+    flat = paths.flatten(tree, is_leaf=specs.is_spec_leaf)
     parsed = []
     for path, leaf in flat.items():
       where = f'Signature {self.name!r}, {arg}[{path!r}]'
-      if not _is_spec_leaf(leaf):
+      if not specs.is_spec_leaf(leaf):
         raise errors.SignatureError(
             f"{where}: expected a (shape, dtype) pair such as ('b, 16', "
             f"'float32') or a tf.TensorSpec; got {leaf!r}.")
-      parsed.append(parse_spec(leaf, where=where,
-                               flat_name=path.replace('/', '_') or 'input'))
-    treedef = jax.tree_util.tree_structure(tree, is_leaf=_is_spec_leaf)
+      parsed.append(specs.parse_spec(
+          leaf, where=where, flat_name=path.replace('/', '_') or 'input'))
+    treedef = jax.tree_util.tree_structure(tree, is_leaf=specs.is_spec_leaf)
     return jax.tree_util.tree_unflatten(treedef, parsed)
 
   def _trace_preprocessor(self) -> Any:
@@ -387,13 +219,13 @@ class Signature:
           d if d is not None else
           (batch if i == 0 and batch else f'{stem}_{i}')
           for i, d in enumerate(tensor.shape.as_list()))
-      parsed.append(InputSpec(dims, tensor.dtype))
+      parsed.append(specs.InputSpec(dims, tensor.dtype))
     treedef = jax.tree_util.tree_structure(outputs)
     return jax.tree_util.tree_unflatten(treedef, parsed)
 
   def _to_serving_tree(self, flat_values: Sequence[Any]) -> Any:
     treedef = jax.tree_util.tree_structure(
-        self._serving_tree, is_leaf=lambda x: isinstance(x, InputSpec))
+        self._serving_tree, is_leaf=_is_parsed)
     return jax.tree_util.tree_unflatten(treedef, list(flat_values))
 
   @property
@@ -404,20 +236,20 @@ class Signature:
   @property
   def method_input_signature(self) -> Any:
     """The method's inputs tree with `tf.TensorSpec` leaves (JaxModule)."""
-    flat = paths.flatten(self.method_inputs,
-                         is_leaf=lambda x: isinstance(x, InputSpec))
-    specs = [s.tensor_spec(re.sub(r'[^A-Za-z0-9_]', '_', p) or 'input')
-             for p, s in flat.items()]
+    flat = paths.flatten(self.method_inputs, is_leaf=_is_parsed)
+    tensor_specs = [
+        s.tensor_spec(re.sub(r'[^A-Za-z0-9_]', '_', p) or 'input')
+        for p, s in flat.items()]
     treedef = jax.tree_util.tree_structure(
-        self.method_inputs, is_leaf=lambda x: isinstance(x, InputSpec))
-    return jax.tree_util.tree_unflatten(treedef, specs)
+        self.method_inputs, is_leaf=_is_parsed)
+    return jax.tree_util.tree_unflatten(treedef, tensor_specs)
 
   @property
   def method_polymorphic_shapes(self) -> Any:
     """The method's inputs tree with jax2tf shape strings (JaxModule)."""
     return jax.tree_util.tree_map(
         lambda s: s.polymorphic_shape, self.method_inputs,
-        is_leaf=lambda x: isinstance(x, InputSpec))
+        is_leaf=_is_parsed)
 
   def _describe_inputs(self) -> dict[str, dict[str, str]]:
     return {n: s.describe() for n, s in self.inputs.items()}
@@ -429,13 +261,12 @@ class Signature:
       {'name', 'inputs': {name: {'shape', 'dtype'}}, 'method_inputs':
       {path: {'shape', 'dtype'}}, 'preprocessor', 'postprocessor'}.
     """
-    is_spec = lambda x: isinstance(x, InputSpec)
     return {
         'name': self.name,
         'inputs': self._describe_inputs(),
         'method_inputs': {
             p: s.describe() for p, s in paths.flatten(
-                self.method_inputs, is_leaf=is_spec).items()},
+                self.method_inputs, is_leaf=_is_parsed).items()},
         'preprocessor': _callable_name(self.preprocessor),
         'postprocessor': _callable_name(self.postprocessor),
     }
@@ -523,14 +354,13 @@ class Signature:
     Raises:
       errors.SignatureError: naming the signature, with the method's error.
     """
-    is_spec = lambda x: isinstance(x, InputSpec)
     var_specs = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), variables)
     try:
       abstract = jax.tree_util.tree_map(
           lambda s: jax.ShapeDtypeStruct(
               tuple(d if isinstance(d, int) else 1 for d in s.dims),
-              s.dtype.as_numpy_dtype), self.method_inputs, is_leaf=is_spec)
+              s.dtype.as_numpy_dtype), self.method_inputs, is_leaf=_is_parsed)
       args = jax.export.symbolic_args_specs(
           abstract, self.method_polymorphic_shapes)
       return jax.eval_shape(self.method, var_specs, args)
@@ -586,7 +416,7 @@ class Signature:
       outputs = method(inputs)
       if self.postprocessor is not None:
         outputs = self.postprocessor(outputs)
-      return name_outputs(outputs)
+      return specs.name_outputs(outputs)
 
     return tf.function(serve, input_signature=self.serving_input_signature,
                        autograph=False)
@@ -615,7 +445,7 @@ class Signature:
       outputs = self.postprocessor(
           jax.tree_util.tree_map(lambda x: tf.convert_to_tensor(
               np.asarray(x)), outputs))
-    return {k: np.asarray(v) for k, v in name_outputs(outputs).items()}
+    return {k: np.asarray(v) for k, v in specs.name_outputs(outputs).items()}
 
   def __repr__(self) -> str:
     return (f'Signature(name={self.name!r}, method='

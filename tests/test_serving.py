@@ -24,7 +24,7 @@ import test_jax_module  # pylint: disable=g-bad-import-order
 
 MAX_DECODE_LEN = 4
 
-# --- parsing ------------------------------------------------------------------
+# --- specs in a Signature -------------------------------------------------
 
 
 def _mlp_method(v, inp):
@@ -32,19 +32,6 @@ def _mlp_method(v, inp):
 
 
 _MLP_VARS = {'params': {'w': np.ones((16, 3), np.float32)}}
-
-
-@pytest.mark.parametrize('text, dims', [
-    ('b, 16', ('b', 16)),
-    ('(b, n)', ('b', 'n')),
-    ('n,', ('n',)),
-    ('n', ('n',)),
-    (' 3 ,4 ', (3, 4)),
-    ('', ()),
-    ('()', ()),
-])
-def test_parse_shape(text, dims):
-  assert serving.parse_shape(text, where='test') == dims
 
 
 def test_specs_give_tf_signature_and_polymorphic_shapes():
@@ -81,14 +68,6 @@ def test_nested_and_positional_input_names():
   single = serving.Signature('s', _mlp_method, ('b, 16', 'float32'))
   assert single.input_names == ('input',)
   assert single.method_polymorphic_shapes == '(b, 16)'
-
-
-def test_name_outputs():
-  t = tf.zeros([2])
-  assert list(serving.name_outputs(t)) == ['output_0']
-  assert list(serving.name_outputs((t, t))) == ['output_0', 'output_1']
-  assert list(serving.name_outputs(
-      {'a': {'b': t, 'c': (t, t)}, 'd': t})) == ['a/b', 'a/c/0', 'a/c/1', 'd']
 
 
 def test_gin_configures_signature():
