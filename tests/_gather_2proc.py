@@ -23,13 +23,13 @@ import sys
 
 import jax
 
+import distributed_setup  # Beside this script in tests/.
+
 
 def main(process_id: int, num_processes: int, port: int,
          pickle_path: str) -> None:
-  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-  jax.distributed.initialize(
-      coordinator_address=f'127.0.0.1:{port}', num_processes=num_processes,
-      process_id=process_id, initialization_timeout=60)
+  distributed_setup.initialize(process_id=process_id,
+                               num_processes=num_processes, port=port)
   # Imported after initialize: nothing may touch the backend before it.
   import numpy as np  # pylint: disable=g-import-not-at-top
 

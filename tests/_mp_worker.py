@@ -38,6 +38,8 @@ from typing import Any
 
 import jax
 
+import distributed_setup  # Beside this script in tests/.
+
 # Small enough to be quick; 4 heads and a 260 vocab divide a 4-way 'model'
 # axis, d_model 32 divides 'data'.
 T5_CONFIG = dict(num_heads=4, head_dim=8, d_model=32, d_ff=64)
@@ -298,11 +300,9 @@ def main() -> None:
   parser.add_argument('--die', action='store_true')
   args = parser.parse_args()
   if args.num_processes > 1:
-    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-    jax.distributed.initialize(
-        coordinator_address=f'127.0.0.1:{args.port}',
-        num_processes=args.num_processes, process_id=args.process_id,
-        initialization_timeout=60)
+    distributed_setup.initialize(process_id=args.process_id,
+                                 num_processes=args.num_processes,
+                                 port=args.port)
   if args.mode == 'silent':
     silent(args)
   else:

@@ -26,7 +26,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import time
@@ -35,7 +34,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-import _mp_worker  # tests/ is on sys.path (pytest rootdir-relative import).
+# tests/ is on sys.path (pytest rootdir-relative import).
+import _mp_worker
+import distributed_setup
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = str(pathlib.Path(__file__).resolve().parent / '_mp_worker.py')
@@ -46,22 +47,6 @@ SILENT_TIMEOUT = 5     # ... of the silent-writer run.
 
 
 # --- running the worker -----------------------------------------------------
-
-
-def _env(device_count: int) -> dict[str, str]:
-  env = dict(os.environ)
-  env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={device_count}'
-  env['JAX_PLATFORMS'] = 'cpu'
-  env['PYTHONPATH'] = os.pathsep.join(
-      [str(REPO_ROOT)] + ([env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
-  env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-  return env
-
-
-def _free_port() -> int:
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
 
 
 @dataclasses.dataclass
@@ -85,14 +70,14 @@ class Run:
                args_for: Any):
     self.name = name
     self._start = time.monotonic()
-    port = _free_port()
+    port = distributed_setup.free_port()
     self._procs = []
     for i in range(num_processes):
       argv = [sys.executable, WORKER, '--process_id', str(i),
               '--num_processes', str(num_processes), '--port', str(port),
               *args_for(i)]
       self._procs.append(subprocess.Popen(
-          argv, env=_env(devices), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+          argv, env=distributed_setup.subprocess_env(devices), cwd=REPO_ROOT, stdout=subprocess.PIPE,
           stderr=subprocess.PIPE, text=True))
     self._result: list[Proc] | None = None
 
@@ -110,8 +95,7 @@ class Run:
           stdout, stderr = proc.communicate()
           pytest.fail(f'{self.name}: process {i} did not finish within '
                       f'{RUN_TIMEOUT}s; stderr:\n{stderr[-5000:]}')
-        rows = [json.loads(line) for line in stdout.splitlines()
-                if line.startswith('{')]
+        rows = distributed_setup.json_lines(stdout)
         out.append(Proc(proc.returncode, rows, stderr,
                         time.monotonic() - self._start))
       self._result = out
@@ -419,7 +403,7 @@ def test_distributed_is_light():
   code = ('import sys, t5export.distributed; '
           "print([m for m in sys.modules if m.split('.')[0] in "
           "('tensorflow', 'keras', 'tf_keras')])")
-  proc = subprocess.run([sys.executable, '-c', code], env=_env(1),
+  proc = subprocess.run([sys.executable, '-c', code], env=distributed_setup.subprocess_env(1),
                         cwd=REPO_ROOT, capture_output=True, text=True,
                         timeout=120)
   assert proc.returncode == 0, proc.stderr[-5000:]
@@ -433,7 +417,7 @@ def _launch(*argv: str) -> subprocess.CompletedProcess:
   try:
     return subprocess.run(
         [sys.executable, '-m', 'examples.launch_local', *argv],
-        env=_env(1), cwd=REPO_ROOT, capture_output=True, text=True,
+        env=distributed_setup.subprocess_env(1), cwd=REPO_ROOT, capture_output=True, text=True,
         timeout=120)
   except subprocess.TimeoutExpired as e:
     pytest.fail(f'launch_local {argv} did not finish in 120s; stderr:\n'

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
 import pickle
-import socket
 import subprocess
 import sys
 
@@ -20,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 
+import distributed_setup  # tests/ is on sys.path.
 from examples import models
 from t5export import errors
 from t5export import partitioning
@@ -62,22 +60,6 @@ def adamw_state(t5_variables) -> train_state.FlaxOptimTrainState:
                                                 t5_variables)
 
 
-def _env(device_count: int) -> dict[str, str]:
-  env = dict(os.environ)
-  env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={device_count}'
-  env['JAX_PLATFORMS'] = 'cpu'
-  env['PYTHONPATH'] = os.pathsep.join(
-      [str(REPO_ROOT)] + ([env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
-  env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-  return env
-
-
-def _json_lines(stdout: str) -> list[dict]:
-  # gloo writes its own lines to stdout; ours are the JSON ones.
-  return [json.loads(line) for line in stdout.splitlines()
-          if line.startswith('{')]
-
-
 def _run(args: list[str], env: dict[str, str]) -> list[dict]:
   """Runs a script to completion; fails the test with its stderr if it fails."""
   try:
@@ -89,13 +71,7 @@ def _run(args: list[str], env: dict[str, str]) -> list[dict]:
                 f'{(e.stderr or b"")[-5000:]!r}')
   assert proc.returncode == 0, (
       f'{args} exited {proc.returncode}; stderr:\n{proc.stderr[-5000:]}')
-  return _json_lines(proc.stdout)
-
-
-def _free_port() -> int:
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
+  return distributed_setup.json_lines(proc.stdout)
 
 
 def _flat_specs(tree) -> dict:
@@ -423,7 +399,7 @@ def test_gather_rejects_other_leaves():
 def test_gather_8_devices_bit_exact(t5_variables, t5_pickle):
   cases = ['1,1,2,4', '1,2,4,2', '2,2,2,4']
   lines = _run([str(TESTS_DIR / '_gather_8dev.py'), str(t5_pickle), *cases],
-               _env(8))
+               distributed_setup.subprocess_env(8))
   leaves = [r for r in lines if r['kind'] == 'leaf']
   # TinyT5's params plus a bf16 and an int32 leaf.
   n_params = len(paths.flatten(t5_variables['params'])) + 2
@@ -452,11 +428,11 @@ def test_gather_8_devices_bit_exact(t5_variables, t5_pickle):
 @pytest.mark.multiprocess
 def test_gather_across_processes(t5_variables, t5_pickle):
   n = 2
-  port = _free_port()
+  port = distributed_setup.free_port()
   script = str(TESTS_DIR / '_gather_2proc.py')
   procs = [subprocess.Popen(
       [sys.executable, script, str(i), str(n), str(port), str(t5_pickle)],
-      env=_env(2), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+      env=distributed_setup.subprocess_env(2), cwd=REPO_ROOT, stdout=subprocess.PIPE,
       stderr=subprocess.PIPE, text=True) for i in range(n)]
   outputs = []
   try:
@@ -470,7 +446,7 @@ def test_gather_across_processes(t5_variables, t5_pickle):
         pytest.fail(f'process {i} timed out; stderr:\n{err[-5000:]}')
       assert proc.returncode == 0, (
           f'process {i} exited {proc.returncode}; stderr:\n{err[-5000:]}')
-      outputs.append(_json_lines(out))
+      outputs.append(distributed_setup.json_lines(out))
   finally:
     for p in procs:
       if p.poll() is None:
@@ -498,7 +474,7 @@ def test_import_does_not_pull_tensorflow():
   code = ('import sys, t5export.partitioning; '
           "print([m for m in sys.modules if m.split('.')[0] in "
           "('tensorflow', 'keras', 'tf_keras')])")
-  proc = subprocess.run([sys.executable, '-c', code], env=_env(1),
+  proc = subprocess.run([sys.executable, '-c', code], env=distributed_setup.subprocess_env(1),
                         cwd=REPO_ROOT, capture_output=True, text=True,
                         timeout=SUBPROCESS_TIMEOUT)
   assert proc.returncode == 0, proc.stderr[-5000:]
