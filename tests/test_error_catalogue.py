@@ -33,6 +33,7 @@ TESTS = REPO / 'tests'
 sys.path.insert(0, str(TESTS))
 import _reliability_model as model  # pylint: disable=g-import-not-at-top,wrong-import-position
 import _small_fs  # pylint: disable=g-import-not-at-top,wrong-import-position
+import offline_gin  # pylint: disable=g-import-not-at-top,wrong-import-position
 from examples import models  # pylint: disable=g-import-not-at-top,wrong-import-position
 import t5export  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5export import callbacks  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -320,21 +321,7 @@ def test_gin_unknown_parameter():
 
 # --- offline ------------------------------------------------------------------
 
-_OFFLINE_GIN = f"""
-from __gin__ import dynamic_registration
-import t5export
-from examples import models
-include 'offline.gin'
-SIGNATURES = [@t5export.Signature()]
-t5export.Signature:
-  name = 'serving_default'
-  method = @models.make_mlp_serve_fn()
-  input_specs = {{'x': ('b, 16', 'float32')}}
-  sample_inputs = {{'x': {np.ones((2, 16)).tolist()}}}
-models.make_mlp_serve_fn.model = @models.MlpBn()
-models.init_mlp_bn.model = @models.MlpBn()
-INIT_FN = @models.init_mlp_bn
-"""
+_OFFLINE_GIN = offline_gin.mlp(np.ones((2, 16)), logical_axis_rules=False)
 
 _OFFLINE_CASES = ('missing', 'unknown_format', 'no_params', 'mismatch',
                   'exists')
