@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import functools
 import os
-import pickle
 import subprocess
 import sys
-import textwrap
 
 import flax.linen as nn
 import gin
@@ -32,6 +30,7 @@ from t5export import errors
 from t5export import exporter as exporter_lib
 from t5export import paths
 from t5export import verify
+import tf_only  # tests/ is on sys.path.
 
 VENV_BIN = os.path.dirname(sys.executable)
 MAX_DECODE_LEN = 4
@@ -168,33 +167,10 @@ def _tokens(batch: int, length: int, *, seed: int) -> np.ndarray:
 
 # --- TensorFlow only ------------------------------------------------------------
 
-_TF_ONLY_SCRIPT = textwrap.dedent('''
-    import os, pickle, sys
-
-    class _NoJax:
-      # TensorFlow imports jax when it is installed (tf.lite's util, in a
-      # try/except ImportError); serving machines have no JAX, so block it.
-      def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] in ('jax', 'jaxlib', 'flax', 't5export'):
-          raise ImportError(name + ' is blocked in this TF-only process')
-
-    sys.meta_path.insert(0, _NoJax())
-    import tensorflow as tf
-    request = pickle.load(open(sys.argv[1], 'rb'))
-    results, loaded = {}, {}
-    for key, export_dir, signature, inputs in request:
-      versions = [int(n) for n in os.listdir(export_dir) if n.isdigit()]
-      path = os.path.join(export_dir, str(max(versions)))
-      if path not in loaded:
-        loaded[path] = tf.saved_model.load(path)
-      fn = loaded[path].signatures[signature]
-      out = fn(**{k: tf.constant(v) for k, v in inputs.items()})
-      results[key] = (path, {k: v.numpy() for k, v in out.items()})
-    bad = sorted(m for m in sys.modules
-                 if m.split('.')[0] in ('jax', 'jaxlib', 'flax', 't5export'))
-    results['__modules__'] = bad
-    pickle.dump(results, open(sys.argv[2], 'wb'))
-''')
+def _newest_version(export_dir: str) -> str:
+  """The published version a server would pick: the highest number."""
+  versions = [int(n) for n in os.listdir(export_dir) if n.isdigit()]
+  return os.path.join(export_dir, str(max(versions)))
 
 
 def _jax_t5_tokens(t5_fixture, tokens: np.ndarray) -> np.ndarray:
@@ -235,21 +211,14 @@ def test_tf_only_process_serves_newest_version_like_jax(mlp, cnn, t5,
     expected[f'text{batch}'] = {'text': np.array(
         tokenizer.decode_bytes(expected_tokens), dtype=object)}
 
-  request_file, result_file = tmp_path / 'req.pkl', tmp_path / 'res.pkl'
-  request_file.write_bytes(pickle.dumps(request))
-  script = tmp_path / 'tf_only.py'
-  script.write_text(_TF_ONLY_SCRIPT)
-  env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
-  proc = subprocess.run(
-      [sys.executable, str(script), str(request_file), str(result_file)],
-      capture_output=True, text=True, env=env, cwd=str(tmp_path),
-      timeout=300, check=False)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  results = pickle.loads(result_file.read_bytes())
-  assert results.pop('__modules__') == []
-  assert results['mlp1'][0] == mlp['paths'][1]  # The newest version.
+  assert _newest_version(mlp['export_dir']) == mlp['paths'][1]  # Step 200.
+  outputs = tf_only.run(
+      [{'dir': _newest_version(export_dir), 'signature': signature,
+        'inputs': inputs} for _, export_dir, signature, inputs in request],
+      tmp_path)
+  results = {key: got for (key, *_), got in zip(request, outputs)}
   for key, want in expected.items():
-    _, got = results[key]
+    got = results[key]
     assert set(got) == set(want), key
     for name, value in want.items():
       value = np.asarray(value)

@@ -4,7 +4,7 @@ Real flax models (MlpBn from examples, an inline CNN with BatchNorm, a model
 with nested dict/tuple inputs and outputs, bfloat16 models) are converted,
 saved with `tf.saved_model.save` (serving signatures from
 `serving.Signature`), and loaded in ONE subprocess that imports only
-TensorFlow; its outputs are compared with JAX.
+TensorFlow (`tf_only.run`); its outputs are compared with JAX.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import pickle
 import subprocess
 import sys
 import textwrap
@@ -29,58 +28,9 @@ from t5export import errors
 from t5export import jax_module
 from t5export import paths
 from t5export import serving
+import tf_only  # tests/ is on sys.path.
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-# Runs in a subprocess: loads SavedModels with TensorFlow only and calls
-# signatures (flat keyword inputs) or restored module methods (nested).
-# TensorFlow itself imports jax when it is installed (tf.lite's optional
-# `from jax import jit`), so the runner makes jax/jaxlib/flax unimportable
-# first: the SavedModel must then run without them.
-_TF_RUNNER = textwrap.dedent('''
-    import importlib.abc, pickle, sys
-    class _NoJax(importlib.abc.MetaPathFinder):
-      def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] in ('jax', 'jaxlib', 'flax'):
-          raise ImportError(f'{name} is blocked in this TF-only process')
-        return None
-    sys.meta_path.insert(0, _NoJax())
-    import tensorflow as tf
-    jobs = pickle.load(open(sys.argv[1], 'rb'))
-    loaded, results = {}, []
-    def to_np(t):
-      if t.dtype == tf.bfloat16:
-        t = tf.cast(t, tf.float32)
-      return t.numpy()
-    for job in jobs:
-      if job['dir'] not in loaded:
-        loaded[job['dir']] = tf.saved_model.load(job['dir'])
-      obj = loaded[job['dir']]
-      if job['kind'] == 'signature':
-        fn = obj.signatures[job['name']]
-        out = fn(**{k: tf.constant(v) for k, v in job['inputs'].items()})
-      else:
-        out = obj._tf_methods[job['name']](job['inputs'])
-      results.append(tf.nest.map_structure(to_np, out))
-    assert 'jax' not in sys.modules and 'flax' not in sys.modules, sorted(
-        m for m in sys.modules if m.startswith(('jax', 'flax')))
-    pickle.dump(results, open(sys.argv[2], 'wb'))
-''')
-
-
-def run_in_tf_only(jobs: list[dict], tmp: pathlib.Path) -> list:
-  """Runs the jobs in a TensorFlow-only subprocess; returns their outputs."""
-  jobs_file, out_file = tmp / 'jobs.pkl', tmp / 'results.pkl'
-  with open(jobs_file, 'wb') as f:
-    pickle.dump(jobs, f)
-  env = dict(os.environ, CUDA_VISIBLE_DEVICES='', TF_CPP_MIN_LOG_LEVEL='2')
-  proc = subprocess.run(
-      [sys.executable, '-c', _TF_RUNNER, str(jobs_file), str(out_file)],
-      capture_output=True, text=True, env=env, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  with open(out_file, 'rb') as f:
-    return pickle.load(f)
-
 
 # --- models -------------------------------------------------------------------
 
@@ -209,14 +159,14 @@ def exported(tmp_path_factory):
     for batch in (1, 7):
       for seq in case['seqs']:
         tree = _inputs_for(name.split('_')[0], batch, seq)
-        jobs.append({'dir': case['dir'], 'kind': 'signature', 'name': sig.name,
+        jobs.append({'dir': case['dir'], 'signature': sig.name,
                      'inputs': _flat_inputs(sig, tree)})
         expected.append((name, batch, seq, 'signature',
                          sig.reference_outputs(module,
                                                _flat_inputs(sig, tree))))
         if name == 'nested':
-          jobs.append({'dir': case['dir'], 'kind': 'method',
-                       'name': sig.name, 'inputs': tree})
+          jobs.append({'dir': case['dir'], 'method': sig.name,
+                       'inputs': tree})
           expected.append((name, batch, seq, 'method',
                            module.jax_methods[sig.name](tree)))
 
@@ -231,12 +181,12 @@ def exported(tmp_path_factory):
       signatures=serving.serving_functions(case['module'], [case['sig']]))
   case['traces_after_update'] = case['module'].trace_count
   tree = _inputs_for('mlp', 7)
-  jobs.append({'dir': case['dir_v2'], 'kind': 'signature',
-               'name': 'serving_default', 'inputs': tree})
+  jobs.append({'dir': case['dir_v2'], 'signature': 'serving_default',
+               'inputs': tree})
   expected.append(('mlp_v2', 7, None, 'signature',
                    {'logits': np.asarray(models.make_mlp_serve_fn(mlp)(
                        new_vars, tree)['logits'])}))
-  results = run_in_tf_only(jobs, tmp)
+  results = tf_only.run(jobs, tmp)
   return {'cases': cases, 'results': list(zip(expected, results))}
 
 

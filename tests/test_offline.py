@@ -24,7 +24,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import textwrap
 
 from absl import flags
 from absl import logging as absl_logging
@@ -44,7 +43,9 @@ from t5export import train_state
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / 'tests'))
+import offline_gin  # pylint: disable=g-import-not-at-top,wrong-import-position
 import t5x_fixture_model  # pylint: disable=g-import-not-at-top,wrong-import-position
+import tf_only  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _ENV = {**os.environ,
         'PYTHONPATH': os.pathsep.join([str(REPO), str(REPO / 'tests')]),
@@ -54,22 +55,7 @@ _ERROR_PREFIX = 't5export.offline: error: '
 _MLP_X = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
 _TOKENS = np.array([[1, 2, 3, 63, 0], [5, 6, 7, 8, 9]], np.int32)
 
-_MLP_GIN = f"""
-from __gin__ import dynamic_registration
-import t5export
-from examples import models
-include 'offline.gin'
-SIGNATURES = [@t5export.Signature()]
-t5export.Signature:
-  name = 'serving_default'
-  method = @models.make_mlp_serve_fn()
-  input_specs = {{'x': ('b, 16', 'float32')}}
-  sample_inputs = {{'x': {_MLP_X[:2].tolist()}}}
-models.make_mlp_serve_fn.model = @models.MlpBn()
-models.init_mlp_bn.model = @models.MlpBn()
-INIT_FN = @models.init_mlp_bn
-LOGICAL_AXIS_RULES = @t5export.standard_logical_axis_rules()
-"""
+_MLP_GIN = offline_gin.mlp(_MLP_X[:2], logical_axis_rules=True)
 
 _FIXTURE_GIN = f"""
 from __gin__ import dynamic_registration
@@ -85,36 +71,6 @@ t5export.Signature:
 INIT_FN = @t5x_fixture_model.init_model
 LOGICAL_AXIS_RULES = @t5export.standard_logical_axis_rules()
 """
-
-# Runs in a TensorFlow-only process: loads a version, runs one signature.
-# JAX, flax and t5export cannot be imported there (TF and Keras try to import
-# jax opportunistically; they work without it).
-_TF_RUNNER = textwrap.dedent("""
-    import json, sys
-
-    class NoJax:
-      def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] in ('jax', 'jaxlib', 'flax', 't5export'):
-          raise ImportError(f'{name} is blocked in the TensorFlow-only run')
-
-    sys.meta_path.insert(0, NoJax())
-    import numpy as np
-    import tensorflow as tf
-    for line in sys.stdin:
-      req = json.loads(line)
-      try:
-        fn = tf.saved_model.load(req['dir']).signatures[req['signature']]
-        inputs = dict(np.load(req['inputs']))
-        out = fn(**{k: tf.constant(v) for k, v in inputs.items()})
-        out = {k: tf.cast(v, tf.float32) if v.dtype == tf.bfloat16 else v
-               for k, v in out.items()}  # numpy alone has no bfloat16.
-        np.savez(req['out'], **{k: v.numpy() for k, v in out.items()})
-        reply = {'ok': True, 'jax_imported': 'jax' in sys.modules}
-      except Exception as e:  # Reported to the test.
-        reply = {'ok': False, 'error': repr(e)}
-      print(json.dumps(reply), flush=True)
-    """)
-
 
 def _offline_cmd(ckpt, export_dir, gin_file, *extra) -> list[str]:
   return [sys.executable, '-m', 't5export.offline', f'--ckpt={ckpt}',
@@ -344,28 +300,14 @@ def background(work):
 @pytest.fixture(scope='module')
 def tf_run(work):
   """Runs a published version in one long-lived TensorFlow-only process."""
-  proc = subprocess.Popen([sys.executable, '-c', _TF_RUNNER], cwd=work,
-                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                          stderr=subprocess.DEVNULL, text=True, env=_ENV)
-  count = [0]
+  with tf_only.TfOnlyProcess(work) as process:
 
-  def run(version_dir, inputs: dict, signature='serving_default') -> dict:
-    count[0] += 1
-    inputs_file = work / f'tf_in_{count[0]}.npz'
-    out_file = work / f'tf_out_{count[0]}.npz'
-    np.savez(inputs_file, **inputs)
-    proc.stdin.write(json.dumps({
-        'dir': str(version_dir), 'signature': signature,
-        'inputs': str(inputs_file), 'out': str(out_file)}) + '\n')
-    proc.stdin.flush()
-    reply = json.loads(proc.stdout.readline())
-    assert reply['ok'], reply
-    assert not reply['jax_imported']
-    return dict(np.load(out_file))
+    def run(version_dir, inputs: dict, signature='serving_default') -> dict:
+      [outputs] = process.run([{'dir': str(version_dir),
+                                'signature': signature, 'inputs': inputs}])
+      return outputs
 
-  yield run
-  proc.stdin.close()
-  proc.wait(timeout=60)
+    yield run
 
 
 def _metadata(version_dir: pathlib.Path) -> dict:

@@ -3,7 +3,7 @@
 End-to-end cases save real flax models (TinyT5 with string pre/post-
 processing and integer tokens of two lengths, MlpBn, a lookup-table
 preprocessor) and run the signatures in a subprocess that cannot import JAX
-(`test_jax_module.run_in_tf_only`).
+(`tf_only.run`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from examples import models
 from examples import tokenizer
 from t5export import errors
 from t5export import serving
-import test_jax_module  # pylint: disable=g-bad-import-order
+import tf_only  # pylint: disable=g-bad-import-order
 
 MAX_DECODE_LEN = 4
 
@@ -306,10 +306,9 @@ def exported(tmp_path_factory):
     modules[name] = (module, traces)
     for sig in sigs:
       for inp in inputs[sig.name]:
-        jobs.append({'dir': directory, 'kind': 'signature', 'name': sig.name,
-                     'inputs': inp})
+        jobs.append({'dir': directory, 'signature': sig.name, 'inputs': inp})
         expected.append((sig.name, inp, sig.reference_outputs(module, inp)))
-  results = test_jax_module.run_in_tf_only(jobs, tmp)
+  results = tf_only.run(jobs, tmp)
   return {'results': list(zip(expected, results)), 'modules': modules,
           'text_sig': text_sig, 'tokens_sig': tokens_sig}
 

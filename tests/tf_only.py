@@ -1,0 +1,209 @@
+"""Runs exported SavedModels where only TensorFlow is importable.
+
+A serving machine has TensorFlow and no JAX, so the tests load what they
+exported in a separate Python process in which jax, jaxlib, flax and
+t5export cannot be imported. TensorFlow itself tries to import jax when it
+is installed (tf.lite's util does `try: from jax import jit`), so a
+meta-path hook that raises ImportError for those names goes in before
+`import tensorflow`; after each request the process reports which of them
+got loaded anyway, and the caller fails if any did.
+
+  with tf_only.TfOnlyProcess(tmp_path) as tf_run:
+    [outputs] = tf_run.run([{'dir': version_dir, 'signature':
+                             'serving_default', 'inputs': {'x': x}}])
+
+A job is a dict: 'dir' (a SavedModel directory), 'inputs', and either
+'signature' (a SignatureDef key; inputs are its keyword arguments) or
+'method' (a JaxModule method restored as `obj._tf_methods[name]`, called
+with the inputs tree as is). Its result is the output structure with numpy
+leaves; bfloat16 comes back as float32 (numpy alone has no bfloat16).
+The process stays up between `run` calls, so each SavedModel is loaded and
+each signature traced once.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import pickle
+import queue
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from typing import Any
+
+BLOCKED = ('jax', 'jaxlib', 'flax', 't5export')
+TIMEOUT_SECS = 300  # For one `run` call; the process shares 2 CPU cores.
+_DONE = 'tf_only: reply written'
+
+_SCRIPT = textwrap.dedent('''
+    import importlib.abc, pickle, sys, traceback
+    BLOCKED = %r
+
+    class _Blocker(importlib.abc.MetaPathFinder):
+      def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in BLOCKED:
+          raise ImportError(f'{name} is blocked in this TF-only process')
+        return None
+
+    sys.meta_path.insert(0, _Blocker())
+    try:
+      import jax
+    except ImportError:
+      pass
+    else:
+      sys.exit('tf_only: the import blocker let jax through')
+    import tensorflow as tf
+
+    loaded = {}
+
+    def to_numpy(t):
+      if t.dtype == tf.bfloat16:
+        t = tf.cast(t, tf.float32)
+      return t.numpy()
+
+    def run(job):
+      if job['dir'] not in loaded:
+        loaded[job['dir']] = tf.saved_model.load(job['dir'])
+      obj = loaded[job['dir']]
+      if 'signature' in job:
+        fn = obj.signatures[job['signature']]
+        out = fn(**{k: tf.constant(v) for k, v in job['inputs'].items()})
+      else:
+        out = obj._tf_methods[job['method']](job['inputs'])
+      return tf.nest.map_structure(to_numpy, out)
+
+    for line in sys.stdin:
+      request, reply = line.rstrip('\\n').split('\\t')
+      with open(request, 'rb') as f:
+        jobs = pickle.load(f)
+      try:
+        result = {'outputs': [run(job) for job in jobs]}
+      except Exception:  # Reported to the test.
+        result = {'error': traceback.format_exc()}
+      result['loaded_blocked'] = sorted(
+          m for m in sys.modules if m.split('.')[0] in BLOCKED)
+      with open(reply, 'wb') as f:
+        pickle.dump(result, f)
+      print(%r, flush=True)
+''') % (BLOCKED, _DONE)
+
+
+class TfOnlyProcess:
+  """One long-lived TensorFlow-only Python process (see module doc)."""
+
+  def __init__(self, work_dir: str | os.PathLike[str]):
+    """Starts the process.
+
+    Args:
+      work_dir: a directory for the request/reply files and its stderr; the
+        process runs there, without this repo on its PYTHONPATH.
+    """
+    self._dir = pathlib.Path(tempfile.mkdtemp(prefix='tf_only_',
+                                              dir=work_dir))
+    self._count = 0
+    self._stderr_path = self._dir / 'stderr.txt'
+    env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
+    env.update(CUDA_VISIBLE_DEVICES='', TF_CPP_MIN_LOG_LEVEL='2')
+    with open(self._stderr_path, 'wb') as stderr:
+      self._proc = subprocess.Popen(
+          [sys.executable, '-c', _SCRIPT], cwd=self._dir, env=env,
+          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+          text=True)
+    # stdout lines, then None at EOF; read by a thread so waits can time out.
+    self._lines: queue.Queue[str | None] = queue.Queue()
+    threading.Thread(target=self._read_stdout, daemon=True).start()
+
+  def _read_stdout(self) -> None:
+    for line in self._proc.stdout:
+      self._lines.put(line)
+    self._lines.put(None)
+
+  def run(self, jobs: list[dict[str, Any]]) -> list[Any]:
+    """Runs the jobs in order; returns one output structure per job.
+
+    Args:
+      jobs: see the module doc.
+
+    Returns:
+      The outputs, numpy leaves.
+
+    Raises:
+      AssertionError: if a job fails (with its traceback), the process
+        dies or takes longer than TIMEOUT_SECS (with its stderr), or one of
+        BLOCKED got imported.
+    """
+    self._count += 1
+    request = self._dir / f'request_{self._count}.pkl'
+    reply = self._dir / f'reply_{self._count}.pkl'
+    with open(request, 'wb') as f:
+      pickle.dump(jobs, f)
+    self._proc.stdin.write(f'{request}\t{reply}\n')
+    self._proc.stdin.flush()
+    deadline = time.monotonic() + TIMEOUT_SECS
+    while True:  # TF may print lines of its own to stdout.
+      try:
+        line = self._lines.get(
+            timeout=max(0.0, deadline - time.monotonic()))
+      except queue.Empty:
+        self.close(kill=True)
+        raise AssertionError(
+            f'The TF-only process took over {TIMEOUT_SECS}s; stderr:\n'
+            f'{self.stderr()[-4000:]}') from None
+      if line is None:
+        self.close()
+        raise AssertionError(
+            f'The TF-only process died (exit {self._proc.returncode}); '
+            f'stderr:\n{self.stderr()[-4000:]}')
+      if line.rstrip('\n') == _DONE:
+        break
+    with open(reply, 'rb') as f:
+      result = pickle.load(f)
+    assert 'error' not in result, result['error']
+    assert not result['loaded_blocked'], (
+        f'the TF-only process imported {result["loaded_blocked"]}')
+    return result['outputs']
+
+  def stderr(self) -> str:
+    """What the process has written to stderr so far."""
+    return self._stderr_path.read_text(errors='replace')
+
+  def close(self, *, kill: bool = False) -> None:
+    """Ends the process: closes its stdin and waits, or kills it.
+
+    Args:
+      kill: kill it at once (it hangs) instead of letting it finish.
+    """
+    if self._proc.poll() is None and not kill:
+      self._proc.stdin.close()
+      try:
+        self._proc.wait(timeout=60)
+      except subprocess.TimeoutExpired:
+        kill = True
+    if self._proc.poll() is None and kill:
+      self._proc.kill()
+      self._proc.wait()
+
+  def __enter__(self) -> TfOnlyProcess:
+    return self
+
+  def __exit__(self, *exc_info: Any) -> None:
+    self.close()
+
+
+def run(jobs: list[dict[str, Any]],
+        work_dir: str | os.PathLike[str]) -> list[Any]:
+  """Runs the jobs in a fresh TF-only process that ends afterwards.
+
+  Args:
+    jobs: see the module doc.
+    work_dir: as in `TfOnlyProcess`.
+
+  Returns:
+    One output structure per job, numpy leaves.
+  """
+  with TfOnlyProcess(work_dir) as process:
+    return process.run(jobs)
