@@ -16,9 +16,11 @@ LIGHT_MODULES = ('errors', 'paths', 'train_state', 'partitioning', 'snapshot',
 
 
 def _imports_tensorflow(code: str) -> bool:
+  """Whether running `code` imports tensorflow (or keras, which pulls it)."""
   out = subprocess.run(
       [sys.executable, '-c',
-       code + "\nimport sys; print('tensorflow' in sys.modules)"],
+       code + "\nimport sys; print(any(m.split('.')[0] in ('tensorflow', "
+       "'keras', 'tf_keras') for m in sys.modules))"],
       capture_output=True, text=True, timeout=120, check=True)
   return out.stdout.strip().splitlines()[-1] == 'True'
 
