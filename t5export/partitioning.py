@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 import functools
+import math
 from typing import Any
 import warnings
 
@@ -445,8 +446,10 @@ def _host_value(x: jax.Array, *, copy: bool) -> np.ndarray:
   Avoids `np.asarray(x)` on the whole array, which would cache a second host
   copy on `x` for as long as `x` lives.
   """
-  if len(x.addressable_shards) == 1 or x.is_fully_replicated:
-    data = x.addressable_shards[0].data
+  if x.is_fully_replicated or len(x.sharding.device_set) == 1:
+    # One shard holds every value (`addressable_data` builds no Shard
+    # objects: this runs on the training thread for every leaf).
+    data = x.addressable_data(0)
     if not copy:
       # CPU: a view of the buffer; other backends: one device-to-host copy.
       return np.asarray(data)
@@ -528,7 +531,7 @@ def gather_to_host(tree: Any, *, keep: bool = True, copy: bool = True) -> Any:
 def tree_nbytes(tree: Any) -> int:
   """Total bytes of the array leaves (or shape/dtype placeholders) of `tree`."""
   return sum(
-      int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+      math.prod(x.shape) * np.dtype(x.dtype).itemsize
       for x in jax.tree_util.tree_leaves(tree) if hasattr(x, 'dtype'))
 
 
