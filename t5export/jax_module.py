@@ -24,7 +24,9 @@ TensorFlow.
 
 Variables are built and updated leaf by leaf: at any time at most one extra
 leaf-sized buffer exists besides the caller's arrays and the variables.
-`tf.Variable(ndarray)` and `assign(ndarray)` copy the array. A caller that
+A new variable holds one copy of its leaf, made by us in 64-byte aligned
+memory that TensorFlow then adopts (`tf.Variable(ndarray)` would briefly
+hold a second copy of the leaf); `assign(ndarray)` copies. A caller that
 hands its arrays over (`adopt_buffers=True`: host copies nobody else
 references, such as an owned snapshot) lets the variables take their memory
 instead, through DLPack, with no copy; arrays that cannot be handed over
@@ -111,7 +113,8 @@ def _adoptable(array: np.ndarray) -> bool:
           (array.dtype.kind in 'biufc' or array.dtype == jnp.bfloat16))
 
 
-def _tf_value(array: np.ndarray, *, cast: bool, adopt: bool) -> Any:
+def _tf_value(array: np.ndarray, *, cast: bool, adopt: bool,
+              own_copy: bool = False) -> Any:
   """The value to build or assign a variable from.
 
   Args:
@@ -120,6 +123,9 @@ def _tf_value(array: np.ndarray, *, cast: bool, adopt: bool) -> Any:
     adopt: the caller hands `array` over: an eligible array becomes a
       tf.Tensor sharing its memory (DLPack), so the variable takes the
       buffer instead of copying it.
+    own_copy: when `array` is not adopted, copy it into aligned memory of
+      our own and hand that to TensorFlow (a new variable then holds exactly
+      one copy; `tf.Variable(ndarray)` briefly holds two of the leaf).
 
   Returns:
     A numpy array (TensorFlow copies it) or a tf.Tensor owning no copy.
@@ -130,6 +136,10 @@ def _tf_value(array: np.ndarray, *, cast: bool, adopt: bool) -> Any:
     widened = partitioning.aligned_empty(array.shape, np.float32)
     np.copyto(widened, array, casting='unsafe')
     array, adopt = widened, True
+  elif own_copy and not (adopt and _adoptable(array)):
+    copied = partitioning.aligned_empty(array.shape, array.dtype)
+    np.copyto(copied, array, casting='no')
+    array, adopt = copied, True
   if not (adopt and _adoptable(array)):
     return array
   if array.dtype == jnp.bfloat16:
@@ -236,7 +246,7 @@ class JaxModule(tf.Module):
         dtypes.append(array.dtype)
         casts.append(cast)
         tf_vars.append(tf.Variable(
-            _tf_value(array, cast=cast, adopt=adopt_buffers),
+            _tf_value(array, cast=cast, adopt=adopt_buffers, own_copy=True),
             trainable=trainable, name=tf_variable_name(path)))
         del array  # The variable holds the value (copied or adopted).
     self.param_vars = tf_vars
