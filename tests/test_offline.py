@@ -526,3 +526,41 @@ def test_cast_params():
   cast = offline.cast_params(params, 'bfloat16')
   assert cast['w'].dtype == jnp.bfloat16 and cast['i'].dtype == np.int32
   assert offline.cast_params(params, None) is params
+
+
+_KEPT_AFTER_FREE = '''
+import ctypes, platform, sys
+import numpy as np
+from t5export import offline
+assert platform.libc_ver()[0] == 'glibc', platform.libc_ver()
+if sys.argv[1] == 'tuned':
+  assert offline.release_freed_memory() is True
+libc = ctypes.CDLL('libc.so.6')
+libc.malloc.restype = ctypes.c_void_p
+def rss():
+  with open('/proc/self/status') as f:
+    return int(f.read().split('VmRSS:')[1].split()[0]) // 1024
+a = np.ones(2**22, np.float32)  # 16 MiB, mmap-backed; freeing it makes
+del a                           # glibc serve the next one from the heap.
+before = rss()
+b = np.ones(2**22, np.float32)
+pin = libc.malloc(1024)         # A small block after it on the heap.
+del b
+print(rss() - before)
+'''
+
+
+@pytest.mark.parametrize('mode', ['tuned', 'plain'])
+def test_release_freed_memory_returns_freed_leaves_to_the_os(mode):
+  # A subprocess each: the setting is process-wide. Untuned, glibc keeps
+  # the freed 16 MiB block in the heap (the plain case shows the test can
+  # tell); tuned, it goes back to the OS.
+  proc = subprocess.run([sys.executable, '-c', _KEPT_AFTER_FREE, mode],
+                        capture_output=True, text=True, timeout=120,
+                        cwd=str(REPO))
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  kept_mib = int(proc.stdout.split()[-1])
+  if mode == 'tuned':
+    assert kept_mib < 4, kept_mib
+  else:
+    assert kept_mib >= 12, kept_mib

@@ -798,6 +798,7 @@ def worker_offline(spec: dict[str, Any]) -> dict[str, Any]:
   width = mlp_width(spec['n_params'], spec['depth'])
   sig = _mlp_signature(width)
   from t5export import offline
+  offline.release_freed_memory()  # As the CLI does before anything else.
   with phases('offline'):
     # What `python -m t5export.offline --ckpt ...` runs after parsing gin.
     path = offline.export_checkpoint(
