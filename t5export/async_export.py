@@ -161,6 +161,30 @@ def _register_atexit_once() -> None:
   _atexit_registered = True
 
 
+def close_on_exit(close: Callable[[], None], exc_type: type | None, *,
+                  name: str,
+                  errors_to_log: tuple[type[BaseException], ...]) -> None:
+  """The body of a context manager's `__exit__` that closes its object.
+
+  Without an exception in flight, `close()` runs and its errors propagate.
+  With one, an error of `errors_to_log` from `close()` is logged instead of
+  raised, so it does not mask the exception already on its way out.
+
+  Args:
+    close: the object's `close`.
+    exc_type: `__exit__`'s exception type (None when the block succeeded).
+    name: who is closing, for the log line.
+    errors_to_log: the `close()` errors to log rather than raise.
+  """
+  if exc_type is None:
+    close()
+    return
+  try:
+    close()
+  except errors_to_log as e:
+    logging.error('%s: %s (while handling %s)', name, e, exc_type.__name__)
+
+
 class AsyncWorker:
   """Runs `fn(item)` on one background thread, latest item wins.
 
@@ -297,14 +321,8 @@ class AsyncWorker:
     return self
 
   def __exit__(self, exc_type, exc, tb) -> None:
-    if exc_type is None:
-      self.close()
-      return
-    try:  # Don't mask the exception already on its way out.
-      self.close()
-    except errors.ExportFailedError as e:
-      logging.error('%s: %s (while handling %s)', self.name, e,
-                    exc_type.__name__)
+    close_on_exit(self.close, exc_type, name=self.name,
+                  errors_to_log=(errors.ExportFailedError,))
 
   # --- introspection --------------------------------------------------------
 

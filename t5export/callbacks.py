@@ -588,13 +588,9 @@ class ExportCallback(periodic_actions.PeriodicAction):
     return self
 
   def __exit__(self, exc_type, exc, tb) -> None:
-    if exc_type is None:
-      self.close()
-      return
-    try:  # Don't mask the exception already on its way out.
-      self.close()
-    except errors.T5ExportError as e:  # Incl. WriterFailedError (others).
-      logging.error('t5export: %s (while handling %s)', e, exc_type.__name__)
+    # Incl. WriterFailedError on processes other than the writer.
+    async_lib.close_on_exit(self.close, exc_type, name='t5export',
+                            errors_to_log=(errors.T5ExportError,))
 
   # --- introspection --------------------------------------------------------
 
