@@ -455,12 +455,9 @@ def _align_in_place(tree: dict[str, Any]) -> int:
     value = tree[key]
     if isinstance(value, dict):
       moved += _align_in_place(value)
-    elif isinstance(value, np.ndarray) and value.size and not (
-        value.flags.c_contiguous and value.flags.writeable and
-        value.ctypes.data % partitioning.HOST_ALIGNMENT == 0):
-      aligned = partitioning.aligned_empty(value.shape, value.dtype)
-      np.copyto(aligned, value, casting='no')
-      tree[key] = aligned
+    elif (isinstance(value, np.ndarray) and value.size and
+          not partitioning.is_aligned_writeable(value)):
+      tree[key] = partitioning.aligned_copy(value)
       del value
       moved += 1
   return moved

@@ -108,8 +108,7 @@ def _host_array(leaf: Any) -> np.ndarray:
 def _adoptable(array: np.ndarray) -> bool:
   """Whether TensorFlow can take `array`'s memory without a copy."""
   return (isinstance(array, np.ndarray) and array.size > 0 and
-          array.flags.c_contiguous and array.flags.writeable and
-          array.ctypes.data % partitioning.HOST_ALIGNMENT == 0 and
+          partitioning.is_aligned_writeable(array) and
           (array.dtype.kind in 'biufc' or array.dtype == jnp.bfloat16))
 
 
@@ -130,16 +129,11 @@ def _tf_value(array: np.ndarray, *, cast: bool, adopt: bool,
   Returns:
     A numpy array (TensorFlow copies it) or a tf.Tensor owning no copy.
   """
-  if cast:
-    # The float32 version is ours in any case: build it where TF can
-    # adopt it.
-    widened = partitioning.aligned_empty(array.shape, np.float32)
-    np.copyto(widened, array, casting='unsafe')
-    array, adopt = widened, True
-  elif own_copy and not (adopt and _adoptable(array)):
-    copied = partitioning.aligned_empty(array.shape, array.dtype)
-    np.copyto(copied, array, casting='no')
-    array, adopt = copied, True
+  if cast or (own_copy and not (adopt and _adoptable(array))):
+    # The float32 version, or our own copy, is ours in any case: build it
+    # where TF can adopt it.
+    array = partitioning.aligned_copy(array, np.float32 if cast else None)
+    adopt = True
   if not (adopt and _adoptable(array)):
     return array
   if array.dtype == jnp.bfloat16:

@@ -265,9 +265,7 @@ def cast_params(params: Any, dtype: str | None) -> Any:
   def cast(x: np.ndarray) -> np.ndarray:
     if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != target:
       # Aligned, so the export can hand the result to TensorFlow uncopied.
-      out = partitioning.aligned_empty(np.shape(x), target)
-      np.copyto(out, np.asarray(x), casting='unsafe')
-      return out
+      return partitioning.aligned_copy(x, target)
     return x
 
   return jax.tree_util.tree_map(cast, params)

@@ -387,12 +387,34 @@ def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
   return raw[offset:offset + nbytes].view(dtype).reshape(tuple(shape))
 
 
-def _owned_copy(source: Any) -> np.ndarray:
-  """An aligned host copy of one array-like (numpy or a single JAX shard)."""
+def aligned_copy(source: Any, dtype: Any = None) -> np.ndarray:
+  """A new aligned host array holding `source` (optionally cast).
+
+  Args:
+    source: an array-like (numpy, a single-device JAX array, a number).
+    dtype: the result's dtype; default `source`'s (an exact copy).
+
+  Returns:
+    A C-contiguous, writeable array at `HOST_ALIGNMENT` that owns its
+    memory, as `aligned_empty` gives.
+  """
   source = np.asarray(source)
-  out = aligned_empty(source.shape, source.dtype)
-  np.copyto(out, source, casting='no')
+  out = aligned_empty(source.shape, source.dtype if dtype is None else dtype)
+  np.copyto(out, source, casting='no' if dtype is None else 'unsafe')
   return out
+
+
+def is_aligned_writeable(array: np.ndarray) -> bool:
+  """Whether TensorFlow could take `array`'s memory as it is.
+
+  Args:
+    array: a numpy array.
+
+  Returns:
+    True for C-contiguous, writeable memory at `HOST_ALIGNMENT`.
+  """
+  return (array.flags.c_contiguous and array.flags.writeable and
+          array.ctypes.data % HOST_ALIGNMENT == 0)
 
 
 @functools.cache
@@ -455,7 +477,7 @@ def _host_value(x: jax.Array, *, copy: bool) -> np.ndarray:
       return np.asarray(data)
     # A copy: on CPU np.asarray aliases the device buffer, which a later
     # donation may hand to another computation.
-    return _owned_copy(data)
+    return aligned_copy(data)
   out = aligned_empty(x.shape, x.dtype)
   for shard in x.addressable_shards:
     if shard.replica_id == 0:
@@ -484,9 +506,9 @@ def _gather_leaf(keypath: Any, x: Any, *, keep: bool, copy: bool) -> Any:
     if not keep:
       del gathered  # Joined the collective; this process drops the leaf.
       return jax.ShapeDtypeStruct(x.shape, x.dtype)
-    return _owned_copy(gathered)
+    return aligned_copy(gathered)
   if isinstance(x, (np.ndarray, np.generic, bool, int, float, complex)):
-    array = _owned_copy(x) if copy else np.asarray(x)
+    array = aligned_copy(x) if copy else np.asarray(x)
     return array if keep else jax.ShapeDtypeStruct(array.shape, array.dtype)
   raise TypeError(
       f'gather_to_host: leaf {paths.path_str(keypath)!r} is a '
@@ -536,7 +558,8 @@ def tree_nbytes(tree: Any) -> int:
 
 
 __all__ = [
-    'HOST_ALIGNMENT', 'LogicalAxisRules', 'aligned_empty', 'gather_to_host',
+    'HOST_ALIGNMENT', 'LogicalAxisRules', 'aligned_copy', 'aligned_empty',
+    'gather_to_host', 'is_aligned_writeable',
     'host_views_survive_donation', 'get_mesh_axes',
     'logical_to_mesh_spec', 'shard_state', 'shardings_for',
     'standard_logical_axis_rules', 'tree_nbytes',

@@ -17,7 +17,6 @@ The reading side of what `exporter.SavedModelExporter` writes:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-import json
 import os
 from typing import Any
 
