@@ -5,22 +5,43 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
+import subprocess
 
 import pytest
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def _origin_dir() -> pathlib.Path | None:
+  """The local repository this clone was made from, if it was."""
+  try:
+    url = subprocess.run(
+        ['git', '-C', str(REPO_ROOT), 'config', '--get', 'remote.origin.url'],
+        capture_output=True, text=True, timeout=30, check=False).stdout.strip()
+  except OSError:
+    return None
+  path = pathlib.Path(url.removeprefix('file://'))
+  return path.resolve() if url and path.is_dir() else None
+
+
 def shared_dir() -> pathlib.Path:
-  """The steering repo's shared/ folder (beside the clone in CI)."""
+  """The steering repo's shared/ folder.
+
+  Looked for in $T5EXPORT_SHARED, beside this clone (as CI lays it out),
+  then beside the local repository the clone was made from (a fresh clone
+  in a scratch directory).
+  """
   env = os.environ.get('T5EXPORT_SHARED')
   candidates = [pathlib.Path(env)] if env else []
   candidates.append(REPO_ROOT.parent / 'shared')
+  origin = _origin_dir()
+  if origin is not None:
+    candidates.append(origin.parent / 'shared')
   for c in candidates:
     if (c / 'fixtures').is_dir():
       return c
   raise FileNotFoundError(
-      'shared/fixtures not found beside the repo '
+      'shared/fixtures not found beside the repo or its origin '
       f'(looked in {[str(c) for c in candidates]}); set T5EXPORT_SHARED.')
 
 
