@@ -55,6 +55,7 @@ from t5export import async_export as async_lib
 from t5export import distributed
 from t5export import errors
 from t5export import exporter as exporter_lib
+from t5export import serving_compat
 from t5export import snapshot as snapshot_lib
 
 _ON_ERROR_CHOICES = ('raise', 'log')
@@ -193,6 +194,7 @@ class ExportCallback(periodic_actions.PeriodicAction):
                rtol: float = 1e-5,
                warmup: bool = True,
                allow_non_finite: bool = False,
+               serving_tf_version: str | None = None,
                multiprocess_timeout_secs: float = (
                    distributed.DEFAULT_TIMEOUT_SECS)):
     """Validates the options and prepares the exporter (process 0).
@@ -225,6 +227,9 @@ class ExportCallback(periodic_actions.PeriodicAction):
       rtol: relative tolerance of the check.
       warmup: write TF Serving warm-up requests.
       allow_non_finite: publish params holding NaN/Inf.
+      serving_tf_version: the oldest TensorFlow / TF Serving release that
+        must load the versions, e.g. '2.20'; None: the oldest this JAX can
+        target (see `t5export.serving_compat`).
       multiprocess_timeout_secs: under `jax.distributed`, how long the other
         processes wait for process 0 to report an export (and for each
         other at its barrier) before raising `errors.WriterTimeoutError`
@@ -233,6 +238,7 @@ class ExportCallback(periodic_actions.PeriodicAction):
     Raises:
       TypeError: an option has the wrong type (the message names it).
       ValueError: an option has a bad value, or no trigger is set.
+      errors.ServingTargetError: `serving_tf_version` cannot be targeted.
       errors.ExportDirError: `export_dir` is unusable.
     """
     if isinstance(signatures, Iterable) and not isinstance(
@@ -244,6 +250,8 @@ class ExportCallback(periodic_actions.PeriodicAction):
         num_train_steps=num_train_steps,
         export_on_final_step=export_on_final_step, on_error=on_error,
         signatures=signatures)
+    # Every process, before anything is traced.
+    serving_compat.resolve(serving_tf_version)
     if export_on_final_step and num_train_steps is not None:
       steps.append(num_train_steps)
     super().__init__(every_steps=export_every_steps, every_secs=every_secs,
@@ -268,7 +276,8 @@ class ExportCallback(periodic_actions.PeriodicAction):
             self._export_dir, signatures, keep=keep, keep_best=keep_best,
             validate=validate, atol=atol, rtol=rtol, platforms=platforms,
             warmup=warmup, allow_non_finite=allow_non_finite,
-            logical_axis_rules=logical_axis_rules),
+            logical_axis_rules=logical_axis_rules,
+            serving_tf_version=serving_tf_version),
         what=f'create the exporter for {self._export_dir}')
     if self._is_writer:
       self._published_before = set(self._exporter.versions())

@@ -224,6 +224,14 @@ class IndivisibleShardingError(T5ExportError, ValueError):
         'that logical name to None).')
 
 
+class ServingTargetError(T5ExportError, ValueError):
+  """`serving_tf_version` names a TensorFlow release an export cannot target.
+
+  Raised when the exporter is created, before any tracing; the message
+  names the oldest release this JAX can target.
+  """
+
+
 # --- multi-process coordination (distributed) -------------------------------
 
 

@@ -51,6 +51,7 @@ from t5export import errors
 from t5export import jax_module
 from t5export import paths
 from t5export import serving
+from t5export import serving_compat
 from t5export import snapshot as snapshot_lib
 from t5export import verify
 from t5export import versions as versions_lib
@@ -151,7 +152,8 @@ class SavedModelExporter:
                trainable: bool = False,
                jit_compile: bool = True,
                cast_bfloat16: bool = False,
-               reuse_graph: bool = True):
+               reuse_graph: bool = True,
+               serving_tf_version: str | None = None):
     """Prepares the export directory and resumes from what it holds.
 
     Args:
@@ -181,12 +183,18 @@ class SavedModelExporter:
       reuse_graph: write versions after the first as the first one's graph
         plus the new variables (`writer.SavedModelWriter`); False runs the
         full `tf.saved_model.save` for every version.
+      serving_tf_version: the oldest TensorFlow / TF Serving release that
+        must load the versions, e.g. '2.20' (see `t5export.serving_compat`);
+        None: the oldest release this JAX can target.
 
     Raises:
       ExportDirError: if `export_dir` is a file or is not writable.
+      ServingTargetError: `serving_tf_version` cannot be targeted.
       ValueError, TypeError: for invalid options (the message names them).
     """
     self._export_dir = os.path.abspath(os.fspath(export_dir))
+    # First: an unreachable serving target fails before anything is traced.
+    self._target = serving_compat.resolve(serving_tf_version)
     signatures = list(signatures)
     if not signatures:
       raise errors.SignatureError(
@@ -229,6 +237,11 @@ class SavedModelExporter:
     self._resume()
 
   # --- directory ----------------------------------------------------------
+
+  @property
+  def serving_target(self) -> serving_compat.ServingTarget:
+    """The oldest TF release that loads the versions, and its version."""
+    return self._target
 
   @property
   def export_dir(self) -> str:
@@ -400,7 +413,9 @@ class SavedModelExporter:
     module = serving.make_module(
         variables, self._signatures, trainable=self._trainable,
         jit_compile=self._jit_compile, platforms=self._platforms,
-        cast_bfloat16=self._cast_bfloat16, adopt_buffers=adopt)
+        cast_bfloat16=self._cast_bfloat16, adopt_buffers=adopt,
+        calling_convention_version=(
+            self._target.calling_convention_version))
     self._serving_fns = serving.serving_functions(module, self._signatures)
     self._writer = writer_lib.SavedModelWriter(
         module, self._serving_fns, reuse_graph=self._reuse_graph)
@@ -445,8 +460,7 @@ class SavedModelExporter:
             'flax': flax.__version__,
             't5export': t5export.__version__,
         },
-        'jax_serialization_version': int(
-            jax.config.jax_export_calling_convention_version),
+        'serving': self._target.describe(),
         'platforms': list(module.platforms),
         'options': {
             'trainable': self._trainable, 'jit_compile': self._jit_compile,

@@ -51,6 +51,7 @@ import tensorflow as tf
 from t5export import errors
 from t5export import partitioning
 from t5export import paths
+from t5export import serving_compat
 
 # Platforms jax2tf can lower for (`native_serialization_platforms`).
 KNOWN_PLATFORMS = ('cpu', 'cuda', 'rocm', 'tpu')
@@ -181,6 +182,7 @@ class JaxModule(tf.Module):
                platforms: Sequence[str] | None = None,
                cast_bfloat16: bool = False,
                adopt_buffers: bool = False,
+               calling_convention_version: int | None = None,
                name: str | None = None):
     """Creates the variables and converts the methods.
 
@@ -205,6 +207,10 @@ class JaxModule(tf.Module):
         without a copy, and the arrays then alias the variables, so the
         caller must not change or reuse them. Never pass True for views of
         live JAX arrays or arrays the caller keeps using.
+      calling_convention_version: the XlaCallModule / jax.export version
+        the methods are serialized with (see `t5export.serving_compat`);
+        set for each conversion on the tracing thread only. None: JAX's
+        current setting.
       name: the tf.Module name.
 
     Raises:
@@ -251,7 +257,8 @@ class JaxModule(tf.Module):
       tf_methods[method_name] = self._convert(
           method_name, fn, input_signatures[method_name],
           polymorphic_shapes[method_name], with_gradient=trainable,
-          jit_compile=jit_compile, platforms=platforms)
+          jit_compile=jit_compile, platforms=platforms,
+          calling_convention_version=calling_convention_version)
     # Tracked: `tf.saved_model.save` keeps them as functions of the module.
     self._tf_methods = tf_methods
     self._meta = _Meta(
@@ -277,8 +284,14 @@ class JaxModule(tf.Module):
   def _convert(self, method_name: str, fn: Callable[[Any, Any], Any],
                input_signature: Any, polymorphic_shape: Any, *,
                with_gradient: bool, jit_compile: bool,
-               platforms: tuple[str, ...]) -> Any:
-    """jax2tf-converts one method and binds it to the variables."""
+               platforms: tuple[str, ...],
+               calling_convention_version: int | None) -> Any:
+    """jax2tf-converts one method and binds it to the variables.
+
+    jax2tf lowers the method whenever TensorFlow traces the function (a
+    save, a concrete function), on whichever thread does it; the
+    calling-convention version is set around that call alone.
+    """
 
     def counted(variables, inputs):
       # Runs once per jax2tf trace, never when the saved function runs.
@@ -292,7 +305,10 @@ class JaxModule(tf.Module):
         native_serialization_platforms=platforms)
 
     def bound(inputs):
-      return converted(self._variable_tree(), inputs)
+      if calling_convention_version is None:
+        return converted(self._variable_tree(), inputs)
+      with serving_compat.calling_convention(calling_convention_version):
+        return converted(self._variable_tree(), inputs)
 
     return tf.function(bound, input_signature=[input_signature],
                        jit_compile=jit_compile, autograph=False)

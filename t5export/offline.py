@@ -55,6 +55,7 @@ from t5export import checkpoints
 from t5export import errors
 from t5export import partitioning
 from t5export import paths
+from t5export import serving_compat
 from t5export import train_state
 
 if __name__ == '__main__':
@@ -102,6 +103,11 @@ _PLATFORMS = flags.DEFINE_list(
 _VALIDATE = flags.DEFINE_boolean(
     'validate', True, 'Check the staged SavedModel against JAX on the '
     'signatures\' sample inputs before publishing (--no_validate to skip).')
+_SERVING_TF_VERSION = flags.DEFINE_string(
+    'serving_tf_version', None, 'The oldest TensorFlow / TF Serving release '
+    'that must load the version, e.g. 2.20 (default: the gin value '
+    'OfflineOptions.serving_tf_version, else the oldest this JAX can '
+    'target).')
 
 
 @gin.configurable(module='t5export')
@@ -121,6 +127,9 @@ class OfflineOptions:
     atol, rtol: tolerances of the check.
     warmup: write TF Serving warm-up requests.
     allow_non_finite: publish params holding NaN/Inf.
+    serving_tf_version: the oldest TensorFlow / TF Serving release that must
+      load the version (None: the oldest this JAX can target); the
+      `--serving_tf_version` flag overrides it.
   """
 
   def __init__(self, *, signatures: Sequence[Any] = gin.REQUIRED,
@@ -129,7 +138,10 @@ class OfflineOptions:
                expected_params: Any = None,
                keep: int | None = None,
                atol: float = 1e-5, rtol: float = 1e-5,
-               warmup: bool = True, allow_non_finite: bool = False):
+               warmup: bool = True, allow_non_finite: bool = False,
+               serving_tf_version: str | None = None):
+    if serving_tf_version is not None:
+      serving_compat.resolve(serving_tf_version)
     if init_fn is not None and not callable(init_fn):
       raise TypeError(f'init_fn must be callable(rng) -> variables, got '
                       f'{init_fn!r}.')
@@ -141,6 +153,7 @@ class OfflineOptions:
     self.atol, self.rtol = atol, rtol
     self.warmup = warmup
     self.allow_non_finite = allow_non_finite
+    self.serving_tf_version = serving_tf_version
 
 
 def rewrite_args(argv: Sequence[str]) -> list[str]:
@@ -311,6 +324,7 @@ def export_checkpoint(ckpt: str, export_dir: str, *, step: int | None = None,
                       overwrite: bool = False, dtype: str | None = None,
                       platforms: Sequence[str] | None = None,
                       validate: bool = True,
+                      serving_tf_version: str | None = None,
                       options: OfflineOptions | None = None,
                       before_gin: Callable[[], None] | None = None) -> str:
   """Reads a checkpoint and publishes it as `<export_dir>/<step>/`.
@@ -323,6 +337,9 @@ def export_checkpoint(ckpt: str, export_dir: str, *, step: int | None = None,
     dtype: cast floating params to this dtype.
     platforms: jax2tf lowering platforms.
     validate: check the SavedModel against JAX before publishing.
+    serving_tf_version: the oldest TensorFlow release that must load the
+      version; None: `options.serving_tf_version` (see
+      `t5export.serving_compat`).
     options: the export options; default `OfflineOptions()` (from gin),
       built after the checkpoint was read.
     before_gin: called after the read and the version check, before
@@ -337,7 +354,11 @@ def export_checkpoint(ckpt: str, export_dir: str, *, step: int | None = None,
     ParamsMismatchError: the params do not match the model.
     VersionExistsError: the version exists and `overwrite` is False.
     ExportCheckError: the SavedModel differs from JAX (nothing published).
+    ServingTargetError: `serving_tf_version` cannot be targeted (raised
+      before the checkpoint is read).
   """
+  if serving_tf_version is not None:
+    serving_compat.resolve(serving_tf_version)
   total = time.monotonic()
   start = time.monotonic()
   contents = checkpoints.read_params(ckpt, step=step)
@@ -378,7 +399,9 @@ def export_checkpoint(ckpt: str, export_dir: str, *, step: int | None = None,
       atol=options.atol, rtol=options.rtol, platforms=platforms,
       warmup=options.warmup, overwrite=overwrite,
       allow_non_finite=options.allow_non_finite,
-      logical_axis_rules=options.logical_axis_rules)
+      logical_axis_rules=options.logical_axis_rules,
+      serving_tf_version=(serving_tf_version if serving_tf_version is not None
+                          else options.serving_tf_version))
   # The params were read for this export alone: TensorFlow may take their
   # memory instead of copying it (peak memory ~1x the params, not 3x).
   path = exporter.export(state, hand_over=True)
@@ -449,7 +472,8 @@ def main(argv: Sequence[str]) -> None:
     export_checkpoint(
         _CKPT.value, export_dir, step=_STEP.value, overwrite=_OVERWRITE.value,
         dtype=_DTYPE.value, platforms=_PLATFORMS.value,
-        validate=_VALIDATE.value, before_gin=load_gin)
+        validate=_VALIDATE.value,
+        serving_tf_version=_SERVING_TF_VERSION.value, before_gin=load_gin)
   except (errors.T5ExportError, ValueError, TypeError, OSError, KeyError,
           RuntimeError) as e:
     _cleanup(export_dir, existed, before)

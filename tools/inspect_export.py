@@ -103,6 +103,7 @@ def describe_version(version_dir: str, *, params: bool) -> dict[str, Any]:
       'step': meta.get('step'), 'time_utc': meta.get('time_utc'),
       'written_with': meta.get('versions', {}),
       'platforms': meta.get('platforms'),
+      'serving': meta.get('serving'),
       'options': meta.get('options', {}),
       'signatures': {
           name: {'inputs': sig.get('inputs'), 'outputs': sig.get('outputs')}
@@ -144,6 +145,11 @@ def _print_version(info: dict[str, Any]) -> None:
   print(f'  written {info["time_utc"]} with '
         + ', '.join(f'{k} {v}' for k, v in info['written_with'].items()))
   print(f'  platforms {info["platforms"]}; options {info["options"]}')
+  serving = info['serving']
+  print('  serving: ' + (
+      f'{serving["loads_on"]} (XlaCallModule calling convention '
+      f'{serving["calling_convention_version"]})' if serving else
+      'not recorded (written before t5export recorded its serving target)'))
   print(f'  {info["n_params"]} params, {_mib(info["param_bytes"] or 0)} '
         f'({_mib(info["bytes_on_disk"])} on disk); check: {info["check"]}')
   for name, sig in info['signatures'].items():
