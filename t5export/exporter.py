@@ -414,8 +414,7 @@ class SavedModelExporter:
         variables, self._signatures, trainable=self._trainable,
         jit_compile=self._jit_compile, platforms=self._platforms,
         cast_bfloat16=self._cast_bfloat16, adopt_buffers=adopt,
-        calling_convention_version=(
-            self._target.calling_convention_version))
+        serving_target=self._target)
     self._serving_fns = serving.serving_functions(module, self._signatures)
     self._writer = writer_lib.SavedModelWriter(
         module, self._serving_fns, reuse_graph=self._reuse_graph)

@@ -182,7 +182,7 @@ class JaxModule(tf.Module):
                platforms: Sequence[str] | None = None,
                cast_bfloat16: bool = False,
                adopt_buffers: bool = False,
-               calling_convention_version: int | None = None,
+               serving_target: serving_compat.ServingTarget | None = None,
                name: str | None = None):
     """Creates the variables and converts the methods.
 
@@ -207,10 +207,9 @@ class JaxModule(tf.Module):
         without a copy, and the arrays then alias the variables, so the
         caller must not change or reuse them. Never pass True for views of
         live JAX arrays or arrays the caller keeps using.
-      calling_convention_version: the XlaCallModule / jax.export version
-        the methods are serialized with (see `t5export.serving_compat`);
-        set for each conversion on the tracing thread only. None: JAX's
-        current setting.
+      serving_target: the oldest TensorFlow the methods must run on (see
+        `t5export.serving_compat`), applied to each conversion on the
+        tracing thread only. None: JAX's own defaults.
       name: the tf.Module name.
 
     Raises:
@@ -258,7 +257,7 @@ class JaxModule(tf.Module):
           method_name, fn, input_signatures[method_name],
           polymorphic_shapes[method_name], with_gradient=trainable,
           jit_compile=jit_compile, platforms=platforms,
-          calling_convention_version=calling_convention_version)
+          serving_target=serving_target)
     # Tracked: `tf.saved_model.save` keeps them as functions of the module.
     self._tf_methods = tf_methods
     self._meta = _Meta(
@@ -285,12 +284,12 @@ class JaxModule(tf.Module):
                input_signature: Any, polymorphic_shape: Any, *,
                with_gradient: bool, jit_compile: bool,
                platforms: tuple[str, ...],
-               calling_convention_version: int | None) -> Any:
+               serving_target: serving_compat.ServingTarget | None) -> Any:
     """jax2tf-converts one method and binds it to the variables.
 
     jax2tf lowers the method whenever TensorFlow traces the function (a
     save, a concrete function), on whichever thread does it; the
-    calling-convention version is set around that call alone.
+    serving target applies around that call alone.
     """
 
     def counted(variables, inputs):
@@ -305,9 +304,9 @@ class JaxModule(tf.Module):
         native_serialization_platforms=platforms)
 
     def bound(inputs):
-      if calling_convention_version is None:
+      if serving_target is None:
         return converted(self._variable_tree(), inputs)
-      with serving_compat.calling_convention(calling_convention_version):
+      with serving_compat.targeting(serving_target):
         return converted(self._variable_tree(), inputs)
 
     return tf.function(bound, input_signature=[input_signature],

@@ -464,7 +464,7 @@ def make_module(variables: Any, signatures: Sequence[Signature], *,
                 platforms: Sequence[str] | None = None,
                 cast_bfloat16: bool = False,
                 adopt_buffers: bool = False,
-                calling_convention_version: int | None = None,
+                serving_target: Any = None,
                 name: str | None = None) -> jax_module.JaxModule:
   """Checks the signatures and builds a JaxModule with one method each.
 
@@ -472,7 +472,7 @@ def make_module(variables: Any, signatures: Sequence[Signature], *,
     variables: `{'params': ..., **flax_mutables}` (numpy or JAX arrays).
     signatures: the signatures; names must be unique.
     trainable, jit_compile, platforms, cast_bfloat16, adopt_buffers,
-      calling_convention_version, name: as in `jax_module.JaxModule`.
+      serving_target, name: as in `jax_module.JaxModule`.
 
   Returns:
     The module; `module.methods[sig.name]` is each signature's method.
@@ -497,7 +497,7 @@ def make_module(variables: Any, signatures: Sequence[Signature], *,
           s.name: s.method_polymorphic_shapes for s in signatures},
       trainable=trainable, jit_compile=jit_compile, platforms=platforms,
       cast_bfloat16=cast_bfloat16, adopt_buffers=adopt_buffers,
-      calling_convention_version=calling_convention_version, name=name)
+      serving_target=serving_target, name=name)
 
 
 def serving_functions(module: jax_module.JaxModule,

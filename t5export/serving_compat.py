@@ -1,34 +1,47 @@
 """Which TensorFlow (Serving) versions can load an export: the target.
 
-A jax2tf export holds each method as a StableHLO module inside an
-`XlaCallModule` op. The op carries a version, JAX's *calling-convention
-version* (`jax.export`): TensorFlow refuses a module whose version is newer
-than the ones it was built to run, with an error such as
-`XlaCallModuleOp with version 10 is not supported by this build. Must be
-<= 9`. TF Serving releases trail TensorFlow's, so an export made with the
-newest JAX by default would not load on the servers people run.
+A jax2tf export holds each method as a serialized StableHLO module inside
+an `XlaCallModule` op, and two versions decide which TensorFlow can run it:
 
-`serving_tf_version` names the OLDEST TensorFlow / TF Serving release that
-must load a version; it selects the calling-convention version through one
-table, `TF_CALLING_CONVENTION`:
+- the op's *calling-convention version* (`jax.export`): TensorFlow refuses a
+  newer one than it was built for (`XlaCallModuleOp with version 10 is not
+  supported by this build. Must be <= 9`);
+- the *StableHLO version* the module is serialized for: a TensorFlow built
+  with an older StableHLO cannot read ops or attributes added since
+  (`Cannot deserialize computation`; e.g. `tanh` gained an attribute after
+  StableHLO 1.9). JAX serializes for the StableHLO of about four weeks
+  before its own release, newer than any TensorFlow release it ships
+  beside.
 
-  TensorFlow (Serving)   newest calling convention it loads
-  2.19                   9
-  2.20                   10
-  2.21                   10
+TF Serving releases trail TensorFlow's, so an export made with JAX's
+defaults would not load on the servers people run. `serving_tf_version`
+names the OLDEST TensorFlow / TF Serving release that must load a version;
+one table, `TF_TARGETS`, gives what each release reads (measured with
+`tensorflow-cpu`: its `XlaCallModule` kernel and its
+`tensorflow.compiler.mlir.stablehlo.get_current_version()`):
 
-A release newer than the table's last row loads everything that row does.
-Releases before the first row are not reachable: TensorFlow 2.18 cannot
-parse the StableHLO that JAX 0.10 writes at all (`unknown attribute code:
-22`), whatever the calling-convention version. A target is also
-unreachable when this JAX no longer writes the version the target needs
-(`jax.export.minimum_supported_calling_convention_version`).
+  TensorFlow (Serving)   calling convention   StableHLO
+  2.19                   9                    1.9.1
+  2.20                   10                   1.12.1
+  2.21                   10                   1.13.7
 
-The default target is the oldest reachable release. The choice is scoped:
-`calling_convention(version)` sets JAX's option for the current thread only
-(JAX's configuration states are thread-local when used as context
-managers), around each jax2tf conversion, so the user's own code on other
-threads and after the export sees its own setting.
+A release newer than the last row reads everything that row does (StableHLO
+keeps backward compatibility), so such a target uses the last row. Releases
+before the first row are not reachable with JAX 0.10 (TensorFlow 2.18
+cannot parse its StableHLO: `unknown attribute code: 22`), nor is a row
+whose calling-convention version this JAX no longer writes
+(`jax.export.minimum_supported_calling_convention_version`). A model using a
+StableHLO feature newer than the target cannot be serialized for it: JAX's
+serializer fails, and the fix is a newer target.
+
+The default target is the oldest reachable release. The choice is scoped
+to the converting thread (`targeting`): JAX's calling-convention option is
+set with its thread-local context manager, and the StableHLO version is
+chosen by a hook around JAX's serializer that applies only on a thread
+inside `targeting` (JAX offers no option for it: it fixes the version in
+`jax._src.export._export._module_to_bytecode`, which the hook wraps). The
+user's own code, on other threads or after the export, keeps JAX's
+behaviour.
 """
 
 from __future__ import annotations
@@ -37,19 +50,25 @@ from collections.abc import Iterator
 import contextlib
 import dataclasses
 import re
+import threading
 
 import jax
-from jax._src import config as jax_config  # The option's scoped setter.
+# JAX's private pieces this module relies on, all here: the scoped setter
+# of the calling-convention option, and the serializer it hooks.
+from jax._src import config as jax_config
+from jax._src import xla_bridge
+from jax._src.export import _export as jax_export_impl
+from jax._src.lib import _jax as jax_lib
 
 from t5export import errors
 
-# TensorFlow (Serving) minor release -> the newest calling-convention
-# version its XlaCallModule kernel accepts (measured: TF 2.19.1 refuses 10,
-# TF 2.20.0 and 2.21.0 load 10). Oldest first.
-TF_CALLING_CONVENTION: tuple[tuple[tuple[int, int], int], ...] = (
-    ((2, 19), 9),
-    ((2, 20), 10),
-    ((2, 21), 10),
+# TensorFlow (Serving) minor release -> (the newest calling-convention
+# version its XlaCallModule kernel accepts, the StableHLO version it reads).
+# Oldest first.
+TF_TARGETS: tuple[tuple[tuple[int, int], int, str], ...] = (
+    ((2, 19), 9, '1.9.1'),
+    ((2, 20), 10, '1.12.1'),
+    ((2, 21), 10, '1.13.7'),
 )
 
 _VERSION_RE = re.compile(r'^\s*(\d+)\.(\d+)(?:\.\d+)?\s*$')
@@ -63,9 +82,12 @@ class ServingTarget:
     tf_version: the target as 'MAJOR.MINOR', e.g. '2.19'.
     calling_convention_version: the XlaCallModule / jax.export version the
       export is written with.
+    stablehlo_version: the StableHLO version the modules are serialized
+      for.
   """
   tf_version: str
   calling_convention_version: int
+  stablehlo_version: str
 
   def describe(self) -> dict[str, object]:
     """The target as recorded in a version's metadata.
@@ -77,6 +99,7 @@ class ServingTarget:
     return {
         'serving_tf_version': self.tf_version,
         'calling_convention_version': self.calling_convention_version,
+        'stablehlo_version': self.stablehlo_version,
         'loads_on': f'TensorFlow / TF Serving >= {self.tf_version}',
     }
 
@@ -86,10 +109,10 @@ def _jax_range() -> tuple[int, int]:
           jax.export.maximum_supported_calling_convention_version)
 
 
-def _reachable() -> list[tuple[tuple[int, int], int]]:
+def _reachable() -> list[tuple[tuple[int, int], int, str]]:
   """The table rows this JAX can write, oldest first."""
   low, high = _jax_range()
-  return [(tf, min(cc, high)) for tf, cc in TF_CALLING_CONVENTION
+  return [(tf, min(cc, high), shlo) for tf, cc, shlo in TF_TARGETS
           if cc >= low]
 
 
@@ -113,7 +136,7 @@ def oldest_supported() -> str:
     raise errors.ServingTargetError(
         f'This JAX ({jax.__version__}) writes calling-convention versions '
         f'{low}..{high}, none of which t5export knows a TensorFlow release '
-        f'for (table: {TF_CALLING_CONVENTION}). Upgrade t5export.')
+        f'for (table: {TF_TARGETS}). Upgrade t5export.')
   return _name(rows[0][0])
 
 
@@ -157,30 +180,53 @@ def resolve(serving_tf_version: str | None = None) -> ServingTarget:
         'newer, and serve with TF Serving >= that release.')
   # The newest row at or below the target: a newer release loads whatever
   # an older one does.
-  version = [cc for tf, cc in rows if tf <= wanted][-1]
+  _, version, stablehlo = [row for row in rows if row[0] <= wanted][-1]
   return ServingTarget(tf_version=_name(wanted),
-                       calling_convention_version=version)
+                       calling_convention_version=version,
+                       stablehlo_version=stablehlo)
+
+
+_THREAD = threading.local()  # .stablehlo_version inside `targeting`.
+_HOOK_LOCK = threading.Lock()
+
+
+def _install_serializer_hook() -> None:
+  """Wraps JAX's module serializer once, per-thread StableHLO version."""
+  with _HOOK_LOCK:
+    jax_serialize = jax_export_impl._module_to_bytecode  # pylint: disable=protected-access
+    if getattr(jax_serialize, 't5export_hook', False):
+      return
+
+    def module_to_bytecode(module):
+      version = getattr(_THREAD, 'stablehlo_version', None)
+      if version is None:  # Not ours: JAX's own behaviour.
+        return jax_serialize(module)
+      return jax_lib.mlir.serialize_portable_artifact(
+          module, version, xla_bridge.get_backend().serialize_with_sdy)
+
+    module_to_bytecode.t5export_hook = True
+    jax_export_impl._module_to_bytecode = module_to_bytecode  # pylint: disable=protected-access
 
 
 @contextlib.contextmanager
-def calling_convention(version: int) -> Iterator[None]:
-  """Sets JAX's export calling-convention version for this thread only.
+def targeting(target: ServingTarget) -> Iterator[None]:
+  """Exports on this thread (only) are written for `target`.
 
   Args:
-    version: the calling-convention version, e.g. from `resolve`.
+    target: from `resolve`.
 
   Yields:
-    Nothing; inside the block, jax2tf / jax.export on this thread write
-    `version`.
+    Nothing; inside the block, jax2tf / jax.export on this thread write the
+    target's calling-convention version and serialize StableHLO for its
+    version.
   """
-  with jax_config.jax_export_calling_convention_version(int(version)):
-    yield
+  _install_serializer_hook()
+  outer = getattr(_THREAD, 'stablehlo_version', None)
+  _THREAD.stablehlo_version = target.stablehlo_version
+  try:
+    with jax_config.jax_export_calling_convention_version(
+        target.calling_convention_version):
+      yield
+  finally:
+    _THREAD.stablehlo_version = outer
 
-
-def current_calling_convention() -> int:
-  """The calling-convention version JAX uses on this thread now.
-
-  Returns:
-    The version.
-  """
-  return int(jax.config.jax_export_calling_convention_version)
