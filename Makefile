@@ -27,4 +27,4 @@ bench: $(STAMP)
 	$(PY) tools/bench.py
 
 clean:
-	rm -rf $(VENV) example_output bench_output
+	rm -rf $(VENV) .venv-tf example_output bench_output

@@ -127,6 +127,20 @@ def test_keep_not_a_positive_int(tmp_path, keep):
                                     [model.signature()], keep=keep)
 
 
+def test_serving_tf_version_unreachable(tmp_path):
+  oldest = re.escape(repr(t5export.serving_compat.oldest_supported()))
+  message = (r"serving_tf_version='2.18' cannot be targeted: the oldest "
+             r'TensorFlow / TF Serving release an export made with JAX '
+             rf'.* loads on is .*Pass serving_tf_version={oldest} or newer')
+  with pytest.raises(errors.ServingTargetError, match=message):
+    exporter_lib.SavedModelExporter(str(tmp_path / 'export'),
+                                    [model.signature()],
+                                    serving_tf_version='2.18')
+  with pytest.raises(errors.ServingTargetError, match=message):
+    _callback(str(tmp_path / 'export'), serving_tf_version='2.18')
+  assert not (tmp_path / 'export').exists()
+
+
 # --- export_dir ---------------------------------------------------------------
 
 

@@ -18,7 +18,12 @@ A job is a dict: 'dir' (a SavedModel directory), 'inputs', and either
 with the inputs tree as is). Its result is the output structure with numpy
 leaves; bfloat16 comes back as float32 (numpy alone has no bfloat16).
 The process stays up between `run` calls, so each SavedModel is loaded and
-each signature traced once.
+each signature traced once. It reports each finished request on a pipe of
+its own (never on stdout or stderr, where TensorFlow's native code logs).
+
+`python` chooses the interpreter: by default this one (the project's
+TensorFlow with JAX blocked); `tf_venvs.tf_python('2.19.1')` gives one of
+an older TensorFlow with no JAX installed at all.
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ TIMEOUT_SECS = 300  # For one `run` call; the process shares 2 CPU cores.
 _DONE = 'tf_only: reply written'
 
 _SCRIPT = textwrap.dedent('''
-    import importlib.abc, pickle, sys, traceback
+    import importlib.abc, os, pickle, sys, traceback
+    done = os.fdopen(int(sys.argv[1]), 'w')
     BLOCKED = %r
 
     class _Blocker(importlib.abc.MetaPathFinder):
@@ -86,21 +92,24 @@ _SCRIPT = textwrap.dedent('''
         result = {'error': traceback.format_exc()}
       result['loaded_blocked'] = sorted(
           m for m in sys.modules if m.split('.')[0] in BLOCKED)
+      result['tf_version'] = tf.__version__
       with open(reply, 'wb') as f:
         pickle.dump(result, f)
-      print(%r, flush=True)
+      print(%r, file=done, flush=True)
 ''') % (BLOCKED, _DONE)
 
 
 class TfOnlyProcess:
   """One long-lived TensorFlow-only Python process (see module doc)."""
 
-  def __init__(self, work_dir: str | os.PathLike[str]):
+  def __init__(self, work_dir: str | os.PathLike[str], *,
+               python: str | os.PathLike[str] | None = None):
     """Starts the process.
 
     Args:
       work_dir: a directory for the request/reply files and its stderr; the
         process runs there, without this repo on its PYTHONPATH.
+      python: the interpreter (default: this one).
     """
     self._dir = pathlib.Path(tempfile.mkdtemp(prefix='tf_only_',
                                               dir=work_dir))
@@ -108,17 +117,22 @@ class TfOnlyProcess:
     self._stderr_path = self._dir / 'stderr.txt'
     env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
     env.update(CUDA_VISIBLE_DEVICES='', TF_CPP_MIN_LOG_LEVEL='2')
+    self.tf_version: str | None = None  # Known after the first `run`.
+    done_read, done_write = os.pipe()
     with open(self._stderr_path, 'wb') as stderr:
       self._proc = subprocess.Popen(
-          [sys.executable, '-c', _SCRIPT], cwd=self._dir, env=env,
-          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
-          text=True)
-    # stdout lines, then None at EOF; read by a thread so waits can time out.
+          [os.fspath(python or sys.executable), '-c', _SCRIPT,
+           str(done_write)], cwd=self._dir, env=env, stdin=subprocess.PIPE,
+          stdout=stderr, stderr=stderr, text=True, pass_fds=(done_write,))
+    os.close(done_write)  # The child holds it; EOF when the child ends.
+    self._done = os.fdopen(done_read)
+    # Lines of the done pipe, then None at EOF; read by a thread so waits
+    # can time out.
     self._lines: queue.Queue[str | None] = queue.Queue()
-    threading.Thread(target=self._read_stdout, daemon=True).start()
+    threading.Thread(target=self._read_done, daemon=True).start()
 
-  def _read_stdout(self) -> None:
-    for line in self._proc.stdout:
+  def _read_done(self) -> None:
+    for line in self._done:
       self._lines.put(line)
     self._lines.put(None)
 
@@ -144,7 +158,7 @@ class TfOnlyProcess:
     self._proc.stdin.write(f'{request}\t{reply}\n')
     self._proc.stdin.flush()
     deadline = time.monotonic() + TIMEOUT_SECS
-    while True:  # TF may print lines of its own to stdout.
+    while True:
       try:
         line = self._lines.get(
             timeout=max(0.0, deadline - time.monotonic()))
@@ -162,6 +176,7 @@ class TfOnlyProcess:
         break
     with open(reply, 'rb') as f:
       result = pickle.load(f)
+    self.tf_version = result['tf_version']
     assert 'error' not in result, result['error']
     assert not result['loaded_blocked'], (
         f'the TF-only process imported {result["loaded_blocked"]}')
@@ -195,15 +210,17 @@ class TfOnlyProcess:
 
 
 def run(jobs: list[dict[str, Any]],
-        work_dir: str | os.PathLike[str]) -> list[Any]:
+        work_dir: str | os.PathLike[str], *,
+        python: str | os.PathLike[str] | None = None) -> list[Any]:
   """Runs the jobs in a fresh TF-only process that ends afterwards.
 
   Args:
     jobs: see the module doc.
     work_dir: as in `TfOnlyProcess`.
+    python: as in `TfOnlyProcess`.
 
   Returns:
     One output structure per job, numpy leaves.
   """
-  with TfOnlyProcess(work_dir) as process:
+  with TfOnlyProcess(work_dir, python=python) as process:
     return process.run(jobs)

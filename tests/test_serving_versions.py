@@ -1,0 +1,248 @@
+"""Default exports load and answer like JAX on the TensorFlow users serve.
+
+TF Serving trails TensorFlow, so a version published with default options
+must load on TensorFlow 2.19 (the oldest release JAX 0.10 can target), 2.20
+and our own 2.21. Each release runs in a process of its own with no JAX:
+2.19.1 and 2.20.0 from virtualenvs holding only `tensorflow-cpu`
+(`tf_venvs`, created on first use), 2.21 from the project's venv with JAX
+made unimportable (`tf_only`).
+
+Exported once, loaded in each release:
+- 'poly': a float32 model with a polymorphic batch and sequence dimension,
+  published by the training callback (`ExportCallback`, defaults) at two
+  steps, so both the first full save and a re-export (the first graph plus
+  new weights) are loaded;
+- 'bf16': a bfloat16 model (`SavedModelExporter`, defaults);
+- 't5': the example's tiny T5 with TF string pre/post-processors (strings
+  in, strings out);
+- 'offline': the MLP published by `python -m t5export.offline` from an
+  orbax checkpoint (defaults);
+- 'newer': the float32 model published with `serving_tf_version='2.20'`,
+  which 2.19 must refuse (this checks the table's premise, too).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import t5export
+from examples import models
+from examples import tokenizer
+from examples import train as train_lib
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import offline_gin  # pylint: disable=g-import-not-at-top,wrong-import-position
+import tf_only  # pylint: disable=g-import-not-at-top,wrong-import-position
+import tf_venvs  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SMALL_T5 = {'d_model': 16, 'num_heads': 2, 'head_dim': 8, 'd_ff': 32}
+STRINGS = np.array([b'hello', b'serving', b'ab'], dtype=object)
+_MLP_X = np.random.default_rng(3).standard_normal((3, 16)).astype(np.float32)
+
+pytestmark = pytest.mark.slow
+
+
+def _poly_serve(variables, inputs):
+  """[b, n, 8] -> per-token [b, n, 4] and pooled [b, 4] outputs."""
+  p = variables['params']
+  h = jnp.tanh(inputs['x'] @ p['w1'] + p['b1'])
+  tokens = h @ p['w2']
+  return {'tokens': tokens, 'pooled': tokens.mean(axis=1)}
+
+
+def _poly_params(seed: int) -> dict:
+  rng = np.random.default_rng(seed)
+  return {'w1': rng.standard_normal((8, 16)).astype(np.float32),
+          'b1': rng.standard_normal((16,)).astype(np.float32),
+          'w2': rng.standard_normal((16, 4)).astype(np.float32)}
+
+
+def _poly_signature() -> t5export.Signature:
+  return t5export.Signature(
+      name='serving_default', method=_poly_serve,
+      input_specs={'x': ('b, n, 8', 'float32')},
+      sample_inputs={'x': np.ones((2, 3, 8), np.float32)})
+
+
+def _bf16_serve(variables, inputs):
+  p = variables['params']
+  h = jax.nn.gelu(inputs['x'].astype(jnp.bfloat16) @ p['w1'])
+  return {'y': h @ p['w2']}
+
+
+def _x(batch: int, length: int, seed: int) -> np.ndarray:
+  return np.random.default_rng(seed).standard_normal(
+      (batch, length, 8)).astype(np.float32)
+
+
+class _Exports:
+  """What the fixture exported: version dirs and JAX's answers for them."""
+
+  def __init__(self):
+    self.dirs: dict[str, str] = {}
+    self.jobs: dict[str, list[dict]] = {}
+    self.expected: dict[str, list[dict]] = {}
+
+
+@pytest.fixture(scope='module')
+def exports(tmp_path_factory) -> _Exports:
+  work = tmp_path_factory.mktemp('serving_versions')
+  out = _Exports()
+  inputs = [_x(1, 5, 0), _x(7, 2, 1)]
+
+  # 'poly': the training callback with defaults, two versions.
+  export_dir = work / 'poly'
+  with t5export.ExportCallback(export_dir=export_dir,
+                               signatures=[_poly_signature()],
+                               export_every_steps=10) as cb:
+    for step in range(1, 21):
+      state = t5export.InferenceState.create(
+          {'params': _poly_params(step)}).replace_step(step)
+      cb(step, train_state=state)
+  assert cb.versions() == [10, 20]
+  for step in (10, 20):
+    name = f'poly{step}'
+    out.dirs[name] = str(export_dir / str(step))
+    out.jobs[name] = [{'inputs': {'x': x}} for x in inputs]
+    fn = jax.jit(_poly_serve)
+    out.expected[name] = [
+        {k: np.asarray(v) for k, v in fn({'params': _poly_params(step)},
+                                         {'x': x}).items()} for x in inputs]
+
+  # 'newer': the same model for TF >= 2.20.
+  exporter = t5export.SavedModelExporter(
+      work / 'newer', [_poly_signature()], serving_tf_version='2.20')
+  out.dirs['newer'] = exporter.export(t5export.InferenceState.create(
+      {'params': _poly_params(10)}).replace_step(1))
+  out.jobs['newer'] = out.jobs['poly10']
+  out.expected['newer'] = out.expected['poly10']
+
+  # 'bf16': bfloat16 params and outputs.
+  rng = np.random.default_rng(5)
+  bf16_params = {
+      'w1': jnp.asarray(rng.standard_normal((8, 32)), jnp.bfloat16),
+      'w2': jnp.asarray(rng.standard_normal((32, 4)) / 4, jnp.bfloat16)}
+  bf16_x = rng.standard_normal((3, 8)).astype(np.float32)
+  sig = t5export.Signature(name='serving_default', method=_bf16_serve,
+                           input_specs={'x': ('b, 8', 'float32')},
+                           sample_inputs={'x': bf16_x})
+  out.dirs['bf16'] = t5export.SavedModelExporter(work / 'bf16', [sig]).export(
+      t5export.InferenceState.create({'params': bf16_params}).replace_step(1))
+  out.jobs['bf16'] = [{'inputs': {'x': bf16_x}}]
+  out.expected['bf16'] = [{'y': np.asarray(jax.jit(_bf16_serve)(
+      {'params': bf16_params}, {'x': bf16_x})['y'], np.float32)}]
+
+  # 't5': the example's string-in/string-out tiny T5.
+  task = train_lib.make_task('tiny_t5', SMALL_T5)
+  variables = task.init_variables(jax.random.PRNGKey(4))
+  sig = train_lib.t5_signature(model_overrides=SMALL_T5)
+  out.dirs['t5'] = t5export.SavedModelExporter(work / 't5', [sig]).export(
+      t5export.InferenceState.create(variables).replace_step(1))
+  out.jobs['t5'] = [{'inputs': {'text': STRINGS}}]
+  serve = jax.jit(models.make_t5_serve_fn(task.model, train_lib.DECODE_LEN))
+  tokens = serve({'params': variables['params']}, {
+      'encoder_tokens': tokenizer.encode(STRINGS, train_lib.ENCODER_LEN)})
+  out.expected['t5'] = [{'text': tokenizer.decode_bytes(
+      np.asarray(tokens['tokens']))}]
+
+  # 'offline': python -m t5export.offline with defaults.
+  mlp_state = t5export.InferenceState.create(
+      models.init_mlp_bn(models.MlpBn(), jax.random.PRNGKey(9)))
+  mlp_variables = jax.tree_util.tree_map(np.asarray, {
+      'params': mlp_state.params, **mlp_state.flax_mutables})
+  ocp.PyTreeCheckpointer().save(work / 'mlp_ckpt', mlp_variables)
+  (work / 'mlp.gin').write_text(
+      offline_gin.mlp(_MLP_X, logical_axis_rules=False))
+  proc = subprocess.run(
+      [sys.executable, '-m', 't5export.offline', f'--ckpt={work / "mlp_ckpt"}',
+       f'--export_dir={work / "offline"}', f'--gin_file={work / "mlp.gin"}',
+       '--step=3'], cwd=REPO, capture_output=True, text=True, timeout=600,
+      env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2',
+           'PYTHONPATH': os.pathsep.join([str(REPO), str(REPO / 'tests')])})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out.dirs['offline'] = str(work / 'offline' / '3')
+  out.jobs['offline'] = [{'inputs': {'x': _MLP_X}}]
+  mlp_serve = jax.jit(models.make_mlp_serve_fn(models.MlpBn()))
+  out.expected['offline'] = [{k: np.asarray(v) for k, v in mlp_serve(
+      mlp_variables, {'x': _MLP_X}).items()}]
+  return out
+
+
+@pytest.fixture(scope='module', params=[*tf_venvs.OLDER_TF_VERSIONS, 'ours'])
+def tf_process(request, tmp_path_factory):
+  """A TF-only process of one TensorFlow release."""
+  version = request.param
+  python = None if version == 'ours' else tf_venvs.tf_python(version)
+  with tf_only.TfOnlyProcess(tmp_path_factory.mktemp('tf_only'),
+                             python=python) as process:
+    yield version, process
+
+
+def _run(process: tf_only.TfOnlyProcess, exports: _Exports,
+         name: str) -> list[dict]:
+  return process.run([{'dir': exports.dirs[name],
+                       'signature': 'serving_default', **job}
+                      for job in exports.jobs[name]])
+
+
+def test_runs_the_release_it_claims(tf_process, exports):
+  version, process = tf_process
+  _run(process, exports, 'poly10')
+  if version == 'ours':
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    assert process.tf_version == tf.__version__
+  else:
+    assert process.tf_version == version
+
+
+@pytest.mark.parametrize('name', ['poly10', 'poly20', 'offline'])
+def test_float32_default_exports_equal_jax(tf_process, exports, name):
+  _, process = tf_process
+  for got, want in zip(_run(process, exports, name), exports.expected[name]):
+    assert set(got) == set(want)
+    for key in want:
+      assert got[key].shape == want[key].shape, key
+      np.testing.assert_allclose(got[key], want[key], rtol=0, atol=1e-5,
+                                 err_msg=key)
+
+
+def test_bfloat16_default_export_within_two_ulps(tf_process, exports):
+  _, process = tf_process
+  [got] = _run(process, exports, 'bf16')
+  [want] = exports.expected['bf16']
+  scale = float(np.max(np.abs(want['y'])))
+  # bfloat16 has 8 significant bits: one ulp at `scale` is 2**(e - 7).
+  two_ulps = 2 * 2.0 ** (np.floor(np.log2(scale)) - 7)
+  assert got['y'].shape == want['y'].shape
+  np.testing.assert_allclose(got['y'], want['y'], rtol=0, atol=two_ulps)
+
+
+def test_string_tiny_t5_answers_like_jax(tf_process, exports):
+  _, process = tf_process
+  [got] = _run(process, exports, 't5')
+  [want] = exports.expected['t5']
+  assert list(got['text']) == want['text']
+
+
+def test_newer_target_loads_from_its_release_on(tf_process, exports):
+  version, process = tf_process
+  if version.startswith('2.19'):
+    with pytest.raises(AssertionError,
+                       match=r'XlaCallModuleOp with version 10 is not '
+                       r'supported by this build\. Must be <= 9'):
+      _run(process, exports, 'newer')
+  else:
+    [got, _] = _run(process, exports, 'newer')
+    np.testing.assert_allclose(got['tokens'],
+                               exports.expected['newer'][0]['tokens'],
+                               rtol=0, atol=1e-5)

@@ -1,0 +1,92 @@
+"""Virtualenvs with an older TensorFlow and no JAX, for serving tests.
+
+TF Serving releases trail TensorFlow's, so a version must load on the
+TensorFlow users serve with, not only on the one we develop with.
+`tf_python('2.19.1')` returns the interpreter of `<repo>/.venv-tf/2.19.1/`,
+a virtualenv holding `tensorflow-cpu==2.19.1` and what it depends on (no
+jax, no t5export), creating it on first use. The directory is ignored by
+git and kept between runs; a lock file makes concurrent test processes of
+one checkout wait for a single creation. pip's output goes to
+`<venv>/pip.log`; a failed creation fails the test with its tail.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+VENVS_DIR = REPO_ROOT / '.venv-tf'
+
+# The older TensorFlow releases a default export must load on; the
+# project's own TensorFlow (constraints.txt) is tested by tf_only with JAX
+# blocked.
+OLDER_TF_VERSIONS = ('2.19.1', '2.20.0')
+
+_INSTALL_TIMEOUT_SECS = 1200
+
+
+def _tail(path: pathlib.Path, chars: int = 3000) -> str:
+  try:
+    return path.read_text(errors='replace')[-chars:]
+  except OSError:
+    return '(no log)'
+
+
+def _create(root: pathlib.Path, version: str) -> None:
+  shutil.rmtree(root, ignore_errors=True)
+  root.mkdir(parents=True)
+  log = root / 'pip.log'
+  python = root / 'bin' / 'python'
+  with open(log, 'wb') as out:
+    steps = [
+        [sys.executable, '-m', 'venv', str(root)],
+        [str(python), '-m', 'pip', 'install', '--disable-pip-version-check',
+         '--no-input', f'tensorflow-cpu=={version}'],
+    ]
+    for cmd in steps:
+      proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT,
+                            timeout=_INSTALL_TIMEOUT_SECS, check=False)
+      if proc.returncode:
+        raise AssertionError(
+            f'Creating the TensorFlow {version} venv at {root} failed: '
+            f'{" ".join(cmd)} exited {proc.returncode}. Its output '
+            f'({log}):\n{_tail(log)}')
+  probe = subprocess.run(
+      [str(python), '-c', 'import importlib.util, tensorflow as tf; '
+       'print(tf.__version__, importlib.util.find_spec("jax") is None)'],
+      capture_output=True, text=True, timeout=600, check=False,
+      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'))
+  words = probe.stdout.split()
+  if probe.returncode or words[-2:] != [version, 'True']:
+    raise AssertionError(
+        f'The venv at {root} does not hold TensorFlow {version} without JAX '
+        f'(got {probe.stdout.strip()!r}, exit {probe.returncode}):\n'
+        f'{probe.stderr[-3000:]}')
+
+
+def tf_python(version: str) -> pathlib.Path:
+  """The interpreter of a TensorFlow-`version`-only venv, created if needed.
+
+  Args:
+    version: a `tensorflow-cpu` release, e.g. '2.19.1'.
+
+  Returns:
+    The venv's `bin/python`.
+
+  Raises:
+    AssertionError: the venv could not be created (with pip's output).
+  """
+  root = VENVS_DIR / version
+  stamp = root / '.complete'
+  VENVS_DIR.mkdir(exist_ok=True)
+  with open(VENVS_DIR / f'{version}.lock', 'w') as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not stamp.exists():
+      _create(root, version)
+      stamp.write_text(version)
+  return root / 'bin' / 'python'
