@@ -48,12 +48,15 @@ def test_one_version_in_full_and_as_json(export_dir):
   assert proc.returncode == 0, proc.stderr
   assert "signature 'serving_default'" in proc.stdout
   assert 'params/layer_4/kernel: [6, 6] float32' in proc.stdout
+  assert ('serving: TensorFlow / TF Serving >= 2.19 (XlaCallModule calling '
+          'convention 9)') in proc.stdout
   proc = _run(os.path.join(export_dir, '10'), '--json')
   info = json.loads(proc.stdout)
   assert info['step'] == 10 and info['n_params'] == 10
   assert info['metrics'] == {'accuracy': 0.5}
   assert info['files']['warmup_requests'] is True
   assert info['check'].startswith('passed')
+  assert info['serving']['serving_tf_version'] == '2.19'
   proc = _run(export_dir, '--json')
   assert [v['step'] for v in json.loads(proc.stdout)['versions']] == [10, 20]
 
