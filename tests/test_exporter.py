@@ -267,8 +267,11 @@ def test_metadata_content(mlp):
       'jax': jax.__version__, 'jaxlib': jaxlib.__version__,
       'tensorflow': tf.__version__, 'flax': flax.__version__,
       't5export': t5export.__version__}
-  assert meta['jax_serialization_version'] == (
-      jax.config.jax_export_calling_convention_version)
+  # The default target, not the process's JAX setting (10 in JAX 0.10).
+  assert meta['serving'] == {
+      'serving_tf_version': '2.19', 'calling_convention_version': 9,
+      'stablehlo_version': '1.9.1',
+      'loads_on': 'TensorFlow / TF Serving >= 2.19'}
   assert meta['platforms'] == ['cpu']
   sig = meta['signatures']['serving_default']
   assert sig['inputs'] == {'x': {'shape': 'b, 16', 'dtype': 'float32'}}
