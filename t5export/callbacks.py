@@ -1,50 +1,36 @@
 """ExportCallback: publish a SavedModel every N steps during training.
 
-One object serves three kinds of training loop, with one triggering rule
+One object serves three kinds of training loop with one triggering rule
 (`triggering.Trigger`: a multiple of `export_every_steps` or an `on_steps`
 entry reached since the previous call, or `every_secs` elapsed):
 
-* CLU and plain loops: `cb(step, t=None, train_state=ts)` after every step,
-  CLU's `PeriodicAction` call contract (it is not a subclass; it owns its
-  triggering). Calls may also come sparsely, e.g. after each T5X
-  `trainer.train` chunk: steps 3, 7, 12 with `export_every_steps=5` export
-  at 7 and 12, each version named after `train_state.step`.
+* CLU and plain loops: `cb(step, t=None, train_state=ts)`, CLU's
+  `PeriodicAction` call contract (not a subclass). Calls may skip steps,
+  e.g. one per T5X `trainer.train` chunk: steps 3, 7, 12 with
+  `export_every_steps=5` export at 7 and 12 (named after
+  `train_state.step`).
 * T5X actions: `cb.run(train_state, metrics_by_task)` (returns False, so it
-  never stops training); the step comes from `train_state.step` and the
-  metrics feed `keep_best`.
-* Any of them: `cb.close()` (or a `with` block) waits for the last export;
-  `cb.export_now(ts)` exports at once.
+  never stops training); the metrics feed `keep_best`.
+* Any: `cb.export_now(ts)` exports at once; `cb.close()` (or a `with`
+  block) waits for the last export.
 
-Each export runs DESIGN.md's data flow: on the training thread,
-`snapshot.take_snapshot` strips the optimizer state, resolves logical axes
-with `logical_axis_rules` and gathers the params to host numpy copies (so the
-train step may donate its buffers right after); the snapshot then goes to an
-`async_export.AsyncWorker` that runs `SavedModelExporter.export_snapshot`
-(write, check, atomic publish, retention). With `async_export=False` that
-runs inline. The exporter is created once; its JaxModule is traced on the
-first export and updated in place afterwards.
-
-When an export is due while one is running and one is queued, `when_busy`
-decides: 'wait' (the default) holds the training thread until the queued
-one starts, so every due version is published; 'skip' drops the queued one
-for the newer (latest wins). Room is made before the snapshot is taken, so
-at most two snapshots are alive at once either way. Every due export ends
-as exactly one of: published, skipped (already published: a resumed run),
-replaced (only under 'skip') or failed; each is counted (`stats`), logged,
-written to the metric writer (`t5export/exports_<outcome>`) and reported by
+On the training thread `snapshot.take_snapshot` strips, resolves axes and
+gathers the params to host (safe across a donating train step); an
+`async_export.AsyncWorker` then runs `SavedModelExporter.export_snapshot`
+(write, check, atomic publish, retention), or it runs inline with
+`async_export=False`. When an export is due while one runs and one is
+queued, `when_busy='wait'` (default) holds the training thread until the
+queued one starts; 'skip' drops the queued one (latest wins). Room is made
+before the snapshot, so at most two snapshots are alive at once. Each due
+export ends as one `outcomes.KINDS` entry (published, skipped, replaced,
+failed): counted, logged, written to the metric writer, reported by
 `close()`.
 
-Multi-process runs (`jax.distributed`): every process calls the callback at
-the same steps, and every process joins the gather in `take_snapshot`; only
-process 0 creates the exporter and writes. A `distributed.ExportCoordinator`
-makes the others follow it: process 0's outcome (published, or the error)
-reaches every process within `multiprocess_timeout_secs`
-(`errors.WriterFailedError` / `errors.WriterTimeoutError` on the others) and
-all leave each export together. With async export, a background failure
-surfaces on every process at the next export, `wait()` or `close()`, and
-each export first waits for the previous one (nothing is ever replaced).
-Step triggers are the same on every process by construction; an
-`every_secs` decision is process 0's, broadcast to the others
+Multi-process (`jax.distributed`): every process calls at the same steps
+and joins the gather; only process 0 writes, and a
+`distributed.ExportCoordinator` makes the others follow its outcome within
+`multiprocess_timeout_secs`. Each export first settles the previous one
+(nothing is replaced), and an `every_secs` decision is process 0's
 (`ExportCoordinator.agree`). See docs/multiprocess.md.
 
 Gin: registered as `t5export.ExportCallback`; `gin/export.gin` binds it to
@@ -67,14 +53,12 @@ from t5export import async_export as async_lib
 from t5export import distributed
 from t5export import errors
 from t5export import exporter as exporter_lib
+from t5export import outcomes as outcomes_lib
 from t5export import snapshot as snapshot_lib
 from t5export import triggering
 
 _ON_ERROR_CHOICES = ('raise', 'log')
-METRIC_PREFIX = 't5export/'
-# How a due export ends -> the attribute counting it.
-_OUTCOMES = {'published': 'exports_done', 'skipped': 'exports_skipped',
-             'replaced': 'exports_replaced', 'failed': 'exports_failed'}
+METRIC_PREFIX = outcomes_lib.METRIC_PREFIX
 
 
 def _check_args(*, export_dir: Any, export_every_steps: Any, every_secs: Any,
@@ -150,13 +134,6 @@ class ExportCallback:
     # Versions 1000, 2000, ..., n are published under d.
 
   Attributes:
-    exports_due: exports that were due (including `export_now`).
-    exports_done: due exports published by this callback.
-    exports_skipped: due exports skipped because the version was already
-      published (a resumed run).
-    exports_replaced: due exports dropped from the queue for a newer one
-      (when_busy='skip' only).
-    exports_failed: due exports that failed (logged, or raised).
     blocking_secs: per export, seconds the training thread was held
       (including `wait_secs`).
     wait_secs: per export, seconds the training thread waited for room in
@@ -276,7 +253,7 @@ class ExportCallback:
             logical_axis_rules=logical_axis_rules),
         what=f'create the exporter for {self._export_dir}')
     # Steps published (before this run, or by it) and handed off, for the
-    # already-published skip. Guarded by _lock with the counters below.
+    # already-published skip. Guarded by _lock.
     self._published_steps: set[int] = set()
     self._in_flight: set[int] = set()
     if self._is_writer:
@@ -287,14 +264,10 @@ class ExportCallback:
             name='t5export-export')
     self._step_mismatch_warned = False
     self._closed = False
+    self._waited = 0.0  # Training-thread wait for room in this export.
     # Written by the worker thread, read by the training thread.
     self._lock = threading.Lock()
-    self._pending_scalars: list[tuple[int, dict[str, float]]] = []
-    self.exports_due = 0
-    self.exports_done = 0
-    self.exports_skipped = 0
-    self.exports_replaced = 0
-    self.exports_failed = 0
+    self._outcomes = outcomes_lib.Outcomes()
     self.blocking_secs: list[float] = []
     self.wait_secs: list[float] = []
     self.export_secs: list[float] = []
@@ -407,7 +380,7 @@ class ExportCallback:
               metrics: Mapping[str, Any] | None) -> None:
     """Make room, snapshot on the training thread, publish (hand off/inline)."""
     start = time.perf_counter()
-    waited = self._make_room(step)
+    self._waited = self._make_room(step)
     # In the background the train loop runs on (and may donate the state's
     # buffers) while the export reads the snapshot: copy=None copies only
     # where a view or transfer would not survive that.
@@ -418,31 +391,29 @@ class ExportCallback:
       logging.warning(
           't5export: the loop passed step %d but train_state.step is %d; the '
           'version is named after train_state.step.', step, snap.step)
-    self._publish(snap, metrics, sync=not self._async)
-    self._record_blocking(snap.step, time.perf_counter() - start, waited)
+    self._publish(snap, metrics, sync=not self._async)  # May drain: waits.
+    self._record_blocking(snap.step, time.perf_counter() - start,
+                          self._waited)
 
   def _snapshot(self, train_state: Any, step: int, *,
                 copy: bool | None) -> snapshot_lib.HostSnapshot:
     """Counts the due export and takes its snapshot (a failure counts)."""
-    with self._lock:
-      self.exports_due += 1
+    self._outcomes.add_due()
     try:
       return snapshot_lib.take_snapshot(
           train_state, rules=self._rules, keep_arrays=self._is_writer,
           copy=copy)
     except Exception as e:
-      self._record('failed', step, f'the snapshot failed: '
-                   f'{type(e).__name__}: {e}')
+      self._outcomes.record('failed', step, f'the snapshot failed: '
+                            f'{type(e).__name__}: {e}')
       raise
 
   def _make_room(self, step: int) -> float:
     """Frees the queue slot before the snapshot; returns the seconds waited.
 
-    With one export running and one queued, 'wait' blocks until the queued
-    one starts and 'skip' drops it (counted as replaced). Either way at most
-    two snapshots are alive at once. Under jax.distributed every export
-    first settles the previous one (the coordinator), so nothing waits
-    here.
+    'wait' blocks until the queued export starts, 'skip' drops it (counted
+    as replaced). Under jax.distributed the coordinator instead settles the
+    previous export before the next one (`_drain` counts that wait).
     """
     if self._worker is None or self._coordinator.active:
       return 0.0
@@ -453,9 +424,9 @@ class ExportCallback:
       del room  # The dropped snapshot: free it before taking the next one.
       with self._lock:
         self._in_flight.discard(dropped_step)
-      self._record('replaced', dropped_step,
-                   f'dropped from the queue for the export due at step '
-                   f"{step} (when_busy='skip')")
+      self._outcomes.record(
+          'replaced', dropped_step, f'dropped from the queue for the export '
+          f"due at step {step} (when_busy='skip')")
     return waited
 
   def _publish(self, snap: snapshot_lib.HostSnapshot,
@@ -476,7 +447,11 @@ class ExportCallback:
     if self._worker is None:
       return True
     failed = self._worker.stats['failed']
-    self._worker.wait()
+    start = time.perf_counter()
+    try:
+      self._worker.wait()
+    finally:
+      self._waited += time.perf_counter() - start
     return self._worker.stats['failed'] == failed
 
   def _publish_local(self, snap: snapshot_lib.HostSnapshot,
@@ -503,9 +478,9 @@ class ExportCallback:
       if not known and not sync:
         self._in_flight.add(step)
     if known:
-      self._record('skipped', step, f'already published in '
-                   f'{self._export_dir} (or being written); not exporting it '
-                   'again')
+      self._outcomes.record(
+          'skipped', step, f'already published in {self._export_dir} (or '
+          'being written); not exporting it again')
       return os.path.join(self._exporter.export_dir, str(step)) if sync else (
           None)
     item = (snap, dict(metrics or {}))
@@ -515,8 +490,8 @@ class ExportCallback:
       except Exception as e:
         with self._lock:
           self._in_flight.discard(step)
-        self._record('failed', step, f'not handed off: {type(e).__name__}: '
-                     f'{e}')
+        self._outcomes.record('failed', step, f'not handed off: '
+                              f'{type(e).__name__}: {e}')
         raise
       return None
     try:
@@ -541,7 +516,7 @@ class ExportCallback:
     except Exception as e:
       with self._lock:
         self._in_flight.discard(step)
-      self._record('failed', step, f'{type(e).__name__}: {e}')
+      self._outcomes.record('failed', step, f'{type(e).__name__}: {e}')
       raise
     secs = time.perf_counter() - start
     nbytes = _tree_nbytes(path)
@@ -551,30 +526,14 @@ class ExportCallback:
       self.export_secs.append(secs)
       self.bytes_written += nbytes
       self.published.append(path)
-      self._pending_scalars.append((step, {
-          METRIC_PREFIX + 'export_secs': secs,
-          METRIC_PREFIX + 'bytes_written': float(nbytes)}))
-    self._record('published', step,
-                 f'({nbytes / 2**20:.1f} MiB) in {secs:.2f}s: {path}')
+    self._outcomes.queue_scalars(step, {
+        METRIC_PREFIX + 'export_secs': secs,
+        METRIC_PREFIX + 'bytes_written': float(nbytes)})
+    self._outcomes.record('published', step,
+                          f'({nbytes / 2**20:.1f} MiB) in {secs:.2f}s: {path}')
     return path
 
   # --- outcomes and metrics -------------------------------------------------
-
-  def _record(self, outcome: str, step: int, detail: str) -> None:
-    """Counts, logs and queues the metric of one due export's outcome."""
-    attr = _OUTCOMES[outcome]
-    with self._lock:
-      count = getattr(self, attr) + 1
-      setattr(self, attr, count)
-      self._pending_scalars.append(
-          (step, {f'{METRIC_PREFIX}exports_{outcome}': float(count)}))
-    if outcome == 'published':
-      logging.info('t5export: published step %d %s', step, detail)
-    else:
-      log = logging.error if outcome == 'failed' else logging.warning
-      log('t5export: the export of step %d %s: %s (%d %s so far).', step,
-          'failed' if outcome == 'failed' else f'was {outcome}',
-          detail, count, outcome)
 
   def _record_blocking(self, step: int, secs: float, waited: float) -> None:
     self.blocking_secs.append(secs)
@@ -593,8 +552,7 @@ class ExportCallback:
     Metric writers are not promised to be thread-safe, so the worker only
     queues its scalars and this thread writes them.
     """
-    with self._lock:
-      pending, self._pending_scalars = self._pending_scalars, []
+    pending = self._outcomes.take_scalars()
     if self._metric_writer is None:
       return
     for step, scalars in pending:
@@ -656,20 +614,14 @@ class ExportCallback:
       (when_busy='wait'), 1 failed; waited 2.31s for room", or, on
       processes other than 0, the due count (process 0 counts outcomes).
     """
-    with self._lock:
-      due, done, skipped, replaced, failed = (
-          self.exports_due, self.exports_done, self.exports_skipped,
-          self.exports_replaced, self.exports_failed)
-      in_flight = len(self._in_flight)
     if not self._is_writer:
-      return (f'{due} due on process {jax.process_index()}; process 0 (the '
-              'writer) counts their outcomes.')
-    line = (f'{due} due: {done} published, {skipped} skipped (already '
-            f'published), {replaced} replaced (when_busy={self._when_busy!r})'
-            f', {failed} failed')
-    if in_flight:
-      line += f', {in_flight} still being written'
-    return line + f'; waited {sum(self.wait_secs):.2f}s for room.'
+      return (f'{self.exports_due} due on process {jax.process_index()}; '
+              'process 0 (the writer) counts their outcomes.')
+    with self._lock:
+      in_flight = len(self._in_flight)
+    return self._outcomes.summary(when_busy=self._when_busy,
+                                  waited_secs=sum(self.wait_secs),
+                                  in_flight=in_flight)
 
   def __enter__(self) -> ExportCallback:
     return self
@@ -680,6 +632,31 @@ class ExportCallback:
                             errors_to_log=(errors.T5ExportError,))
 
   # --- introspection --------------------------------------------------------
+
+  @property
+  def exports_due(self) -> int:
+    """Exports that became due (including `export_now`)."""
+    return self._outcomes.counts()['due']
+
+  @property
+  def exports_done(self) -> int:
+    """Due exports this callback published."""
+    return self._outcomes.counts()['published']
+
+  @property
+  def exports_skipped(self) -> int:
+    """Due exports skipped: the version was already published (resume)."""
+    return self._outcomes.counts()['skipped']
+
+  @property
+  def exports_replaced(self) -> int:
+    """Due exports dropped from the queue for a newer one ('skip' only)."""
+    return self._outcomes.counts()['replaced']
+
+  @property
+  def exports_failed(self) -> int:
+    """Due exports that failed (logged, or raised)."""
+    return self._outcomes.counts()['failed']
 
   @property
   def export_dir(self) -> str:
@@ -733,13 +710,14 @@ class ExportCallback:
     exports_due == exports_done + exports_skipped + exports_replaced +
     exports_failed.
     """
+    counts = self._outcomes.counts()
     with self._lock:
       out = {
-          'exports_due': self.exports_due,
-          'exports_done': self.exports_done,
-          'exports_skipped': self.exports_skipped,
-          'exports_replaced': self.exports_replaced,
-          'exports_failed': self.exports_failed,
+          'exports_due': counts['due'],
+          'exports_done': counts['published'],
+          'exports_skipped': counts['skipped'],
+          'exports_replaced': counts['replaced'],
+          'exports_failed': counts['failed'],
           'bytes_written': self.bytes_written,
           'blocking_secs_last': (self.blocking_secs[-1]
                                  if self.blocking_secs else None),
