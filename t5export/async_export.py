@@ -2,20 +2,13 @@
 
 The training thread hands host snapshots to an `AsyncWorker`; the worker
 writes, checks and publishes them one at a time. Memory stays bounded: at
-most one item is running and one is queued. What happens when an item
-arrives while one is running and one is queued is the worker's `when_busy`
-policy:
-
-* `'wait'` (the default): the submitting thread waits until the worker
-  takes the queued item (room for one); nothing is dropped. The time spent
-  waiting is counted (`stats['waits']`, `stats['waited_secs']`).
-* `'skip'`: the newer item replaces the queued one (latest wins); the
-  replaced item is dropped, counted (`stats['replaced']`) and handed back
-  to the caller so it can say which one it was.
-
-`make_room()` applies the policy without queuing anything, so a caller can
-free the slot *before* building its next item (the callback does, so at
-most two snapshots are alive at once: the running one and the new one).
+most one item is running and one is queued. An item arriving while both
+are taken meets the `when_busy` policy: 'wait' (the default) makes the
+submitter wait until the queued item starts (nothing dropped; counted in
+`stats['waits']`, `stats['waited_secs']`); 'skip' replaces the queued item
+(latest wins; counted in `stats['replaced']`, the item handed back).
+`make_room()` applies the policy without queuing, so a caller can free the
+slot before building its next item (at most two alive at once).
 
 Errors raised by the worker function do not disappear:
 
@@ -56,8 +49,7 @@ class Room(NamedTuple):
 
   Attributes:
     waited_secs: how long the caller waited (when_busy='wait'), else 0.
-    dropped: the queued item removed to make room (when_busy='skip'), or
-      None. The caller should drop its reference soon: it is a snapshot.
+    dropped: the queued item removed (when_busy='skip'), or None.
   """
   waited_secs: float
   dropped: Any
@@ -304,11 +296,8 @@ class AsyncWorker:
   def submit(self, item: Any) -> Any:
     """Queues `item`, first making room by the `when_busy` policy.
 
-    Returns once `item` is queued: at once if nothing is queued; with one
-    queued, after it started (when_busy='wait'), or at once, replacing it
-    (when_busy='skip'). If the worker failed since the last call (or while
-    this call waited) and `on_error='raise'`, the failure is raised here and
-    `item` is NOT queued.
+    If the worker failed since the last call (or while this call waited)
+    and `on_error='raise'`, the failure is raised and `item` NOT queued.
 
     Args:
       item: passed to `fn` on the worker thread. The caller must not mutate
@@ -337,13 +326,9 @@ class AsyncWorker:
   def make_room(self) -> Room:
     """Frees the queue slot by the `when_busy` policy, queuing nothing.
 
-    With nothing queued this returns at once. With an item queued it waits
-    until the worker takes it (when_busy='wait'), or removes it and returns
-    it (when_busy='skip', counted in `stats['replaced']`). The item running
-    is never touched. A caller that submits from one thread can call this
-    before building its next item, so no more than two items (the running
-    one and the new one) are alive at once. Failures are not raised here
-    (`submit` raises them).
+    With an item queued, waits until the worker takes it (when_busy=
+    'wait'), or removes and returns it (when_busy='skip', counted as
+    replaced). Failures are not raised here (`submit` raises them).
 
     Returns:
       A `Room`: the seconds waited and the item dropped (or None).
@@ -456,10 +441,10 @@ class AsyncWorker:
   # --- helpers --------------------------------------------------------------
 
   def _check_open(self) -> None:
-    if self._closed or self._shared.stopping:
+    if self._closed or self._shared.stopping or not self._thread.is_alive():
       raise RuntimeError(
-          f'AsyncWorker {self.name!r} is closed; create a new one to '
-          'submit more work.')
+          f'AsyncWorker {self.name!r} is closed (or its thread ended); '
+          'create a new one to submit more work.')
 
   def _make_room_locked(self) -> Room:
     """`make_room` with `shared.cv` held."""
@@ -485,9 +470,6 @@ class AsyncWorker:
     waited = time.perf_counter() - start
     shared.waits += 1
     shared.waited_secs += waited
-    if shared.queued is not None and not shared.stopping:
-      raise RuntimeError(f'AsyncWorker {self.name!r}: the worker thread '
-                         'stopped with an item queued.')
     return Room(waited, None)
 
   def _raise_pending(self) -> None:

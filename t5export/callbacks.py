@@ -457,18 +457,9 @@ class ExportCallback:
   def _publish_local(self, snap: snapshot_lib.HostSnapshot,
                      metrics: Mapping[str, Any] | None, *,
                      sync: bool) -> str | None:
-    """The writer's part: skip if published, else hand off or write inline.
+    """Process 0's part: skip if published, else hand off (or write now).
 
-    Only process 0 runs this (`_publish` routes it through the
-    coordinator).
-
-    Args:
-      snap: the gathered host snapshot.
-      metrics: metrics stored with the version.
-      sync: write now on this thread and return the path.
-
-    Returns:
-      The published path when written synchronously, else None.
+    Returns the published path when `sync`, else None.
     """
     if not self._is_writer:
       return None

@@ -480,20 +480,13 @@ def test_failing_export_raises_on_next_call_with_on_error_raise(
   assert not cb(3, train_state=ts)
   ts = trainer.step(ts, 4)
   cb(4, train_state=ts)
-  _wait_idle(cb)
+  _wait_until(lambda: not cb.worker.busy)
   with pytest.raises(errors.ExportFailedError, match='non-finite'):
     cb(5, train_state=ts)
   cb.close()
   assert cb.summary() == ("2 due: 0 published, 0 skipped (already "
                           "published), 0 replaced (when_busy='wait'), 2 "
                           "failed; waited 0.00s for room.")
-
-
-def _wait_idle(cb) -> None:
-  deadline = time.monotonic() + 60
-  while cb.worker.busy:
-    assert time.monotonic() < deadline
-    threading.Event().wait(0.01)
 
 
 def test_failing_export_is_logged_and_training_continues_with_on_error_log(
