@@ -168,6 +168,11 @@ def _metric_value(value: Any) -> float | int | str:
     return str(value)
   if array.shape == () and array.dtype.kind in 'biuf':
     return float(array) if array.dtype.kind == 'f' else int(array)
+  if array.shape == () and array.dtype.kind == 'V':  # bfloat16, float8, ...
+    try:
+      return float(array)
+    except (TypeError, ValueError):
+      pass
   if array.dtype.kind in 'biuf':  # Not a scalar: describe, don't dump it.
     return f'<array of shape {array.shape}, {array.dtype}>'
   return str(value)

@@ -651,11 +651,12 @@ def test_exporter_export_records_clu_values_as_numbers(trainer, tmp_path):
   ts = trainer.new_state()
   path = exporter.export(ts.replace_step(1), {
       'acc': clu_values.Scalar(jnp.asarray(0.25)),
+      'loss': jnp.asarray(1.5, jnp.bfloat16),
       'hist': clu_values.Histogram(np.zeros((2, 3), np.float32), 4)})
-  assert t5export.verify.read_metadata(path)['metrics'] == {
-      'acc': 0.25, 'hist': '<array of shape (2, 3), float32>'}
-  assert exporter.metrics()[1] == {'acc': 0.25,
-                                   'hist': '<array of shape (2, 3), float32>'}
+  recorded = {'acc': 0.25, 'loss': 1.5,
+              'hist': '<array of shape (2, 3), float32>'}
+  assert t5export.verify.read_metadata(path)['metrics'] == recorded
+  assert exporter.metrics()[1] == recorded
   with pytest.raises(errors.MetricNotNumericError,
                      match="keep_best metric 'acc' of step 2 is not a number: "
                      r"'high' \(str\)\. Pass a number"):
