@@ -34,8 +34,9 @@ surfaces on every process at the next export, `wait()` or `close()`, and
 each export first waits for the previous one (no latest-wins replacement).
 See docs/multiprocess.md.
 
-Gin: registered as `t5export.ExportCallback`; `gin/export.gin` binds it to
-macros (EXPORT_DIR, SIGNATURES, EXPORT_EVERY_STEPS, KEEP).
+Gin: registered as `t5export.ExportCallback`; `include
+'t5export/gin/export.gin'` binds it to macros (EXPORT_DIR, SIGNATURES,
+EXPORT_EVERY_STEPS, KEEP, SERVING_TF_VERSION).
 """
 
 from __future__ import annotations
@@ -86,8 +87,8 @@ def _check_args(*, export_dir: Any, export_every_steps: Any, every_secs: Any,
       macro = 'EXPORT_DIR' if name == 'export_dir' else 'SIGNATURES'
       raise ValueError(
           f'ExportCallback: {name} is still %gin.REQUIRED. Set the {macro} '
-          'macro in your gin file after including gin/export.gin (gin.'
-          'finalize() reports such gaps at parse time).')
+          "macro in your gin file after include 't5export/gin/export.gin' "
+          '(gin.finalize() reports such gaps at parse time).')
   _check_positive_int('export_every_steps', export_every_steps)
   _check_positive_int('num_train_steps', num_train_steps)
   if every_secs is not None:
