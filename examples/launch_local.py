@@ -16,7 +16,7 @@ Targets:
 
 Usage:
   python -m examples.launch_local --num_processes 2 \
-      --gin_file gin/examples/tiny_t5.gin \
+      --gin_file examples/gin/tiny_t5.gin \
       --gin_bindings "WORKDIR = '/tmp/mp/work'" \
       --gin_bindings "EXPORT_DIR = '/tmp/mp/export'" \
       --gin_bindings "NUM_STEPS = 40"

@@ -1,7 +1,7 @@
 r"""`make example`: train the tiny T5, publish versions, serve one from TF.
 
 1. Trains the byte-level tiny T5 to reverse strings with
-   `gin/examples/tiny_t5.gin` (a `t5export.ExportCallback` publishes a
+   `examples/gin/tiny_t5.gin` (a `t5export.ExportCallback` publishes a
    SavedModel version every EXPORT_EVERY_STEPS steps, in the background).
 2. Prints how every due export ended (published, skipped, replaced,
    failed), then lists the published versions under the export dir with
@@ -40,7 +40,9 @@ from absl import flags
 from absl import logging
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-GIN_FILE = REPO_ROOT / 'gin' / 'examples' / 'tiny_t5.gin'
+# A package path, as the file's own include lines: gin resolves it wherever
+# `examples` is importable (examples/gin/ is a package).
+GIN_FILE = 'examples/gin/tiny_t5.gin'
 METADATA = os.path.join('assets.extra', 't5export.json')
 DEFAULT_REQUESTS = ('hello', 'jax', 'serving', 'abcdefgh')
 
@@ -166,9 +168,8 @@ def run(*, output_dir: str, num_steps: int | None = None,
   if export_every_steps is not None:
     bindings.append(f'EXPORT_EVERY_STEPS = {int(export_every_steps)}')
   bindings.extend(gin_bindings)
-  gin.add_config_file_search_path(str(REPO_ROOT))
-  gin.parse_config_files_and_bindings([str(GIN_FILE)], bindings)
-  print(f'== Training the tiny T5 (string reversal) with {GIN_FILE.name}; '
+  gin.parse_config_files_and_bindings([GIN_FILE], bindings)
+  print(f'== Training the tiny T5 (string reversal) with {GIN_FILE}; '
         f'versions go to {export_dir}', flush=True)
   result = train_lib.train()
   last = result.history[-1] if result.history else {}

@@ -9,11 +9,19 @@ With `from __gin__ import dynamic_registration` a gin file can say
 `import t5export` and `@t5export.ExportCallback()`; the classes are also
 registered with gin under the module name `t5export` when their module is
 imported, for gin files written the classic way.
+
+t5export's gin files live in the package (`t5export/gin/`); a gin file
+includes them by package path, `include 't5export/gin/export.gin'`, which
+gin resolves wherever t5export is installed (see t5export/gin/__init__.py).
 """
 
 from __future__ import annotations
 
 import importlib
+# gin 0.5's package-path reader calls importlib.util.find_spec without
+# importing importlib.util; a gin file that only did `import t5export` (lazy)
+# before `include 't5export/gin/...'` would fail with an AttributeError.
+import importlib.util  # noqa: F401  pylint: disable=unused-import
 from typing import TYPE_CHECKING, Any
 
 __version__ = '0.1.0'

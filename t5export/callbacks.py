@@ -33,8 +33,9 @@ and joins the gather; only process 0 writes, and a
 (nothing is replaced), and an `every_secs` decision is process 0's
 (`ExportCoordinator.agree`). See docs/multiprocess.md.
 
-Gin: registered as `t5export.ExportCallback`; `gin/export.gin` binds it to
-macros (EXPORT_DIR, SIGNATURES, EXPORT_EVERY_STEPS, KEEP).
+Gin: registered as `t5export.ExportCallback`; `include
+'t5export/gin/export.gin'` binds it to macros (EXPORT_DIR, SIGNATURES,
+EXPORT_EVERY_STEPS, KEEP, SERVING_TF_VERSION).
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ def _check_args(*, export_dir: Any, export_every_steps: Any, every_secs: Any,
       macro = 'EXPORT_DIR' if name == 'export_dir' else 'SIGNATURES'
       raise ValueError(
           f'ExportCallback: {name} is still %gin.REQUIRED. Set the {macro} '
-          'macro in your gin file after including gin/export.gin (gin.'
-          'finalize() reports such gaps at parse time).')
+          "macro in your gin file after include 't5export/gin/export.gin' "
+          '(gin.finalize() reports such gaps at parse time).')
   steps = triggering.check_options(every_steps=export_every_steps,
                                    every_secs=every_secs, on_steps=on_steps)
   triggering.check_positive_int('num_train_steps', num_train_steps)

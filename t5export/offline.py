@@ -22,8 +22,10 @@ Phases, each logged with its duration and bytes:
 
 The gin files supply what the callback is given in training: the signatures
 (`SIGNATURES = [@t5export.Signature()]`) and optionally logical axis rules
-and the model's `init_fn`. `gin/offline.gin` documents the macros; the
-package's `gin/` directory is always on the gin search path.
+and the model's `init_fn`. The user's gin file says `include
+'t5export/gin/offline.gin'` (which documents the macros); that package path
+resolves wherever t5export is installed, and `--gin_search_paths` only
+locates the user's own files.
 
 Errors (missing checkpoint, unknown format, no params, params not matching
 the model, an existing version without `--overwrite`, a failed check) print
@@ -66,8 +68,6 @@ if __name__ == '__main__':
   _offline.run()
 
 _DTYPES = ('float32', 'bfloat16', 'float16')
-_PACKAGE_GIN_DIR = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'gin')
 
 _CKPT = flags.DEFINE_string(
     'ckpt', None,
@@ -79,14 +79,15 @@ _EXPORT_DIR = flags.DEFINE_string(
     'Directory TF Serving watches; the version is written to '
     '<export_dir>/<step>/.', required=True)
 _GIN_FILE = flags.DEFINE_multi_string(
-    'gin_file', [], 'Gin file(s) giving SIGNATURES (see gin/offline.gin).')
+    'gin_file', [], 'Gin file(s) giving SIGNATURES (see '
+    't5export/gin/offline.gin).')
 _GIN_BINDINGS = flags.DEFINE_multi_string(
     'gin_bindings', [], 'Gin bindings applied after the files; '
     '--gin.NAME=VALUE is shorthand for --gin_bindings="NAME = VALUE".')
 _GIN_SEARCH_PATHS = flags.DEFINE_list(
     'gin_search_paths', ['.'],
-    'Comma-separated directories searched for gin files and includes (the '
-    "package's gin/ directory is always searched).")
+    'Comma-separated directories searched for gin files and includes '
+    "(t5export's own, e.g. 't5export/gin/offline.gin', resolve anyway).")
 _STEP = flags.DEFINE_integer(
     'step', None, 'Checkpoint step to read from a directory of steps '
     '(default: the latest); also the version number for a checkpoint that '
@@ -204,13 +205,13 @@ def parse_gin(files: Sequence[str], bindings: Sequence[str],
   Args:
     files: gin files, relative to a search path or absolute.
     bindings: gin bindings applied after the files.
-    search_paths: directories for files and includes; the package's `gin/`
-      directory is appended.
+    search_paths: directories for files and includes (t5export's own gin
+      files resolve by package path, `t5export/gin/offline.gin`).
   """
   # Register every t5export configurable first: a locked config takes none.
   from t5export import exporter  # pylint: disable=g-import-not-at-top,unused-import
   from t5export import serving  # pylint: disable=g-import-not-at-top,unused-import
-  for path in [*search_paths, _PACKAGE_GIN_DIR]:
+  for path in search_paths:
     if os.path.isdir(path):
       gin.add_config_file_search_path(path)
   try:
@@ -219,14 +220,13 @@ def parse_gin(files: Sequence[str], bindings: Sequence[str],
     raise
   except Exception as e:  # gin raises many types (syntax, import, binding).
     hint = ("Set SIGNATURES = [@t5export.Signature()] after include "
-            "'offline.gin' (see gin/offline.gin). " if 'REQUIRED' in str(e)
-            else '')
+            "'t5export/gin/offline.gin'. " if 'REQUIRED' in str(e) else '')
     raise errors.GinConfigError(
         f'The gin config (--gin_file {list(files)}, --gin_bindings '
         f'{list(bindings)}) is not usable: {type(e).__name__}: '
         f'{str(e).rstrip(".")}. {hint}--gin_search_paths '
-        f'{list(search_paths)} and the package gin/ directory are searched '
-        'for files and includes.') from e
+        f'{list(search_paths)} are searched for your files; t5export\'s own '
+        "are included by package path (include 't5export/gin/offline.gin').") from e
 
 
 def make_options() -> OfflineOptions:
@@ -247,7 +247,7 @@ def make_options() -> OfflineOptions:
     raise errors.GinConfigError(
         f'The gin config does not give usable offline options: '
         f'{type(e).__name__}: {str(e).rstrip(".")}. Set SIGNATURES = [@t5export.Signature()] '
-        "(and INIT_FN) after include 'offline.gin'; see gin/offline.gin.") from e
+        "(and INIT_FN) after include 't5export/gin/offline.gin'.") from e
 
 
 def _call_init(init_fn: Callable[..., Any], rng: jax.Array) -> Any:

@@ -22,13 +22,13 @@ def mlp(sample_x: np.ndarray, *, logical_axis_rules: bool) -> str:
       (the metadata then records mesh axes).
 
   Returns:
-    The gin file's text (it includes the package's offline.gin).
+    The gin file's text (it includes t5export/gin/offline.gin).
   """
   text = f"""
 from __gin__ import dynamic_registration
 import t5export
 from examples import models
-include 'offline.gin'
+include 't5export/gin/offline.gin'
 SIGNATURES = [@t5export.Signature()]
 t5export.Signature:
   name = 'serving_default'

@@ -1,4 +1,4 @@
-"""Tests for gin/export.gin, gin/partitioning.gin and gin registration.
+"""Tests for t5export/gin/export.gin, partitioning.gin and gin registration.
 
 Both gin styles are covered: classic (`t5export.ExportCallback.x = ...`
 after the module registered the class) and dynamic registration
@@ -29,8 +29,10 @@ from t5export import partitioning
 from t5export import verify
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-EXPORT_GIN = str(REPO / 'gin' / 'export.gin')
-PARTITIONING_GIN = str(REPO / 'gin' / 'partitioning.gin')
+# The package paths users include (README); they resolve wherever t5export
+# is installed, from any working directory.
+EXPORT_GIN = 't5export/gin/export.gin'
+PARTITIONING_GIN = 't5export/gin/partitioning.gin'
 FEATURES = 4
 MODEL = models.MlpBn(models.MlpBnConfig(
     features=FEATURES, hidden=8, num_layers=1, num_classes=3))
@@ -84,6 +86,24 @@ def test_export_gin_requires_export_dir_and_signatures():
   with pytest.raises(ValueError, match=r'SIGNATURES.*%gin.REQUIRED'):
     gin.parse_config_files_and_bindings([EXPORT_GIN],
                                         ["EXPORT_DIR = '/tmp/unused'"])
+
+
+def test_package_paths_resolve_from_any_directory(tmp_path, monkeypatch):
+  """'t5export/gin/...' is found through the package, not the cwd."""
+  monkeypatch.chdir(tmp_path)  # No t5export/ here: only the package has it.
+  gin.parse_config(textwrap.dedent(f"""
+      import t5export.callbacks
+      include '{EXPORT_GIN}'
+      include '{PARTITIONING_GIN}'
+      EXPORT_DIR = '{tmp_path}'
+      SIGNATURES = []
+      """))
+  assert gin.query_parameter('t5export.ExportCallback.async_export') is True
+  assert gin.query_parameter(
+      't5export.standard_logical_axis_rules.parameter_partitioning_dims') == 1
+  # A name the package does not hold is gin's plain "cannot open" error.
+  with pytest.raises(IOError, match='Unable to open file: t5export/gin/no.gin'):
+    gin.parse_config("include 't5export/gin/no.gin'")
 
 
 def test_unfinalized_required_macro_is_a_clear_error():

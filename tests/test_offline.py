@@ -61,7 +61,7 @@ _FIXTURE_GIN = f"""
 from __gin__ import dynamic_registration
 import t5export
 import t5x_fixture_model
-include 'offline.gin'
+include 't5export/gin/offline.gin'
 SIGNATURES = [@t5export.Signature()]
 t5export.Signature:
   name = 'serving_default'
@@ -285,7 +285,8 @@ def background(work):
                           mlp_gin, in_process=True)
 
   # A gin file that does not set SIGNATURES.
-  (work / 'no_signatures.gin').write_text("include 'offline.gin'\n")
+  (work / 'no_signatures.gin').write_text(
+      "include 't5export/gin/offline.gin'\n")
   jobs['no_signatures'] = _Job(work / 'state.msgpack', work / 'export_nosig',
                                work / 'no_signatures.gin', in_process=True)
 
@@ -504,7 +505,7 @@ def test_checkpoint_without_step_needs_step_flag(background):
 def test_gin_config_without_signatures(background):
   job = background['no_signatures']
   line = _assert_one_error(job.result(), 'GinConfigError: The gin config')
-  assert 'SIGNATURES' in line and 'gin/offline.gin' in line
+  assert 'SIGNATURES' in line and "include 't5export/gin/offline.gin'" in line
   assert not job.export_dir.exists()
 
 

@@ -84,3 +84,15 @@ def test_gin_registers_the_contract_names():
       gin.bind_parameter('t5export.NotAThing.keep', 1)
   finally:
     gin.clear_config()
+
+
+def test_gin_data_package_refuses_to_stand_in_for_gin_config(tmp_path):
+  """With t5export/ itself on sys.path, `import gin` names the mistake."""
+  out = tmp_path / 'error.txt'
+  code = (f'import sys; sys.path.insert(0, {str(t5export.__path__[0])!r})\n'
+          'try:\n  import gin\n'
+          f'except ImportError as e:\n  open({str(out)!r}, "w").write(str(e))\n')
+  subprocess.run([sys.executable, '-c', code], timeout=120, check=True)
+  message = out.read_text()
+  assert "imported as 'gin' because t5export/ is on sys.path" in message
+  assert 'python -m t5export.offline' in message

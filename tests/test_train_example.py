@@ -103,9 +103,8 @@ def test_resume_continues_from_the_saved_step(tmp_path):
 def test_gin_train_file_configures_train(tmp_path):
   gin.clear_config()
   try:
-    gin.add_config_file_search_path(str(REPO_ROOT))
     gin.parse_config_files_and_bindings(
-        [str(REPO_ROOT / 'gin' / 'examples' / 'mlp_bn_train.gin')],
+        ['examples/gin/mlp_bn_train.gin'],
         [f'WORKDIR = {str(tmp_path)!r}', 'NUM_STEPS = 4',
          'CHECKPOINT_EVERY_STEPS = 2', 'examples.train.write_summaries = False'])
     result = train_lib.train()
@@ -119,9 +118,8 @@ def test_gin_train_file_configures_train(tmp_path):
 def test_gin_t5_export_file_binds_train_and_signature(tmp_path):
   gin.clear_config()
   try:
-    gin.add_config_file_search_path(str(REPO_ROOT))
     gin.parse_config_files_and_bindings(
-        [str(REPO_ROOT / 'gin' / 'examples' / 'tiny_t5.gin')],
+        ['examples/gin/tiny_t5.gin'],
         [f'WORKDIR = {str(tmp_path / "w")!r}',
          f'EXPORT_DIR = {str(tmp_path / "e")!r}',
          f'MODEL_OVERRIDES = {SMALL_T5!r}'])
@@ -161,9 +159,8 @@ def test_mlp_bn_gin_exports_versions_that_match_the_trained_model(tmp_path):
   export_dir = tmp_path / 'export'
   gin.clear_config()
   try:
-    gin.add_config_file_search_path(str(REPO_ROOT))
     gin.parse_config_files_and_bindings(
-        [str(REPO_ROOT / 'gin' / 'examples' / 'mlp_bn.gin')],
+        ['examples/gin/mlp_bn.gin'],
         [f'WORKDIR = {str(tmp_path / "work")!r}',
          f'EXPORT_DIR = {str(export_dir)!r}', 'NUM_STEPS = 7',
          'EXPORT_EVERY_STEPS = 3', 'CHECKPOINT_EVERY_STEPS = 100',
