@@ -226,11 +226,14 @@ class TrainResult:
     history: one dict per log interval: step, loss, accuracy (means over
       the interval) and the latest eval metrics when there were any.
     checkpoint_steps: steps with a saved checkpoint, ascending.
+    callbacks: the callbacks the loop called (closed), e.g. the
+      `t5export.ExportCallback` with its outcome counts.
   """
   state: Any
   start_step: int
   history: list[dict[str, Any]]
   checkpoint_steps: list[int]
+  callbacks: list[Any] = dataclasses.field(default_factory=list)
 
 
 def make_optimizer(learning_rate: float, num_steps: int, *,
@@ -437,7 +440,8 @@ def train(*,
     writer.close()
     _close_all(all_callbacks)
   return TrainResult(state=state, start_step=start_step, history=history,
-                     checkpoint_steps=checkpoint_steps)
+                     checkpoint_steps=checkpoint_steps,
+                     callbacks=all_callbacks)
 
 
 def _close_all(callbacks: Iterable[Any]) -> None:

@@ -37,8 +37,8 @@ _EXPORTS = {
 _SUBMODULES = frozenset({
     'async_export', 'callbacks', 'checkpoints', 'distributed', 'errors',
     'exporter', 'jax_module', 'msgpack_checkpoints', 'offline',
-    'orbax_checkpoints', 'partitioning', 'paths', 'serving', 'snapshot',
-    'specs', 'train_state', 'verify', 'versions',
+    'orbax_checkpoints', 'outcomes', 'partitioning', 'paths', 'serving',
+    'snapshot', 'specs', 'train_state', 'triggering', 'verify', 'versions',
 })
 
 __all__ = sorted(_EXPORTS) + ['errors', 'verify', '__version__']

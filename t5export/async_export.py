@@ -1,11 +1,14 @@
-"""One background worker with a bounded, latest-wins queue.
+"""One background worker with a bounded queue: one running, one queued.
 
 The training thread hands host snapshots to an `AsyncWorker`; the worker
 writes, checks and publishes them one at a time. Memory stays bounded: at
-most one item is running and one is queued. When a newer item arrives while
-one is still queued, the newer one replaces it (the replaced item is dropped
-and counted), because a newer export makes the older, not-yet-started one
-pointless.
+most one item is running and one is queued. An item arriving while both
+are taken meets the `when_busy` policy: 'wait' (the default) makes the
+submitter wait until the queued item starts (nothing dropped; counted in
+`stats['waits']`, `stats['waited_secs']`); 'skip' replaces the queued item
+(latest wins; counted in `stats['replaced']`, the item handed back).
+`make_room()` applies the policy without queuing, so a caller can free the
+slot before building its next item (at most two alive at once).
 
 Errors raised by the worker function do not disappear:
 
@@ -29,7 +32,8 @@ from __future__ import annotations
 from collections.abc import Callable
 import threading
 import time
-from typing import Any
+import traceback
+from typing import Any, NamedTuple
 import weakref
 
 from absl import logging
@@ -37,6 +41,37 @@ from absl import logging
 from t5export import errors
 
 _ON_ERROR_CHOICES = ('raise', 'log')
+WHEN_BUSY_CHOICES = ('wait', 'skip')
+
+
+class Room(NamedTuple):
+  """What making room for one item took.
+
+  Attributes:
+    waited_secs: how long the caller waited (when_busy='wait'), else 0.
+    dropped: the queued item removed (when_busy='skip'), or None.
+  """
+  waited_secs: float
+  dropped: Any
+
+
+def check_when_busy(when_busy: Any, *, owner: str) -> None:
+  """Validates a `when_busy` option.
+
+  Args:
+    when_busy: the value given.
+    owner: who takes it, for the message (e.g. 'ExportCallback').
+
+  Raises:
+    ValueError: it is not 'wait' or 'skip'.
+  """
+  if isinstance(when_busy, str) and when_busy in WHEN_BUSY_CHOICES:
+    return
+  raise ValueError(
+      f'{owner}: when_busy must be one of {WHEN_BUSY_CHOICES}, got '
+      f"{when_busy!r}. 'wait' makes the training thread wait for room when "
+      "an export is running and another is queued (no version is dropped); "
+      "'skip' lets the newest due version replace the queued one.")
 
 
 class _Shared:
@@ -47,9 +82,11 @@ class _Shared:
   its finalizer stop the thread) when a caller forgets `close()`.
   """
 
-  def __init__(self, fn: Callable[[Any], Any], on_error: str, name: str):
+  def __init__(self, fn: Callable[[Any], Any], on_error: str, when_busy: str,
+               name: str):
     self.fn = fn
     self.on_error = on_error
+    self.when_busy = when_busy
     self.name = name
     self.cv = threading.Condition()
     self.queued: tuple[Any] | None = None  # (item,) when an item waits.
@@ -60,6 +97,9 @@ class _Shared:
     self.completed = 0
     self.replaced = 0
     self.failed = 0
+    self.waits = 0
+    self.waiting = 0  # Callers blocked for room right now.
+    self.waited_secs = 0.0
     self.last_error: BaseException | None = None
     self.last_result: Any = None
     self.busy_secs = 0.0
@@ -77,6 +117,7 @@ class _Shared:
           (item,) = self.queued
           self.queued = None
           self.running = True
+          self.cv.notify_all()  # Room in the queue: wake a waiting submit.
         start = time.perf_counter()
         try:
           result = self.fn(item)
@@ -102,16 +143,20 @@ class _Shared:
     with self.cv:
       self.failed += 1
       self.last_error = e
-      if self.on_error == 'raise':
-        if self.pending_error is None:
-          self.pending_error = e
-        else:  # Keep the first; the later one is only logged.
-          logging.error('%s: another background failure while one is '
-                        'pending: %s: %s', self.name, type(e).__name__, e)
-        return
-    logging.error('%s: background work failed (on_error=\'log\', failure '
-                  '#%d; training continues): %s: %s', self.name, self.failed,
-                  type(e).__name__, e, exc_info=(type(e), e, e.__traceback__))
+      log = self.on_error == 'log'
+      if not log and self.pending_error is None:
+        self.pending_error = e
+      elif not log:  # Keep the first; the later one is only logged.
+        logging.error('%s: another background failure while one is '
+                      'pending: %s: %s', self.name, type(e).__name__, e)
+    if log:
+      logging.error('%s: background work failed (on_error=\'log\', failure '
+                    '#%d; training continues): %s: %s', self.name,
+                    self.failed, type(e).__name__, e,
+                    exc_info=(type(e), e, e.__traceback__))
+    # The kept error must not keep the failed item alive through its
+    # traceback's frames (a whole snapshot): drop their locals.
+    traceback.clear_frames(e.__traceback__)
 
   def request_stop(self) -> None:
     """Tells the thread to finish the queued item and exit (no join)."""
@@ -186,24 +231,25 @@ def close_on_exit(close: Callable[[], None], exc_type: type | None, *,
 
 
 class AsyncWorker:
-  """Runs `fn(item)` on one background thread, latest item wins.
+  """Runs `fn(item)` on one background thread; one running, one queued.
 
-  At most one item runs and one waits. `submit` never blocks on the work:
-  if an item is already waiting, the new one replaces it.
+  When an item is running and one is queued, `submit` waits for room
+  (when_busy='wait') or replaces the queued item (when_busy='skip').
 
   Example:
     worker = AsyncWorker(exporter.export_snapshot, on_error='raise')
-    worker.submit(snapshot)   # returns at once
+    worker.submit(snapshot)   # returns once the item is queued
     ...
     worker.close()            # waits for the last item, stops the thread
 
   Attributes:
     name: the thread's name.
     on_error: 'raise' or 'log'.
+    when_busy: 'wait' or 'skip'.
   """
 
   def __init__(self, fn: Callable[[Any], Any], *, on_error: str = 'raise',
-               name: str = 't5export-export'):
+               when_busy: str = 'wait', name: str = 't5export-export'):
     """Starts the background thread.
 
     Args:
@@ -211,11 +257,14 @@ class AsyncWorker:
       on_error: 'raise' to re-raise a worker failure (as
         `errors.ExportFailedError`) on the next `submit`/`wait`/`close`;
         'log' to log it with its traceback, count it and carry on.
+      when_busy: with one item running and one queued, 'wait' makes
+        `submit` wait until the queued one starts; 'skip' replaces it.
       name: the thread's name (shows in logs and thread dumps).
 
     Raises:
       TypeError: `fn` is not callable or `name` is not a string.
-      ValueError: `on_error` is not 'raise' or 'log'.
+      ValueError: `on_error` is not 'raise' or 'log', or `when_busy` is not
+        'wait' or 'skip'.
     """
     if not callable(fn):
       raise TypeError(f'AsyncWorker: fn must be callable, got {fn!r}.')
@@ -224,12 +273,14 @@ class AsyncWorker:
           f'AsyncWorker: on_error must be one of {_ON_ERROR_CHOICES}, got '
           f'{on_error!r}. Use \'raise\' to stop on a failed export or '
           '\'log\' to log it and continue.')
+    check_when_busy(when_busy, owner='AsyncWorker')
     if not isinstance(name, str) or not name:
       raise TypeError(f'AsyncWorker: name must be a non-empty str, got '
                       f'{name!r}.')
     self.name = name
     self.on_error = on_error
-    self._shared = _Shared(fn, on_error, name)
+    self.when_busy = when_busy
+    self._shared = _Shared(fn, on_error, when_busy, name)
     self._closed = False
     self._thread = threading.Thread(
         target=self._shared.run, name=name, daemon=False)
@@ -242,36 +293,53 @@ class AsyncWorker:
 
   # --- submitting and waiting ---------------------------------------------
 
-  def submit(self, item: Any) -> None:
-    """Queues `item`; replaces an item that is still waiting.
+  def submit(self, item: Any) -> Any:
+    """Queues `item`, first making room by the `when_busy` policy.
 
-    Returns at once. If the worker failed since the last call and
-    `on_error='raise'`, the failure is raised here and `item` is NOT queued.
+    If the worker failed since the last call (or while this call waited)
+    and `on_error='raise'`, the failure is raised and `item` NOT queued.
 
     Args:
       item: passed to `fn` on the worker thread. The caller must not mutate
         it afterwards (hand over copies).
 
+    Returns:
+      The queued item that `item` replaced (when_busy='skip'), else None.
+
     Raises:
       errors.ExportFailedError: an earlier item failed (on_error='raise').
-      RuntimeError: the worker is closed.
+      RuntimeError: the worker is closed, or was closed while this waited.
     """
     self._check_not_worker_thread('submit')
     self._raise_pending()
     shared = self._shared
-    with shared.cv:
-      if self._closed or shared.stopping:
-        raise RuntimeError(
-            f'AsyncWorker {self.name!r} is closed; create a new one to '
-            'submit more work.')
-      if shared.queued is not None:
-        shared.replaced += 1
-        logging.info('%s: a newer item replaces the queued one (%d replaced '
-                     'so far); the previous item is still running.',
-                     self.name, shared.replaced)
+    with shared.cv:  # A reentrant lock: the helpers below take it again.
+      self._check_open()
+      room = self._make_room_locked()
+      self._check_open()
+      self._raise_pending()  # It may have failed while we waited.
       shared.queued = (item,)
       shared.submitted += 1
       shared.cv.notify_all()
+    return room.dropped
+
+  def make_room(self) -> Room:
+    """Frees the queue slot by the `when_busy` policy, queuing nothing.
+
+    With an item queued, waits until the worker takes it (when_busy=
+    'wait'), or removes and returns it (when_busy='skip', counted as
+    replaced). Failures are not raised here (`submit` raises them).
+
+    Returns:
+      A `Room`: the seconds waited and the item dropped (or None).
+
+    Raises:
+      RuntimeError: the worker is closed, or called from its own thread.
+    """
+    self._check_not_worker_thread('make_room')
+    with self._shared.cv:
+      self._check_open()
+      return self._make_room_locked()
 
   def check(self) -> None:
     """Raises a failure recorded since the last call, without waiting.
@@ -346,9 +414,11 @@ class AsyncWorker:
   def stats(self) -> dict[str, Any]:
     """A copy of the counters.
 
-    Keys: submitted, completed, replaced, failed (ints), last_error (the last
-    exception or None), last_result (what `fn` last returned), queued (0 or
-    1), running (bool), busy_secs (total time spent in `fn`).
+    Keys: submitted, completed, replaced, failed, waits (ints), last_error
+    (the last exception or None), last_result (what `fn` last returned),
+    queued (0 or 1), running (bool), busy_secs (total time spent in `fn`),
+    waiting (callers blocked for room now), waited_secs (total time callers
+    waited for room, when_busy='wait'), when_busy.
     """
     s = self._shared
     with s.cv:
@@ -362,9 +432,45 @@ class AsyncWorker:
           'queued': 0 if s.queued is None else 1,
           'running': s.running,
           'busy_secs': s.busy_secs,
+          'waits': s.waits,
+          'waiting': s.waiting,
+          'waited_secs': s.waited_secs,
+          'when_busy': s.when_busy,
       }
 
   # --- helpers --------------------------------------------------------------
+
+  def _check_open(self) -> None:
+    if self._closed or self._shared.stopping or not self._thread.is_alive():
+      raise RuntimeError(
+          f'AsyncWorker {self.name!r} is closed (or its thread ended); '
+          'create a new one to submit more work.')
+
+  def _make_room_locked(self) -> Room:
+    """`make_room` with `shared.cv` held."""
+    shared = self._shared
+    if shared.queued is None:
+      return Room(0.0, None)
+    if shared.when_busy == 'skip':
+      (dropped,) = shared.queued
+      shared.queued = None
+      shared.replaced += 1
+      logging.info('%s: a newer item replaces the queued one (%d replaced '
+                   "so far, when_busy='skip'); the previous item is still "
+                   'running.', self.name, shared.replaced)
+      return Room(0.0, dropped)
+    start = time.perf_counter()
+    shared.waiting += 1
+    try:
+      while (shared.queued is not None and not shared.stopping and
+             self._thread.is_alive()):
+        shared.cv.wait()
+    finally:
+      shared.waiting -= 1
+    waited = time.perf_counter() - start
+    shared.waits += 1
+    shared.waited_secs += waited
+    return Room(waited, None)
 
   def _raise_pending(self) -> None:
     shared = self._shared

@@ -1,38 +1,37 @@
 """ExportCallback: publish a SavedModel every N steps during training.
 
-One object serves three kinds of training loop:
+One object serves three kinds of training loop with one triggering rule
+(`triggering.Trigger`: a multiple of `export_every_steps` or an `on_steps`
+entry reached since the previous call, or `every_secs` elapsed):
 
-* CLU: it is a `clu.periodic_actions.PeriodicAction` (CLU's own triggering
-  on `every_steps`, `every_secs` and `on_steps`), called after every step as
-  `cb(step, t=None, train_state=ts)`.
+* CLU and plain loops: `cb(step, t=None, train_state=ts)`, CLU's
+  `PeriodicAction` call contract (not a subclass). Calls may skip steps,
+  e.g. one per T5X `trainer.train` chunk: steps 3, 7, 12 with
+  `export_every_steps=5` export at 7 and 12 (named after
+  `train_state.step`).
 * T5X actions: `cb.run(train_state, metrics_by_task)` (returns False, so it
-  never stops training); the step comes from `train_state.step` and the
-  metrics feed `keep_best`. Calls need not come at every step: an export is
-  due when a multiple of `export_every_steps` (or an `on_steps` entry) was
-  reached since the previous call.
-* A plain loop: the same `cb(step, train_state=ts)`, then `cb.close()` (or a
-  `with` block) to wait for the last export; `cb.export_now(ts)` exports at
-  once.
+  never stops training); the metrics feed `keep_best`.
+* Any: `cb.export_now(ts)` exports at once; `cb.close()` (or a `with`
+  block) waits for the last export.
 
-Each export runs DESIGN.md's data flow: on the training thread,
-`snapshot.take_snapshot` strips the optimizer state, resolves logical axes
-with `logical_axis_rules` and gathers the params to host numpy copies (so the
-train step may donate its buffers right after); the snapshot then goes to an
-`async_export.AsyncWorker` that runs `SavedModelExporter.export_snapshot`
-(write, check, atomic publish, retention). With `async_export=False` that
-runs inline. The exporter is created once; its JaxModule is traced on the
-first export and updated in place afterwards.
+On the training thread `snapshot.take_snapshot` strips, resolves axes and
+gathers the params to host (safe across a donating train step); an
+`async_export.AsyncWorker` then runs `SavedModelExporter.export_snapshot`
+(write, check, atomic publish, retention), or it runs inline with
+`async_export=False`. When an export is due while one runs and one is
+queued, `when_busy='wait'` (default) holds the training thread until the
+queued one starts; 'skip' drops the queued one (latest wins). Room is made
+before the snapshot, so at most two snapshots are alive at once. Each due
+export ends as one `outcomes.KINDS` entry (published, skipped, replaced,
+failed): counted, logged, written to the metric writer, reported by
+`close()`.
 
-Multi-process runs (`jax.distributed`): every process calls the callback at
-the same steps, and every process joins the gather in `take_snapshot`; only
-process 0 creates the exporter and writes. A `distributed.ExportCoordinator`
-makes the others follow it: process 0's outcome (published, or the error)
-reaches every process within `multiprocess_timeout_secs`
-(`errors.WriterFailedError` / `errors.WriterTimeoutError` on the others) and
-all leave each export together. With async export, a background failure
-surfaces on every process at the next export, `wait()` or `close()`, and
-each export first waits for the previous one (no latest-wins replacement).
-See docs/multiprocess.md.
+Multi-process (`jax.distributed`): every process calls at the same steps
+and joins the gather; only process 0 writes, and a
+`distributed.ExportCoordinator` makes the others follow its outcome within
+`multiprocess_timeout_secs`. Each export first settles the previous one
+(nothing is replaced), and an `every_secs` decision is process 0's
+(`ExportCoordinator.agree`). See docs/multiprocess.md.
 
 Gin: registered as `t5export.ExportCallback`; `gin/export.gin` binds it to
 macros (EXPORT_DIR, SIGNATURES, EXPORT_EVERY_STEPS, KEEP).
@@ -47,7 +46,6 @@ import time
 from typing import Any
 
 from absl import logging
-from clu import periodic_actions
 import gin
 import jax
 
@@ -55,32 +53,20 @@ from t5export import async_export as async_lib
 from t5export import distributed
 from t5export import errors
 from t5export import exporter as exporter_lib
+from t5export import outcomes as outcomes_lib
 from t5export import serving_compat
 from t5export import snapshot as snapshot_lib
+from t5export import triggering
 
 _ON_ERROR_CHOICES = ('raise', 'log')
-METRIC_PREFIX = 't5export/'
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-  if value is None:
-    return
-  if isinstance(value, bool) or not isinstance(value, int):
-    raise TypeError(
-        f'ExportCallback: {name} must be a positive int or None, got '
-        f'{value!r} ({type(value).__name__}). In gin write e.g. '
-        f'`ExportCallback.{name} = 1000`.')
-  if value <= 0:
-    raise ValueError(
-        f'ExportCallback: {name} must be > 0, got {value!r}. Use None to '
-        'turn this trigger off.')
+METRIC_PREFIX = outcomes_lib.METRIC_PREFIX
 
 
 def _check_args(*, export_dir: Any, export_every_steps: Any, every_secs: Any,
                 on_steps: Any, num_train_steps: Any,
-                export_on_final_step: bool, on_error: Any,
+                export_on_final_step: bool, on_error: Any, when_busy: Any,
                 signatures: Any) -> list[int]:
-  """Validates the triggering options; returns on_steps as a list."""
+  """Validates the options; returns on_steps as a list."""
   for name, value in (('export_dir', export_dir), ('signatures', signatures)):
     if value is gin.REQUIRED:
       macro = 'EXPORT_DIR' if name == 'export_dir' else 'SIGNATURES'
@@ -88,31 +74,15 @@ def _check_args(*, export_dir: Any, export_every_steps: Any, every_secs: Any,
           f'ExportCallback: {name} is still %gin.REQUIRED. Set the {macro} '
           'macro in your gin file after including gin/export.gin (gin.'
           'finalize() reports such gaps at parse time).')
-  _check_positive_int('export_every_steps', export_every_steps)
-  _check_positive_int('num_train_steps', num_train_steps)
-  if every_secs is not None:
-    if isinstance(every_secs, bool) or not isinstance(every_secs,
-                                                      (int, float)):
-      raise TypeError(f'ExportCallback: every_secs must be a number of '
-                      f'seconds or None, got {every_secs!r}.')
-    if every_secs <= 0:
-      raise ValueError(f'ExportCallback: every_secs must be > 0, got '
-                       f'{every_secs!r}. Use None to turn it off.')
-  if isinstance(on_steps, (str, bytes)) or (
-      on_steps is not None and not isinstance(on_steps, Iterable)):
-    raise TypeError(f'ExportCallback: on_steps must be a list of steps or '
-                    f'None, got {on_steps!r}.')
-  steps = list(on_steps or [])
-  bad = [s for s in steps if isinstance(s, bool) or not isinstance(s, int)
-         or s < 0]
-  if bad:
-    raise ValueError(f'ExportCallback: on_steps must hold ints >= 0, got '
-                     f'{bad!r} in {steps!r}.')
+  steps = triggering.check_options(every_steps=export_every_steps,
+                                   every_secs=every_secs, on_steps=on_steps)
+  triggering.check_positive_int('num_train_steps', num_train_steps)
   if on_error not in _ON_ERROR_CHOICES:
     raise ValueError(
         f'ExportCallback: on_error must be one of {_ON_ERROR_CHOICES}, got '
         f'{on_error!r}. \'raise\' stops training on a failed export, \'log\' '
         'logs it and continues.')
+  async_lib.check_when_busy(when_busy, owner='ExportCallback')
   if (export_every_steps is None and every_secs is None and not steps and
       not (export_on_final_step and num_train_steps is not None)):
     raise ValueError(
@@ -152,7 +122,7 @@ def _tree_nbytes(path: str) -> int:
 
 
 @gin.configurable(module='t5export', denylist=['metric_writer'])
-class ExportCallback(periodic_actions.PeriodicAction):
+class ExportCallback:
   """Exports the training state as a SavedModel version every N steps.
 
   Example (a plain or CLU loop):
@@ -165,10 +135,10 @@ class ExportCallback(periodic_actions.PeriodicAction):
     # Versions 1000, 2000, ..., n are published under d.
 
   Attributes:
-    exports_done: versions this callback published.
-    exports_skipped: due exports skipped because the version was already
-      published (a resumed run).
-    blocking_secs: per export, seconds the training thread was held.
+    blocking_secs: per export, seconds the training thread was held
+      (including `wait_secs`).
+    wait_secs: per export, seconds the training thread waited for room in
+      the queue (when_busy='wait'; 0 when there was room).
     export_secs: per published version, seconds the write took.
     bytes_written: total bytes of the versions published.
     published: the paths published, in order.
@@ -184,6 +154,7 @@ class ExportCallback(periodic_actions.PeriodicAction):
                keep_best: Any = None,
                logical_axis_rules: Any = None,
                async_export: bool = True,
+               when_busy: str = 'wait',
                validate: bool = True,
                export_on_final_step: bool = True,
                num_train_steps: int | None = None,
@@ -202,18 +173,28 @@ class ExportCallback(periodic_actions.PeriodicAction):
     Args:
       export_dir: where versions `<export_dir>/<step>/` are published.
       signatures: the `t5export.Signature`s each version serves.
-      export_every_steps: export when the step is a multiple of this.
+      export_every_steps: export when a multiple of this is reached (calls
+        may skip steps: reaching one since the previous call is enough).
       every_secs: export when this many seconds passed since the last one.
-      on_steps: also export at these steps.
+        Under `jax.distributed` process 0's clock decides (one small
+        collective per call while no step trigger fires).
+      on_steps: also export when one of these steps is reached.
       keep: keep this many newest versions (None: all).
       keep_best: also keep the best versions by a metric, `(n, metric,
         'max'|'min')`; metrics come from `run(..., metrics_by_task)` as
-        'task/metric', or from `cb(..., metrics=...)`.
+        'task/metric', or from `cb(..., metrics=...)`. The metric must be a
+        number (CLU values such as `clu.values.Scalar` and 0-d arrays
+        count); a non-numeric value fails that export with
+        `errors.MetricNotNumericError`.
       logical_axis_rules: rules to resolve logical axes to mesh axes (e.g.
         `t5export.standard_logical_axis_rules()`); None records logical axes
         only.
       async_export: write on a background thread (the training thread only
         snapshots); False writes inline.
+      when_busy: an export is due while one runs and one is queued: 'wait'
+        holds the training thread until the queued one starts (every due
+        version is published); 'skip' drops the queued one for the newer
+        (latest wins, counted in `exports_replaced`).
       validate: check each staged SavedModel against JAX before publishing.
       export_on_final_step: export at step `num_train_steps` too.
       num_train_steps: the last training step (for export_on_final_step).
@@ -221,7 +202,9 @@ class ExportCallback(periodic_actions.PeriodicAction):
         `errors.ExportFailedError`) on the next call or on `close`; 'log'
         logs it with its traceback, counts it and keeps training.
       metric_writer: a CLU `MetricWriter`; gets 't5export/export_secs',
-        't5export/blocking_secs' and 't5export/bytes_written' scalars.
+        't5export/blocking_secs', 't5export/wait_secs',
+        't5export/bytes_written' and the running counts
+        't5export/exports_{published,skipped,replaced,failed}' as scalars.
       platforms: jax2tf lowering platforms, e.g. ('cpu', 'cuda').
       atol: absolute tolerance of the check.
       rtol: relative tolerance of the check.
@@ -249,24 +232,23 @@ class ExportCallback(periodic_actions.PeriodicAction):
         every_secs=every_secs, on_steps=on_steps,
         num_train_steps=num_train_steps,
         export_on_final_step=export_on_final_step, on_error=on_error,
-        signatures=signatures)
+        when_busy=when_busy, signatures=signatures)
     # Every process, before anything is traced.
     serving_compat.resolve(serving_tf_version)
     if export_on_final_step and num_train_steps is not None:
       steps.append(num_train_steps)
-    super().__init__(every_steps=export_every_steps, every_secs=every_secs,
-                     on_steps=steps)
+    self._trigger = triggering.Trigger(
+        every_steps=export_every_steps, every_secs=every_secs, on_steps=steps)
     self._export_dir = os.fspath(export_dir)
     self._rules = logical_axis_rules
     self._async = bool(async_export)
+    self._when_busy = when_busy
     self._on_error = on_error
     self._metric_writer = metric_writer
     self._num_train_steps = num_train_steps
     self._is_writer = jax.process_index() == 0
     self._exporter: exporter_lib.SavedModelExporter | None = None
     self._worker: async_lib.AsyncWorker | None = None
-    self._published_before: set[int] = set()
-    self._last_step_handed_off: int | None = None
     # Multi-process: process 0 alone creates the exporter and writes; the
     # others follow its outcome (inactive in a single process).
     self._coordinator = distributed.ExportCoordinator(
@@ -279,67 +261,76 @@ class ExportCallback(periodic_actions.PeriodicAction):
             logical_axis_rules=logical_axis_rules,
             serving_tf_version=serving_tf_version),
         what=f'create the exporter for {self._export_dir}')
+    # Steps published (before this run, or by it) and handed off, for the
+    # already-published skip. Guarded by _lock.
+    self._published_steps: set[int] = set()
+    self._in_flight: set[int] = set()
     if self._is_writer:
-      self._published_before = set(self._exporter.versions())
+      self._published_steps = set(self._exporter.versions())
       if self._async:
         self._worker = async_lib.AsyncWorker(
-            self._write, on_error=on_error, name='t5export-export')
-    # Call-scoped inputs for `_apply` (CLU's `_apply(step, t)` takes no
-    # state); set by __call__/run on the training thread, cleared after.
-    self._train_state: Any = None
-    self._metrics: Mapping[str, Any] | None = None
+            self._write, on_error=on_error, when_busy=when_busy,
+            name='t5export-export')
     self._step_mismatch_warned = False
     self._closed = False
+    self._waited = 0.0  # Training-thread wait for room in this export.
     # Written by the worker thread, read by the training thread.
     self._lock = threading.Lock()
-    self._pending_scalars: list[tuple[int, dict[str, float]]] = []
-    self.exports_done = 0
-    self.exports_skipped = 0
+    self._outcomes = outcomes_lib.Outcomes()
     self.blocking_secs: list[float] = []
+    self.wait_secs: list[float] = []
     self.export_secs: list[float] = []
     self.bytes_written = 0
     self.published: list[str] = []
     logging.info(
         't5export: ExportCallback on %s (every_steps=%s, every_secs=%s, '
-        'on_steps=%s, async=%s, on_error=%s, process %d%s).', self._export_dir,
-        export_every_steps, every_secs, sorted(set(steps)), self._async,
-        on_error, jax.process_index(),
-        '' if self._is_writer else ', not the writer')
+        'on_steps=%s, async=%s, when_busy=%s, on_error=%s, process %d%s).',
+        self._export_dir, export_every_steps, every_secs,
+        self._trigger.on_steps, self._async, when_busy, on_error,
+        jax.process_index(), '' if self._is_writer else ', not the writer')
 
   # --- the three calling conventions --------------------------------------
 
   def __call__(self, step: int, t: float | None = None, *,
                train_state: Any = None,
                metrics: Mapping[str, Any] | None = None) -> bool:
-    """CLU / plain-loop hook: call after every training step.
+    """CLU / plain-loop hook: call after every step, or after each chunk.
 
     Args:
-      step: the step just finished.
+      step: the step just finished. Steps may skip: an export is due when a
+        multiple of `export_every_steps` (or an `on_steps` entry) was
+        reached since the previous call.
       t: a timestamp for `every_secs` (default `time.monotonic()`).
       train_state: the current train state (required when an export is
-        due; pass it on every call).
-      metrics: optional `{name: scalar}` stored with the version (for
+        due; pass it on every call). The version is named after its step.
+      metrics: optional `{name: value}` stored with the version (for
         `keep_best`).
 
     Returns:
-      True if an export was triggered at this step.
+      True if an export was triggered at this call.
 
     Raises:
-      ValueError: an export is due but no train_state was given; or the
-        hook was not called at every step (CLU's check).
+      ValueError: an export is due but no train_state was given.
       errors.ExportFailedError: an earlier background export failed
         (on_error='raise').
     """
     self._before_call()
-    self._train_state, self._metrics = train_state, metrics
-    try:
-      return super().__call__(step, t)
-    finally:
-      self._train_state, self._metrics = None, None
+    t = time.monotonic() if t is None else t
+    if not self._trigger.due(step, t, agree=self._coordinator.agree):
+      return False
+    if train_state is None:
+      raise ValueError(
+          f'ExportCallback: an export is due at step {step} but no '
+          'train_state was passed. Call it as cb(step, train_state=state).')
+    self._export(train_state, step, metrics)
+    return True
 
   def run(self, train_state: Any,
           metrics_by_task: Mapping[str, Any] | None = None) -> bool:
     """T5X action hook: exports if one is due at `train_state.step`.
+
+    Calls need not come at every step (T5X runs actions after each eval):
+    the same rule as `__call__` applies.
 
     Args:
       train_state: the current train state.
@@ -354,17 +345,10 @@ class ExportCallback(periodic_actions.PeriodicAction):
     """
     self._before_call()
     step = int(train_state.step)
-    t = time.monotonic()
     metrics = _flatten_metrics_by_task(metrics_by_task)
-    first = self._previous_step is None
-    if first:
-      self._previous_step, self._previous_time = step, t
-    due = (not first and self._crossed(self._last_step, step)) or (
-        self._should_trigger(step, t))
-    self._last_step = step
-    if due:
+    if self._trigger.due(step, time.monotonic(),
+                         agree=self._coordinator.agree):
       self._export(train_state, step, metrics)
-      self._after_apply(step, t)
     return False
 
   def export_now(self, train_state: Any,
@@ -372,11 +356,12 @@ class ExportCallback(periodic_actions.PeriodicAction):
     """Exports `train_state` now and waits until it is published.
 
     Background exports still queued are finished first (in order). If this
-    step is already published, nothing is written.
+    step is already published, nothing is written. The periodic triggers
+    count from this export.
 
     Args:
       train_state: the state to export (its `step` is the version).
-      metrics: optional `{name: scalar}` stored with the version.
+      metrics: optional `{name: value}` stored with the version.
 
     Returns:
       The version directory, or None on processes other than 0.
@@ -392,50 +377,66 @@ class ExportCallback(periodic_actions.PeriodicAction):
     start = time.perf_counter()
     # Synchronous: the state cannot change before the export returns, so
     # the params need no copy on the way.
-    snap = snapshot_lib.take_snapshot(train_state, rules=self._rules,
-                                      keep_arrays=self._is_writer, copy=False)
+    snap = self._snapshot(train_state, step, copy=False)
     path = self._publish(snap, metrics, sync=True)
-    self._record_blocking(step, time.perf_counter() - start)
+    self._trigger.record_export(step, time.monotonic())
+    self._record_blocking(step, time.perf_counter() - start, 0.0)
     return path
-
-  # --- CLU PeriodicAction ---------------------------------------------------
-
-  def _apply(self, step: int, t: float) -> None:
-    del t
-    if self._train_state is None:
-      raise ValueError(
-          f'ExportCallback: an export is due at step {step} but no '
-          'train_state was passed. Call it as cb(step, train_state=state).')
-    self._export(self._train_state, step, self._metrics)
-
-  def _crossed(self, previous: int | None, step: int) -> bool:
-    """Whether a trigger step lies in (previous, step] (sparse calls)."""
-    if previous is None or step <= previous:
-      return False
-    if self._every_steps is not None and (
-        step // self._every_steps > previous // self._every_steps):
-      return True
-    return any(previous < s <= step for s in self._on_steps)
 
   # --- one export -----------------------------------------------------------
 
   def _export(self, train_state: Any, step: int,
               metrics: Mapping[str, Any] | None) -> None:
-    """Snapshot on the training thread, then publish (hand off or inline)."""
+    """Make room, snapshot on the training thread, publish (hand off/inline)."""
     start = time.perf_counter()
+    self._waited = self._make_room(step)
     # In the background the train loop runs on (and may donate the state's
     # buffers) while the export reads the snapshot: copy=None copies only
     # where a view or transfer would not survive that.
-    snap = snapshot_lib.take_snapshot(
-        train_state, rules=self._rules, keep_arrays=self._is_writer,
-        copy=None if self._async else False)
+    snap = self._snapshot(train_state, step,
+                          copy=None if self._async else False)
     if snap.step != step and not self._step_mismatch_warned:
       self._step_mismatch_warned = True
       logging.warning(
           't5export: the loop passed step %d but train_state.step is %d; the '
           'version is named after train_state.step.', step, snap.step)
-    self._publish(snap, metrics, sync=not self._async)
-    self._record_blocking(snap.step, time.perf_counter() - start)
+    self._publish(snap, metrics, sync=not self._async)  # May drain: waits.
+    self._record_blocking(snap.step, time.perf_counter() - start,
+                          self._waited)
+
+  def _snapshot(self, train_state: Any, step: int, *,
+                copy: bool | None) -> snapshot_lib.HostSnapshot:
+    """Counts the due export and takes its snapshot (a failure counts)."""
+    self._outcomes.add_due()
+    try:
+      return snapshot_lib.take_snapshot(
+          train_state, rules=self._rules, keep_arrays=self._is_writer,
+          copy=copy)
+    except Exception as e:
+      self._outcomes.record('failed', step, f'the snapshot failed: '
+                            f'{type(e).__name__}: {e}')
+      raise
+
+  def _make_room(self, step: int) -> float:
+    """Frees the queue slot before the snapshot; returns the seconds waited.
+
+    'wait' blocks until the queued export starts, 'skip' drops it (counted
+    as replaced). Under jax.distributed the coordinator instead settles the
+    previous export before the next one (`_drain` counts that wait).
+    """
+    if self._worker is None or self._coordinator.active:
+      return 0.0
+    room = self._worker.make_room()
+    waited = room.waited_secs
+    if room.dropped is not None:
+      dropped_step = room.dropped[0].step
+      del room  # The dropped snapshot: free it before taking the next one.
+      with self._lock:
+        self._in_flight.discard(dropped_step)
+      self._outcomes.record(
+          'replaced', dropped_step, f'dropped from the queue for the export '
+          f"due at step {step} (when_busy='skip')")
+    return waited
 
   def _publish(self, snap: snapshot_lib.HostSnapshot,
                metrics: Mapping[str, Any] | None, *,
@@ -455,42 +456,43 @@ class ExportCallback(periodic_actions.PeriodicAction):
     if self._worker is None:
       return True
     failed = self._worker.stats['failed']
-    self._worker.wait()
+    start = time.perf_counter()
+    try:
+      self._worker.wait()
+    finally:
+      self._waited += time.perf_counter() - start
     return self._worker.stats['failed'] == failed
 
   def _publish_local(self, snap: snapshot_lib.HostSnapshot,
                      metrics: Mapping[str, Any] | None, *,
                      sync: bool) -> str | None:
-    """The writer's part: skip if published, else hand off or write inline.
+    """Process 0's part: skip if published, else hand off (or write now).
 
-    Only process 0 runs this (`_publish` routes it through the
-    coordinator).
-
-    Args:
-      snap: the gathered host snapshot.
-      metrics: metrics stored with the version.
-      sync: write now on this thread and return the path.
-
-    Returns:
-      The published path when written synchronously, else None.
+    Returns the published path when `sync`, else None.
     """
     if not self._is_writer:
       return None
     step = snap.step
-    if step in self._published_before or (
-        self._last_step_handed_off is not None and
-        step <= self._last_step_handed_off):
-      self.exports_skipped += 1
-      logging.warning(
-          't5export: version %d already published in %s (or handed off); '
-          'not exporting it again.', step, self._export_dir)
-      if not sync:
-        return None
-      return os.path.join(self._exporter.export_dir, str(step))
-    self._last_step_handed_off = step
+    with self._lock:
+      known = step in self._published_steps or step in self._in_flight
+      if not known and not sync:
+        self._in_flight.add(step)
+    if known:
+      self._outcomes.record(
+          'skipped', step, f'already published in {self._export_dir} (or '
+          'being written); not exporting it again')
+      return os.path.join(self._exporter.export_dir, str(step)) if sync else (
+          None)
     item = (snap, dict(metrics or {}))
     if not sync:
-      self._worker.submit(item)
+      try:
+        self._worker.submit(item)  # Room was made: nothing is replaced.
+      except Exception as e:
+        with self._lock:
+          self._in_flight.discard(step)
+        self._outcomes.record('failed', step, f'not handed off: '
+                              f'{type(e).__name__}: {e}')
+        raise
       return None
     try:
       return self._write(item)
@@ -507,31 +509,41 @@ class ExportCallback(periodic_actions.PeriodicAction):
              ) -> str:
     """Worker side (or inline): write, check and publish one snapshot."""
     snap, metrics = item
+    step = snap.step
     start = time.perf_counter()
-    path = self._exporter.export_snapshot(snap, metrics or None)
+    try:
+      path = self._exporter.export_snapshot(snap, metrics or None)
+    except Exception as e:
+      with self._lock:
+        self._in_flight.discard(step)
+      self._outcomes.record('failed', step, f'{type(e).__name__}: {e}')
+      raise
     secs = time.perf_counter() - start
     nbytes = _tree_nbytes(path)
-    logging.info('t5export: published step %d (%.1f MiB) in %.2fs: %s',
-                 snap.step, nbytes / 2**20, secs, path)
     with self._lock:
-      self.exports_done += 1
+      self._in_flight.discard(step)
+      self._published_steps.add(step)
       self.export_secs.append(secs)
       self.bytes_written += nbytes
       self.published.append(path)
-      self._pending_scalars.append((snap.step, {
-          METRIC_PREFIX + 'export_secs': secs,
-          METRIC_PREFIX + 'bytes_written': float(nbytes)}))
+    self._outcomes.queue_scalars(step, {
+        METRIC_PREFIX + 'export_secs': secs,
+        METRIC_PREFIX + 'bytes_written': float(nbytes)})
+    self._outcomes.record('published', step,
+                          f'({nbytes / 2**20:.1f} MiB) in {secs:.2f}s: {path}')
     return path
 
-  # --- metrics --------------------------------------------------------------
+  # --- outcomes and metrics -------------------------------------------------
 
-  def _record_blocking(self, step: int, secs: float) -> None:
+  def _record_blocking(self, step: int, secs: float, waited: float) -> None:
     self.blocking_secs.append(secs)
+    self.wait_secs.append(waited)
     logging.info('t5export: training thread blocked %.3fs for the export of '
-                 'step %d.', secs, step)
+                 'step %d (%.3fs of it waiting for room).', secs, step, waited)
     if self._metric_writer is not None:
       self._metric_writer.write_scalars(
-          step, {METRIC_PREFIX + 'blocking_secs': secs})
+          step, {METRIC_PREFIX + 'blocking_secs': secs,
+                 METRIC_PREFIX + 'wait_secs': waited})
     self._flush_scalars()
 
   def _flush_scalars(self) -> None:
@@ -540,8 +552,7 @@ class ExportCallback(periodic_actions.PeriodicAction):
     Metric writers are not promised to be thread-safe, so the worker only
     queues its scalars and this thread writes them.
     """
-    with self._lock:
-      pending, self._pending_scalars = self._pending_scalars, []
+    pending = self._outcomes.take_scalars()
     if self._metric_writer is None:
       return
     for step, scalars in pending:
@@ -575,6 +586,9 @@ class ExportCallback(periodic_actions.PeriodicAction):
   def close(self) -> None:
     """Waits for the last export and stops the worker; idempotent.
 
+    Logs one line with the outcome of every due export (also when a
+    failure is raised).
+
     Raises:
       errors.ExportFailedError: an export failed (on_error='raise').
       errors.WriterFailedError: on processes other than 0, process 0's
@@ -590,8 +604,24 @@ class ExportCallback(periodic_actions.PeriodicAction):
       self._flush_scalars()
       if self._metric_writer is not None:
         self._metric_writer.flush()
-    logging.info('t5export: ExportCallback closed; %d version(s) published, '
-                 '%d skipped.', self.exports_done, self.exports_skipped)
+      logging.info('t5export: ExportCallback closed: %s', self.summary())
+
+  def summary(self) -> str:
+    """One line with the outcome counts of every due export.
+
+    Returns:
+      E.g. "6 due: 4 published, 1 skipped (already published), 0 replaced
+      (when_busy='wait'), 1 failed; waited 2.31s for room", or, on
+      processes other than 0, the due count (process 0 counts outcomes).
+    """
+    if not self._is_writer:
+      return (f'{self.exports_due} due on process {jax.process_index()}; '
+              'process 0 (the writer) counts their outcomes.')
+    with self._lock:
+      in_flight = len(self._in_flight)
+    return self._outcomes.summary(when_busy=self._when_busy,
+                                  waited_secs=sum(self.wait_secs),
+                                  in_flight=in_flight)
 
   def __enter__(self) -> ExportCallback:
     return self
@@ -604,24 +634,54 @@ class ExportCallback(periodic_actions.PeriodicAction):
   # --- introspection --------------------------------------------------------
 
   @property
+  def exports_due(self) -> int:
+    """Exports that became due (including `export_now`)."""
+    return self._outcomes.counts()['due']
+
+  @property
+  def exports_done(self) -> int:
+    """Due exports this callback published."""
+    return self._outcomes.counts()['published']
+
+  @property
+  def exports_skipped(self) -> int:
+    """Due exports skipped: the version was already published (resume)."""
+    return self._outcomes.counts()['skipped']
+
+  @property
+  def exports_replaced(self) -> int:
+    """Due exports dropped from the queue for a newer one ('skip' only)."""
+    return self._outcomes.counts()['replaced']
+
+  @property
+  def exports_failed(self) -> int:
+    """Due exports that failed (logged, or raised)."""
+    return self._outcomes.counts()['failed']
+
+  @property
   def export_dir(self) -> str:
     """The export directory as given."""
     return self._export_dir
 
   @property
   def export_every_steps(self) -> int | None:
-    """The step period (CLU's `every_steps`), or None."""
-    return self._every_steps
+    """The step period, or None."""
+    return self._trigger.every_steps
 
   @property
   def every_secs(self) -> float | None:
     """The time period in seconds, or None."""
-    return self._every_secs
+    return self._trigger.every_secs
 
   @property
   def on_steps(self) -> list[int]:
     """Extra export steps, including the final step when enabled."""
-    return sorted(self._on_steps)
+    return list(self._trigger.on_steps)
+
+  @property
+  def when_busy(self) -> str:
+    """'wait' or 'skip' (see the constructor)."""
+    return self._when_busy
 
   @property
   def logical_axis_rules(self) -> Any:
@@ -642,19 +702,29 @@ class ExportCallback(periodic_actions.PeriodicAction):
   def stats(self) -> dict[str, Any]:
     """This callback's counters, and its worker's when async.
 
-    Keys: exports_done, exports_skipped, bytes_written, blocking_secs_last,
-    blocking_secs_max, export_secs_total and, when async, 'worker' (the
-    `AsyncWorker.stats`: submitted, completed, replaced, failed, ...).
+    Keys: exports_due, exports_done (published), exports_skipped,
+    exports_replaced, exports_failed, bytes_written, blocking_secs_last,
+    blocking_secs_max, wait_secs_total, export_secs_total, when_busy and,
+    when async, 'worker' (the `AsyncWorker.stats`: submitted, completed,
+    replaced, failed, waits, ...). On process 0, once `close()` returned,
+    exports_due == exports_done + exports_skipped + exports_replaced +
+    exports_failed.
     """
+    counts = self._outcomes.counts()
     with self._lock:
       out = {
-          'exports_done': self.exports_done,
-          'exports_skipped': self.exports_skipped,
+          'exports_due': counts['due'],
+          'exports_done': counts['published'],
+          'exports_skipped': counts['skipped'],
+          'exports_replaced': counts['replaced'],
+          'exports_failed': counts['failed'],
           'bytes_written': self.bytes_written,
           'blocking_secs_last': (self.blocking_secs[-1]
                                  if self.blocking_secs else None),
           'blocking_secs_max': max(self.blocking_secs, default=None),
+          'wait_secs_total': sum(self.wait_secs),
           'export_secs_total': sum(self.export_secs),
+          'when_busy': self._when_busy,
       }
     if self._worker is not None:
       out['worker'] = self._worker.stats

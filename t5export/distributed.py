@@ -50,6 +50,7 @@ from typing import Any, TypeVar
 
 from absl import logging
 import jax
+import numpy as np
 
 from t5export import errors
 
@@ -175,6 +176,26 @@ class ExportCoordinator:
   def rounds(self) -> int:
     """How many rounds were started."""
     return self._rounds
+
+  def agree(self, flag: bool) -> bool:
+    """Process 0's `flag`, on every process (a collective when active).
+
+    For decisions that are not the same everywhere by construction, such as
+    `every_secs` (each process reads its own clock). Every process must call
+    it at the same point; in a single process it returns `flag`.
+
+    Args:
+      flag: this process's decision.
+
+    Returns:
+      Process 0's decision.
+    """
+    if not self.active:
+      return bool(flag)
+    # A device collective over all processes (public JAX API); it needs no
+    # key-value cleanup and orders itself with the training step's own.
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(bool(flag))))
 
   # --- rounds -----------------------------------------------------------------
 

@@ -140,6 +140,10 @@ class NonFiniteParamsError(T5ExportError, ValueError):
         'allow_non_finite=True to publish anyway.')
 
 
+class MetricNotNumericError(T5ExportError, TypeError):
+  """The `keep_best` metric of an export is not a number."""
+
+
 class ExportDirError(T5ExportError, OSError):
   """The export directory is unusable (a file, or not writable)."""
 

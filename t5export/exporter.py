@@ -292,8 +292,9 @@ class SavedModelExporter:
 
     Args:
       state: a `TrainState`, an `InferenceState` or a `HostSnapshot`.
-      metrics: optional `{name: scalar}` recorded in the metadata (and used
-        by `keep_best`).
+      metrics: optional `{name: value}` recorded in the metadata (and used
+        by `keep_best`); see `versions.flatten_metrics` for what becomes a
+        number (e.g. a `clu.values.Scalar`).
       hand_over: the state's numpy arrays are the caller's to give away
         (e.g. params just read from a checkpoint, used for nothing else):
         TensorFlow may take their memory instead of copying them, after
@@ -304,8 +305,8 @@ class SavedModelExporter:
       The published version directory `<export_dir>/<step>`.
 
     Raises:
-      VersionExistsError, NonFiniteParamsError, ExportCheckError: see
-        `export_snapshot`.
+      VersionExistsError, NonFiniteParamsError, MetricNotNumericError,
+        ExportCheckError: see `export_snapshot`.
     """
     if isinstance(state, snapshot_lib.HostSnapshot):
       snap = state
@@ -326,13 +327,16 @@ class SavedModelExporter:
 
     Args:
       snap: the host snapshot (variables as numpy, axes, step).
-      metrics: optional `{name: scalar}` recorded in the metadata.
+      metrics: optional `{name: value}` recorded in the metadata
+        (`versions.flatten_metrics`).
 
     Returns:
       The published version directory `<export_dir>/<step>`.
 
     Raises:
       VersionExistsError: the version exists and `overwrite` is False.
+      MetricNotNumericError: the `keep_best` metric is given but is not a
+        number (nothing is written).
       NonFiniteParamsError: a param holds NaN/Inf and `allow_non_finite` is
         False (names the first such param).
       VariableMismatchError: the params changed structure, shape or dtype
@@ -351,7 +355,8 @@ class SavedModelExporter:
     if not self._allow_non_finite:
       check_finite(snap.variables)
     metrics = flatten_metrics(metrics)
-    if self._keep_best is not None and self._keep_best.metric not in metrics:
+    if self._keep_best is not None and self._keep_best.score(
+        metrics, step) is None:
       logging.warning(
           't5export: step %d has no metric %r (keep_best); it can only be '
           'kept as one of the newest. Metrics given: %s.', step,

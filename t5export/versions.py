@@ -112,6 +112,30 @@ class KeepBest:
       raise ValueError(
           f"keep_best mode must be 'max' or 'min', got {self.mode!r}.")
 
+  def score(self, metrics: Mapping[str, Any], step: int) -> float | None:
+    """This version's value of `metric`, checked to be a number.
+
+    Args:
+      metrics: the version's flat metrics (`flatten_metrics`).
+      step: the version, for the message.
+
+    Returns:
+      The value, or None if the version has no such metric.
+
+    Raises:
+      errors.MetricNotNumericError: the metric is there but not a number.
+    """
+    if self.metric not in metrics:
+      return None
+    value = metrics[self.metric]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      raise errors.MetricNotNumericError(
+          f'keep_best metric {self.metric!r} of step {step} is not a number: '
+          f'{value!r} ({type(value).__name__}). Pass a number for it (a '
+          'float, a 0-d array or a clu.values.Scalar) or name a numeric '
+          'metric in keep_best.')
+    return value
+
   @classmethod
   def parse(cls, value: Any) -> KeepBest | None:
     """Accepts None, a KeepBest, or a `(n, metric[, mode])` sequence."""
@@ -125,12 +149,49 @@ class KeepBest:
         "'max'|'min') or exporter.KeepBest(n, metric, mode).")
 
 
+def _metric_value(value: Any) -> float | int | str:
+  """One metric as JSON: a number if it is one, else a string."""
+  for _ in range(4):  # Unwrap CLU metrics and values (a Scalar's .value).
+    if hasattr(value, 'compute') and callable(value.compute):
+      value = value.compute()  # A clu.metrics.Metric.
+    elif hasattr(value, 'value') and not isinstance(value, (np.ndarray,
+                                                           np.generic)):
+      value = value.value  # A clu.values.Scalar, Text, HyperParam, ...
+    else:
+      break
+  if isinstance(value, (str, bytes)):
+    return value if isinstance(value, str) else value.decode(
+        'utf-8', 'replace')
+  try:
+    array = np.asarray(value)
+  except Exception:  # pylint: disable=broad-except
+    return str(value)
+  if array.shape == () and array.dtype.kind in 'biuf':
+    return float(array) if array.dtype.kind == 'f' else int(array)
+  if array.shape == () and array.dtype.kind == 'V':  # bfloat16, float8, ...
+    try:
+      return float(array)
+    except (TypeError, ValueError):
+      pass
+  if array.dtype.kind in 'biuf':  # Not a scalar: describe, don't dump it.
+    return f'<array of shape {array.shape}, {array.dtype}>'
+  return str(value)
+
+
 def flatten_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
-  """Makes metrics JSON-ready: nested names joined by '/', scalars as float.
+  """Makes metrics JSON-ready: nested names joined by '/', numbers as numbers.
+
+  A value becomes a float or int when it is a number: a Python or numpy
+  number, a 0-d numpy/JAX array, a CLU value holding one in `.value` (e.g.
+  `clu.values.Scalar`, as T5X passes eval metrics) or a CLU metric whose
+  `.compute()` gives one. Strings (e.g. `clu.values.Text`) stay strings;
+  a numeric array with more than one element is recorded as a short
+  description and anything else as its str(). Such values are for reading
+  only: a `keep_best` metric must be a number (`KeepBest.score` raises
+  `errors.MetricNotNumericError` otherwise). Flattening is idempotent.
 
   Args:
-    metrics: `{name: value}`, values may be nested mappings, numpy/JAX
-      scalars, or anything else (kept as its str()).
+    metrics: `{name: value}`, values may be nested mappings.
 
   Returns:
     A flat `{name: float | int | str}` dict.
@@ -142,16 +203,7 @@ def flatten_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
       for k, v in value.items():
         visit(f'{prefix}/{k}' if prefix else str(k), v)
       return
-    if hasattr(value, 'compute') and callable(value.compute):
-      value = value.compute()  # A clu metric.
-    try:
-      array = np.asarray(value)
-    except Exception:  # pylint: disable=broad-except
-      array = None
-    if array is not None and array.shape == () and array.dtype.kind in 'biuf':
-      out[prefix] = float(array) if array.dtype.kind == 'f' else int(array)
-    else:
-      out[prefix] = str(value)
+    out[prefix] = _metric_value(value)
 
   visit('', dict(metrics or {}))
   return out

@@ -13,7 +13,9 @@ Modes:
           unsharded reference export. With --rules_1d, then the same params
           placed by the 1-D rules are exported by a second callback
           (export_now). With --failures, then: a callback
-          whose export_dir (--bad_dir) process 0 cannot create, and two
+          whose export_dir (--bad_dir) process 0 cannot create; a callback
+          with every_secs only, each process passing its own clock (only
+          process 0's triggers; both must export where it does); and two
           more steps whose params turn NaN before the export, so process 0
           refuses to publish (NonFiniteParamsError), once with
           on_error='raise' (async) and once with 'log' (sync); every
@@ -251,6 +253,21 @@ def train_and_export(args: argparse.Namespace) -> None:
   emit(event='ctor', process=jax.process_index(),
        error_type=type(ctor_error).__name__ if ctor_error else None,
        error=str(ctor_error) if ctor_error else None)
+  # every_secs: the processes' clocks differ (here: process 1's would never
+  # trigger); process 0 decides for all, so all join the same gathers.
+  clock = ([0.0, 20.0, 21.0, 40.0] if jax.process_index() == 0 else
+           [0.0, 1.0, 2.0, 3.0])
+  secs_cb = t5export.ExportCallback(
+      export_dir=args.export_dir + '_secs', signatures=signatures,
+      every_secs=10.0, keep=None, logical_axis_rules=rules, warmup=False,
+      validate=False, multiprocess_timeout_secs=args.timeout)
+  fired = []
+  for step, t in enumerate(clock, start=1):
+    if secs_cb(step, t=t, train_state=state.replace_step(step)):
+      fired.append(step)
+  secs_cb.close()
+  emit(event='done:secs', process=jax.process_index(), fired=fired,
+       due=secs_cb.exports_due, published=secs_cb.published)
   # Params turn NaN before the next export: process 0 refuses to publish.
   export_phase('nan', state, range(args.steps + 1, args.steps + 3),
                args.export_dir + '_nan', poison_at=args.steps + 2)

@@ -1,4 +1,8 @@
-"""Tests for t5export.async_export: bounded latest-wins background worker."""
+"""Tests for t5export.async_export: the bounded background worker.
+
+One item runs and one waits; `when_busy` decides what a third does: wait for
+room (the default) or replace the waiting one ('skip', latest wins).
+"""
 
 from __future__ import annotations
 
@@ -95,15 +99,18 @@ def test_runs_item_in_background_and_counts():
   worker.close()
 
 
-def test_newer_item_replaces_queued_one_latest_wins():
+def test_newer_item_replaces_queued_one_under_skip():
   fn = _GatedFn()
-  worker = async_export.AsyncWorker(fn, name='t5export-test-replace')
-  worker.submit(_Item('1'))
+  worker = async_export.AsyncWorker(fn, when_busy='skip',
+                                    name='t5export-test-replace')
+  assert worker.submit(_Item('1')) is None
   fn.wait_started(1)  # '1' is running and blocked.
-  for label in ('2', '3', '4'):
-    worker.submit(_Item(label))
+  assert worker.submit(_Item('2')) is None  # Room: nothing replaced.
+  for label, replaced in (('3', '2'), ('4', '3')):
+    assert worker.submit(_Item(label)).label == replaced
     assert worker.stats['queued'] == 1
   assert worker.stats['replaced'] == 2
+  assert worker.stats['waits'] == 0
   fn.release(2)
   worker.close()
   assert fn.started == ['1', '4']  # '2' and '3' were replaced, never run.
@@ -115,7 +122,8 @@ def test_newer_item_replaces_queued_one_latest_wins():
 
 def test_never_holds_more_than_one_running_and_one_queued_item():
   fn = _GatedFn()
-  worker = async_export.AsyncWorker(fn, name='t5export-test-bounded')
+  worker = async_export.AsyncWorker(fn, when_busy='skip',
+                                    name='t5export-test-bounded')
   refs = []
   item = _Item('0')
   refs.append(weakref.ref(item))
@@ -306,10 +314,9 @@ def test_interpreter_exit_finishes_queued_item_without_close(tmp_path):
                         text=True, timeout=60, check=False)
   assert proc.returncode == 0, proc.stderr
   lines = out.read_text().split()
-  # 'second' either replaced nothing (first already running) or replaced
-  # 'first' before it started; the newest item is always written.
-  assert lines[-1] == 'second'
-  assert lines in (['first', 'second'], ['second'])
+  # when_busy='wait': 'second' waited for room if 'first' was still
+  # queued; both are written, in order.
+  assert lines == ['first', 'second']
   assert 'tensorflow' not in proc.stderr.lower()
 
 
@@ -326,8 +333,133 @@ def test_is_light_no_tensorflow_or_jax_import():
     (dict(fn=print, on_error='ignore'), ValueError,
      r"on_error must be one of \('raise', 'log'\), got 'ignore'"),
     (dict(fn=print, name=''), TypeError, 'name must be a non-empty str'),
+    (dict(fn=print, when_busy='drop'), ValueError,
+     r"when_busy must be one of \('wait', 'skip'\), got 'drop'"),
 ])
 def test_argument_validation(kwargs, error, match):
   fn = kwargs.pop('fn')
   with pytest.raises(error, match=match):
     async_export.AsyncWorker(fn, **kwargs)
+
+
+def _submit_in_thread(worker, item) -> threading.Thread:
+  thread = threading.Thread(target=worker.submit, args=(item,))
+  thread.start()
+  return thread
+
+
+def test_submit_waits_for_room_by_default_and_drops_nothing():
+  fn = _GatedFn()
+  worker = async_export.AsyncWorker(fn, name='t5export-test-wait')
+  assert worker.when_busy == 'wait'
+  refs = []
+  for label in ('1', '2'):
+    item = _Item(label)
+    refs.append(weakref.ref(item))
+    worker.submit(item)
+    del item
+    fn.wait_started(1)  # '1' runs (blocked); '2' is queued.
+  third = _Item('3')
+  submitter = _submit_in_thread(worker, third)
+  _wait_for(lambda: worker.stats['waiting'] == 1)
+  # The third waits in its caller's hands: the worker still holds two.
+  assert [r().label for r in refs if r() is not None] == ['1', '2']
+  stats = worker.stats
+  assert (stats['submitted'], stats['queued'], stats['replaced']) == (2, 1, 0)
+  fn.release()  # '1' finishes, '2' starts: room for '3'.
+  submitter.join(TIMEOUT)
+  assert not submitter.is_alive()
+  del third
+  fn.wait_started(2)
+  assert worker.stats['queued'] == 1 and worker.stats['waiting'] == 0
+  fn.release(2)
+  worker.close()
+  assert fn.done == ['1', '2', '3']
+  stats = worker.stats
+  assert (stats['submitted'], stats['completed'], stats['replaced'],
+          stats['waits']) == (3, 3, 0, 1)
+  assert stats['waited_secs'] > 0
+
+
+def test_make_room_waits_or_drops_without_queuing():
+  fn = _GatedFn()
+  worker = async_export.AsyncWorker(fn, name='t5export-test-room')
+  assert worker.make_room() == (0.0, None)  # Nothing queued: no wait.
+  worker.submit(_Item('1'))
+  fn.wait_started(1)
+  worker.submit(_Item('2'))
+  rooms = []
+  maker = threading.Thread(target=lambda: rooms.append(worker.make_room()))
+  maker.start()
+  _wait_for(lambda: worker.stats['waiting'] == 1)
+  fn.release()
+  maker.join(TIMEOUT)
+  (room,) = rooms
+  assert room.dropped is None and room.waited_secs > 0
+  fn.wait_started(2)  # '2' runs; nothing queued, nothing was submitted.
+  assert worker.stats['queued'] == 0 and worker.stats['submitted'] == 2
+  fn.release()
+  worker.close()
+
+  fn = _GatedFn()
+  skip = async_export.AsyncWorker(fn, when_busy='skip',
+                                  name='t5export-test-room-skip')
+  skip.submit(_Item('1'))
+  fn.wait_started(1)
+  queued = _Item('2')
+  ref = weakref.ref(queued)
+  skip.submit(queued)
+  del queued
+  room = skip.make_room()
+  assert room.waited_secs == 0.0 and room.dropped.label == '2'
+  del room
+  assert ref() is None  # Dropped: only the caller held it.
+  assert (skip.stats['queued'], skip.stats['replaced']) == (0, 1)
+  fn.release()
+  skip.close()
+  assert fn.done == ['1']
+
+
+def test_failure_while_waiting_for_room_is_raised_and_item_not_queued():
+  fn = _GatedFn()
+  worker = async_export.AsyncWorker(fn, name='t5export-test-wait-fail')
+  worker.submit(_Item('bad', fail=True))
+  fn.wait_started(1)
+  worker.submit(_Item('2'))
+  errors_seen = []
+
+  def submit_third():
+    try:
+      worker.submit(_Item('3'))
+    except errors.ExportFailedError as e:
+      errors_seen.append(e)
+
+  submitter = threading.Thread(target=submit_third)
+  submitter.start()
+  _wait_for(lambda: worker.stats['waiting'] == 1)
+  fn.release()  # 'bad' fails, '2' starts: room, but a failure is pending.
+  submitter.join(TIMEOUT)
+  (error,) = errors_seen
+  assert 'boom bad' in str(error)
+  assert worker.stats['submitted'] == 2  # '3' was refused, not queued.
+  fn.release()
+  worker.close()
+  assert fn.done == ['2']
+
+
+def test_a_failed_item_is_freed_although_its_error_is_kept():
+  fn = _GatedFn()
+  worker = async_export.AsyncWorker(fn, on_error='raise',
+                                    name='t5export-test-free-failed')
+  item = _Item('bad', fail=True)
+  ref = weakref.ref(item)
+  worker.submit(item)
+  del item
+  fn.release()
+  _wait_for(lambda: worker.stats['failed'] == 1)
+  gc.collect()
+  # The pending error (and stats['last_error']) hold its traceback, whose
+  # frames no longer hold the item.
+  assert ref() is None
+  with pytest.raises(errors.ExportFailedError, match='boom bad'):
+    worker.close()

@@ -4,6 +4,11 @@ A tiny MlpBn (params with logical axes + batch_stats) trains with optax and
 `jax.jit(donate_argnums=0)`; the callback exports while it trains and every
 published version is loaded in TensorFlow and compared with the JAX model at
 that step's params.
+
+A deliberately slow export is a gate in front of the exporter's
+`export_snapshot` that holds each write until the test releases it, so what
+the training thread does meanwhile (wait for room, or replace the queued
+snapshot) is observed at fixed points, with no sleeps and no timing bounds.
 """
 
 from __future__ import annotations
@@ -11,13 +16,17 @@ from __future__ import annotations
 import dataclasses
 import gc
 import glob
+import logging as py_logging
 import os
 import threading
 import time
 
+from absl import logging
 from clu import metric_writers
 from clu import periodic_actions
+from clu import values as clu_values
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -86,6 +95,50 @@ def _served(version_dir: str) -> np.ndarray:
   return out['logits'].numpy()
 
 
+def _read_scalars(logdir: str) -> dict[tuple[int, str], float]:
+  """{(step, tag): value} of every scalar a SummaryWriter wrote."""
+  scalars: dict[tuple[int, str], float] = {}
+  for event_file in glob.glob(os.path.join(logdir, 'events.*')):
+    for event in tf.compat.v1.train.summary_iterator(event_file):
+      for value in event.summary.value:
+        scalars[(event.step, value.tag)] = float(
+            tf.make_ndarray(value.tensor))
+  return scalars
+
+
+class _AbslRecords(py_logging.Handler):
+  """Collects the messages t5export logs through absl, from INFO up.
+
+  Sets absl's verbosity (not only the logger's level): TensorFlow's first
+  `tf.saved_model.save` in a process sets it to FATAL for a moment and
+  then back to the verbosity flag's value.
+  """
+
+  def __init__(self):
+    super().__init__(level=py_logging.INFO)
+    self.messages: list[str] = []
+    self.on_record = None  # Optional hook called with each record.
+
+  def emit(self, record: py_logging.LogRecord) -> None:
+    self.messages.append(record.getMessage())
+    if self.on_record is not None:
+      self.on_record(record)
+
+  def __enter__(self) -> _AbslRecords:
+    self._verbosity = logging.get_verbosity()
+    logging.set_verbosity(logging.INFO)
+    logging.get_absl_logger().addHandler(self)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    logging.get_absl_logger().removeHandler(self)
+    logging.set_verbosity(self._verbosity)
+
+  def closing_line(self) -> str:
+    (line,) = [m for m in self.messages if 'ExportCallback closed' in m]
+    return line
+
+
 def _assert_versions_match(export_dir, expected: dict[int, np.ndarray]):
   published = sorted(int(os.path.basename(p)) for p in glob.glob(
       os.path.join(str(export_dir), '[0-9]*')))
@@ -99,28 +152,75 @@ def _assert_versions_match(export_dir, expected: dict[int, np.ndarray]):
 # --- the three loops ----------------------------------------------------------
 
 
-def test_clu_loop_exports_expected_steps_with_donation(trainer, tmp_path):
-  """CLU PeriodicAction style; exported outputs equal JAX at each step."""
+def test_clu_loop_beside_report_progress_exports_expected_steps(
+    trainer, tmp_path):
+  """A CLU loop: CLU's own ReportProgress and the callback, every step."""
   ts = trainer.new_state()
-  cb = _callback(trainer, tmp_path, export_every_steps=3, num_train_steps=7)
-  assert isinstance(cb, periodic_actions.PeriodicAction)
+  logdir = str(tmp_path / 'tb')
+  writer = metric_writers.SummaryWriter(logdir)
+  export_dir = tmp_path / 'export'
+  # CLU's ReportProgress insists on a call at every step (it raises
+  # otherwise), so this is the loop CLU users write.
+  report = periodic_actions.ReportProgress(num_train_steps=7, every_steps=2,
+                                           every_secs=None, writer=writer)
+  cb = _callback(trainer, export_dir, export_every_steps=3,
+                 num_train_steps=7, metric_writer=writer)
   expected, triggered = {}, []
   for step in range(1, 8):
     ts = trainer.step(ts, step)  # Donates the previous state's buffers.
-    if cb(step, t=time.time(), train_state=ts):
-      triggered.append(step)
-      expected[step] = trainer.expected(ts)
-      cb.wait()  # Every due export is published (no replacement here).
-      if step == 3:
-        traces = cb.exporter.module.trace_count
+    t = time.time()
+    report(step, t)
+    with report.timed('export', wait_jax_async_dispatch=False):
+      if cb(step, t=t, train_state=ts):
+        triggered.append(step)
+        expected[step] = trainer.expected(ts)
+        if step == 3:
+          cb.wait()
+          traces = cb.exporter.module.trace_count
   # The next train step donated the exported step's buffers; the snapshot
   # still held its own copy, so the versions hold the right values.
   cb.close()
+  writer.close()
   assert triggered == [3, 6, 7]
-  _assert_versions_match(tmp_path, expected)
-  assert cb.exports_done == 3
+  _assert_versions_match(export_dir, expected)
+  assert (cb.exports_due, cb.exports_done) == (3, 3)
   # Traced on the first export, updated in place afterwards.
   assert cb.exporter.module.trace_count == traces
+  scalars = _read_scalars(logdir)
+  assert {s for s, tag in scalars if tag == 'steps_per_sec'} == {2, 4, 6, 7}
+  published = {s: v for (s, tag), v in scalars.items()
+               if tag == 't5export/exports_published'}
+  assert sorted(published.values()) == [1.0, 2.0, 3.0]
+  assert set(published) == {3, 6, 7}
+
+
+@pytest.mark.parametrize('style', ['call', 'run'])
+def test_sparse_calls_export_when_a_multiple_was_crossed(
+    trainer, tmp_path, style):
+  """T5X hands the state out per chunk: calls at steps 3, 7, 12 only."""
+  ts = trainer.new_state()
+  cb = _callback(trainer, tmp_path, export_every_steps=5, validate=False)
+  expected, triggered = {}, []
+  for step in range(1, 13):
+    ts = trainer.step(ts, step)
+    if step not in (3, 7, 12):
+      continue
+    if style == 'call':
+      fired = cb(step, train_state=ts)
+    else:
+      assert cb.run(ts, {'task': {'loss': 1.0 / step}}) is False
+      fired = cb.stats['exports_due'] > len(triggered)
+    if fired:
+      triggered.append(step)
+      expected[step] = trainer.expected(ts)
+  cb.close()
+  # 7 crossed 5 and 12 crossed 10; the versions are named after
+  # train_state.step, the step the params belong to.
+  assert triggered == [7, 12]
+  _assert_versions_match(tmp_path, expected)
+  assert cb.summary().startswith('2 due: 2 published, 0 skipped')
+  if style == 'run':
+    assert cb.exporter.metrics()[12] == {'task/loss': 1.0 / 12}
 
 
 def test_t5x_action_loop_uses_train_state_step_and_metrics(trainer, tmp_path):
@@ -178,12 +278,7 @@ def test_plain_loop_inline_context_manager_export_now_and_metrics(
               for r, _, fs in os.walk(d) for f in fs)
   assert cb.bytes_written == sizes
   writer.close()
-  scalars: dict[tuple[int, str], float] = {}
-  for event_file in glob.glob(os.path.join(logdir, 'events.*')):
-    for event in tf.compat.v1.train.summary_iterator(event_file):
-      for value in event.summary.value:
-        scalars[(event.step, value.tag)] = float(
-            tf.make_ndarray(value.tensor))
+  scalars = _read_scalars(logdir)
   for step in (5, 6):
     assert scalars[(step, 't5export/export_secs')] > 0
     assert scalars[(step, 't5export/blocking_secs')] >= 0
@@ -195,20 +290,35 @@ def test_plain_loop_inline_context_manager_export_now_and_metrics(
 
 
 class _Gate:
-  """Holds the exporter's writes until released: a deliberately slow export."""
+  """Holds the exporter's writes until released: a deliberately slow export.
+
+  The n-th write waits until `release` was called n times in all.
+  """
 
   def __init__(self, exporter):
-    self.entered = threading.Semaphore(0)
-    self.release = threading.Event()
     self.steps: list[int] = []
+    self._cv = threading.Condition()
+    self._released = 0
     self._write = exporter.export_snapshot
     exporter.export_snapshot = self  # Instance attribute: this object only.
 
   def __call__(self, snap, metrics=None):
-    self.steps.append(snap.step)
-    self.entered.release()
-    assert self.release.wait(60), 'test never released the export'
+    with self._cv:
+      self.steps.append(snap.step)
+      index = len(self.steps)
+      self._cv.notify_all()
+      assert self._cv.wait_for(lambda: self._released >= index, 60), (
+          'test never released the export')
     return self._write(snap, metrics)
+
+  def wait_entered(self, n: int) -> None:
+    with self._cv:
+      assert self._cv.wait_for(lambda: len(self.steps) >= n, 60), self.steps
+
+  def release(self, n: int = 1) -> None:
+    with self._cv:
+      self._released += n
+      self._cv.notify_all()
 
 
 def _live_snapshots() -> list[int]:
@@ -217,35 +327,134 @@ def _live_snapshots() -> list[int]:
                 if isinstance(o, snapshot_lib.HostSnapshot))
 
 
-def test_async_holds_at_most_one_queued_snapshot_latest_wins(
+def _wait_until(predicate) -> None:
+  deadline = time.monotonic() + 60
+  while not predicate():
+    assert time.monotonic() < deadline, 'condition never became true'
+    threading.Event().wait(0.01)
+
+
+class _SnapshotCensus:
+  """Counts the other snapshots alive whenever a new one is being taken.
+
+  `take_snapshot` logs 'Snapshot of step N' once the new snapshot's arrays
+  are gathered, just before it returns; at that point at most one other
+  snapshot (the export running) may be alive, so never more than two exist
+  at once.
+  """
+
+  def __init__(self, records: _AbslRecords):
+    self.others: list[list[int]] = []
+    records.on_record = self._on_record
+
+  def _on_record(self, record: py_logging.LogRecord) -> None:
+    if record.getMessage().startswith('Snapshot of step'):
+      self.others.append(_live_snapshots())
+
+
+def test_slow_export_when_busy_wait_publishes_every_due_step(
     trainer, tmp_path):
+  """The default: the training thread waits for room; nothing is dropped."""
   ts = trainer.new_state()
   cb = _callback(trainer, tmp_path, export_every_steps=1, validate=False)
+  assert cb.when_busy == 'wait'
+  # The first export traces and saves in full; TensorFlow's save mutes absl
+  # logging for a moment, which must not overlap the census below.
+  cb.export_now(ts)
+  expected = {0: trainer.expected(ts)}
+  gate = _Gate(cb.exporter)
+  reached = []
+
+  def train_loop():
+    state = ts
+    for step in range(1, 7):
+      state = trainer.step(state, step)
+      assert cb(step, train_state=state)
+      expected[step] = trainer.expected(state)
+      reached.append(step)
+
+  with _AbslRecords() as records:
+    census = _SnapshotCensus(records)
+    loop = threading.Thread(target=train_loop)
+    loop.start()
+    gate.wait_entered(1)  # Export 1 is running (held by the gate).
+    for waiting_at in range(3, 7):
+      # Export waiting_at - 2 runs, waiting_at - 1 is queued: the training
+      # thread waits at step waiting_at before taking its snapshot.
+      # (`waits` counts the waits that ended: those at 3 .. waiting_at - 1.)
+      _wait_until(lambda: cb.worker.stats['waiting'] == 1 and
+                  cb.worker.stats['waits'] == waiting_at - 3)
+      assert reached == list(range(1, waiting_at))
+      assert _live_snapshots() == [waiting_at - 2, waiting_at - 1]
+      gate.release()
+      gate.wait_entered(waiting_at - 1)
+    loop.join(60)
+    assert not loop.is_alive()
+    gate.release(3)
+    cb.close()
+  assert gate.steps == [1, 2, 3, 4, 5, 6]
+  _assert_versions_match(tmp_path, expected)
+  stats = cb.stats
+  assert (stats['exports_due'], stats['exports_done'],
+          stats['exports_replaced'], stats['exports_failed']) == (7, 7, 0, 0)
+  assert stats['worker']['waits'] == 4 and stats['worker']['replaced'] == 0
+  # export_now, then steps 1 and 2 found room; 3..6 waited.
+  assert [w > 0 for w in cb.wait_secs] == [False] * 3 + [True] * 4
+  assert stats['wait_secs_total'] == sum(cb.wait_secs)
+  # Never more than two snapshots at once: one other when one is taken.
+  assert len(census.others) == 6
+  assert all(len(others) <= 1 for others in census.others), census.others
+  assert records.closing_line() == (
+      "t5export: ExportCallback closed: 7 due: 7 published, 0 skipped "
+      "(already published), 0 replaced (when_busy='wait'), 0 failed; "
+      f"waited {sum(cb.wait_secs):.2f}s for room.")
+
+
+def test_slow_export_when_busy_skip_counts_replaced_steps(trainer, tmp_path):
+  """Opt-in latest-wins: the queued snapshot is dropped for the newer."""
+  ts = trainer.new_state()
+  logdir = str(tmp_path / 'tb')
+  writer = metric_writers.SummaryWriter(logdir)
+  export_dir = tmp_path / 'export'
+  cb = _callback(trainer, export_dir, export_every_steps=1, validate=False,
+                 when_busy='skip', metric_writer=writer)
   gate = _Gate(cb.exporter)
   expected = {}
-  for step in range(1, 7):
-    ts = trainer.step(ts, step)
-    assert cb(step, train_state=ts)
-    expected[step] = trainer.expected(ts)
-    if step == 1:
-      assert gate.entered.acquire(timeout=60)  # Export 1 is now blocked.
-    else:
-      stats = cb.worker.stats
-      assert stats['running'] and stats['queued'] == 1
-  # Memory stays bounded: only the running and the newest queued snapshot
-  # are alive; the replaced ones (2..5) were freed.
-  assert _live_snapshots() == [1, 6]
-  # The training thread never waited for the blocked export.
-  assert not gate.release.is_set() and cb.exports_done == 0
-  gate.release.set()
-  cb.close()
+  with _AbslRecords() as records:
+    census = _SnapshotCensus(records)
+    for step in range(1, 7):
+      ts = trainer.step(ts, step)
+      assert cb(step, train_state=ts)  # Never waits for the held export.
+      expected[step] = trainer.expected(ts)
+      if step == 1:
+        gate.wait_entered(1)  # Export 1 is now held.
+      stats = cb.stats
+      assert (stats['exports_due'], stats['exports_replaced']) == (
+          step, max(0, step - 2))
+      # Memory stays bounded: the running and the newest queued snapshot.
+      assert _live_snapshots() == ([1] if step == 1 else [1, step])
+    assert cb.exports_done == 0 and cb.wait_secs == [0.0] * 6
+    gate.release(2)
+    cb.close()
+  writer.close()
   assert gate.steps == [1, 6]
-  assert cb.worker.stats['replaced'] == 4
+  _assert_versions_match(export_dir, {1: expected[1], 6: expected[6]})
   stats = cb.stats
-  assert stats['exports_done'] == 2 and stats['worker']['replaced'] == 4
-  # Handing off never waited for the 60 s-gated export.
-  assert stats['blocking_secs_max'] < 30
-  _assert_versions_match(tmp_path, {1: expected[1], 6: expected[6]})
+  assert (stats['exports_due'], stats['exports_done'], stats['exports_skipped'],
+          stats['exports_replaced'], stats['exports_failed']) == (6, 2, 0, 4, 0)
+  assert stats['worker']['replaced'] == 4 and stats['worker']['waits'] == 0
+  assert all(len(others) <= 1 for others in census.others), census.others
+  replaced_lines = [m for m in records.messages if 'was replaced' in m]
+  assert [int(m.split()[5]) for m in replaced_lines] == [2, 3, 4, 5]
+  assert records.closing_line() == (
+      "t5export: ExportCallback closed: 6 due: 2 published, 0 skipped "
+      "(already published), 4 replaced (when_busy='skip'), 0 failed; "
+      "waited 0.00s for room.")
+  scalars = _read_scalars(logdir)
+  assert {s: v for (s, tag), v in scalars.items()
+          if tag == 't5export/exports_replaced'} == {2: 1, 3: 2, 4: 3, 5: 4}
+  assert {s: v for (s, tag), v in scalars.items()
+          if tag == 't5export/exports_published'} == {1: 1, 6: 2}
   assert not cb.worker.is_alive
 
 
@@ -271,17 +480,13 @@ def test_failing_export_raises_on_next_call_with_on_error_raise(
   assert not cb(3, train_state=ts)
   ts = trainer.step(ts, 4)
   cb(4, train_state=ts)
-  _wait_idle(cb)
+  _wait_until(lambda: not cb.worker.busy)
   with pytest.raises(errors.ExportFailedError, match='non-finite'):
     cb(5, train_state=ts)
   cb.close()
-
-
-def _wait_idle(cb) -> None:
-  deadline = time.monotonic() + 60
-  while cb.worker.busy:
-    assert time.monotonic() < deadline
-    threading.Event().wait(0.01)
+  assert cb.summary() == ("2 due: 0 published, 0 skipped (already "
+                          "published), 0 replaced (when_busy='wait'), 2 "
+                          "failed; waited 0.00s for room.")
 
 
 def test_failing_export_is_logged_and_training_continues_with_on_error_log(
@@ -300,7 +505,9 @@ def test_failing_export_is_logged_and_training_continues_with_on_error_log(
   cb.close()
   assert cb.worker.stats['failed'] == 1
   assert 'non-finite' in caplog.text and 'Traceback' in caplog.text
+  assert 'the export of step 2 failed: NonFiniteParamsError' in caplog.text
   _assert_versions_match(tmp_path, expected)
+  assert (cb.exports_due, cb.exports_done, cb.exports_failed) == (2, 1, 1)
 
 
 def test_inline_failure_follows_on_error(trainer, tmp_path):
@@ -314,6 +521,7 @@ def test_inline_failure_follows_on_error(trainer, tmp_path):
                  on_error='log', validate=False)
   assert cb.export_now(ts) is None
   cb.close()
+  assert (cb.exports_due, cb.exports_failed, cb.exports_done) == (1, 1, 0)
 
 
 def test_resume_continues_version_sequence_without_overwriting(
@@ -339,6 +547,7 @@ def test_resume_continues_version_sequence_without_overwriting(
       if cb2(step, train_state=ts):
         expected[step] = trainer.expected(ts)
   assert cb2.exports_skipped == 1 and cb2.exports_done == 1
+  assert cb2.summary().startswith('2 due: 1 published, 1 skipped')
   assert os.stat(tmp_path / '6' / 'saved_model.pb').st_mtime_ns == mtime
   _assert_versions_match(tmp_path, expected)  # 3, 6 and the final 8.
 
@@ -363,6 +572,12 @@ def test_resume_continues_version_sequence_without_overwriting(
      r'on_steps must hold ints >= 0, got \[-1\]'),
     (dict(export_every_steps=5, on_error='ignore'), ValueError,
      r"on_error must be one of \('raise', 'log'\), got 'ignore'"),
+    (dict(export_every_steps=5, when_busy='drop'), ValueError,
+     r"when_busy must be one of \('wait', 'skip'\), got 'drop'"),
+    (dict(export_every_steps=5, when_busy=None), ValueError,
+     r"when_busy must be one of \('wait', 'skip'\), got None"),
+    (dict(export_every_steps=5, num_train_steps=0), ValueError,
+     'num_train_steps must be > 0, got 0'),
     (dict(export_every_steps=5, signatures=[]), ValueError,
      'signatures is empty'),
     (dict(export_every_steps=5, signatures=iter([])), ValueError,
@@ -379,3 +594,72 @@ def test_due_export_without_train_state_is_a_clear_error(trainer, tmp_path):
     with pytest.raises(ValueError, match=r'no train_state was passed.*'
                        r'cb\(step, train_state=state\)'):
       cb(1)
+
+
+# --- metrics ------------------------------------------------------------------
+
+
+def test_clu_scalar_metrics_become_numbers_and_drive_keep_best(
+    trainer, tmp_path):
+  """T5X passes eval metrics as clu.values.Scalar holding JAX arrays."""
+  ts = trainer.new_state()
+  cb = _callback(trainer, tmp_path, export_every_steps=2, keep=1,
+                 keep_best=(1, 'eval/accuracy', 'max'), validate=False)
+  accuracy = {2: 0.5, 4: 0.9, 6: 0.7}
+  for step in range(1, 7):
+    ts = trainer.step(ts, step)
+    metrics = {'eval': {'accuracy': clu_values.Scalar(
+        jnp.asarray(accuracy.get(step, 0.0), jnp.float32))}}
+    if step == 4:  # The CLU-loop path, with a 0-d numpy array.
+      cb(step, train_state=ts, metrics={
+          'eval/accuracy': np.float32(accuracy[4]),
+          'eval/note': clu_values.Text('best so far')})
+    else:  # The T5X action path.
+      cb.run(ts, metrics)
+    cb.wait()
+  cb.close()
+  # keep=1 keeps 6; the best by accuracy (4) stays; 2 went to retention.
+  assert cb.versions() == [4, 6]
+  meta = t5export.verify.read_metadata(str(tmp_path / '4'))
+  assert meta['metrics'] == {'eval/accuracy': pytest.approx(0.9),
+                             'eval/note': 'best so far'}
+  assert isinstance(meta['metrics']['eval/accuracy'], float)
+  meta = t5export.verify.read_metadata(str(tmp_path / '6'))
+  assert meta['metrics'] == {'eval/accuracy': pytest.approx(0.7)}
+
+
+def test_non_numeric_keep_best_metric_fails_that_export_naming_it(
+    trainer, tmp_path):
+  ts = trainer.step(trainer.new_state(), 1)
+  cb = _callback(trainer, tmp_path, on_steps=[1], validate=False,
+                 keep_best=(1, 'eval/accuracy', 'max'), on_error='log')
+  cb(1, train_state=ts, metrics={'eval': {'accuracy': clu_values.Text('hi')}})
+  cb.close()
+  assert cb.versions() == []
+  assert (cb.exports_due, cb.exports_failed) == (1, 1)
+  error = cb.worker.stats['last_error']
+  assert isinstance(error, errors.MetricNotNumericError)
+  assert str(error).startswith(
+      "keep_best metric 'eval/accuracy' of step 1 is not a number: 'hi' (str)")
+
+
+def test_exporter_export_records_clu_values_as_numbers(trainer, tmp_path):
+  """The same flattening for a direct `SavedModelExporter.export`."""
+  exporter = t5export.SavedModelExporter(
+      str(tmp_path), [trainer.signature], keep=None, validate=False,
+      warmup=False, keep_best=(1, 'acc', 'max'))
+  ts = trainer.new_state()
+  path = exporter.export(ts.replace_step(1), {
+      'acc': clu_values.Scalar(jnp.asarray(0.25)),
+      'loss': jnp.asarray(1.5, jnp.bfloat16),
+      'hist': clu_values.Histogram(np.zeros((2, 3), np.float32), 4)})
+  recorded = {'acc': 0.25, 'loss': 1.5,
+              'hist': '<array of shape (2, 3), float32>'}
+  assert t5export.verify.read_metadata(path)['metrics'] == recorded
+  assert exporter.metrics()[1] == recorded
+  with pytest.raises(errors.MetricNotNumericError,
+                     match="keep_best metric 'acc' of step 2 is not a number: "
+                     r"'high' \(str\)\. Pass a number"):
+    exporter.export(ts.replace_step(2), {'acc': 'high'})
+  assert exporter.versions() == [1]
+  assert sorted(os.listdir(tmp_path)) == ['1']  # Nothing staged either.

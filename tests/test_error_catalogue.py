@@ -119,6 +119,15 @@ def test_on_error_unknown(tmp_path):
   assert not (tmp_path / 'export').exists()
 
 
+def test_when_busy_unknown(tmp_path):
+  with pytest.raises(ValueError,
+                     match=r"when_busy must be one of \('wait', 'skip'\), got "
+                     r"'drop'\. 'wait' makes the training thread wait for "
+                     "room"):
+    _callback(str(tmp_path / 'export'), when_busy='drop')
+  assert not (tmp_path / 'export').exists()
+
+
 @pytest.mark.parametrize('keep', [0, 2.5])
 def test_keep_not_a_positive_int(tmp_path, keep):
   with pytest.raises(ValueError,
@@ -248,6 +257,20 @@ def test_non_finite_params(published):
     published.export(
         t5export.InferenceState.create(variables).replace_step(2))
   _assert_kept(published, before)
+
+
+def test_keep_best_metric_not_numeric(tmp_path):
+  exporter = exporter_lib.SavedModelExporter(
+      str(tmp_path / 'export'), [model.signature()],
+      keep_best=(1, 'eval/accuracy', 'max'))
+  exporter.export(model.state_for(1), {'eval': {'accuracy': 0.5}})
+  before = _tree_digest(exporter.export_dir)
+  with pytest.raises(errors.MetricNotNumericError,
+                     match=r"keep_best metric 'eval/accuracy' of step 2 is not "
+                     r"a number: 'high' \(str\)\. Pass a number for it"):
+    exporter.export(model.state_for(2), {'eval': {'accuracy': 'high'}})
+  assert isinstance(errors.MetricNotNumericError('x'), TypeError)
+  _assert_kept(exporter, before)
 
 
 def test_version_already_exists(published):

@@ -11,7 +11,9 @@ process 0's write) is used by the others; each test then waits for its own.
   write (process 1 is given export_dirs below a regular file, so any
   attempt to create them fails).
 * the same processes then go on with failures (saving two more process
-  startups): an export_dir process 0 cannot create, then NaN params that
+  startups): an export_dir process 0 cannot create, an every_secs trigger
+  that only process 0's clock fires (both export where it does), then NaN
+  params that
   process 0 refuses to publish; process 1 must end with process 0's
   message within the timeout (on_error='raise'), or log it and go on
   (on_error='log').
@@ -340,6 +342,19 @@ def test_writer_failure_reaches_the_other_process(runs):
   assert os.listdir(root / 'export_nan_log') == []
   assert not d1['export_dir_exists']
   assert runs['blocker'].is_file() and runs['blocker'].read_text() == ''
+
+
+@pytest.mark.multiprocess
+def test_every_secs_is_process_0s_decision(runs):
+  p0, p1 = runs['runs']['export2'].result()
+  s0, s1 = p0.event('done:secs'), p1.event('done:secs')
+  # Process 0's clock passed 10 s at steps 2 and 4 (process 1's never did);
+  # both exported there, joining the same gathers.
+  assert s0['fired'] == s1['fired'] == [2, 4]
+  assert s0['due'] == s1['due'] == 2
+  root = runs['dirs']['export2']
+  assert s0['published'] == [str(root / 'export_secs' / s) for s in '24']
+  assert s1['published'] == []
 
 
 @pytest.mark.multiprocess

@@ -12,7 +12,8 @@ import t5export
 
 LIGHT_MODULES = ('errors', 'paths', 'train_state', 'partitioning', 'snapshot',
                  'async_export', 'distributed', 'versions', 'checkpoints',
-                 'orbax_checkpoints', 'msgpack_checkpoints')
+                 'orbax_checkpoints', 'msgpack_checkpoints', 'triggering',
+                 'outcomes')
 
 
 def _imports_tensorflow(code: str) -> bool:

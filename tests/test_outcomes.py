@@ -1,0 +1,71 @@
+"""Tests for t5export.outcomes: the tally of due exports."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from t5export import outcomes
+
+
+def test_counts_queue_running_count_scalars_and_summarize():
+  tally = outcomes.Outcomes()
+  for _ in range(4):
+    tally.add_due()
+  assert tally.record('published', 10, 'in 1.0s') == 1
+  assert tally.record('replaced', 20, 'dropped') == 1
+  tally.queue_scalars(30, {'t5export/export_secs': 2.5})
+  assert tally.record('published', 30, 'in 2.5s') == 2
+  assert tally.record('failed', 40, 'boom') == 1
+  assert tally.counts() == {'due': 4, 'published': 2, 'skipped': 0,
+                            'replaced': 1, 'failed': 1}
+  assert tally.take_scalars() == [
+      (10, {'t5export/exports_published': 1.0}),
+      (20, {'t5export/exports_replaced': 1.0}),
+      (30, {'t5export/export_secs': 2.5}),
+      (30, {'t5export/exports_published': 2.0}),
+      (40, {'t5export/exports_failed': 1.0})]
+  assert tally.take_scalars() == []
+  assert tally.summary(when_busy='skip', waited_secs=0.0) == (
+      "4 due: 2 published, 0 skipped (already published), 1 replaced "
+      "(when_busy='skip'), 1 failed; waited 0.00s for room.")
+  assert tally.summary(when_busy='wait', waited_secs=1.234, in_flight=1) == (
+      "4 due: 2 published, 0 skipped (already published), 1 replaced "
+      "(when_busy='wait'), 1 failed, 1 still being written; waited 1.23s "
+      "for room.")
+
+
+def test_each_outcome_is_logged_with_its_step(caplog):
+  tally = outcomes.Outcomes()
+  with caplog.at_level('INFO'):
+    tally.record('skipped', 6, 'already published')
+    tally.record('failed', 7, 'NonFiniteParamsError: ...')
+  assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+      ('WARNING', 't5export: the export of step 6 was skipped: already '
+       'published (1 skipped so far).'),
+      ('ERROR', 't5export: the export of step 7 failed: '
+       'NonFiniteParamsError: ... (1 failed so far).')]
+
+
+def test_records_from_two_threads_all_count():
+  tally = outcomes.Outcomes()
+
+  def publish_many():
+    for step in range(500):
+      tally.record('published', step, '')
+
+  threads = [threading.Thread(target=publish_many) for _ in range(2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert tally.counts()['published'] == 1000
+  assert sorted(v['t5export/exports_published'] for _, v in
+                tally.take_scalars()) == [float(n) for n in range(1, 1001)]
+
+
+def test_unknown_kind_is_refused():
+  with pytest.raises(ValueError, match=r"kind must be one of \('published', "
+                     r"'skipped', 'replaced', 'failed'\), got 'dropped'"):
+    outcomes.Outcomes().record('dropped', 1, '')
