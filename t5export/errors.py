@@ -93,6 +93,10 @@ class SignatureError(T5ExportError, ValueError):
   """A Signature's name, input specs or sample inputs are invalid."""
 
 
+class T5XModelError(T5ExportError, TypeError):
+  """A T5X signature helper got no T5X model or unusable lengths/options."""
+
+
 class VariableMismatchError(T5ExportError, ValueError):
   """New params do not match the structure, shape or dtype of the module's."""
 
