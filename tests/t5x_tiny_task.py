@@ -2,9 +2,10 @@
 
 Importing this module registers TASK_NAME: token ids already (a
 `seqio.PassThroughVocabulary` of t5x_setup.VOCAB_SIZE ids, so no files and
-no downloads), 'train' and 'validation' splits of a few examples each,
-EOS appended as T5X's tasks do. The test's gin names it with
+no downloads), 'train' and 'validation' splits of a few examples each. The test's gin names it with
 `MIXTURE_OR_TASK_MODULE = 't5x_tiny_task'` (tests/ is on PYTHONPATH).
+The vocabulary equals the tiny model's (T5X checks that), which has no EOS
+id, so the examples get none appended.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import t5x_setup  # tests/ is on sys.path.
 
 TASK_NAME = 't5export_tiny'
 NUM_EXAMPLES = 8
-MAX_TOKENS = 5  # Per example, before EOS; within the feature lengths.
+MAX_TOKENS = 5  # Per example; within the feature lengths.
 
 
 def _dataset_fn(split: str, shuffle_files: bool,
@@ -36,13 +37,12 @@ def _register() -> None:
   if TASK_NAME in seqio.TaskRegistry.names():
     return
   vocabulary = seqio.PassThroughVocabulary(size=t5x_setup.VOCAB_SIZE)
-  features = {name: seqio.Feature(vocabulary, add_eos=True, dtype=tf.int32)
+  features = {name: seqio.Feature(vocabulary, add_eos=False, dtype=tf.int32)
               for name in ('inputs', 'targets')}
   seqio.TaskRegistry.add(
       TASK_NAME,
       source=seqio.FunctionDataSource(_dataset_fn,
                                       splits=('train', 'validation')),
-      preprocessors=[seqio.preprocessors.append_eos_after_trim],
       output_features=features)
 
 
