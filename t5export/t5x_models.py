@@ -25,6 +25,14 @@ alone. The batch dimension is polymorphic ('b') unless `batch_size` is
 given; sequence lengths are fixed (T5X's relative position buckets are
 computed from static lengths), as in T5X's own export.
 
+Beam search: T5X's `decoding.beam_search` (the default `decode_fn` of
+`EncoderDecoderModel`) calls `lax.top_k`, which JAX 0.10 serializes as a
+StableHLO composite op that TensorFlow up to 2.21 cannot deserialize, so a
+decode signature over it fails the export check (nothing is published;
+`decode_signature` logs a warning naming the fix). Temperature sampling
+(`decoding.temperature_sample`; `topk=1` is greedy) exports and loads;
+`signatures(decode=False)` leaves the decode signature out.
+
 Decoder padding: the logits signature has no `decoder_target_tokens` input,
 so it applies only the causal mask. Logits at every non-padding position
 equal T5X's (a position sees only itself and earlier ones); at padding
@@ -49,6 +57,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from absl import logging
 import gin
 import jax.numpy as jnp
 import numpy as np
@@ -263,6 +272,7 @@ def decode_signature(model: Any, *, task_feature_lengths: Mapping[str, int],
         f'num_decodes must be a positive int or None (the model\'s default), '
         f'got {num_decodes!r}.')
   kwargs = {} if num_decodes is None else {'num_decodes': num_decodes}
+  _warn_if_beam_search(model)
 
   def serve(variables, inputs):
     enc = inputs['encoder_input_tokens']
@@ -284,7 +294,8 @@ def decode_signature(model: Any, *, task_feature_lengths: Mapping[str, int],
 @gin.configurable('t5x_signatures', module='t5export')
 def signatures(model: Any, *, task_feature_lengths: Mapping[str, int],
                batch_size: int | None = None,
-               num_decodes: int | None = None) -> list[serving.Signature]:
+               num_decodes: int | None = None,
+               decode: bool = True) -> list[serving.Signature]:
   """The usual signatures of a T5X model.
 
   Args:
@@ -292,10 +303,11 @@ def signatures(model: Any, *, task_feature_lengths: Mapping[str, int],
     task_feature_lengths: T5X's `{'inputs': n, 'targets': m}`.
     batch_size: a fixed batch size, or None for a polymorphic batch.
     num_decodes: beams for 'serving_default'; None: the model's default.
+    decode: include the decode signature (encoder-decoder models).
 
   Returns:
-    Encoder-decoder: 'serving_default' (decode), 'logits' and 'encode'.
-    Decoder-only: 'logits'.
+    Encoder-decoder: 'serving_default' (decode, if `decode`), 'logits' and
+    'encode'. Decoder-only: 'logits'.
 
   Raises:
     errors.T5XModelError: `model` is not a T5X model, or an option is
@@ -305,9 +317,24 @@ def signatures(model: Any, *, task_feature_lengths: Mapping[str, int],
              'batch_size': batch_size}
   if not is_encoder_decoder(model):
     return [logits_signature(model, **lengths)]
-  return [decode_signature(model, num_decodes=num_decodes, **lengths),
-          logits_signature(model, **lengths),
+  sigs = [logits_signature(model, **lengths),
           encoder_signature(model, **lengths)]
+  if decode:
+    sigs.insert(0, decode_signature(model, num_decodes=num_decodes, **lengths))
+  return sigs
+
+
+def _warn_if_beam_search(model: Any) -> None:
+  """Logs the known loading failure of beam search exports (see module doc)."""
+  fn = getattr(model, 'decode_fn', None)
+  if getattr(getattr(fn, 'func', fn), '__name__', '') == 'beam_search':
+    logging.warning(
+        't5export: the decode signature of %s uses T5X\'s beam_search, whose '
+        'lax.top_k JAX 0.10 writes as a StableHLO op (composite) that '
+        'TensorFlow <= 2.21 cannot load: the export check will fail. Decode '
+        'with decoding.temperature_sample (topk=1 is greedy), or leave the '
+        'decode signature out (t5x_models.signatures(decode=False); gin: '
+        'EXPORT_DECODE = False).', type(model).__name__)
 
 
 def _require_encoder_decoder(model: Any, what: str) -> None:

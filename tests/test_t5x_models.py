@@ -99,6 +99,26 @@ def test_encoder_decoder_signatures_and_their_specs():
       4, LENGTHS['inputs'])
 
 
+def test_decode_can_be_left_out_and_beam_search_is_warned_about(caplog):
+  t5x_setup.import_t5x()
+  from t5x import models  # pylint: disable=g-import-not-at-top
+  tiny = t5x_setup.tiny_model()
+  beam = models.EncoderDecoderModel(  # T5X's default decode_fn: beam search.
+      module=tiny.module, input_vocabulary=tiny.input_vocabulary,
+      output_vocabulary=tiny.output_vocabulary,
+      optimizer_def=tiny.optimizer_def)
+  sigs = t5x_models.signatures(beam, task_feature_lengths=LENGTHS,
+                               decode=False)
+  assert [s.name for s in sigs] == ['logits', 'encode']
+  assert 'beam_search' not in caplog.text
+  t5x_models.signatures(tiny, task_feature_lengths=LENGTHS)  # temperature
+  assert 'beam_search' not in caplog.text
+  with caplog.at_level('WARNING'):
+    t5x_models.signatures(beam, task_feature_lengths=LENGTHS)
+  assert "uses T5X's beam_search" in caplog.text
+  assert 'EXPORT_DECODE = False' in caplog.text
+
+
 @pytest.mark.parametrize('call, message', [
     (lambda m: t5x_models.signatures(object(), task_feature_lengths=LENGTHS),
      "model must be a T5X BaseTransformerModel .* got object without "
