@@ -46,8 +46,8 @@ _SUBMODULES = frozenset({
     'async_export', 'callbacks', 'checkpoints', 'distributed', 'errors',
     'exporter', 'jax_module', 'msgpack_checkpoints', 'offline',
     'orbax_checkpoints', 'outcomes', 'partitioning', 'paths', 'serving',
-    'serving_compat', 'snapshot', 'specs', 'train_state', 'triggering',
-    'verify', 'versions',
+    'serving_compat', 'snapshot', 'specs', 't5x_models', 'train_state',
+    'triggering', 'verify', 'versions',
 })
 
 __all__ = sorted(_EXPORTS) + ['errors', 'verify', '__version__']

@@ -331,7 +331,9 @@ class ExportCallback:
     """T5X action hook: exports if one is due at `train_state.step`.
 
     Calls need not come at every step (T5X runs actions after each eval):
-    the same rule as `__call__` applies.
+    the same rule as `__call__` applies. T5X never closes its actions, so
+    at `num_train_steps` this waits until the export is published (or its
+    failure raised) before returning.
 
     Args:
       train_state: the current train state.
@@ -350,6 +352,8 @@ class ExportCallback:
     if self._trigger.due(step, time.monotonic(),
                          agree=self._coordinator.agree):
       self._export(train_state, step, metrics)
+    if self._num_train_steps is not None and step >= self._num_train_steps:
+      self.wait()
     return False
 
   def export_now(self, train_state: Any,

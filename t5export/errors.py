@@ -73,6 +73,40 @@ class UnmappedLogicalAxisError(T5ExportError, ValueError):
         'additional_rules=...) or your logical_axis_rules.')
 
 
+class AxesTreeMismatchError(T5ExportError, ValueError):
+  """A state's axes tree (`params_axes`, ...) does not mirror its values.
+
+  Attributes:
+    what: 'params' or 'flax_mutables'.
+    missing: value paths that have no entry in the axes tree.
+    unexpected: axes paths that name no value.
+  """
+
+  def __init__(self, what: str, missing: Sequence[str],
+               unexpected: Sequence[str]):
+    self.what = what
+    self.missing, self.unexpected = list(missing), list(unexpected)
+    t5x_layout = bool(self.unexpected) and all(
+        p.endswith('_axes') and p[:-len('_axes')] in self.missing
+        for p in self.unexpected)
+    if t5x_layout:
+      fix = (f"These are T5X's {what}_axes layout ('kernel_axes' beside "
+             "'kernel'). Convert the state with "
+             'InferenceState.from_train_state(state), which reads both '
+             'layouts.')
+    else:
+      fix = (f'{what}_axes must have one AxisMetadata per leaf of {what}, at '
+             'the same path, as create(...) and from_train_state(...) build '
+             f'it. If replace_{what}(...) changed the tree, build a new state '
+             'with create(...).')
+    super().__init__(
+        f'The {what} and their axes ({what}_axes) are different trees.\n'
+        f'{what} leaves without axes ({len(self.missing)}):\n'
+        f'{_listing(self.missing, 10)}\n'
+        f'{what}_axes entries naming no leaf ({len(self.unexpected)}):\n'
+        f'{_listing(self.unexpected, 10)}\n{fix}')
+
+
 class NoOptimizerStateError(T5ExportError, NotImplementedError):
   """An optimizer-only operation was asked of an InferenceState.
 
@@ -91,6 +125,10 @@ class HyperparamNotInjectedError(T5ExportError, ValueError):
 
 class SignatureError(T5ExportError, ValueError):
   """A Signature's name, input specs or sample inputs are invalid."""
+
+
+class T5XModelError(T5ExportError, TypeError):
+  """A T5X signature helper got no T5X model or unusable lengths/options."""
 
 
 class VariableMismatchError(T5ExportError, ValueError):

@@ -227,16 +227,22 @@ def _is_logical_tree(tree: Any) -> bool:
 def get_mesh_axes(state: Any, rules: Sequence[tuple[str, MeshAxes]]) -> Any:
   """Mesh axes for every array of a state.
 
+  In a logical-axes tree, `None` (as T5X's `as_logical_axes()` gives for
+  the step and other unpartitioned leaves) and `PartitionSpec()` both mean
+  replicated.
+
   Args:
-    state: a t5export `TrainState` / `InferenceState` (anything with
-      `as_logical_axes()`), the logical-axes state it returns, or a plain
-      pytree of logical `PartitionSpec`s.
+    state: a train state with `as_logical_axes()` (t5export's or T5X's
+      `FlaxOptimTrainState` / `InferenceState`), the logical-axes state it
+      returns, or a plain pytree of logical `PartitionSpec`s.
     rules: (logical name, mesh axes) pairs, e.g. from
       `standard_logical_axis_rules()`.
 
   Returns:
-    The same type and structure as `state`, with a `PartitionSpec` of mesh
-    axes at every array leaf.
+    The structure of `state.as_logical_axes()` (or of `state` when that is
+    already logical), with a `PartitionSpec` of mesh axes at every array
+    leaf; for a state's array whose logical axes are `None`, that is
+    `PartitionSpec()`. Given a logical tree, its `None` entries stay `None`.
 
   Raises:
     MissingAxesError: if the state's params carry no logical axes.
@@ -253,24 +259,29 @@ def get_mesh_axes(state: Any, rules: Sequence[tuple[str, MeshAxes]]) -> Any:
     logical, arrays = state.as_logical_axes(), state
   else:
     raise TypeError(
-        f'state must be a t5export TrainState/InferenceState or a pytree of '
-        f'PartitionSpec, got {type(state).__name__}.')
+        f'state must be a train state (with as_logical_axes()) or a pytree '
+        f'of PartitionSpec, got {type(state).__name__}.')
+  # The arrays by path: their shapes check ranks, and a None spec at an
+  # array's path is a replicated array (T5X's spelling), not an empty node.
+  shapes = {} if arrays is None else {
+      paths.path_str(kp): np.shape(leaf)
+      for kp, leaf in jax.tree_util.tree_flatten_with_path(arrays)[0]}
 
-  def resolve(keypath, spec, leaf=None):
+  def resolve(keypath, spec):
+    path = paths.path_str(keypath)
+    if spec is None:
+      return PartitionSpec() if path in shapes else None
     if not _is_spec(spec):
       raise TypeError(
-          f'Leaf {paths.path_str(keypath)!r} of the logical axes is '
-          f'{spec!r}, not a PartitionSpec.')
+          f'Leaf {path!r} of the logical axes is {spec!r}, not a '
+          'PartitionSpec.')
     if not spec:
       return PartitionSpec()  # Replicated at any rank, as in JAX.
-    shape = getattr(leaf, 'shape', None) if arrays is not None else None
-    return logical_to_mesh_spec(tuple(spec), rules,
-                                path=paths.path_str(keypath), shape=shape)
+    return logical_to_mesh_spec(tuple(spec), rules, path=path,
+                                shape=shapes.get(path))
 
-  if arrays is None:
-    return jax.tree_util.tree_map_with_path(resolve, logical, is_leaf=_is_spec)
   return jax.tree_util.tree_map_with_path(
-      resolve, logical, arrays, is_leaf=_is_spec)
+      resolve, logical, is_leaf=lambda x: x is None or _is_spec(x))
 
 
 def shardings_for(mesh: jax.sharding.Mesh, specs: Any) -> Any:

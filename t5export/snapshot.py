@@ -85,9 +85,9 @@ def _strip(state: Any) -> train_state.InferenceState:
     return state
   if not (hasattr(state, 'step') and hasattr(state, 'params')):
     raise TypeError(
-        'take_snapshot(state=...) needs a t5export TrainState or '
-        'InferenceState (with step and params), e.g. the '
-        f'FlaxOptimTrainState of the train loop; got {type(state).__name__}.')
+        'take_snapshot(state=...) needs a train state with step and params '
+        "(t5export's or T5X's FlaxOptimTrainState or InferenceState); got "
+        f'{type(state).__name__}.')
   return train_state.InferenceState.from_train_state(state)
 
 
@@ -121,8 +121,9 @@ def take_snapshot(state: Any, *,
   the full snapshot.
 
   Args:
-    state: a `TrainState` (e.g. `FlaxOptimTrainState`; its optimizer state
-      is dropped unread) or an `InferenceState`.
+    state: a train state (t5export's or T5X's `FlaxOptimTrainState`, whose
+      optimizer state is dropped unread, or `InferenceState`; see
+      `train_state.TrainState` for the members read).
     rules: logical axis rules (e.g. `standard_logical_axis_rules()`); when
       given and the state has axes, each variable's mesh axes are recorded.
     keep_arrays: False on a process that only joins the gather (every

@@ -2,8 +2,9 @@
 
 Rebuilt on optax after T5X's `train_state` (which sits on a legacy flax.optim
 fork). The exporter needs two things from a state: a way to drop the
-optimizer state without touching its bytes (`InferenceState.from_train_state`)
-and the logical axis names of every array leaf (`as_logical_axes()`).
+optimizer state without touching its bytes (`InferenceState.from_train_state`,
+which also takes T5X's own states as they are) and the logical axis names of
+every array leaf (`as_logical_axes()`). `TrainState` lists what is read.
 
 Storage (docs/internals.md, "State"):
 
@@ -12,7 +13,8 @@ Storage (docs/internals.md, "State"):
   (`nn.Partitioned`, `nn.LogicallyPartitioned`, e.g. from
   `nn.with_logical_partitioning`) are unboxed at `create`.
 * `params_axes` / `flax_mutables_axes` mirror `params` / `flax_mutables`
-  exactly (T5X's `_axes` key suffix removed); each leaf position holds a
+  exactly (T5X's `_axes` key suffix removed: `_axis_names` is the one
+  reader of that layout); each leaf position holds a
   `flax.linen.partitioning.AxisMetadata(names=...)`. They hold no arrays, so
   jit, donation and tree_map skip them. `None` when nothing declares axes.
   A mutable leaf without axes holds `None` in `flax_mutables_axes`.
@@ -69,7 +71,23 @@ KEEP = _Keep()
 
 @runtime_checkable
 class TrainState(Protocol):
-  """What t5export needs from a train state (T5X's TrainState interface)."""
+  """T5X's TrainState interface, which t5export's states implement.
+
+  t5export itself reads much less from a state it is handed (T5X's own
+  `FlaxOptimTrainState` / `InferenceState`, or any other object):
+
+  * to export it (`take_snapshot`, `SavedModelExporter.export`,
+    `ExportCallback`): `step` and `params`, and when present
+    `flax_mutables`, `params_axes` and `flax_mutables_axes` (axes trees of
+    `AxisMetadata`, mirroring the values or in T5X's layout with `_axes`
+    key suffixes); the optimizer state is never touched;
+  * to resolve its mesh axes (`get_mesh_axes`, `shard_state`): a pytree
+    with `as_logical_axes()`, whose logical specs may be `None` for
+    replicated leaves (as T5X's are).
+
+  Nothing else (`param_states`, `state_dict`, `replace_*`,
+  `apply_gradient`) is read, so the protocol check is not needed to export.
+  """
 
   @property
   def step(self) -> jax.Array:
@@ -149,19 +167,46 @@ def _unbox(tree: Any) -> tuple[Any, dict[str, tuple[Any, ...]]]:
   return plain, names
 
 
-def _sown_names(tree: Any,
-                prefix: tuple[str, ...] = ()) -> dict[str, tuple[Any, ...]]:
-  """{path: names} from a T5X `<collection>_axes` tree ('_axes' stripped)."""
-  out = {}
-  if isinstance(tree, AxisMetadata):
-    path = '/'.join(prefix)
-    if path.endswith(_AXES_SUFFIX):
-      path = path[:-len(_AXES_SUFFIX)]
-    out[path] = tuple(tree.names)
-  elif isinstance(tree, Mapping):
-    for k, v in tree.items():
-      out.update(_sown_names(v, prefix + (str(k),)))
-  return out
+def _is_axis_md(x: Any) -> bool:
+  return isinstance(x, AxisMetadata)
+
+
+def _axis_names(axes: Any, known: set[str]
+                ) -> tuple[dict[str, tuple[Any, ...]], list[str]]:
+  """Reads an axes tree in either layout: ({value path: names}, unknown).
+
+  The one place that knows T5X's layout. An entry's path is the value's own
+  path (t5export's mirror layout) or that path plus T5X's `_axes` key
+  suffix (`{'kernel_axes': AxisMetadata}` beside `{'kernel': ...}`, as
+  flax's `param_with_axes` sows it and T5X's states keep it).
+
+  Args:
+    axes: a tree with `AxisMetadata` leaves (None entries: no axes), or
+      None.
+    known: the paths of the values the axes are for.
+
+  Returns:
+    The names by value path, and the axes paths that name no known value.
+
+  Raises:
+    TypeError: if a leaf of `axes` is not an `AxisMetadata`.
+  """
+  names, unknown = {}, []
+  if axes is None:
+    return names, unknown
+  for path, md in paths.flatten(_plain(axes), is_leaf=_is_axis_md).items():
+    if not _is_axis_md(md):
+      raise TypeError(
+          f'Axes entry {path!r} is {md!r}, not a flax.linen.partitioning.'
+          'AxisMetadata(names=...), which axes trees hold.')
+    if path in known:
+      names[path] = tuple(md.names)
+    elif (path.endswith(_AXES_SUFFIX) and
+          path[:-len(_AXES_SUFFIX)] in known):
+      names[path[:-len(_AXES_SUFFIX)]] = tuple(md.names)
+    else:
+      unknown.append(path)
+  return names, unknown
 
 
 def _axes_tree(values: Any, names: Mapping[str, tuple[Any, ...]]) -> Any:
@@ -187,7 +232,7 @@ def _split_variables(model_variables: Mapping[str, Any]) -> dict[str, Any]:
   for name, value in model_variables.items():
     base = name[:-len(_AXES_SUFFIX)] if name.endswith(_AXES_SUFFIX) else None
     if base is not None and base in model_variables:
-      sown[base] = _sown_names(value)
+      sown[base] = value
     elif base is not None and not jax.tree_util.tree_leaves(value):
       logging.warning('Ignoring %r: axes for a collection %r that the '
                       'variables do not hold.', name, base)
@@ -197,7 +242,8 @@ def _split_variables(model_variables: Mapping[str, Any]) -> dict[str, Any]:
   values, names = {}, {}
   for name, tree in collections.items():
     values[name], boxed = _unbox(tree)
-    merged = dict(sown.get(name, {}))
+    known = set(paths.flatten(values[name]))
+    merged, extra = _axis_names(sown.get(name), known)
     for path, box_names in boxed.items():
       if path in merged and tuple(merged[path]) != box_names:
         raise ValueError(
@@ -205,30 +251,64 @@ def _split_variables(model_variables: Mapping[str, Any]) -> dict[str, Any]:
             f'{merged[path]} from {name}_axes and {box_names} from its '
             'partitioning box. Declare them once.')
       merged[path] = box_names
-    known = set(paths.flatten(values[name]))
-    extra = sorted(set(merged) - known)
-    if extra:
-      logging.warning('Axes for %d unknown %s variable(s) ignored: %s',
-                      len(extra), name, extra[:10])
-    names[name] = {p: n for p, n in merged.items() if p in known}
+    _warn_unknown(extra, name)
+    names[name] = merged
 
   params = values.pop('params')
-  params_names = names.pop('params')
-  params_axes = None
-  if params_names:
-    missing = [p for p in paths.flatten(params) if p not in params_names]
-    if missing:
-      raise errors.MissingAxesError(
-          [f'params/{p}' for p in missing],
-          hint='Some params declare logical axes and these do not; give '
-          'every parameter axis names (param_with_axes(..., axes=...) or '
-          'nn.with_logical_partitioning), or none.')
-    params_axes = _axes_tree(params, params_names)
+  params_axes = _params_axes_tree(params, names.pop('params'))
   mutables_axes = None
   if any(names.values()):
     mutables_axes = {c: _axes_tree(values[c], names[c]) for c in values}
   return dict(params=params, params_axes=params_axes, flax_mutables=values,
               flax_mutables_axes=mutables_axes)
+
+
+def _warn_unknown(unknown: list[str], what: str) -> None:
+  if unknown:
+    logging.warning('Axes for %d unknown %s variable(s) ignored: %s',
+                    len(unknown), what, sorted(unknown)[:10])
+
+
+def _params_axes_tree(params: Any, names: Mapping[str, tuple[Any, ...]]
+                      ) -> Any:
+  """The params' axes mirror, None without names; all params or none."""
+  if not names:
+    return None
+  missing = [p for p in paths.flatten(params) if p not in names]
+  if missing:
+    raise errors.MissingAxesError(
+        [f'params/{p}' for p in missing],
+        hint='Some params declare logical axes and these do not; give '
+        'every parameter axis names (param_with_axes(..., axes=...) or '
+        'nn.with_logical_partitioning), or none.')
+  return _axes_tree(params, names)
+
+
+def _foreign_axes(params: Any, params_axes: Any, flax_mutables: Any,
+                  flax_mutables_axes: Any) -> tuple[Any, Any]:
+  """Another state's axes in t5export's mirror layout (see `_axis_names`).
+
+  Returns:
+    (params_axes, flax_mutables_axes) mirroring params / flax_mutables.
+
+  Raises:
+    MissingAxesError: if some params have axis names and others do not.
+    ValueError: if the params' axes name none of the params.
+  """
+  names, unknown = _axis_names(params_axes, set(paths.flatten(params)))
+  if unknown and not names:
+    raise ValueError(
+        f'params_axes names none of the params: {sorted(unknown)[:10]} '
+        f'vs params {sorted(paths.flatten(params))[:10]}. Each entry must '
+        "be at its param's own path, or at that path with the suffix "
+        "'_axes' (T5X's layout).")
+  _warn_unknown(unknown, 'params')
+  mutable_names, unknown = _axis_names(flax_mutables_axes,
+                                       set(paths.flatten(flax_mutables)))
+  _warn_unknown(unknown, 'flax_mutables')
+  mutables_axes = (_axes_tree(flax_mutables, mutable_names)
+                   if mutable_names else None)
+  return _params_axes_tree(params, names), mutables_axes
 
 
 # --- logical axes -----------------------------------------------------------
@@ -260,15 +340,18 @@ def _mutable_specs(flax_mutables: Any, flax_mutables_axes: Any) -> Any:
 
 
 def _map_axes(fn: Any, values: Any, axes: Any, *, what: str) -> Any:
-  """tree_map over values and their axes mirror, with a clear mismatch."""
+  """tree_map over values and their axes mirror, naming any difference."""
   try:
     return jax.tree.map(fn, values, axes)
   except ValueError as e:
-    raise ValueError(
-        f'The {what} no longer match their axes ({what}_axes): '
-        f'{sorted(set(paths.flatten(values)))[:10]} vs the declared tree. '
-        f'A replace_{what}(...) call must keep the structure given at '
-        f'create; build a new state with create(...) instead. ({e})') from e
+    value_paths = paths.flatten(values)
+    axes_paths = paths.flatten(axes,
+                               is_leaf=lambda x: x is None or _is_axis_md(x))
+    if value_paths.keys() == axes_paths.keys():
+      raise  # Same paths, other node types: jax's message says which.
+    raise errors.AxesTreeMismatchError(
+        what, [p for p in value_paths if p not in axes_paths],
+        [p for p in axes_paths if p not in value_paths]) from e
 
 
 def _opt_leaf_spec(leaf: Any, param: Any, spec: PartitionSpec) -> Any:
@@ -568,7 +651,13 @@ class InferenceState(flax.struct.PyTreeNode):
     """The strip: keeps step, params, mutables and axes; drops the optimizer.
 
     No optimizer leaf is read, copied or flattened; the result shares the
-    param and mutable buffers with `train_state`.
+    param and mutable buffers with `train_state`. Of a state other than
+    t5export's own, only the members of `TrainState`'s minimal set are
+    read (see `TrainState`); T5X's states (`t5x.train_state.
+    FlaxOptimTrainState`, `InferenceState`) work as they are, their
+    FrozenDicts becoming plain dicts and their `*_axes` key layout
+    (`{'kernel_axes': AxisMetadata}` beside `{'kernel': ...}`) becoming
+    t5export's mirror layout.
 
     Args:
       train_state: a FlaxOptimTrainState, an InferenceState (returned as is)
@@ -579,7 +668,10 @@ class InferenceState(flax.struct.PyTreeNode):
       The InferenceState.
 
     Raises:
-      TypeError: if `train_state` has no `step` or `params`.
+      TypeError: if `train_state` has no `step` or `params`, or its axes
+        trees hold something other than `AxisMetadata`.
+      MissingAxesError: if some params have axis names and others do not.
+      ValueError: if `params_axes` names none of the params.
     """
     if isinstance(train_state, InferenceState):
       return train_state
@@ -592,14 +684,14 @@ class InferenceState(flax.struct.PyTreeNode):
                  params_axes=train_state.params_axes,
                  flax_mutables=train_state.flax_mutables,
                  flax_mutables_axes=train_state.flax_mutables_axes)
-    return cls(
-        step=train_state.step,
-        params=_plain(train_state.params),
-        params_axes=_plain(getattr(train_state, 'params_axes', None)),
-        flax_mutables=_plain(getattr(train_state, 'flax_mutables', None)
-                             or {}),
-        flax_mutables_axes=_plain(
-            getattr(train_state, 'flax_mutables_axes', None) or None))
+    params = _plain(train_state.params)
+    flax_mutables = _plain(getattr(train_state, 'flax_mutables', None) or {})
+    params_axes, flax_mutables_axes = _foreign_axes(
+        params, getattr(train_state, 'params_axes', None), flax_mutables,
+        getattr(train_state, 'flax_mutables_axes', None))
+    return cls(step=train_state.step, params=params, params_axes=params_axes,
+               flax_mutables=flax_mutables,
+               flax_mutables_axes=flax_mutables_axes)
 
   @property
   def param_states(self) -> Any:

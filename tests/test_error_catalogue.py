@@ -20,6 +20,7 @@ import subprocess
 import sys
 
 import flax.linen as nn
+from flax.linen import partitioning as nn_partitioning
 from flax import serialization
 import gin
 import jax
@@ -324,6 +325,43 @@ def test_missing_axes():
                      match=r'2 parameter\(s\) have no logical axis names:\n'
                      r'  - params/head/bias\n  - params/head/kernel\n'):
     t5export.FlaxOptimTrainState.create(optax.adam(1e-3), variables)
+
+
+class _T5xStyleAxes(nn.Module):
+  """A kernel declared T5X-style: model.init sows 'kernel_axes'."""
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = nn_partitioning.param_with_axes(
+        'kernel', nn.initializers.lecun_normal(), (x.shape[-1], 3),
+        axes=('embed', 'mlp'))
+    return x @ kernel
+
+
+def test_axes_tree_mismatch(tmp_path):
+  module = _T5xStyleAxes()
+  variables = module.init(jax.random.PRNGKey(0),
+                          jnp.zeros((1, model.FEATURES)))
+  by_hand = t5export.InferenceState(
+      step=jnp.asarray(1), params=variables['params'],
+      params_axes=variables['params_axes'])
+  sig = model.signature(
+      method=lambda v, inputs: {'logits': module.apply(v, inputs['x'])})
+  exporter = exporter_lib.SavedModelExporter(
+      str(tmp_path / 'export'), [sig],
+      logical_axis_rules=t5export.standard_logical_axis_rules())
+  with pytest.raises(
+      errors.AxesTreeMismatchError,
+      match=r'The params and their axes \(params_axes\) are different '
+      r'trees\.\nparams leaves without axes \(1\):\n  - kernel\n'
+      r'params_axes entries naming no leaf \(1\):\n  - '
+      r"kernel_axes\nThese are T5X's params_axes layout .*"
+      r'InferenceState\.from_train_state\(state\)'):
+    exporter.export(by_hand)
+  assert os.listdir(tmp_path / 'export') == []
+  # Converted, the same state exports.
+  path = exporter.export(t5export.InferenceState.from_train_state(by_hand))
+  assert os.path.basename(path) == '1'
 
 
 def test_logical_axis_without_rule(tmp_path):

@@ -6,7 +6,9 @@ import pathlib
 import pickle
 import subprocess
 import sys
+from typing import Any
 
+import flax
 from flax import linen as nn
 from flax.linen import partitioning as flax_partitioning
 import gin
@@ -307,8 +309,44 @@ def test_get_mesh_axes_empty_spec_is_replicated_at_any_rank():
   assert partitioning.get_mesh_axes(state, rules).params == {'w': P()}
 
 
+class _StateWithNoneAxes(flax.struct.PyTreeNode):
+  """A state whose as_logical_axes() says None for replicated (as T5X's)."""
+  step: Any
+  params: Any
+  extra: Any = None  # No arrays: a None here is not an array leaf.
+
+  def as_logical_axes(self):
+    return _StateWithNoneAxes(
+        step=None, params={'mlp': {'wi': P('embed', 'mlp'), 'b': None}})
+
+
+def test_get_mesh_axes_none_logical_spec_is_replicated():
+  state = _StateWithNoneAxes(
+      step=jnp.zeros((), jnp.int32),
+      params={'mlp': {'wi': np.zeros((4, 8), np.float32),
+                      'b': np.zeros((8,), np.float32)}})
+  rules = partitioning.standard_logical_axis_rules()
+  specs = partitioning.get_mesh_axes(state, rules)
+  assert type(specs) is _StateWithNoneAxes
+  assert specs.step == P()
+  assert specs.params == {'mlp': {'wi': P(None, 'model'), 'b': P()}}
+  assert specs.extra is None
+  # Given the logical tree itself, None stays None (nothing says it is an
+  # array), as T5X's PjitPartitioner.get_mesh_axes keeps it.
+  logical = partitioning.get_mesh_axes(state.as_logical_axes(), rules)
+  assert logical.step is None and logical.params['mlp']['b'] is None
+  assert logical.params['mlp']['wi'] == P(None, 'model')
+  # Ranks are still checked against the arrays.
+  bad = state.replace(params={'mlp': {'wi': np.zeros((4,), np.float32),
+                                      'b': np.zeros((8,), np.float32)}})
+  with pytest.raises(errors.AxisRankMismatchError, match="'params/mlp/wi'"):
+    partitioning.get_mesh_axes(bad, rules)
+
+
 def test_get_mesh_axes_rejects_other_trees():
-  with pytest.raises(TypeError, match='state must be a t5export TrainState'):
+  with pytest.raises(TypeError,
+                     match=r'state must be a train state \(with '
+                     r'as_logical_axes\(\)\)'):
     partitioning.get_mesh_axes({'w': np.zeros(3)},
                                partitioning.standard_logical_axis_rules())
 

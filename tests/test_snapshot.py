@@ -178,7 +178,9 @@ def test_unmapped_axis_names_the_parameter(mlp_variables):
 
 
 def test_rejects_non_state():
-  with pytest.raises(TypeError, match=r'needs a t5export TrainState.*got dict'):
+  with pytest.raises(TypeError,
+                     match=r'needs a train state with step and params.*got '
+                     r'dict'):
     snapshot.take_snapshot({'params': {}})
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import types
 
 import flax
 from flax.core import meta as flax_meta
@@ -585,5 +586,81 @@ def test_import_does_not_pull_in_tensorflow():
 def test_as_logical_axes_after_a_structure_change_is_a_clear_error(t5):
   _, variables, _ = t5
   inf = ts_lib.InferenceState.create(variables)
-  with pytest.raises(ValueError, match='replace_params.*must keep the structure'):
+  with pytest.raises(errors.AxesTreeMismatchError) as e:
     inf.replace_params({'w': jnp.ones(2)}).as_logical_axes()
+  message = str(e.value)
+  assert 'params leaves without axes (1):\n  - w\n' in message
+  assert 'If replace_params(...) changed the tree' in message
+  assert "T5X's" not in message
+  assert e.value.missing == ['w'] and WI in e.value.unexpected
+
+
+def _foreign_state(variables, **overrides):
+  """A state t5export did not build, with T5X's layout and FrozenDicts."""
+  fields = dict(
+      step=jnp.asarray(7, jnp.int32),
+      params=flax.core.freeze(variables['params']),
+      params_axes=flax.core.freeze(variables['params_axes']),
+      flax_mutables=flax.core.freeze(
+          {'batch_stats': variables['batch_stats']}),
+      flax_mutables_axes=flax.core.freeze(
+          {'batch_stats': variables['batch_stats_axes']}))
+  fields.update(overrides)
+  return types.SimpleNamespace(**fields)
+
+
+def test_from_train_state_reads_t5x_axes_layout():
+  variables = _WithAxesStats().init(jax.random.PRNGKey(0), jnp.ones((1, 2)))
+  # model.init sows T5X's layout: 'w_axes' beside 'w', 'mean_axes' beside
+  # 'mean'; T5X's states keep it as is.
+  assert set(variables['params_axes']) == {'w_axes'}
+  foreign = _foreign_state(variables)
+  inf = ts_lib.InferenceState.from_train_state(foreign)
+  assert inf.params == {'w': foreign.params['w']}
+  assert inf.params['w'] is foreign.params['w']
+  assert inf.params_axes == {'w': nn_partitioning.AxisMetadata(
+      names=('embed', 'mlp'))}
+  stats_axes = inf.flax_mutables_axes['batch_stats']
+  assert stats_axes['mean'].names == ('mlp',) and stats_axes['count'] is None
+  specs = inf.as_logical_axes()
+  assert specs.params == {'w': P('embed', 'mlp')}
+  assert specs.flax_mutables == {'batch_stats': {'mean': P('mlp'),
+                                                 'count': P()}}
+  # The mirror layout reads the same.
+  mirrored = _foreign_state(variables, params_axes=inf.params_axes,
+                            flax_mutables_axes=inf.flax_mutables_axes)
+  again = ts_lib.InferenceState.from_train_state(mirrored)
+  assert again.params_axes == inf.params_axes
+  assert again.flax_mutables_axes == inf.flax_mutables_axes
+
+
+def test_from_train_state_of_a_foreign_state_checks_its_axes():
+  variables = _PartialAxes().init(jax.random.PRNGKey(0), jnp.ones((1, 2)))
+  foreign = types.SimpleNamespace(
+      step=jnp.asarray(1), params=variables['params'],
+      params_axes=variables['params_axes'])
+  with pytest.raises(errors.MissingAxesError, match='params/'):
+    ts_lib.InferenceState.from_train_state(foreign)
+  foreign.params_axes = {'elsewhere_axes': nn_partitioning.AxisMetadata(
+      names=('embed',))}
+  with pytest.raises(ValueError,
+                     match=r"params_axes names none of the params: "
+                     r"\['elsewhere_axes'\]"):
+    ts_lib.InferenceState.from_train_state(foreign)
+  foreign.params_axes = {'x': P('embed')}
+  with pytest.raises(TypeError,
+                     match=r"Axes entry 'x' is P\('embed',\), not a "
+                     r'flax\.linen\.partitioning\.AxisMetadata'):
+    ts_lib.InferenceState.from_train_state(foreign)
+
+
+def test_t5x_layout_in_a_hand_built_state_says_how_to_convert():
+  variables = _WithAxesStats().init(jax.random.PRNGKey(0), jnp.ones((1, 2)))
+  by_hand = ts_lib.InferenceState(
+      step=jnp.asarray(0), params=variables['params'],
+      params_axes=variables['params_axes'])
+  with pytest.raises(errors.AxesTreeMismatchError,
+                     match=r"(?s)leaves without axes \(1\):\n  - w\n.*"
+                     r"naming no leaf \(1\):\n  - w_axes\n.*T5X's params_axes "
+                     r"layout.*InferenceState\.from_train_state\(state\)"):
+    by_hand.as_logical_axes()

@@ -1,0 +1,261 @@
+"""T5X's own code for the compatibility tests: source, imports, a tiny model.
+
+T5X is not installed: its source (commit cc342d4, a tarball in the shared
+folder that `conftest.shared_dir()` finds) is unpacked once into
+`<repo>/.cache/t5x/` (git-ignored) and put on `sys.path`, with
+tests/t5x_standins/ for the two packages the tested set cannot install
+(airio, jestimator; see the README there). T5X's other dependencies
+(seqio, cached-property, fiddle) are test dependencies in pyproject.toml.
+
+In a test process:
+
+  import t5x_setup  # tests/ is on sys.path.
+  t5x = t5x_setup.import_t5x()          # unpacks if needed, imports t5x
+  model = t5x_setup.tiny_model()        # a T5X EncoderDecoderModel
+  partitioner = t5x_setup.partitioner()
+  state = t5x_setup.train_state(model, partitioner)   # T5X FlaxOptimTrainState
+  logits = t5x_setup.logits(model, state.params, t5x_setup.batch())
+
+For a subprocess (e.g. `python -m t5x.train`): `subprocess_env()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+import contextlib
+import fcntl
+import os
+import pathlib
+import shutil
+import sys
+import tarfile
+import tempfile
+import types
+from typing import Any
+
+import numpy as np
+
+import conftest  # tests/conftest.py; tests/ is on sys.path.
+
+T5X_COMMIT = 'cc342d4'
+_TARBALL = f't5x-src-{T5X_COMMIT}.tar.gz'
+TESTS_DIR = pathlib.Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent
+STANDINS_DIR = TESTS_DIR / 't5x_standins'
+CACHE_DIR = REPO_ROOT / '.cache' / 't5x'
+
+# The tiny model: sizes small enough to compile in seconds on a shared CPU,
+# with every kind of T5X parameter (relative position biases, attention,
+# gated MLP, layer norms, separate output logits) present.
+VOCAB_SIZE = 32
+INPUT_LENGTH, TARGET_LENGTH, BATCH_SIZE = 8, 6, 2
+TINY_CONFIG = dict(
+    vocab_size=VOCAB_SIZE, dtype='float32', emb_dim=16, num_heads=2,
+    num_encoder_layers=1, num_decoder_layers=1, head_dim=8, mlp_dim=32,
+    mlp_activations=('gelu', 'linear'), dropout_rate=0.0,
+    logits_via_embedding=False)
+INPUT_SHAPES = {
+    'encoder_input_tokens': (BATCH_SIZE, INPUT_LENGTH),
+    'decoder_input_tokens': (BATCH_SIZE, TARGET_LENGTH),
+}
+INPUT_TYPES = {name: np.int32 for name in INPUT_SHAPES}
+
+
+# --- source and imports -----------------------------------------------------
+
+
+@contextlib.contextmanager
+def _lock(path: pathlib.Path):
+  """An exclusive file lock: one process unpacks, the others wait."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with open(path, 'w') as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def source_dir() -> pathlib.Path:
+  """T5X's source tree (holding the `t5x` package), unpacked on first use.
+
+  Returns:
+    `<repo>/.cache/t5x/<commit>/t5x-src`.
+
+  Raises:
+    FileNotFoundError: if the shared folder or its tarball is missing.
+  """
+  target = CACHE_DIR / T5X_COMMIT / 't5x-src'
+  if (target / 't5x' / '__init__.py').is_file():
+    return target
+  tarball = conftest.shared_dir() / 't5x' / _TARBALL
+  if not tarball.is_file():
+    raise FileNotFoundError(f'T5X source tarball {tarball} not found.')
+  with _lock(CACHE_DIR / f'{T5X_COMMIT}.lock'):
+    if not (target / 't5x' / '__init__.py').is_file():
+      scratch = pathlib.Path(tempfile.mkdtemp(dir=CACHE_DIR))
+      try:
+        with tarfile.open(tarball) as tar:
+          if hasattr(tarfile, 'data_filter'):  # Python >= 3.10.12 / 3.11.4
+            tar.extractall(scratch, filter='data')
+          else:
+            tar.extractall(scratch)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(target, ignore_errors=True)  # A partial older copy.
+        os.rename(scratch / 't5x-src', target)
+      finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+  return target
+
+
+def python_path() -> list[str]:
+  """The entries T5X needs on the path: its source, then the stand-ins."""
+  return [str(source_dir()), str(STANDINS_DIR)]
+
+
+def import_t5x() -> types.ModuleType:
+  """Puts T5X on `sys.path` (once) and imports it.
+
+  Returns:
+    The `t5x` package (its `__init__` imports train_state, partitioning,
+    models, trainer, utils, checkpoints, ...).
+  """
+  for entry in reversed(python_path()):
+    if entry not in sys.path:
+      sys.path.insert(0, entry)
+  import t5x  # pylint: disable=g-import-not-at-top
+  return t5x
+
+
+def subprocess_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+  """An environment in which `import t5x` (and t5export, tests/) works.
+
+  Args:
+    env: the base environment; default `os.environ`.
+
+  Returns:
+    A copy with T5X's source, the stand-ins, the repo root and tests/ on
+    PYTHONPATH ahead of what was there.
+  """
+  env = dict(os.environ if env is None else env)
+  entries = python_path() + [str(REPO_ROOT), str(TESTS_DIR)]
+  if env.get('PYTHONPATH'):
+    entries.append(env['PYTHONPATH'])
+  env['PYTHONPATH'] = os.pathsep.join(entries)
+  return env
+
+
+# --- a tiny T5X model and its states ----------------------------------------
+
+
+def tiny_model(*, optimizer_def: Any = None,
+               vocabulary: Any = None) -> Any:
+  """A T5X `EncoderDecoderModel` on `t5x.examples.t5.network` (TINY_CONFIG).
+
+  Args:
+    optimizer_def: a T5X optimizer def; default T5X's Adafactor with
+      factoring from dimension 8 on (so the tiny kernels get factored
+      second moments, as real ones do) and a fixed learning rate.
+    vocabulary: a seqio vocabulary of at most VOCAB_SIZE ids; default
+      `seqio.PassThroughVocabulary(VOCAB_SIZE)` (no files, no downloads).
+
+  Returns:
+    The model; greedy decoding (`decoding.temperature_sample`, top-k 1).
+  """
+  import_t5x()
+  import functools  # pylint: disable=g-import-not-at-top
+  import seqio  # pylint: disable=g-import-not-at-top
+  from t5x import adafactor  # pylint: disable=g-import-not-at-top
+  from t5x import decoding  # pylint: disable=g-import-not-at-top
+  from t5x import models  # pylint: disable=g-import-not-at-top
+  from t5x.examples.t5 import network  # pylint: disable=g-import-not-at-top
+  if optimizer_def is None:
+    optimizer_def = adafactor.Adafactor(
+        learning_rate=0.1, min_dim_size_to_factor=8)
+  if vocabulary is None:
+    vocabulary = seqio.PassThroughVocabulary(size=VOCAB_SIZE)
+  module = network.Transformer(network.T5Config(**TINY_CONFIG))
+  return models.EncoderDecoderModel(
+      module=module, input_vocabulary=vocabulary,
+      output_vocabulary=vocabulary, optimizer_def=optimizer_def,
+      decode_fn=functools.partial(decoding.temperature_sample, topk=1))
+
+
+def partitioner(*, num_partitions: int = 1) -> Any:
+  """T5X's `PjitPartitioner` with T5X's standard 1-D logical axis rules."""
+  import_t5x()
+  from t5x import partitioning  # pylint: disable=g-import-not-at-top
+  return partitioning.PjitPartitioner(
+      num_partitions=num_partitions,
+      logical_axis_rules=partitioning.standard_logical_axis_rules())
+
+
+def _initializer(model: Any, t5x_partitioner: Any, *,
+                 with_optimizer: bool) -> Any:
+  from t5x import utils  # pylint: disable=g-import-not-at-top
+  return utils.TrainStateInitializer(
+      optimizer_def=model.optimizer_def if with_optimizer else None,
+      init_fn=model.get_initial_variables, input_shapes=INPUT_SHAPES,
+      input_types=INPUT_TYPES, partitioner=t5x_partitioner)
+
+
+def train_state(model: Any, t5x_partitioner: Any, *, seed: int = 0) -> Any:
+  """A T5X `FlaxOptimTrainState` built and sharded as T5X's train.py does.
+
+  Args:
+    model: e.g. `tiny_model()`; its `optimizer_def` is used.
+    t5x_partitioner: e.g. `partitioner()`.
+    seed: the init PRNG seed.
+
+  Returns:
+    `utils.TrainStateInitializer(...).from_scratch(...)`: step 0, params and
+    optimizer state placed by the partitioner.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  return _initializer(model, t5x_partitioner, with_optimizer=True
+                      ).from_scratch(jax.random.PRNGKey(seed))
+
+
+def inference_state(model: Any, t5x_partitioner: Any, *,
+                    seed: int = 0) -> Any:
+  """A T5X `InferenceState` (no optimizer), built as `train_state` is."""
+  import jax  # pylint: disable=g-import-not-at-top
+  return _initializer(model, t5x_partitioner, with_optimizer=False
+                      ).from_scratch(jax.random.PRNGKey(seed))
+
+
+def batch(*, seed: int = 0) -> dict[str, np.ndarray]:
+  """A batch in T5X's encoder-decoder feature layout, ids 1..VOCAB_SIZE-1.
+
+  Returns:
+    int32 `encoder_input_tokens`, `decoder_input_tokens` (targets shifted
+    right, starting at 0), `decoder_target_tokens` and float32
+    `decoder_loss_weights`, shaped as INPUT_SHAPES.
+  """
+  rng = np.random.default_rng(seed)
+  inputs = rng.integers(1, VOCAB_SIZE, (BATCH_SIZE, INPUT_LENGTH), np.int32)
+  targets = rng.integers(1, VOCAB_SIZE, (BATCH_SIZE, TARGET_LENGTH), np.int32)
+  decoder_inputs = np.concatenate(
+      [np.zeros((BATCH_SIZE, 1), np.int32), targets[:, :-1]], axis=1)
+  return {'encoder_input_tokens': inputs,
+          'decoder_input_tokens': decoder_inputs,
+          'decoder_target_tokens': targets,
+          'decoder_loss_weights': np.ones(targets.shape, np.float32)}
+
+
+def logits(model: Any, params: Any, features: Mapping[str, Any]) -> np.ndarray:
+  """T5X's own logits for `features` (its `module.apply`, deterministic).
+
+  Args:
+    model: the T5X model.
+    params: its params (T5X's FrozenDict or plain dicts).
+    features: `batch()`-shaped inputs.
+
+  Returns:
+    float32 [batch, target length, vocab] logits as numpy.
+  """
+  out = model.module.apply(
+      {'params': params}, features['encoder_input_tokens'],
+      features['decoder_input_tokens'], features['decoder_target_tokens'],
+      enable_dropout=False)
+  return np.asarray(out)

@@ -1,0 +1,299 @@
+"""t5export inside T5X's own training: its Trainer, its actions, t5x.train.
+
+T5X's real `trainer.Trainer` trains a tiny `EncoderDecoderModel`
+(tests/t5x_setup.py: T5X's example network, T5X's Adafactor,
+`PjitPartitioner`) and t5export publishes versions three ways:
+
+(a) as a TRAIN_EVAL action, called through `t5x.train.run_actions` with
+    the metrics of `trainer.eval`, as `t5x.train` calls it;
+(b) through `cb(step, train_state=trainer.train_state)` after each
+    `trainer.train` chunk (a custom loop; steps skip);
+(c) through `python -m t5x.train` with a gin config that includes the
+    shipped t5export/gin/t5x.gin (tiny seqio task: tests/t5x_tiny_task.py).
+
+(a) and (b) share one training run (two callbacks on one trainer). Every
+version is loaded in a TensorFlow-only process (tests/tf_only.py) and its
+three signatures ('serving_default' decode, 'logits', 'encode' from
+`t5x_models.signatures`) must equal T5X's own `model` on the params of
+that step (f32, atol 1e-5; decodes exactly); the weights read back with
+`verify.load_params` are bit-exact; the metadata's mesh axes equal
+`PjitPartitioner.get_mesh_axes`.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+TESTS = pathlib.Path(__file__).resolve().parent
+REPO = TESTS.parent
+sys.path.insert(0, str(TESTS))
+import t5x_setup  # pylint: disable=g-import-not-at-top,wrong-import-position
+import tf_only  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+LENGTHS = {'inputs': t5x_setup.INPUT_LENGTH,
+           'targets': t5x_setup.TARGET_LENGTH}
+CHUNK, TOTAL_STEPS, EVERY = 3, 9, 4
+# Calls after each chunk (and each eval) at steps 3, 6, 9: due where a
+# multiple of 4 was crossed (4 -> 6, 8 -> 9) and at the final step 9.
+EXPECTED_VERSIONS = [6, 9]
+ATOL = 1e-5
+
+
+def _numpy_tree(tree):
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.tree_util.tree_map(lambda x: np.array(jax.device_get(x)),
+                                _plain(tree))
+
+
+def _plain(tree):
+  """FrozenDicts (T5X's params) as nested dicts."""
+  from flax import core as flax_core  # pylint: disable=g-import-not-at-top
+  return flax_core.unfreeze(tree) if hasattr(tree, 'unfreeze') else tree
+
+
+def _flat(tree) -> dict[str, object]:
+  from flax import traverse_util  # pylint: disable=g-import-not-at-top
+  return traverse_util.flatten_dict(_plain(tree), sep='/')
+
+
+def _batches(seed: int):
+  while True:
+    yield t5x_setup.batch(seed=seed)
+    seed += 1
+
+
+def _initializer(model, partitioner):
+  """T5X's TrainStateInitializer for the tiny model, as t5x.train builds it."""
+  from t5x import utils  # pylint: disable=g-import-not-at-top
+  return utils.TrainStateInitializer(
+      optimizer_def=model.optimizer_def, init_fn=model.get_initial_variables,
+      input_shapes=t5x_setup.INPUT_SHAPES, input_types=t5x_setup.INPUT_TYPES,
+      partitioner=partitioner)
+
+
+@pytest.fixture(scope='module')
+def tf_process(tmp_path_factory):
+  with tf_only.TfOnlyProcess(tmp_path_factory.mktemp('tf_only')) as process:
+    yield process
+
+
+@pytest.fixture(scope='module')
+def t5x_run(tmp_path_factory):
+  """One T5X training run exporting through (a) the action and (b) chunks."""
+  t5x_setup.import_t5x()
+  import jax  # pylint: disable=g-import-not-at-top
+  from t5x import train as train_lib  # pylint: disable=g-import-not-at-top
+  from t5x import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
+  from t5x import utils  # pylint: disable=g-import-not-at-top
+  import t5export  # pylint: disable=g-import-not-at-top
+  from t5export import t5x_models  # pylint: disable=g-import-not-at-top
+
+  tmp = tmp_path_factory.mktemp('t5x_run')
+  model = t5x_setup.tiny_model()
+  partitioner = t5x_setup.partitioner()
+  initializer = _initializer(model, partitioner)
+  trainer = trainer_lib.Trainer(
+      model=model, train_state=initializer.from_scratch(
+          jax.random.PRNGKey(0)),
+      partitioner=partitioner, eval_names=['tiny'], summary_dir=None,
+      train_state_axes=initializer.train_state_axes,
+      rng=jax.random.PRNGKey(1),
+      learning_rate_fn=utils.create_learning_rate_scheduler(
+          factors='constant', base_learning_rate=0.1),
+      num_microbatches=None)
+
+  def callback(name):
+    return t5export.ExportCallback(
+        export_dir=tmp / name,
+        signatures=t5x_models.signatures(model, task_feature_lengths=LENGTHS),
+        export_every_steps=EVERY, num_train_steps=TOTAL_STEPS,
+        logical_axis_rules=partitioner.logical_axis_rules)
+
+  action, chunked = callback('action'), callback('chunks')
+  actions = {trainer_lib.ActionMode.TRAIN_EVAL: [action]}
+  params_at, metrics_at, mesh_axes = {}, {}, None
+  train_iter, step = _batches(seed=100), 0
+  with chunked:
+    while step < TOTAL_STEPS:
+      trainer.train(train_iter, CHUNK, start_step=step)
+      step += CHUNK
+      params_at[step] = _numpy_tree(trainer.train_state.params)
+      chunked(step, train_state=trainer.train_state)          # (b)
+      summaries = trainer.eval({'tiny': iter([t5x_setup.batch(seed=7)])})
+      metrics_at[step] = summaries
+      stop = train_lib.run_actions(                            # (a)
+          trainer_lib.ActionMode.TRAIN_EVAL, actions, trainer.train_state,
+          summaries)
+      assert stop is False
+    mesh_axes = partitioner.get_mesh_axes(trainer.train_state).params
+  # The action was never closed (T5X does not close actions): its final
+  # export must be published by the time run_actions returned.
+  action_versions_before_close = action.versions()
+  action.close()
+  return dict(model=model, tmp=tmp, params_at=params_at,
+              metrics_at=metrics_at, mesh_axes=mesh_axes,
+              action=action, chunked=chunked,
+              action_versions_before_close=action_versions_before_close)
+
+
+def _t5x_outputs(model, params, features):
+  """T5X's own outputs for the three signatures on `features`."""
+  batch = {
+      'encoder_input_tokens': features['encoder_input_tokens'],
+      'decoder_input_tokens': features['decoder_input_tokens'],
+      # All real tokens: T5X's padding mask then masks nothing.
+      'decoder_target_tokens': np.ones_like(
+          features['decoder_input_tokens']),
+  }
+  logits = model._compute_logits(params, batch)  # pylint: disable=protected-access
+  encoded = model.module.apply(
+      {'params': params}, batch['encoder_input_tokens'],
+      enable_dropout=False, method=model.module.encode)
+  decodes, aux = model.predict_batch_with_aux(
+      params, {'encoder_input_tokens': batch['encoder_input_tokens'],
+               'decoder_input_tokens': np.zeros_like(
+                   batch['decoder_input_tokens'])})
+  return {'logits': {'logits': np.asarray(logits)},
+          'encode': {'encoded': np.asarray(encoded)},
+          'serving_default': {'decodes': np.asarray(decodes),
+                              'scores': np.asarray(aux['scores'])}}
+
+
+def _check_version(version_dir, params, model, tf_process, mesh_axes):
+  """TF-only outputs == T5X's; weights bit-exact; mesh axes == T5X's."""
+  from t5export import verify  # pylint: disable=g-import-not-at-top
+  # Weights: bit-exact, every leaf, nothing extra.
+  exported = _flat(_numpy_tree(verify.load_params(version_dir)['params']))
+  expected = _flat(params)
+  assert sorted(exported) == sorted(expected)
+  for path, value in expected.items():
+    assert exported[path].dtype == value.dtype, path
+    assert np.array_equal(exported[path], value), path
+  # Mesh axes in the metadata: PjitPartitioner's, leaf by leaf.
+  meta = verify.read_metadata(version_dir)['params']
+  for path, spec in _flat(mesh_axes).items():
+    assert meta[f'params/{path}']['mesh_axes'] == list(spec), path
+  # Outputs in a TF-only process == T5X's own model on these params, on
+  # inputs other than the sample inputs the export checked itself.
+  features = t5x_setup.batch(seed=3)
+  want = _t5x_outputs(model, params, features)
+  inputs = {
+      'serving_default': {
+          'encoder_input_tokens': features['encoder_input_tokens']},
+      'logits': {
+          'encoder_input_tokens': features['encoder_input_tokens'],
+          'decoder_input_tokens': features['decoder_input_tokens']},
+      'encode': {
+          'encoder_input_tokens': features['encoder_input_tokens']},
+  }
+  names = sorted(inputs)
+  got = tf_process.run([{'dir': str(version_dir), 'signature': n,
+                         'inputs': inputs[n]} for n in names])
+  for name, outputs in zip(names, got):
+    assert sorted(outputs) == sorted(want[name]), name
+    for key, value in want[name].items():
+      if value.dtype.kind in 'iu':
+        np.testing.assert_array_equal(outputs[key], value,
+                                      err_msg=f'{name}/{key}')
+      else:
+        assert outputs[key].dtype == np.float32, (name, key)
+        np.testing.assert_allclose(outputs[key], value, rtol=0, atol=ATOL,
+                                   err_msg=f'{name}/{key}')
+
+
+def test_train_eval_action_exports_at_first_eval_after_each_multiple(
+    t5x_run, tf_process):
+  action = t5x_run['action']
+  assert action.versions() == EXPECTED_VERSIONS
+  assert t5x_run['action_versions_before_close'] == EXPECTED_VERSIONS
+  from t5export import verify  # pylint: disable=g-import-not-at-top
+  for step in EXPECTED_VERSIONS:
+    version_dir = t5x_run['tmp'] / 'action' / str(step)
+    _check_version(version_dir, t5x_run['params_at'][step], t5x_run['model'],
+                   tf_process, t5x_run['mesh_axes'])
+    # T5X's eval metrics (clu.values.Scalar) are numbers in the metadata.
+    stored = verify.read_metadata(version_dir)['metrics']
+    for name, value in t5x_run['metrics_at'][step]['tiny'].items():
+      want = float(np.asarray(getattr(value, 'value', value)))
+      assert stored[f'tiny/{name}'] == pytest.approx(want, rel=1e-6), name
+
+
+def test_per_chunk_calls_export_after_each_crossed_multiple(t5x_run,
+                                                            tf_process):
+  chunked = t5x_run['chunked']
+  assert chunked.versions() == EXPECTED_VERSIONS
+  stats = chunked.stats
+  assert (stats['exports_due'], stats['exports_done']) == (2, 2)
+  for step in EXPECTED_VERSIONS:
+    _check_version(t5x_run['tmp'] / 'chunks' / str(step),
+                   t5x_run['params_at'][step], t5x_run['model'], tf_process,
+                   t5x_run['mesh_axes'])
+
+
+# --- (c) python -m t5x.train with the shipped gin ---------------------------
+
+_TRAIN_GIN = textwrap.dedent('''\
+    from __gin__ import dynamic_registration
+    import __main__ as train_script
+    import t5x_setup
+    from t5x import utils
+
+    include 't5x/configs/runs/pretrain.gin'
+    include 't5export/gin/t5x.gin'
+
+    MODEL = @t5x_setup.tiny_model()
+    MIXTURE_OR_TASK_NAME = 't5export_tiny'
+    MIXTURE_OR_TASK_MODULE = 't5x_tiny_task'
+    TASK_FEATURE_LENGTHS = {'inputs': %(inputs)d, 'targets': %(targets)d}
+    TRAIN_STEPS = 4
+    BATCH_SIZE = 2
+    USE_CACHED_TASKS = False
+    RANDOM_SEED = 0
+    EXPORT_EVERY_STEPS = 2
+
+    train_script.train.eval_period = 2
+    train_script.train.eval_steps = 1
+    train_script.train.stats_period = 2
+    utils.SaveCheckpointConfig.period = 2
+    utils.create_learning_rate_scheduler.factors = 'constant'
+    utils.create_learning_rate_scheduler.base_learning_rate = 0.1
+    ''')
+
+
+def test_t5x_train_with_shipped_gin(tmp_path, tf_process):
+  t5x_setup.import_t5x()
+  from t5export import checkpoints  # pylint: disable=g-import-not-at-top
+  model_dir, export_dir = tmp_path / 'model', tmp_path / 'export'
+  config = tmp_path / 'tiny_train.gin'
+  config.write_text(_TRAIN_GIN % LENGTHS)
+  log = tmp_path / 'train.log'
+  with open(log, 'wb') as out:
+    proc = subprocess.run(
+        [sys.executable, '-m', 't5x.train', f'--gin_file={config}',
+         f'--gin.MODEL_DIR="{model_dir}"',
+         f'--gin.EXPORT_DIR="{export_dir}"', '--alsologtostderr'],
+        cwd=REPO, env=t5x_setup.subprocess_env(
+            {**os.environ, 'CUDA_VISIBLE_DEVICES': '',
+             'TF_CPP_MIN_LOG_LEVEL': '2'}),
+        stdout=out, stderr=subprocess.STDOUT, timeout=900, check=False)
+  text = log.read_text(errors='replace')
+  assert proc.returncode == 0, text[-6000:]
+  versions = sorted(int(p.name) for p in export_dir.iterdir()
+                    if p.name.isdigit())
+  assert versions == [2, 4], text[-3000:]
+  model = t5x_setup.tiny_model()
+  partitioner = t5x_setup.partitioner()
+  mesh_axes = partitioner.get_mesh_axes(
+      _initializer(model, partitioner).global_train_state_shape).params
+  for step in versions:
+    # T5X's own checkpoint of that step holds the params that were exported.
+    params = checkpoints.read_params(str(model_dir), step=step).params
+    _check_version(export_dir / str(step), _numpy_tree(params), model,
+                   tf_process, mesh_axes)
