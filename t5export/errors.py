@@ -91,9 +91,10 @@ class AxesTreeMismatchError(T5ExportError, ValueError):
         for p in self.unexpected)
     if t5x_layout:
       fix = (f"These are T5X's {what}_axes layout ('kernel_axes' beside "
-             "'kernel'). Convert the state with "
-             'InferenceState.from_train_state(state), which reads both '
-             'layouts.')
+             "'kernel'), which t5export's states do not hold. Build the "
+             'state with create(variables) from the variables model.init '
+             'returned, or pass the T5X state itself to '
+             'InferenceState.from_train_state(...); both convert it.')
     else:
       fix = (f'{what}_axes must have one AxisMetadata per leaf of {what}, at '
              'the same path, as create(...) and from_train_state(...) build '

@@ -355,12 +355,13 @@ def test_axes_tree_mismatch(tmp_path):
       match=r'The params and their axes \(params_axes\) are different '
       r'trees\.\nparams leaves without axes \(1\):\n  - kernel\n'
       r'params_axes entries naming no leaf \(1\):\n  - '
-      r"kernel_axes\nThese are T5X's params_axes layout .*"
-      r'InferenceState\.from_train_state\(state\)'):
+      r"kernel_axes\nThese are T5X's params_axes layout .*Build the state "
+      r'with create\(variables\) .*InferenceState\.from_train_state'):
     exporter.export(by_hand)
   assert os.listdir(tmp_path / 'export') == []
-  # Converted, the same state exports.
-  path = exporter.export(t5export.InferenceState.from_train_state(by_hand))
+  # Built as the message says, the same params export.
+  path = exporter.export(
+      t5export.InferenceState.create(variables).replace_step(1))
   assert os.path.basename(path) == '1'
 
 
