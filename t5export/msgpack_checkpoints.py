@@ -74,7 +74,10 @@ def is_t5x_file(path: str) -> bool:
   if not is_msgpack_map_file(path):
     return False
   with open(path, 'rb') as f:
-    unpacker = msgpack.Unpacker(f, raw=False, max_buffer_size=_MSGPACK_LIMIT)
+    # A small read_size: the default (up to 1 MiB) would read a whole small
+    # checkpoint only to look at its first key.
+    unpacker = msgpack.Unpacker(f, raw=False, read_size=4096,
+                                max_buffer_size=_MSGPACK_LIMIT)
     try:
       return (unpacker.read_map_header() > 0
               and unpacker.unpack() in ('version', 'optimizer'))

@@ -5,8 +5,8 @@
 `resource.setrlimit(RLIMIT_FSIZE)` makes every write past LIMIT_BYTES in a
 regular file fail with EFBIG (SIGXFSZ is ignored, so the write returns the
 error instead of killing the process), as a full disk would. It is set
-process-wide, hence a subprocess; stdout/stderr are pipes, which the limit
-does not touch.
+process-wide, hence a subprocess; its report goes to a file the test
+names (tests/_report.py), written after the limit is lifted.
 
 1. LOG_DIR, `ExportCallback(on_error='log', async)`, export every step:
    steps 1-2 succeed, the limit is on for steps 3-4, off again for 5-6.
@@ -14,18 +14,19 @@ does not touch.
    step 2 runs under the limit and `wait()` raises, step 3 succeeds.
 
 After every step it records the versions, the staging directories, the
-worker's failure count and last error, and a sha256 of every version; the
-last stdout line is all of it as JSON.
+worker's failure count and last error, and a sha256 of every version;
+the report is all of it as one JSON row.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import resource
 import signal
 import sys
+
+import _report  # Beside this script in tests/.
 
 
 def _digests(export_dir: str) -> dict[str, str]:
@@ -99,7 +100,7 @@ def main(argv: list[str]) -> None:
     entry.update(_record(cb, step, limited))
     result['raise'].append(entry)
   cb.close()
-  print(json.dumps(result), flush=True)
+  _report.emit(result)
 
 
 if __name__ == '__main__':

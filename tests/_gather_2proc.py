@@ -7,9 +7,10 @@ axis metadata written by the test), builds an adamw train state, places it
 on a global
 (data, model) mesh with `shard_state` and the 2-D rules, so 'embed' is
 sharded across processes, then calls `gather_to_host` at the same point.
-Prints one JSON line per leaf (with a digest of the gathered bytes) for the
+Reports one JSON row per leaf (with a digest of the gathered bytes) for the
 test to compare across processes, then one for `take_snapshot` of the
-sharded train state.
+sharded train state, through tests/_report.py (a file the test names; gloo
+writes its own lines to stdout).
 
 Usage: python tests/_gather_2proc.py PROCESS_ID NUM_PROCESSES PORT VARIABLES
 """
@@ -17,12 +18,12 @@ Usage: python tests/_gather_2proc.py PROCESS_ID NUM_PROCESSES PORT VARIABLES
 from __future__ import annotations
 
 import hashlib
-import json
 import pickle
 import sys
 
 import jax
 
+import _report  # Beside this script in tests/.
 import distributed_setup  # Beside this script in tests/.
 
 
@@ -59,7 +60,7 @@ def main(process_id: int, num_processes: int, port: int,
   for path, got in paths.flatten(host).items():
     x = flat_sharded[path]
     want = expected[path]
-    print(json.dumps({
+    _report.emit({
         'process': process_id, 'path': path,
         'spec': [e if not isinstance(e, tuple) else list(e)
                  for e in x.sharding.spec],
@@ -69,12 +70,12 @@ def main(process_id: int, num_processes: int, port: int,
         'equal': bool(got.dtype == want.dtype and
                       np.array_equal(got.view(np.uint8), want.view(np.uint8))),
         'digest': hashlib.sha256(got.tobytes()).hexdigest(),
-    }), flush=True)
+    })
   # The export's training-thread half: strip, resolve, gather.
   snap = snapshot.take_snapshot(sharded, rules=rules)
   snap_flat = snap.flat_variables()
   mu = paths.flatten(sharded.param_states[0].mu)
-  print(json.dumps({
+  _report.emit({
       'process': process_id, 'path': '<snapshot>', 'step': snap.step,
       'equal': all(np.array_equal(snap_flat['params/' + p], w) and
                    snap_flat['params/' + p].dtype == w.dtype
@@ -86,7 +87,7 @@ def main(process_id: int, num_processes: int, port: int,
       'opt_state_sharded_like_params': all(
           mu[p].sharding.spec == x.sharding.spec
           for p, x in flat_sharded.items()),
-  }), flush=True)
+  })
   jax.distributed.shutdown()
 
 

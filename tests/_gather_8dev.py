@@ -3,8 +3,8 @@
 Run with XLA_FLAGS=--xla_force_host_platform_device_count=8 (JAX reads it at
 import). Shards TinyT5's params over a (data, model) mesh by the 1-D or 2-D
 rules, gathers them with `gather_to_host`, donates the sharded arrays to a
-jitted step that overwrites them, and prints one JSON line per leaf so the
-test can assert on it.
+jitted step that overwrites them, and reports one JSON row per leaf so the
+test can assert on it (tests/_report.py: to a file the test names).
 
 Usage: python tests/_gather_8dev.py VARIABLES_PICKLE ACT,PARAM,DATA,MODEL [...]
 VARIABLES_PICKLE holds TinyT5 variables ({'params', 'params_axes'}, numpy
@@ -14,7 +14,6 @@ each case is e.g. 1,1,2,4 for the 1-D rules on a data=2 x model=4 mesh.
 
 from __future__ import annotations
 
-import json
 import pickle
 import sys
 
@@ -22,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import _report  # Beside this script in tests/.
 from t5export import partitioning
 from t5export import paths
 from t5export import train_state
@@ -67,7 +67,7 @@ def check(variables: dict, case: str) -> None:
   for path, got in paths.flatten(host).items():
     x = flat_sharded[path]
     want = expected[path]
-    print(json.dumps({
+    _report.emit({
         'case': case, 'kind': 'leaf', 'path': path,
         'spec': [list(e) if isinstance(e, tuple) else e
                  for e in x.sharding.spec],
@@ -84,7 +84,7 @@ def check(variables: dict, case: str) -> None:
         'shape': list(got.shape), 'want_shape': list(want.shape),
         'equal': bool(got.dtype == want.dtype and
                       np.array_equal(got.view(np.uint8), want.view(np.uint8))),
-    }))
+    })
 
 
 def check_shard_state(variables: dict, case: str) -> None:
@@ -98,7 +98,7 @@ def check_shard_state(variables: dict, case: str) -> None:
   want_specs = paths.flatten(partitioning.get_mesh_axes(state, rules))
   got = paths.flatten(sharded)
   host = paths.flatten(partitioning.gather_to_host(sharded))
-  print(json.dumps({
+  _report.emit({
       'case': case, 'kind': 'shard_state',
       'same_type': type(sharded) is type(state),
       'paths_match': list(got) == list(want_specs),
@@ -106,7 +106,7 @@ def check_shard_state(variables: dict, case: str) -> None:
       'values_match': all(
           np.array_equal(host[p], np.asarray(x))
           for p, x in paths.flatten(state).items()),
-  }))
+  })
 
 
 def main(pickle_path: str, cases: list[str]) -> None:

@@ -8,12 +8,14 @@ or 'overwrite' (`SavedModelExporter(overwrite=True)` publishing the newest
 version again and again: the atomic swap of an existing version).
 The worker imports everything and warms up (one export into a scratch
 directory: the first jax2tf trace, TensorFlow save and load cost seconds),
-prints `ready`, and waits for a line on stdin before it touches EXPORT_DIR,
-so the test can overlap one worker's start with the previous worker's
-run. Then it constructs the exporter (which removes stale staging
-directories), prints `resumed <json listing>`, and exports `_reliability_model.params_for(step)` as versions
-max(existing)+1, +2, ... printing `published <step>` after each, until the
-test SIGKILLs it.
+reports `ready`, and waits for a line on stdin before it touches
+EXPORT_DIR, so the test can overlap one worker's start with the previous
+worker's run. Then it constructs the exporter (which removes stale staging
+directories), reports `resumed <json listing>`, and exports
+`_reliability_model.params_for(step)` as versions max(existing)+1, +2, ...
+reporting `published <step>` after each, until the test SIGKILLs it.
+Reports are lines on the pipe the test passed (tests/_report.py), never
+stdout, which TensorFlow's native code shares.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import shutil
 import sys
 import tempfile
 import time
+
+import _report  # Beside this script in tests/.
 
 
 def main(argv: list[str]) -> None:
@@ -37,7 +41,7 @@ def main(argv: list[str]) -> None:
     exporter_lib.SavedModelExporter(scratch, [sig]).export(model.state_for(0))
   finally:
     shutil.rmtree(scratch, ignore_errors=True)
-  print('ready', flush=True)
+  _report.emit('ready')
   if not sys.stdin.readline().strip():
     return  # The test closed stdin: not needed after all.
   if mode in ('exporter', 'overwrite'):
@@ -48,7 +52,7 @@ def main(argv: list[str]) -> None:
         export_dir=export_dir, signatures=[sig], export_every_steps=1,
         keep=keep, async_export=True, on_error='raise')
     exporter = cb.exporter
-  print('resumed ' + json.dumps(sorted(os.listdir(export_dir))), flush=True)
+  _report.emit('resumed ' + json.dumps(sorted(os.listdir(export_dir))))
   start = max(exporter.versions(), default=0) + 1
   seen = 0
   for step in range(start, start + 10_000):
@@ -56,12 +60,12 @@ def main(argv: list[str]) -> None:
       step = max(start - 1, 1)
     if mode in ('exporter', 'overwrite'):
       exporter.export(model.state_for(step))
-      print(f'published {step}', flush=True)
+      _report.emit(f'published {step}')
     else:
       cb(step, train_state=model.state_for(step))
       published = list(cb.published)  # Appended to by the worker thread.
       for path in published[seen:]:
-        print(f'published {os.path.basename(path)}', flush=True)
+        _report.emit(f'published {os.path.basename(path)}')
       seen = len(published)
       time.sleep(0.02)  # A "training step".
 

@@ -5,7 +5,9 @@ One process of a run: either one of N `jax.distributed` processes on
 devices and JAX_PLATFORMS=cpu) or a lone process with 8 forced devices.
 It trains a few steps of the tiny T5 with its train state sharded over a
 ('data', 'model') mesh by T5X's 2-D parameter rules and exports through
-`t5export.ExportCallback`, then prints JSON lines for the test.
+`t5export.ExportCallback`, then reports JSON rows for the test through
+tests/_report.py (a file named by the test; never stdout, where gloo
+writes its own lines).
 
 Modes:
   export  train, export every 2 steps (async), close; process 0 saves the
@@ -21,7 +23,13 @@ Modes:
           on_error='raise' (async) and once with 'log' (sync); every
           process reports what it raised and how long close() took.
   silent  no TensorFlow: process 0 never reports a round of an
-          `ExportCoordinator` (or dies, --die); process 1 must not hang.
+          `ExportCoordinator`; process 1 must not hang. With --die process
+          0 exits instead, and the coordination service runs in a process
+          of its own (mode service, --service_port): JAX's client ends a
+          process whose service went away, which would otherwise race
+          t5export's own detection.
+  service the coordination service alone (what process 0 of a
+          `jax.distributed` run hosts), until stdin closes.
 
 Usage:
   python tests/_mp_worker.py --mode export --process_id 0 --num_processes 2 \
@@ -32,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import sys
 import time
@@ -40,6 +47,7 @@ from typing import Any
 
 import jax
 
+import _report  # Beside this script in tests/.
 import distributed_setup  # Beside this script in tests/.
 
 # Small enough to be quick; 4 heads and a 260 vocab divide a 4-way 'model'
@@ -53,9 +61,8 @@ _T0 = time.monotonic()
 
 
 def emit(**fields: Any) -> None:
-  """One JSON line for the test (gloo writes other lines to stdout)."""
-  print(json.dumps({**fields, 't': round(time.monotonic() - _T0, 2)}),
-        flush=True)
+  """One JSON row for the test, to the report file it named."""
+  _report.emit({**fields, 't': round(time.monotonic() - _T0, 2)})
 
 
 def make_model() -> Any:
@@ -274,7 +281,7 @@ def train_and_export(args: argparse.Namespace) -> None:
 
 
 def silent(args: argparse.Namespace) -> None:
-  """Process 0 never reports; the others must time out, not hang."""
+  """Process 0 never reports (or dies); the others must raise, not hang."""
   from t5export import distributed  # pylint: disable=g-import-not-at-top
   from t5export import errors  # pylint: disable=g-import-not-at-top
 
@@ -298,11 +305,31 @@ def silent(args: argparse.Namespace) -> None:
        error=str(error) if error else None,
        is_writer_failed=isinstance(error, errors.WriterFailedError),
        elapsed=time.monotonic() - start)
+  if args.die:  # jax.distributed.shutdown() would wait for the dead one.
+    os._exit(0)  # pylint: disable=protected-access
+
+
+def service(args: argparse.Namespace) -> None:
+  """Hosts the coordination service of a run until stdin closes.
+
+  `jax.distributed.initialize` starts it inside process 0 and offers no
+  other place, hence JAX's internal constructor (the one it calls itself).
+  Its heartbeat timeout outlasts the test, so the service never declares
+  the dead process 0 failed and never ends the survivors.
+  """
+  from jax._src.lib import _jax  # pylint: disable=g-import-not-at-top
+  svc = _jax.get_distributed_runtime_service(
+      f'127.0.0.1:{args.port}', args.num_processes,
+      heartbeat_timeout=args.heartbeat_timeout, shutdown_timeout=5)
+  emit(event='serving')
+  sys.stdin.read()  # The test closes our stdin when the run is over.
+  svc.shutdown()
 
 
 def main() -> None:
   parser = argparse.ArgumentParser()
-  parser.add_argument('--mode', choices=('export', 'silent'), required=True)
+  parser.add_argument('--mode', choices=('export', 'silent', 'service'),
+                      required=True)
   parser.add_argument('--failures', action='store_true')
   parser.add_argument('--rules_1d', action='store_true')
   parser.add_argument('--process_id', type=int, default=0)
@@ -315,11 +342,19 @@ def main() -> None:
   parser.add_argument('--steps', type=int, default=4)
   parser.add_argument('--timeout', type=float, default=60.0)
   parser.add_argument('--die', action='store_true')
+  parser.add_argument('--external_service', action='store_true',
+                      help='the coordination service at --port runs in a '
+                      'process of its own (mode service)')
+  parser.add_argument('--heartbeat_timeout', type=int, default=100)
   args = parser.parse_args()
+  if args.mode == 'service':
+    service(args)
+    return
   if args.num_processes > 1:
-    distributed_setup.initialize(process_id=args.process_id,
-                                 num_processes=args.num_processes,
-                                 port=args.port)
+    distributed_setup.initialize(
+        process_id=args.process_id, num_processes=args.num_processes,
+        port=args.port, own_service=not args.external_service,
+        heartbeat_timeout=args.heartbeat_timeout)
   if args.mode == 'silent':
     silent(args)
   else:

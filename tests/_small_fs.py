@@ -1,20 +1,33 @@
-"""Real failing filesystems for tests: a tiny tmpfs, and read-only mounts.
+"""Real write failures for tests: a tiny tmpfs, and permission bits for root.
 
-Tests run as root here, and root ignores file permissions, so a read-only
-directory has to be a read-only *filesystem* (or an immutable directory).
-Mounting needs CAP_SYS_ADMIN; where that is missing the tests that need it
-are skipped with the reason (the RLIMIT_FSIZE tests run everywhere).
+Two mechanisms, both real kernel behaviour (no mocks):
+
+* `tmpfs`: a filesystem of its own that can fill up (ENOSPC) or be
+  remounted read-only (EROFS). Mounting needs CAP_SYS_ADMIN, i.e. root (the
+  tests run as root in CI); `can_mount()` says whether this process may.
+* `without_dac_override`: permission bits (chmod) stop any process without
+  CAP_DAC_OVERRIDE (EACCES). A non-root developer has no such capability;
+  root has, so the block lowers it (and CAP_DAC_READ_SEARCH, CAP_FOWNER) in
+  the calling thread's effective set and restores it afterwards. Works as
+  root in any container, since a process may always lower its own
+  capabilities; the writes checked must happen on the calling thread (the
+  exporter's directory probe and staging mkdir do).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import functools
 import os
 import subprocess
+import tempfile
 from collections.abc import Iterator
 
-import pytest
+_CAP_VERSION_3 = 0x20080522  # linux/capability.h
+# CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER.
+_DAC_CAPS = (1 << 1) | (1 << 2) | (1 << 3)
 
 
 def _run(*cmd: str) -> subprocess.CompletedProcess:
@@ -22,9 +35,25 @@ def _run(*cmd: str) -> subprocess.CompletedProcess:
                         check=False)
 
 
+@functools.cache
+def can_mount() -> bool:
+  """Whether this process can mount a tmpfs (root with CAP_SYS_ADMIN)."""
+  probe = tempfile.mkdtemp(prefix='t5export-mount-probe-')
+  try:
+    if _run('mount', '-t', 'tmpfs', '-o', 'size=64k', 'tmpfs',
+            probe).returncode:
+      return False
+    _run('umount', '-l', probe)
+    return True
+  finally:
+    os.rmdir(probe)
+
+
 @contextlib.contextmanager
 def tmpfs(path: str, size: str = '4m') -> Iterator[str]:
-  """Mounts a tmpfs of `size` at `path` (created) for the block; or skips.
+  """Mounts a tmpfs of `size` at `path` (created) for the block.
+
+  Check `can_mount()` first: this fails the test where mounting is denied.
 
   Args:
     path: the mount point.
@@ -36,9 +65,7 @@ def tmpfs(path: str, size: str = '4m') -> Iterator[str]:
   os.makedirs(path, exist_ok=True)
   result = _run('mount', '-t', 'tmpfs', '-o', f'size={size},mode=0755',
                 'tmpfs', path)
-  if result.returncode:
-    pytest.skip(f'cannot mount a tmpfs here ({result.stderr.strip()}); '
-                'needs root with CAP_SYS_ADMIN')
+  assert result.returncode == 0, f'mount failed: {result.stderr}'
   try:
     yield path
   finally:
@@ -69,32 +96,61 @@ def fill(path: str) -> str:
   return filler
 
 
+class _CapHeader(ctypes.Structure):
+  _fields_ = [('version', ctypes.c_uint32), ('pid', ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+  _fields_ = [('effective', ctypes.c_uint32), ('permitted', ctypes.c_uint32),
+              ('inheritable', ctypes.c_uint32)]
+
+
+def _capabilities(effective: int | None = None) -> int:
+  """The calling thread's effective set (low word); sets it if given."""
+  libc = ctypes.CDLL(None, use_errno=True)
+  header = _CapHeader(_CAP_VERSION_3, 0)  # pid 0: the calling thread.
+  data = (_CapData * 2)()
+  if libc.capget(ctypes.byref(header), data):
+    raise OSError(ctypes.get_errno(), 'capget failed')
+  current = data[0].effective
+  if effective is not None:
+    data[0].effective = effective
+    if libc.capset(ctypes.byref(header), data):
+      raise OSError(ctypes.get_errno(), 'capset failed')
+  return current
+
+
 @contextlib.contextmanager
-def read_only_dir(path: str) -> Iterator[str]:
-  """A directory nobody, root included, can create entries in; or skips.
-
-  A read-only tmpfs where mounting works, else an immutable directory
-  (`chattr +i`), else the test is skipped.
-
-  Args:
-    path: where to make it.
+def without_dac_override() -> Iterator[None]:
+  """Permission bits apply to the calling thread, root included, in the block.
 
   Yields:
-    The read-only directory.
+    Nothing; the thread's capabilities are restored on exit.
   """
-  os.makedirs(path, exist_ok=True)
-  if _run('mount', '-t', 'tmpfs', '-o', 'size=1m,ro', 'tmpfs',
-          path).returncode == 0:
-    try:
+  saved = _capabilities()
+  _capabilities(saved & ~_DAC_CAPS)
+  try:
+    yield
+  finally:
+    _capabilities(saved)
+
+
+@contextlib.contextmanager
+def not_writable(path: str) -> Iterator[str]:
+  """`path` (a directory) is not writable by this thread for the block.
+
+  chmod 0555 plus `without_dac_override`, so it holds for root too.
+
+  Args:
+    path: an existing directory.
+
+  Yields:
+    `path`.
+  """
+  mode = os.stat(path).st_mode & 0o7777
+  os.chmod(path, 0o555)
+  try:
+    with without_dac_override():
       yield path
-    finally:
-      _run('umount', '-l', path)
-    return
-  if _run('chattr', '+i', path).returncode == 0:
-    try:
-      yield path
-    finally:
-      _run('chattr', '-i', path)
-    return
-  pytest.skip('cannot make a directory read-only for root here (no mount, '
-              'no chattr +i)')
+  finally:
+    os.chmod(path, mode)

@@ -11,13 +11,16 @@ that the export directory is byte-for-byte as before.
 
 from __future__ import annotations
 
+import ast
 import builtins
 import hashlib
+import inspect
 import os
 import pathlib
 import re
 import subprocess
 import sys
+import textwrap
 
 import flax.linen as nn
 from flax.linen import partitioning as nn_partitioning
@@ -175,16 +178,19 @@ def test_export_dir_under_a_file(tmp_path):
 
 
 def test_export_dir_not_writable(tmp_path):
-  # Root ignores permission bits: a read-only filesystem (or an immutable
-  # directory) is what stops it.
-  with _small_fs.read_only_dir(str(tmp_path / 'ro')) as path:
-    before = sorted(os.listdir(path))
+  # Permission bits, for root too (its DAC override is lowered for the
+  # block); a read-only filesystem gives the same error with "Read-only file
+  # system" (tests/test_reliability.py, where a tmpfs can be mounted).
+  path = tmp_path / 'ro'
+  path.mkdir()
+  (path / '1').mkdir()  # Published earlier.
+  with _small_fs.not_writable(str(path)):
     with pytest.raises(errors.ExportDirError,
-                       match=r'export_dir .*ro.* is not writable by this '
-                       r'process \((Read-only file system|Operation not '
-                       r'permitted)\)'):
-      exporter_lib.SavedModelExporter(path, [model.signature()])
-    assert sorted(os.listdir(path)) == before
+                       match=r"export_dir '.*ro' is not writable by this "
+                       r'process \(Permission denied\)\. Fix its permissions '
+                       'or pass another directory'):
+      exporter_lib.SavedModelExporter(str(path), [model.signature()])
+  assert sorted(os.listdir(path)) == ['1']
 
 
 # --- signatures ---------------------------------------------------------------
@@ -497,6 +503,72 @@ def test_offline_version_exists_without_overwrite(offline_runs):
 
 # --- the table and the tests agree --------------------------------------------
 
+_SKIP_NAMES = frozenset({'skip', 'skipif', 'importorskip', 'xfail'})
+
+
+def _defined_in_tests(obj) -> bool:
+  try:
+    return pathlib.Path(inspect.getfile(obj)).resolve().parent == TESTS
+  except TypeError:  # Builtins and C functions.
+    return False
+
+
+def _conftest_fixtures() -> dict[str, object]:
+  """The names tests/conftest.py defines (its fixtures among them)."""
+  for module in list(sys.modules.values()):
+    if getattr(module, '__file__', None) == str(TESTS / 'conftest.py'):
+      return vars(module)
+  return {}
+
+
+def _skip_sites(obj, seen: set[int] | None = None) -> list[str]:
+  """Where a test can skip: its marks, and any skip call it can reach.
+
+  Follows, through the source, every fixture the test requests and every
+  function or class defined in tests/ that it (or they) refer to.
+
+  Args:
+    obj: a test function (or a fixture or helper, recursively).
+    seen: objects already visited.
+
+  Returns:
+    One 'where: what' entry per way it can skip ([] for none).
+  """
+  seen = set() if seen is None else seen
+  if obj is None:
+    return []
+  wrapped = getattr(obj, '_get_wrapped_function', None)
+  obj = inspect.unwrap(wrapped() if wrapped else obj)
+  if id(obj) in seen or not _defined_in_tests(obj):
+    return []
+  seen.add(id(obj))
+  if inspect.isclass(obj):
+    return [site for member in vars(obj).values() if inspect.isfunction(member)
+            for site in _skip_sites(member, seen)]
+  if not inspect.isfunction(obj):
+    return []
+  where = f'{pathlib.Path(obj.__code__.co_filename).name}:{obj.__qualname__}'
+  sites = [f'{where}: @mark.{m.name}' for m in getattr(obj, 'pytestmark', [])
+           if m.name in _SKIP_NAMES]
+  module = sys.modules.get(obj.__module__)
+  sites += [f'{where}: module pytestmark {m.name}'
+            for m in getattr(module, 'pytestmark', []) if m.name in _SKIP_NAMES]
+  scope = {**_conftest_fixtures(), **obj.__globals__,
+           **inspect.getclosurevars(obj).nonlocals}
+  tree = ast.parse(textwrap.dedent(inspect.getsource(obj)))
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Attribute) and node.attr in _SKIP_NAMES:
+      sites.append(f'{where}: {ast.unparse(node)}')
+    elif isinstance(node, ast.Name):
+      sites += _skip_sites(scope.get(node.id), seen)
+    elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+      base = scope.get(node.value.id)
+      if inspect.ismodule(base):
+        sites += _skip_sites(getattr(base, node.attr, None), seen)
+  for name in inspect.signature(obj).parameters:  # Requested fixtures.
+    sites += _skip_sites(scope.get(name), seen)
+  return sites
+
 
 def _doc_row_ids() -> list[str]:
   """The first cell of every row of the catalogue table, e.g. `missing_axes`."""
@@ -508,15 +580,32 @@ def _doc_row_ids() -> list[str]:
   return ids
 
 
+def _failure_rows() -> dict[str, list[str]]:
+  """The 'Failures while running' table: {situation: the tests it names}."""
+  text = DOC.read_text(encoding='utf-8')
+  section = text[text.index('## Failures while running'):]
+  rows = {}
+  for line in section.splitlines():
+    cells = [c.strip() for c in line.strip().strip('|').split('|')]
+    if len(cells) == 4 and cells[0] not in ('situation', '---'):
+      rows[cells[0][:60]] = re.findall(r'`(test_[a-z0-9_]+)`', cells[3])
+  return rows
+
+
 def test_docs_table_matches_tests():
   ids = _doc_row_ids()
   assert len(ids) == len(set(ids)), f'duplicate row ids in {DOC}: {ids}'
   tests = {name[len('test_'):] for name in globals()
            if name.startswith('test_') and callable(globals()[name])}
-  tests.discard('docs_table_matches_tests')
+  tests -= {'docs_table_matches_tests', 'failure_rows_have_a_test_that_cannot_'
+            'skip', 'skip_detection_sees_skips_in_fixtures_and_helpers'}
   assert set(ids) == tests, (
       f'rows without a test: {sorted(set(ids) - tests)}; tests without a '
       f'row: {sorted(tests - set(ids))}')
+  # A row's only test must run everywhere: a skip is no coverage.
+  can_skip = {row: sites for row in ids
+              if (sites := _skip_sites(globals()[f'test_{row}']))}
+  assert not can_skip, f'catalogue rows whose test can skip: {can_skip}'
   # The rows issue 7 asks for, at least.
   required = {
       'export_every_steps_not_positive', 'export_every_steps_not_an_int',
@@ -538,3 +627,38 @@ def test_docs_table_matches_tests():
       for name in names:
         assert hasattr(errors, name) or hasattr(builtins, name), (
             m.group(1), name)
+
+
+def test_failure_rows_have_a_test_that_cannot_skip():
+  """Each row of the reliability table: its tests exist, one never skips."""
+  import test_reliability  # pylint: disable=g-import-not-at-top
+  rows = _failure_rows()
+  assert len(rows) >= 5, rows
+  for row, names in rows.items():
+    assert names, f'row {row!r} names no test'
+    missing = [n for n in names if not callable(getattr(test_reliability, n,
+                                                        None))]
+    assert not missing, (row, missing)
+    assert any(not _skip_sites(getattr(test_reliability, n)) for n in names), (
+        f'row {row!r}: every test can skip: '
+        f'{ {n: _skip_sites(getattr(test_reliability, n)) for n in names} }')
+
+
+def test_skip_detection_sees_skips_in_fixtures_and_helpers():
+  """The checker above is not blind: it finds skips where they hide."""
+  import test_reliability  # pylint: disable=g-import-not-at-top
+  sites = _skip_sites(
+      test_reliability.test_full_disk_fails_export_and_training_continues)
+  assert sites == ['test_reliability.py:small_fs: pytest.skip'], sites
+  assert not _skip_sites(
+      test_reliability.test_unwritable_export_dir_fails_export_then_recovers)
+
+  def _helper():
+    pytest.importorskip('no_such_module')
+
+  def test_uses_helper():
+    _helper()
+
+  assert _skip_sites(test_uses_helper) == [
+      'test_error_catalogue.py:test_skip_detection_sees_skips_in_fixtures_'
+      'and_helpers.<locals>._helper: pytest.importorskip']

@@ -188,7 +188,7 @@ def test_dynamic_registration_includes_classic_export_gin(tmp_path):
     assert cb.export_dir == str(tmp_path)
 
 
-def test_dynamic_registration_in_a_fresh_process():
+def test_dynamic_registration_in_a_fresh_process(tmp_path):
   """`import t5export` in gin resolves ExportCallback via the lazy face."""
   code = textwrap.dedent("""
       import json, sys
@@ -199,15 +199,18 @@ def test_dynamic_registration_in_a_fresh_process():
       t5export.ExportCallback.export_every_steps = 7
       ''')
       import t5export.callbacks
-      print(json.dumps({
+      with open(sys.argv[1], 'w') as f:  # Not stdout: TensorFlow's too.
+        json.dump({
           'value': gin.query_parameter(
               't5export.ExportCallback.export_every_steps'),
           'same_class': t5export.ExportCallback is
                         t5export.callbacks.ExportCallback,
-      }))
+        }, f)
       """)
-  proc = subprocess.run([sys.executable, '-c', code], capture_output=True,
-                        text=True, timeout=300, check=False, cwd=str(REPO))
+  path = tmp_path / 'result.json'
+  proc = subprocess.run([sys.executable, '-c', code, str(path)],
+                        capture_output=True, text=True, timeout=300,
+                        check=False, cwd=str(REPO))
   assert proc.returncode == 0, proc.stderr[-3000:]
-  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  result = json.loads(path.read_text())
   assert result == {'value': 7, 'same_class': True}

@@ -1,42 +1,95 @@
-"""Tests for the package face: lazy public names, docs, light imports."""
+"""Tests for the package face: lazy public names, docs, light imports.
+
+The light-import checks live here and nowhere else: light modules, reading
+a checkpoint, and tools/inspect_export.py never import TensorFlow.
+"""
 
 from __future__ import annotations
 
 import inspect
+import os
+import pathlib
 import subprocess
 import sys
 
 import pytest
 
+import _report  # tests/ is on sys.path.
 import t5export
 
+REPO = pathlib.Path(__file__).resolve().parents[1]
 LIGHT_MODULES = ('errors', 'paths', 'train_state', 'partitioning', 'snapshot',
                  'async_export', 'distributed', 'versions', 'checkpoints',
                  'orbax_checkpoints', 'msgpack_checkpoints', 'triggering',
                  'outcomes', 'serving_compat')
+TENSORFLOW = ('tensorflow', 'keras', 'tf_keras')  # keras pulls tensorflow in.
 
 
-def _imports_tensorflow(code: str) -> bool:
-  """Whether running `code` imports tensorflow (or keras, which pulls it)."""
-  out = subprocess.run(
-      [sys.executable, '-c',
-       code + "\nimport sys; print(any(m.split('.')[0] in ('tensorflow', "
-       "'keras', 'tf_keras') for m in sys.modules))"],
-      capture_output=True, text=True, timeout=120, check=True)
-  return out.stdout.strip().splitlines()[-1] == 'True'
+def _heavy_imports(code: str, tmp_path: pathlib.Path, *,
+                   heavy: tuple[str, ...] = TENSORFLOW) -> list[str]:
+  """Which of `heavy` (top-level packages) running `code` imports.
+
+  The answer comes back in a report file, not on stdout, where a heavy
+  import's native code could write too.
+  """
+  report = tmp_path / 'heavy.jsonl'
+  check = ('\nimport sys as _sys, _report as _r\n'
+           f'_r.emit({{"heavy": sorted({{m.split(".")[0] for m in '
+           f'_sys.modules}} & set({list(heavy)!r}))}})\n')
+  env = _report.env_for_file(report)
+  env['PYTHONPATH'] = os.pathsep.join(
+      [str(REPO), str(REPO / 'tests')] +
+      ([env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
+  proc = subprocess.run([sys.executable, '-c', code + check], cwd=REPO,
+                        env=env, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (row,) = _report.read(report)
+  return row['heavy']
 
 
-def test_import_t5export_is_light():
-  assert not _imports_tensorflow('import t5export')
+@pytest.mark.parametrize('module', ('t5export',) + tuple(
+    f't5export.{m}' for m in LIGHT_MODULES))
+def test_light_module_does_not_import_tensorflow(module, tmp_path):
+  assert _heavy_imports(f'import {module}', tmp_path) == []
 
 
-@pytest.mark.parametrize('module', LIGHT_MODULES)
-def test_light_module_does_not_import_tensorflow(module):
-  assert not _imports_tensorflow(f'import t5export.{module}')
+def test_heavy_name_resolves_on_first_access(tmp_path):
+  # The check above can tell: the exporter's name pulls TensorFlow in.
+  assert 'tensorflow' in _heavy_imports(
+      'import t5export; t5export.SavedModelExporter', tmp_path)
 
 
-def test_heavy_name_resolves_on_first_access():
-  assert _imports_tensorflow('import t5export; t5export.SavedModelExporter')
+def test_reading_checkpoints_does_not_import_tensorflow(tmp_path,
+                                                        t5x_checkpoint_dir):
+  """checkpoints.read_params on T5X, orbax and msgpack checkpoints."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from flax import serialization  # pylint: disable=g-import-not-at-top
+  state = {'step': 3, 'params': {'w': np.arange(6, dtype=np.float32)}}
+  ocp.PyTreeCheckpointer().save(tmp_path / 'orbax', state)
+  (tmp_path / 'state.msgpack').write_bytes(
+      serialization.msgpack_serialize(state))
+  code = ('from t5export import checkpoints\n' + ''.join(
+      f'checkpoints.read_params({str(p)!r})\n'
+      for p in (t5x_checkpoint_dir, tmp_path / 'orbax',
+                tmp_path / 'state.msgpack')))
+  assert _heavy_imports(code, tmp_path) == []
+
+
+def test_inspect_export_reads_metadata_without_tensorflow_or_jax(tmp_path):
+  import _reliability_model as model  # pylint: disable=g-import-not-at-top
+  export_dir = str(tmp_path / 'export')
+  t5export.SavedModelExporter(export_dir, [model.signature()],
+                              validate=False).export(model.state_for(1))
+  tool = REPO / 'tools' / 'inspect_export.py'
+  code = ('import runpy, sys\n'
+          f'sys.argv = ["inspect_export", {export_dir!r}]\n'
+          'try:\n'
+          f'  runpy.run_path({str(tool)!r}, run_name="__main__")\n'
+          'except SystemExit as e:\n'
+          '  assert e.code == 0, e.code\n')
+  assert _heavy_imports(code, tmp_path,
+                        heavy=TENSORFLOW + ('jax', 'jaxlib')) == []
 
 
 @pytest.mark.parametrize('name', sorted(t5export._EXPORTS))
@@ -63,8 +116,9 @@ def test_all_lists_every_public_name_and_dir_shows_them():
 
 
 def test_submodules_are_reachable_as_attributes():
-  assert t5export.verify.load_params is not None
-  assert t5export.errors.T5ExportError is not None
+  # Attribute access alone (no import statement) reaches them.
+  assert t5export.verify.load_params.__module__ == 't5export.verify'
+  assert t5export.errors.T5ExportError.__module__ == 't5export.errors'
 
 
 def test_gin_registers_the_contract_names():

@@ -23,6 +23,7 @@ worker's memory.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -40,6 +41,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 TESTS = REPO / 'tests'
 sys.path.insert(0, str(TESTS))
 import _reliability_model as model  # pylint: disable=g-import-not-at-top,wrong-import-position
+import _report  # pylint: disable=g-import-not-at-top,wrong-import-position
 import _small_fs  # pylint: disable=g-import-not-at-top,wrong-import-position
 import t5export  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5export import errors  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -102,20 +104,59 @@ WORKERS_AHEAD = 2  # Started before they are needed: imports overlap.
 KEEP = 3
 
 
-def _spawn_kill_worker(export_dir: str, mode: str, log_path: pathlib.Path
-                       ) -> subprocess.Popen:
-  stderr = open(log_path, 'w')  # pylint: disable=consider-using-with
-  proc = subprocess.Popen(
-      [sys.executable, str(TESTS / '_kill_worker.py'), export_dir, mode,
-       str(KEEP)], cwd=REPO, env=_ENV, stdin=subprocess.PIPE,
-      stdout=subprocess.PIPE, stderr=stderr, text=True)
-  stderr.close()
-  return proc
+class _KillWorker:
+  """A tests/_kill_worker.py process; its reports arrive on a pipe of ours.
 
+  Its stdout and stderr (TensorFlow's native logs among them) go to a log
+  file and are never parsed.
+  """
 
-def _read_line(proc: subprocess.Popen, timeout: float) -> str:
-  ready, _, _ = select.select([proc.stdout], [], [], timeout)
-  return proc.stdout.readline().strip() if ready else ''
+  def __init__(self, export_dir: str, mode: str, log_path: pathlib.Path):
+    self.log_path = log_path
+    read_fd, write_fd = os.pipe()
+    with open(log_path, 'wb') as log:
+      self.proc = subprocess.Popen(
+          [sys.executable, str(TESTS / '_kill_worker.py'), export_dir, mode,
+           str(KEEP)], cwd=REPO, env=_report.env_for_fd(write_fd, _ENV),
+          pass_fds=(write_fd,), stdin=subprocess.PIPE, stdout=log,
+          stderr=subprocess.STDOUT, text=True)
+    os.close(write_fd)  # The worker holds the only write end: EOF on exit.
+    self._fd = read_fd
+    self._buffer = b''
+
+  def readline(self, timeout: float) -> str:
+    """The next reported line, or '' after `timeout` seconds or at EOF."""
+    deadline = time.monotonic() + timeout
+    while b'\n' not in self._buffer:
+      left = deadline - time.monotonic()
+      if left <= 0 or not select.select([self._fd], [], [], left)[0]:
+        return ''
+      chunk = os.read(self._fd, 65536)
+      if not chunk:
+        return ''
+      self._buffer += chunk
+    line, self._buffer = self._buffer.split(b'\n', 1)
+    return line.decode().strip()
+
+  def rest(self) -> list[str]:
+    """Every line still unread (call once the worker has exited)."""
+    while chunk := os.read(self._fd, 65536):
+      self._buffer += chunk
+    lines, self._buffer = self._buffer.decode().splitlines(), b''
+    return lines
+
+  def log(self) -> str:
+    return self.log_path.read_text(errors='replace')[-3000:]
+
+  def close(self) -> None:
+    if self.proc.poll() is None:
+      self.proc.kill()
+      self.proc.wait()
+    if self.proc.stdin and not self.proc.stdin.closed:
+      self.proc.stdin.close()
+    if self._fd >= 0:
+      os.close(self._fd)
+      self._fd = -1
 
 
 @pytest.mark.slow
@@ -141,26 +182,26 @@ def test_sigkill_at_random_moments_never_publishes_a_partial_version(
   cleanups_seen = 0
   kills_mid_write = 0
   newest = 0
-  workers = [_spawn_kill_worker(export_dir, modes[j], tmp_path / f'w{j}.log')
+  workers = [_KillWorker(export_dir, modes[j], tmp_path / f'w{j}.log')
              for j in range(min(WORKERS_AHEAD, KILLS))]
   try:
     for i in range(KILLS):
-      worker = workers.pop(0)
-      line = _read_line(worker, 300)
+      worker = workers[0]
+      line = worker.readline(300)
       assert line == 'ready', (
-          f'kill #{i}: worker not ready: {line!r}; log '
-          f'{(tmp_path / f"w{i}.log").read_text()[-3000:]}')
+          f'kill #{i}: worker not ready: {line!r}; log {worker.log()}')
       before = _staging(export_dir) if os.path.isdir(export_dir) else []
-      worker.stdin.write('go\n')
-      worker.stdin.flush()
+      worker.proc.stdin.write('go\n')
+      worker.proc.stdin.flush()
       j = i + WORKERS_AHEAD  # Keep WORKERS_AHEAD starting in the background.
       if j < KILLS:
-        workers.append(_spawn_kill_worker(export_dir, modes[j],
-                                          tmp_path / f'w{j}.log'))
+        workers.append(_KillWorker(export_dir, modes[j],
+                                   tmp_path / f'w{j}.log'))
       out, stamps = [], [time.monotonic()]
       while sum(l.startswith('published') for l in out) < after[i]:
-        line = _read_line(worker, 300)
-        assert line, f'kill #{i}: worker stopped early; output {out}'
+        line = worker.readline(300)
+        assert line, (f'kill #{i}: worker stopped early; reported {out}; '
+                      f'log {worker.log()}')
         out.append(line)
         if line.startswith('published'):
           stamps.append(time.monotonic())
@@ -170,14 +211,13 @@ def test_sigkill_at_random_moments_never_publishes_a_partial_version(
       where = (f'kill #{i} ({modes[i]}, {delay:.2f}s after '
                f'{after[i]} published)')
       time.sleep(delay)
-      worker.send_signal(signal.SIGKILL)
-      rc = worker.wait()
-      out += worker.stdout.read().splitlines()
-      worker.stdout.close()
-      worker.stdin.close()
+      worker.proc.send_signal(signal.SIGKILL)
+      rc = worker.proc.wait()
+      out += worker.rest()
+      workers.pop(0).close()
       assert rc == -signal.SIGKILL, (
           f'{where}: worker exited by itself with {rc}, not by the kill; log '
-          f'{(tmp_path / f"w{i}.log").read_text()[-3000:]}')
+          f'{worker.log()}')
       published = [int(l.split()[1]) for l in out if l.startswith('published')]
       resumed = [json.loads(l.split(' ', 1)[1]) for l in out
                  if l.startswith('resumed ')]
@@ -204,8 +244,7 @@ def test_sigkill_at_random_moments_never_publishes_a_partial_version(
       assert set(sorted(ever)[-KEEP:]) <= set(versions), '\n'.join(report)
   finally:
     for w in workers:  # Left over when an assertion failed.
-      w.kill()
-      w.wait()
+      w.close()
   print('\n'.join(report))
 
   from t5export import exporter as exporter_lib  # pylint: disable=g-import-not-at-top
@@ -236,12 +275,14 @@ def test_file_size_limit_fails_exports_clearly_and_training_continues(
     tmp_path):
   """EFBIG mid-write: clear error, nothing half-published, then recovery."""
   log_dir, raise_dir = str(tmp_path / 'log'), str(tmp_path / 'raise')
+  report = tmp_path / 'report.jsonl'
   proc = subprocess.run(
       [sys.executable, str(TESTS / '_fsize_worker.py'), log_dir, raise_dir,
-       str(FSIZE_LIMIT), str(KEEP)], cwd=REPO, env=_ENV, capture_output=True,
+       str(FSIZE_LIMIT), str(KEEP)], cwd=REPO,
+      env=_report.env_for_file(report, _ENV), capture_output=True,
       text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-5000:]
-  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  (result,) = _report.read(report)
 
   # on_error='log': the loop ran all 6 steps; steps 3-4 failed, each with
   # a message naming the cause and the staged file; 5-6 published again.
@@ -280,6 +321,14 @@ def test_file_size_limit_fails_exports_clearly_and_training_continues(
 
 @pytest.fixture
 def small_fs(tmp_path):
+  """A 2 MiB tmpfs of its own; mounting needs root with CAP_SYS_ADMIN."""
+  if not _small_fs.can_mount():
+    pytest.skip('needs a tmpfs of its own, i.e. root with CAP_SYS_ADMIN. '
+                'Without it, a write failing mid-export is covered by '
+                'test_file_size_limit_fails_exports_clearly_and_training_'
+                'continues (RLIMIT_FSIZE) and test_unwritable_export_dir_'
+                'fails_export_then_recovers (permission bits), which run '
+                'for everyone.')
   with _small_fs.tmpfs(str(tmp_path / 'fs'), size='2m') as path:
     yield path
 
@@ -317,25 +366,29 @@ def test_full_disk_fails_export_and_training_continues(small_fs):
     model.check_version(os.path.join(export_dir, str(v)))
 
 
-def test_read_only_filesystem_fails_export_then_recovers(small_fs):
-  """A filesystem turning read-only mid-run: clear error, then recovery."""
+def _export_fails_while_unwritable_then_recovers(export_dir: str,
+                                                 unwritable, cause: str
+                                                 ) -> None:
+  """Version 1, then step 2 fails inside `unwritable()`, then publishes.
+
+  Args:
+    export_dir: where to export (absent or empty).
+    unwritable: a context manager factory; exports fail inside it.
+    cause: the OS error text the failures must carry.
+  """
   from t5export import exporter as exporter_lib  # pylint: disable=g-import-not-at-top
-  export_dir = os.path.join(small_fs, 'export')
   exporter = exporter_lib.SavedModelExporter(
       export_dir, [model.signature()], keep=KEEP)
   exporter.export(model.state_for(1))
   digest = _digest(os.path.join(export_dir, '1'))
-  _small_fs.remount(small_fs, read_only=True)
-  try:
-    with pytest.raises(Exception, match='Read-only file system') as info:
+  with unwritable():
+    with pytest.raises(OSError, match=cause) as info:
       exporter.export(model.state_for(2))
     assert '.tmp-2-' in str(info.value)  # Names the staging path.
     # A new exporter (a restarted job) says so before any work.
     with pytest.raises(errors.ExportDirError,
-                       match=r'is not writable.*Read-only file system'):
+                       match=rf'is not writable.*{cause}'):
       exporter_lib.SavedModelExporter(export_dir, [model.signature()])
-  finally:
-    _small_fs.remount(small_fs, read_only=False)
   assert _versions(export_dir) == [1]
   assert _staging(export_dir) == []
   exporter.export(model.state_for(2))  # The same step, now it can write.
@@ -343,6 +396,29 @@ def test_read_only_filesystem_fails_export_then_recovers(small_fs):
   assert _digest(os.path.join(export_dir, '1')) == digest
   for v in (1, 2):
     model.check_version(os.path.join(export_dir, str(v)))
+
+
+def test_read_only_filesystem_fails_export_then_recovers(small_fs):
+  """A filesystem turning read-only mid-run: clear error, then recovery."""
+
+  @contextlib.contextmanager
+  def read_only():
+    _small_fs.remount(small_fs, read_only=True)
+    try:
+      yield
+    finally:
+      _small_fs.remount(small_fs, read_only=False)
+
+  _export_fails_while_unwritable_then_recovers(
+      os.path.join(small_fs, 'export'), read_only, 'Read-only file system')
+
+
+def test_unwritable_export_dir_fails_export_then_recovers(tmp_path):
+  """export_dir losing its write permission mid-run (root included)."""
+  export_dir = str(tmp_path / 'export')
+  _export_fails_while_unwritable_then_recovers(
+      export_dir, lambda: _small_fs.not_writable(export_dir),
+      'Permission denied')
 
 
 # --- 4. non-finite params ---------------------------------------------------
