@@ -110,8 +110,16 @@ def load_function(version_dir: str | os.PathLike[str],
   Deserializes the signature's `jax.export` artifact (written by the
   exporter with `jax_artifacts=True`, the default) and binds it to the
   version's own variables (read like `load_params`). The result runs the
-  exact StableHLO the SavedModel runs, in JAX, with no TensorFlow: on CPU
-  it returns the SavedModel's outputs bit for bit. It is jit-compatible.
+  exact StableHLO the SavedModel runs, in JAX, with no TensorFlow, and
+  returns what the JAX method returns on those params, bit for bit; the
+  SavedModel's outputs too, wherever TensorFlow's XLA compiles the module
+  to the same code as JAX's (on CPU: everything but a division by a
+  broadcast value, which jaxlib 0.10's XLA turns into a multiplication by
+  the reciprocal, a last-bit difference). The variables are passed as
+  arguments of a jitted call; inside your own `jax.jit`, call
+  `fn.exported.call(fn.variables, inputs)` with the variables as
+  arguments too: closed over, they become constants XLA may fold, which
+  also changes the last bits.
 
   It is the JAX part of the signature only: `fn(inputs)` takes what the
   signature's JAX method takes and returns what the method returns. For a
@@ -154,8 +162,10 @@ def load_function(version_dir: str | os.PathLike[str],
   variables = jax.tree_util.tree_unflatten(
       variables_tree, [jnp.asarray(v) for v in flat.values()])
 
+  jitted = jax.jit(exported.call)
+
   def call(inputs: Any) -> Any:
-    return exported.call(variables, inputs)
+    return jitted(variables, inputs)
 
   call.exported = exported  # type: ignore[attr-defined]
   call.variables = variables  # type: ignore[attr-defined]
