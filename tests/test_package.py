@@ -12,7 +12,8 @@ import t5export
 
 LIGHT_MODULES = ('errors', 'paths', 'train_state', 'partitioning', 'snapshot',
                  'async_export', 'distributed', 'versions', 'checkpoints',
-                 'orbax_checkpoints', 'msgpack_checkpoints', 'serving_compat')
+                 'orbax_checkpoints', 'msgpack_checkpoints', 'serving_compat',
+                 'tensor_bundle', 'jax_artifacts', 'verify')
 
 
 def _imports_tensorflow(code: str) -> bool:
