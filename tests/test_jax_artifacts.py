@@ -319,12 +319,14 @@ def test_artifact_follows_the_serving_target():
 
 @pytest.fixture(scope='module')
 def no_artifacts(mlp, tmp_path_factory):
-  """Versions with no artifact: exported with jax_artifacts=False, and one
-  as a t5export from before artifacts existed wrote it."""
-  exporter = t5export.SavedModelExporter(
-      str(tmp_path_factory.mktemp('off') / 'export'), [mlp['sig']],
-      jax_artifacts=False, validate=False, warmup=False)
-  off = exporter.export(mlp['states'][0])
+  """Versions with no artifact: exported with jax_artifacts=False (by the
+  training callback), one as a t5export from before artifacts wrote it, and
+  one whose artifact file was deleted."""
+  with t5export.ExportCallback(
+      export_dir=str(tmp_path_factory.mktemp('off') / 'export'),
+      signatures=[mlp['sig']], export_every_steps=1000, async_export=False,
+      validate=False, warmup=False, jax_artifacts=False) as callback:
+    off = callback.export_now(mlp['states'][0])
   old = str(tmp_path_factory.mktemp('old') / '1')
   shutil.copytree(mlp['paths'][0], old)
   shutil.rmtree(os.path.join(old, jax_artifacts.ARTIFACT_DIR))

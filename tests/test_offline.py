@@ -438,7 +438,7 @@ def test_export_checkpoint_api_overwrites_a_version(background, work):
       name='renamed', method=models.make_mlp_serve_fn(models.MlpBn()),
       input_specs={'x': ('b, 16', 'float32')},
       sample_inputs={'x': _MLP_X[:2]})
-  options = offline.OfflineOptions(signatures=[sig])
+  options = offline.OfflineOptions(signatures=[sig], jax_artifacts=False)
   with pytest.raises(t5export.errors.VersionExistsError):
     offline.export_checkpoint(work / 'pytree', export_dir, step=7,
                               options=options)
@@ -448,6 +448,9 @@ def test_export_checkpoint_api_overwrites_a_version(background, work):
   assert sorted(os.listdir(export_dir)) == ['7']
   new = verify.read_metadata(path)
   assert list(new['signatures']) == ['renamed']
+  assert new['signatures']['renamed']['jax_artifact'] is None
+  assert new['options']['jax_artifacts'] is False
+  assert old['signatures']['serving_default']['jax_artifact'] is not None
   assert new['time_utc'] != old['time_utc']
   got = verify.load_params(path)
   for key, value in paths.flatten(
