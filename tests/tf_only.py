@@ -24,6 +24,9 @@ its own (never on stdout or stderr, where TensorFlow's native code logs).
 `python` chooses the interpreter: by default this one (the project's
 TensorFlow with JAX blocked); `tf_venvs.tf_python('2.19.1')` gives one of
 an older TensorFlow with no JAX installed at all.
+
+The process machinery (`IsolatedProcess`, `script`) is shared with
+`jax_only`, which blocks TensorFlow instead.
 """
 
 from __future__ import annotations
