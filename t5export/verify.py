@@ -145,7 +145,8 @@ def load_function(version_dir: str | os.PathLike[str],
     SignatureError: if the version has no such signature.
     NoJaxArtifactError: if the version holds no artifact for it (written
       before t5export wrote them, or with `jax_artifacts=False`).
-    ParamsMismatchError, VariablesFormatError: as for `load_params`.
+    ParamsMismatchError, VariablesFormatError: as for `load_params`, or
+      the artifact and the stored variables do not match.
   """
   version_dir = os.fspath(version_dir)
   metadata = read_metadata(version_dir)
@@ -155,10 +156,11 @@ def load_function(version_dir: str | os.PathLike[str],
   # the exported structure, whatever containers the model used.
   variables_tree = exported.in_tree.children()[0].children()[0]
   if variables_tree.num_leaves != len(flat):
-    raise errors.ParamsMismatchError(
-        missing=[f'{variables_tree.num_leaves} variables'],
-        unexpected=[f'{len(flat)} stored'],
-        source=f'variables stored in {version_dir!r} (for its JAX artifact)')
+    raise errors.VariablesFormatError(
+        f'The JAX artifact of signature {signature_name!r} takes '
+        f'{variables_tree.num_leaves} variables but {version_dir!r} stores '
+        f'{len(flat)}: the version\'s files do not belong together. Copy the '
+        'version again or re-export it.')
   variables = jax.tree_util.tree_unflatten(
       variables_tree, [jnp.asarray(v) for v in flat.values()])
 
