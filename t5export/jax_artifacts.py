@@ -23,8 +23,9 @@ converted function's call, and hands it only to the private
 mean patching a private jax2tf class. So the exporter traces each method
 once more with the public `jax.export.export`, on the first export only
 (the artifact does not depend on the weights: later versions write the
-same bytes). Its cost, time and bytes, is measured by `make bench`
-(`jax_artifact`).
+same bytes). Its cost is measured by `make bench` (`jax_artifact_time`:
+first export with / without it; `jax_artifact_bytes`: its share of a
+version on disk).
 
 The metadata (`assets.extra/t5export.json`) records per signature under
 `jax_artifact`: the file, its size, platforms, calling-convention and
