@@ -44,10 +44,10 @@ _EXPORTS = {
 # Submodules reachable as attributes, e.g. `t5export.verify.load_params`.
 _SUBMODULES = frozenset({
     'async_export', 'callbacks', 'checkpoints', 'distributed', 'errors',
-    'exporter', 'jax_module', 'msgpack_checkpoints', 'offline',
-    'orbax_checkpoints', 'outcomes', 'partitioning', 'paths', 'serving',
-    'serving_compat', 'snapshot', 'specs', 't5x_models', 'train_state',
-    'triggering', 'verify', 'versions',
+    'exporter', 'jax_artifacts', 'jax_module', 'msgpack_checkpoints',
+    'offline', 'orbax_checkpoints', 'outcomes', 'partitioning', 'paths',
+    'serving', 'serving_compat', 'snapshot', 'specs', 't5x_models',
+    'tensor_bundle', 'train_state', 'triggering', 'verify', 'versions',
 })
 
 __all__ = sorted(_EXPORTS) + ['errors', 'verify', '__version__']

@@ -167,6 +167,7 @@ class ExportCallback:
                warmup: bool = True,
                allow_non_finite: bool = False,
                serving_tf_version: str | None = None,
+               jax_artifacts: bool = True,
                multiprocess_timeout_secs: float = (
                    distributed.DEFAULT_TIMEOUT_SECS)):
     """Validates the options and prepares the exporter (process 0).
@@ -214,6 +215,8 @@ class ExportCallback:
       serving_tf_version: the oldest TensorFlow / TF Serving release that
         must load the versions, e.g. '2.20'; None: the oldest this JAX can
         target (see `t5export.serving_compat`).
+      jax_artifacts: also write each signature's JAX method as a
+        `jax.export` artifact (see `SavedModelExporter`).
       multiprocess_timeout_secs: under `jax.distributed`, how long the other
         processes wait for process 0 to report an export (and for each
         other at its barrier) before raising `errors.WriterTimeoutError`
@@ -260,7 +263,8 @@ class ExportCallback:
             validate=validate, atol=atol, rtol=rtol, platforms=platforms,
             warmup=warmup, allow_non_finite=allow_non_finite,
             logical_axis_rules=logical_axis_rules,
-            serving_tf_version=serving_tf_version),
+            serving_tf_version=serving_tf_version,
+            jax_artifacts=jax_artifacts),
         what=f'create the exporter for {self._export_dir}')
     # Steps published (before this run, or by it) and handed off, for the
     # already-published skip. Guarded by _lock.

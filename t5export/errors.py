@@ -249,6 +249,23 @@ class VersionNotFoundError(T5ExportError, FileNotFoundError):
   """A directory is not a published t5export version (no metadata)."""
 
 
+class VariablesFormatError(T5ExportError, ValueError):
+  """A version's variables checkpoint is damaged or cannot be read.
+
+  Raised by the TensorFlow-free reader (`t5export.tensor_bundle`): a
+  missing or truncated file, a failed checksum, or a form it does not read
+  (compressed index, partitioned variables).
+  """
+
+
+class NoJaxArtifactError(T5ExportError, FileNotFoundError):
+  """A version has no `jax.export` artifact for a signature.
+
+  Versions written before t5export wrote them, or with
+  `jax_artifacts=False`, can only be run through TensorFlow.
+  """
+
+
 # --- sharding (partitioning) ------------------------------------------------
 
 

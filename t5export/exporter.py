@@ -48,6 +48,7 @@ import tensorflow as tf
 
 import t5export
 from t5export import errors
+from t5export import jax_artifacts as jax_artifacts_lib
 from t5export import jax_module
 from t5export import paths
 from t5export import serving
@@ -153,7 +154,8 @@ class SavedModelExporter:
                jit_compile: bool = True,
                cast_bfloat16: bool = False,
                reuse_graph: bool = True,
-               serving_tf_version: str | None = None):
+               serving_tf_version: str | None = None,
+               jax_artifacts: bool = True):
     """Prepares the export directory and resumes from what it holds.
 
     Args:
@@ -186,6 +188,9 @@ class SavedModelExporter:
       serving_tf_version: the oldest TensorFlow / TF Serving release that
         must load the versions, e.g. '2.20' (see `t5export.serving_compat`);
         None: the oldest release this JAX can target.
+      jax_artifacts: also write each signature's JAX method as a
+        `jax.export` artifact into `assets.extra/` (for
+        `verify.load_function`; see `t5export.jax_artifacts`).
 
     Raises:
       ExportDirError: if `export_dir` is a file or is not writable.
@@ -228,6 +233,10 @@ class SavedModelExporter:
     self._jit_compile = jit_compile
     self._cast_bfloat16 = cast_bfloat16
     self._reuse_graph = reuse_graph
+    self._jax_artifacts = bool(jax_artifacts)
+    # Signature name -> (serialized jax.export artifact, its metadata entry),
+    # made on the first export.
+    self._artifacts: dict[str, tuple[bytes, dict[str, Any]]] = {}
     self._module: jax_module.JaxModule | None = None
     self._writer: writer_lib.SavedModelWriter | None = None
     self._serving_fns: dict[str, Any] | None = None
@@ -388,6 +397,7 @@ class SavedModelExporter:
                      sorted(check['signatures']), time.monotonic() - start)
       start = time.monotonic()
       os.makedirs(os.path.join(staging, verify.ASSETS_EXTRA), exist_ok=True)
+      self._write_artifacts(staging)
       self._write_metadata(staging, snap, check, metrics)
       n_warmup = self._write_warmup(staging) if self._warmup else 0
       versions_lib.fsync_tree(staging)
@@ -420,6 +430,15 @@ class SavedModelExporter:
         jit_compile=self._jit_compile, platforms=self._platforms,
         cast_bfloat16=self._cast_bfloat16, adopt_buffers=adopt,
         serving_target=self._target)
+    if self._jax_artifacts:
+      start = time.monotonic()
+      for sig in self._signatures:
+        data = module.serialize_method(sig.name)
+        self._artifacts[sig.name] = (data, jax_artifacts_lib.describe(
+            data, sig.name, self._target))
+      logging.info('t5export: jax.export artifacts of %s in %.2fs (%.1f KiB).',
+                   sorted(self._artifacts), time.monotonic() - start,
+                   sum(len(d) for d, _ in self._artifacts.values()) / 1024)
     self._serving_fns = serving.serving_functions(module, self._signatures)
     self._writer = writer_lib.SavedModelWriter(
         module, self._serving_fns, reuse_graph=self._reuse_graph)
@@ -427,12 +446,22 @@ class SavedModelExporter:
 
   # --- assets.extra -------------------------------------------------------
 
+  def _write_artifacts(self, staging: str) -> None:
+    """Writes the jax.export artifacts (the same bytes every version)."""
+    for name, (data, _) in self._artifacts.items():
+      path = os.path.join(staging, jax_artifacts_lib.artifact_file(name))
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      with open(path, 'wb') as f:
+        f.write(data)
+
   def _signature_metadata(self, sig: serving.Signature,
                           signature_def: Any) -> dict[str, Any]:
     meta = sig.describe()
     meta['outputs'] = {k: _tensor_info_json(v)
                        for k, v in sorted(signature_def.outputs.items())}
     meta['has_sample_inputs'] = sig.sample_inputs is not None
+    meta[jax_artifacts_lib.METADATA_KEY] = (
+        self._artifacts[sig.name][1] if sig.name in self._artifacts else None)
     return meta
 
   def _write_metadata(self, staging: str, snap: snapshot_lib.HostSnapshot,
@@ -470,6 +499,7 @@ class SavedModelExporter:
             'trainable': self._trainable, 'jit_compile': self._jit_compile,
             'cast_bfloat16': self._cast_bfloat16,
             'reuse_graph': self._reuse_graph,
+            'jax_artifacts': self._jax_artifacts,
         },
         'signatures': {
             s.name: self._signature_metadata(s, signature_defs[s.name])

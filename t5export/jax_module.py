@@ -49,6 +49,7 @@ import numpy as np
 import tensorflow as tf
 
 from t5export import errors
+from t5export import jax_artifacts
 from t5export import partitioning
 from t5export import paths
 from t5export import serving_compat
@@ -156,6 +157,9 @@ class _Meta:
   raw_methods: Mapping[str, Callable[..., Any]]
   jitted_methods: Mapping[str, Callable[..., Any]]
   platforms: tuple[str, ...]
+  input_signatures: Mapping[str, Any]
+  polymorphic_shapes: Mapping[str, Any]
+  serving_target: serving_compat.ServingTarget | None
 
 
 class JaxModule(tf.Module):
@@ -265,7 +269,9 @@ class JaxModule(tf.Module):
         dtypes=tuple(dtypes), cast_to_f32=tuple(casts),
         raw_methods=dict(methods),
         jitted_methods={k: jax.jit(fn) for k, fn in methods.items()},
-        platforms=platforms)
+        platforms=platforms, input_signatures=dict(input_signatures),
+        polymorphic_shapes=dict(polymorphic_shapes),
+        serving_target=serving_target)
     logging.info('JaxModule: %d variables, methods %s, platforms %s.',
                  len(tf_vars), sorted(methods), platforms)
 
@@ -350,6 +356,25 @@ class JaxModule(tf.Module):
     def bind(jitted):
       return lambda inputs: jitted(self.jax_variables(), inputs)
     return {k: bind(f) for k, f in self._meta.jitted_methods.items()}
+
+  def serialize_method(self, method_name: str) -> bytes:
+    """The method as jax2tf converts it, serialized with `jax.export`.
+
+    Same function of (variables as stored, inputs), polymorphic shapes,
+    platforms and serving target; traced again (`t5export.jax_artifacts`).
+
+    Args:
+      method_name: one of `methods`.
+
+    Returns:
+      The serialized `jax.export.Exported`.
+    """
+    meta, fn = self._meta, self._meta.raw_methods[method_name]
+    return jax_artifacts.serialize(
+        lambda variables, inputs: fn(self._to_jax_dtypes(variables), inputs),
+        self._variable_tree(), meta.input_signatures[method_name],
+        polymorphic_shapes=meta.polymorphic_shapes[method_name],
+        platforms=meta.platforms, target=meta.serving_target)
 
   def jax_variables(self) -> Any:
     """The current variable values as a pytree of JAX arrays.

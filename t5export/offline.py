@@ -131,6 +131,8 @@ class OfflineOptions:
     serving_tf_version: the oldest TensorFlow / TF Serving release that must
       load the version (None: the oldest this JAX can target); the
       `--serving_tf_version` flag overrides it.
+    jax_artifacts: also write each signature's JAX method as a `jax.export`
+      artifact (for `verify.load_function`).
   """
 
   def __init__(self, *, signatures: Sequence[Any] = gin.REQUIRED,
@@ -140,7 +142,8 @@ class OfflineOptions:
                keep: int | None = None,
                atol: float = 1e-5, rtol: float = 1e-5,
                warmup: bool = True, allow_non_finite: bool = False,
-               serving_tf_version: str | None = None):
+               serving_tf_version: str | None = None,
+               jax_artifacts: bool = True):
     if serving_tf_version is not None:
       serving_compat.resolve(serving_tf_version)
     if init_fn is not None and not callable(init_fn):
@@ -155,6 +158,7 @@ class OfflineOptions:
     self.warmup = warmup
     self.allow_non_finite = allow_non_finite
     self.serving_tf_version = serving_tf_version
+    self.jax_artifacts = jax_artifacts
 
 
 def rewrite_args(argv: Sequence[str]) -> list[str]:
@@ -401,7 +405,8 @@ def export_checkpoint(ckpt: str, export_dir: str, *, step: int | None = None,
       allow_non_finite=options.allow_non_finite,
       logical_axis_rules=options.logical_axis_rules,
       serving_tf_version=(serving_tf_version if serving_tf_version is not None
-                          else options.serving_tf_version))
+                          else options.serving_tf_version),
+      jax_artifacts=options.jax_artifacts)
   # The params were read for this export alone: TensorFlow may take their
   # memory instead of copying it (peak memory ~1x the params, not 3x).
   path = exporter.export(state, hand_over=True)

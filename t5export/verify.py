@@ -1,17 +1,24 @@
-"""Reads a published SavedModel version back: params, comparisons, calls.
+"""Reads a published SavedModel version back: params, functions, checks.
 
 The reading side of what `exporter.SavedModelExporter` writes:
 
 - `read_metadata(version_dir)`: the version's `assets.extra/t5export.json`.
 - `load_params(version_dir)`: the exported variables as a JAX pytree,
-  bit-exact (bfloat16 included). It reads the SavedModel's variables
-  checkpoint directly, so no graph is loaded and nothing is converted.
+  bit-exact (bfloat16 included), read from the SavedModel's variables
+  checkpoint with `tensor_bundle` (no TensorFlow, no graph).
+- `load_function(version_dir, signature_name)`: the signature's JAX method
+  from the version's `jax.export` artifact (`jax_artifacts`), bound to the
+  version's own weights: runs exactly what the SavedModel runs, without
+  TensorFlow.
 - `compare_outputs(...)` / `compare_with_jax(...)`: run a signature and
   compare every named output with JAX (what the exporter's pre-publish check
   uses).
 - `call_exported(version_dir, signature_name)`: a JAX-callable that runs the
-  exported signature through `jax.experimental.jax2tf.call_tf`, for users who
-  want the round trip back into JAX.
+  exported signature in TensorFlow through `jax2tf.call_tf`.
+
+Importing this module does not import TensorFlow: `read_metadata`,
+`load_params` and `load_function` work where TensorFlow cannot be imported;
+the functions that run the SavedModel import it when called.
 """
 
 from __future__ import annotations
@@ -22,14 +29,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import jax2tf
 import numpy as np
-import tensorflow as tf
 
 from t5export import errors
+from t5export import jax_artifacts
 from t5export import paths
+from t5export import tensor_bundle
 from t5export import versions
-from t5export import writer
 
 # Layout of a published version (defined in the light `versions` module).
 ASSETS_EXTRA = versions.ASSETS_EXTRA
@@ -42,24 +48,42 @@ _PARAM_VARS_ATTR = 'param_vars'
 read_metadata = versions.read_metadata
 
 
-def _param_checkpoint_keys(reader: Any, version_dir: str) -> list[str]:
-  """Checkpoint keys of JaxModule.param_vars[0..n-1], via the object graph."""
-  keys = writer.param_checkpoint_keys(
-      reader.get_tensor(writer.OBJECT_GRAPH_KEY))
+def _tensorflow() -> Any:
+  """TensorFlow, imported when a SavedModel is run (never at import)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  return tf
+
+
+def _read_variables(version_dir: str,
+                    metadata: Mapping[str, Any]) -> dict[str, np.ndarray]:
+  """{parameter path: stored array}, in the metadata's `parameters` order."""
+  names = list(metadata['parameters'])
+  reader = tensor_bundle.BundleReader(
+      os.path.join(version_dir, 'variables', 'variables'))
+  keys = tensor_bundle.param_checkpoint_keys(
+      reader.read_strings(tensor_bundle.OBJECT_GRAPH_KEY)[0],
+      attribute=_PARAM_VARS_ATTR)
   if keys is None:
     raise errors.VersionNotFoundError(
-        f'The SavedModel at {version_dir!r} has no complete \'param_vars\' '
-        'list; it was not written by t5export.')
-  return keys
+        f'The SavedModel at {version_dir!r} has no complete '
+        f'{_PARAM_VARS_ATTR!r} list; it was not written by t5export.')
+  if len(keys) != len(names):
+    raise errors.ParamsMismatchError(
+        missing=names[len(keys):],
+        unexpected=[f'{_PARAM_VARS_ATTR}/{i}' for i in
+                    range(len(names), len(keys))],
+        source=f'variables stored in {version_dir!r}')
+  return {name: reader.read(key) for name, key in zip(names, keys)}
 
 
 def load_params(version_dir: str | os.PathLike[str]) -> dict[str, Any]:
   """Loads the exported variables of a version back as a JAX pytree.
 
   The values come straight from the SavedModel's variables checkpoint
-  (`variables/variables`), so they are bit-exact, bfloat16 included, and no
-  TensorFlow graph or JAX conversion runs. The tree is rebuilt from the
-  metadata's `parameters` list (the `JaxModule.param_paths` order).
+  (`variables/variables.*`, read and checksummed by `tensor_bundle`), so
+  they are bit-exact, bfloat16 included; no TensorFlow is needed. The tree
+  is rebuilt from the metadata's `parameters` list (the
+  `JaxModule.param_paths` order).
 
   Args:
     version_dir: a version directory such as `<export_dir>/1000`.
@@ -72,26 +96,87 @@ def load_params(version_dir: str | os.PathLike[str]) -> dict[str, Any]:
   Raises:
     VersionNotFoundError: if the directory is not a t5export version.
     ParamsMismatchError: if the metadata and the stored variables disagree.
+    VariablesFormatError: if the variables files are damaged.
   """
   version_dir = os.fspath(version_dir)
-  names = list(read_metadata(version_dir)['parameters'])
-  reader = tf.train.load_checkpoint(
-      os.path.join(version_dir, 'variables', 'variables'))
-  keys = _param_checkpoint_keys(reader, version_dir)
-  if len(keys) != len(names):
-    raise errors.ParamsMismatchError(
-        missing=names[len(keys):],
-        unexpected=[f'{_PARAM_VARS_ATTR}/{i}' for i in
-                    range(len(names), len(keys))],
-        source=f'variables stored in {version_dir!r}')
-  flat = {name: jnp.asarray(reader.get_tensor(key))
-          for name, key in zip(names, keys)}
-  return paths.unflatten(flat)
+  flat = _read_variables(version_dir, read_metadata(version_dir))
+  return paths.unflatten({k: jnp.asarray(v) for k, v in flat.items()})
+
+
+def load_function(version_dir: str | os.PathLike[str],
+                  signature_name: str) -> Callable[[Any], Any]:
+  """The JAX function a version serves, bound to that version's weights.
+
+  Deserializes the signature's `jax.export` artifact (written by the
+  exporter with `jax_artifacts=True`, the default) and binds it to the
+  version's own variables (read like `load_params`). The result runs the
+  exact StableHLO the SavedModel runs, in JAX, with no TensorFlow, and
+  returns what the JAX method returns on those params, bit for bit; the
+  SavedModel's outputs too, wherever TensorFlow's XLA compiles the module
+  to the same code as JAX's (on CPU: everything but a division by a
+  broadcast value, which jaxlib 0.10's XLA turns into a multiplication by
+  the reciprocal, a last-bit difference). The variables are passed as
+  arguments of a jitted call; inside your own `jax.jit`, call
+  `fn.exported.call(fn.variables, inputs)` with the variables as
+  arguments too: closed over, they become constants XLA may fold, which
+  also changes the last bits.
+
+  It is the JAX part of the signature only: `fn(inputs)` takes what the
+  signature's JAX method takes and returns what the method returns. For a
+  signature without pre/post-processors that is the SavedModel signature
+  itself (same input names; outputs as the method's pytree, which the
+  SavedModel flattens into named outputs). A signature's TensorFlow
+  preprocessor and postprocessor (tokenizers, lookup tables) are not in
+  the artifact and do not run: the inputs are the method inputs recorded
+  in the metadata (`signatures[name]['method_inputs']`), e.g. token ids
+  instead of text, and the outputs are the method's, before the
+  postprocessor. Every t5export signature has this JAX-only form.
+
+  Args:
+    version_dir: a version directory such as `<export_dir>/1000`.
+    signature_name: the signature.
+
+  Returns:
+    `fn(inputs) -> outputs`; `fn.exported` is the `jax.export.Exported`
+    and `fn.variables` the bound variables (as stored).
+
+  Raises:
+    VersionNotFoundError: if the directory is not a t5export version.
+    SignatureError: if the version has no such signature.
+    NoJaxArtifactError: if the version holds no artifact for it (written
+      before t5export wrote them, or with `jax_artifacts=False`).
+    ParamsMismatchError, VariablesFormatError: as for `load_params`, or
+      the artifact and the stored variables do not match.
+  """
+  version_dir = os.fspath(version_dir)
+  metadata = read_metadata(version_dir)
+  exported = jax_artifacts.read(version_dir, signature_name, metadata)
+  flat = _read_variables(version_dir, metadata)
+  # in_tree is that of ((variables, inputs), {}): rebuild the variables in
+  # the exported structure, whatever containers the model used.
+  variables_tree = exported.in_tree.children()[0].children()[0]
+  if variables_tree.num_leaves != len(flat):
+    raise errors.VariablesFormatError(
+        f'The JAX artifact of signature {signature_name!r} takes '
+        f'{variables_tree.num_leaves} variables but {version_dir!r} stores '
+        f'{len(flat)}: the version\'s files do not belong together. Copy the '
+        'version again or re-export it.')
+  variables = jax.tree_util.tree_unflatten(
+      variables_tree, [jnp.asarray(v) for v in flat.values()])
+
+  jitted = jax.jit(exported.call)
+
+  def call(inputs: Any) -> Any:
+    return jitted(variables, inputs)
+
+  call.exported = exported  # type: ignore[attr-defined]
+  call.variables = variables  # type: ignore[attr-defined]
+  return call
 
 
 def _to_numpy(value: Any) -> np.ndarray:
-  if isinstance(value, (tf.Tensor, tf.Variable)):
-    return value.numpy()
+  if not isinstance(value, np.ndarray) and hasattr(value, 'numpy'):
+    return value.numpy()  # A tf.Tensor or tf.Variable.
   return np.asarray(value)
 
 
@@ -195,6 +280,7 @@ def run_signature(loaded: Any, version_dir: str, signature_name: str,
   Raises:
     SignatureError: if the signature does not exist.
   """
+  tf = _tensorflow()
   fn = _signature(loaded, version_dir, signature_name)
   spec = fn.structured_input_signature[1]
   feed = {}
@@ -226,6 +312,7 @@ def run_signatures_isolated(
     SignatureError: if a signature or one of its inputs does not exist.
   """
   version_dir = os.fspath(version_dir)
+  tf = _tensorflow()
   results = []
   with tf.Graph().as_default() as graph:
     with tf.compat.v1.Session(graph=graph) as session:
@@ -274,7 +361,7 @@ def compare_with_jax(version_dir: str | os.PathLike[str], signature_name: str,
       when they differ.
   """
   version_dir = os.fspath(version_dir)
-  loaded = tf.saved_model.load(version_dir)
+  loaded = _tensorflow().saved_model.load(version_dir)
   actual = run_signature(loaded, version_dir, signature_name, inputs)
   expected = jax.tree_util.tree_map(np.asarray, jax_fn(dict(inputs)))
   return compare_outputs(signature_name, actual, expected, atol=atol,
@@ -309,6 +396,8 @@ def call_exported(version_dir: str | os.PathLike[str], signature_name: str,
   Raises:
     SignatureError: if the signature does not exist.
   """
+  from jax.experimental import jax2tf  # pylint: disable=g-import-not-at-top
+  tf = _tensorflow()
   version_dir = os.fspath(version_dir)
   loaded = tf.saved_model.load(version_dir)
   tf_sig = _signature(loaded, version_dir, signature_name)

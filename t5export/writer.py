@@ -43,59 +43,16 @@ from absl import logging
 import tensorflow as tf
 
 from t5export import jax_module
-from tensorflow.core.protobuf import trackable_object_graph_pb2
+from t5export import tensor_bundle
 
-OBJECT_GRAPH_KEY = '_CHECKPOINTABLE_OBJECT_GRAPH'
 VARIABLES_DIR = 'variables'
 VARIABLES_PREFIX = os.path.join(VARIABLES_DIR, 'variables')
 _REWRITTEN = (VARIABLES_DIR, 'fingerprint.pb')
-# The attribute a tf.Variable's value is saved under in a checkpoint.
-_VALUE_ATTRIBUTE = 'VARIABLE_VALUE'
-# The JaxModule attribute holding its variables (a tracked list).
-_PARAM_VARS = 'param_vars'
 
 
 def default_shards() -> int:
   """Parallel shards for the weights: one per CPU, at most 8."""
   return max(1, min(8, os.cpu_count() or 1))
-
-
-def param_checkpoint_keys(object_graph: bytes, *,
-                          count: int | None = None) -> list[str] | None:
-  """Checkpoint keys of a `JaxModule`'s `param_vars[0..n)`.
-
-  A SavedModel's checkpoint stores each variable under a key derived from
-  its path in the object graph ('param_vars/3/.ATTRIBUTES/VARIABLE_VALUE');
-  the graph itself is the checkpoint's `_CHECKPOINTABLE_OBJECT_GRAPH`
-  entry.
-
-  Args:
-    object_graph: the serialized `TrackableObjectGraph`.
-    count: how many variables the module has (default: as many as the
-      graph lists).
-
-  Returns:
-    The keys in `param_vars` order, or None if the graph has no complete
-    `param_vars` list (not a t5export module).
-  """
-  graph = trackable_object_graph_pb2.TrackableObjectGraph()
-  graph.ParseFromString(object_graph)
-  nodes = graph.nodes
-  root = {c.local_name: c.node_id for c in nodes[0].children}
-  if _PARAM_VARS not in root:
-    return None
-  items = {c.local_name: c.node_id for c in nodes[root[_PARAM_VARS]].children}
-  keys = []
-  for i in range(len(items) if count is None else count):
-    node_id = items.get(str(i))
-    if node_id is None:
-      return None
-    values = [a.checkpoint_key for a in nodes[node_id].attributes
-              if a.name == _VALUE_ATTRIBUTE]
-    if len(values) != 1:
-      return None
-    keys.append(values[0])
-  return keys
 
 
 def _balanced(sizes: list[int], shards: int) -> list[list[int]]:
@@ -181,10 +138,11 @@ class SavedModelWriter:
   def _capture(self, directory: str) -> None:
     """Keeps what later versions reuse, or records why they cannot."""
     prefix = os.path.join(directory, VARIABLES_PREFIX)
-    reader = tf.train.load_checkpoint(prefix)
-    keys = param_checkpoint_keys(reader.get_tensor(OBJECT_GRAPH_KEY),
-                                 count=len(self._module.param_vars))
-    stored = set(reader.get_variable_to_shape_map()) - {OBJECT_GRAPH_KEY}
+    reader = tensor_bundle.BundleReader(prefix)
+    object_graph = reader.read_strings(tensor_bundle.OBJECT_GRAPH_KEY)[0]
+    keys = tensor_bundle.param_checkpoint_keys(
+        object_graph, count=len(self._module.param_vars))
+    stored = set(reader.keys()) - {tensor_bundle.OBJECT_GRAPH_KEY}
     if keys is None or set(keys) != stored:
       extra = sorted(stored - set(keys or ()))
       self._why_full = (
@@ -210,7 +168,7 @@ class SavedModelWriter:
                             os.sep, b'')
     self._template = template
     self._keys = keys
-    self._object_graph = reader.get_tensor(OBJECT_GRAPH_KEY)
+    self._object_graph = object_graph
     logging.info('t5export: later versions reuse the first graph (%d file(s), '
                  '%.1f KiB) and write %d variables in %d shard(s).',
                  sum(not k.endswith(os.sep) for k in template),
@@ -276,7 +234,7 @@ class SavedModelWriter:
                object_graph: tf.Tensor | None) -> None:
     names, tensors = [], []
     if object_graph is not None:
-      names.append(OBJECT_GRAPH_KEY)
+      names.append(tensor_bundle.OBJECT_GRAPH_KEY)
       tensors.append(object_graph)
     variables = self._module.param_vars
     for i in indices:

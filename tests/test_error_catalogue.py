@@ -15,9 +15,11 @@ import ast
 import builtins
 import hashlib
 import inspect
+import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -43,6 +45,7 @@ import t5export  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5export import callbacks  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5export import errors  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5export import exporter as exporter_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5export import verify  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 DOC = REPO / 'docs' / 'errors.md'
 _ENV = {**os.environ,
@@ -300,6 +303,45 @@ def test_version_already_exists(published):
                      match=r"Version 1 already exists at .*; it was not "
                      r'changed\. Pass overwrite=True'):
     published.export(model.state_for(1))
+  _assert_kept(published, before)
+
+
+def test_version_without_jax_artifact(published, tmp_path):
+  before = _tree_digest(published.export_dir)
+  # Version 1 as a t5export from before jax.export artifacts wrote it.
+  old = tmp_path / '1'
+  shutil.copytree(os.path.join(published.export_dir, '1'), old)
+  shutil.rmtree(old / 'assets.extra' / 'jax_exported')
+  meta_file = old / 'assets.extra' / 't5export.json'
+  meta = json.loads(meta_file.read_text())
+  del meta['options']['jax_artifacts']
+  del meta['signatures'][model.SIGNATURE]['jax_artifact']
+  meta_file.write_text(json.dumps(meta))
+  fix = (r'Re-export it with jax_artifacts=True \(the default; offline: from '
+         r'its checkpoint\), or run it in TensorFlow '
+         r'\(verify\.call_exported\)\.')
+  with pytest.raises(errors.NoJaxArtifactError,
+                     match=rf"Version '.*1' has no JAX artifact for signature "
+                     rf"'{model.SIGNATURE}': it was written before t5export "
+                     r'wrote JAX artifacts \(its metadata has no '
+                     rf"'jax_artifact' entry\)\. {fix}"):
+    verify.load_function(str(old), model.SIGNATURE)
+  meta['signatures'][model.SIGNATURE]['jax_artifact'] = None
+  meta_file.write_text(json.dumps(meta))
+  with pytest.raises(errors.NoJaxArtifactError,
+                     match=r"it was exported with jax_artifacts=False\. " + fix):
+    verify.load_function(str(old), model.SIGNATURE)
+  # Its weights still load; the published version, with its artifact, runs.
+  loaded = verify.load_params(str(old))
+  np.testing.assert_array_equal(
+      loaded['params']['dense_1']['kernel'],
+      model.params_for(1)['params']['dense_1']['kernel'])
+  fn = verify.load_function(os.path.join(published.export_dir, '1'),
+                            model.SIGNATURE)
+  np.testing.assert_array_equal(
+      fn({'x': model.SAMPLE_X})['logits'],
+      jax.jit(model.serve)(model.params_for(1), {'x': model.SAMPLE_X})[
+          'logits'])
   _assert_kept(published, before)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -50,8 +51,17 @@ def test_one_version_in_full_and_as_json(export_dir):
   assert 'params/layer_4/kernel: [6, 6] float32' in proc.stdout
   assert ('serving: TensorFlow / TF Serving >= 2.19 (XlaCallModule calling '
           'convention 9)') in proc.stdout
+  size = os.path.getsize(os.path.join(
+      export_dir, '20', 'assets.extra', 'jax_exported', 'serving_default.bin'))
+  assert ('    jax.export artifact: '
+          'assets.extra/jax_exported/serving_default.bin '
+          f"({size / 1024:.1f} KiB; platforms ['cpu'], calling convention 9)"
+          ) in proc.stdout
   proc = _run(os.path.join(export_dir, '10'), '--json')
   info = json.loads(proc.stdout)
+  artifact = info['signatures']['serving_default']['jax_artifact']
+  assert artifact['file'] == 'assets.extra/jax_exported/serving_default.bin'
+  assert artifact['nbytes'] == size  # The same bytes in every version.
   assert info['step'] == 10 and info['n_params'] == 10
   assert info['metrics'] == {'accuracy': 0.5}
   assert info['files']['warmup_requests'] is True
@@ -59,6 +69,30 @@ def test_one_version_in_full_and_as_json(export_dir):
   assert info['serving']['serving_tf_version'] == '2.19'
   proc = _run(export_dir, '--json')
   assert [v['step'] for v in json.loads(proc.stdout)['versions']] == [10, 20]
+
+
+def test_versions_without_artifacts_say_why(export_dir, tmp_path):
+  off = str(tmp_path / 'off')
+  exporter = t5export.SavedModelExporter(off, [test_writer._signature()],
+                                         jax_artifacts=False, validate=False)
+  exporter.export(test_writer._state(0, 5))
+  proc = _run(os.path.join(off, '5'))
+  assert proc.returncode == 0, proc.stderr
+  assert ('    jax.export artifact: none (exported with jax_artifacts=False)'
+          in proc.stdout)
+  # A version from before artifacts: no entry, no option.
+  old = tmp_path / 'old'
+  shutil.copytree(os.path.join(export_dir, '10'), old)
+  meta_file = old / 'assets.extra' / 't5export.json'
+  meta = json.loads(meta_file.read_text())
+  del meta['options']['jax_artifacts']
+  for sig in meta['signatures'].values():
+    del sig['jax_artifact']
+  meta_file.write_text(json.dumps(meta))
+  proc = _run(str(old))
+  assert proc.returncode == 0, proc.stderr
+  assert ('    jax.export artifact: none (written before t5export wrote them)'
+          in proc.stdout)
 
 
 def test_bad_path_is_one_line_and_exit_1(tmp_path):

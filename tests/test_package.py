@@ -21,7 +21,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 LIGHT_MODULES = ('errors', 'paths', 'train_state', 'partitioning', 'snapshot',
                  'async_export', 'distributed', 'versions', 'checkpoints',
                  'orbax_checkpoints', 'msgpack_checkpoints', 'triggering',
-                 'outcomes', 'serving_compat')
+                 'outcomes', 'serving_compat', 'tensor_bundle', 'jax_artifacts',
+                 'verify')
 TENSORFLOW = ('tensorflow', 'keras', 'tf_keras')  # keras pulls tensorflow in.
 
 

@@ -24,6 +24,9 @@ its own (never on stdout or stderr, where TensorFlow's native code logs).
 `python` chooses the interpreter: by default this one (the project's
 TensorFlow with JAX blocked); `tf_venvs.tf_python('2.19.1')` gives one of
 an older TensorFlow with no JAX installed at all.
+
+The process machinery (`IsolatedProcess`, `script`) is shared with
+`jax_only`, which blocks TensorFlow instead.
 """
 
 from __future__ import annotations
@@ -42,26 +45,48 @@ from typing import Any
 
 BLOCKED = ('jax', 'jaxlib', 'flax', 't5export')
 TIMEOUT_SECS = 300  # For one `run` call; the process shares 2 CPU cores.
-_DONE = 'tf_only: reply written'
+_DONE = 'isolated: reply written'
 
-_SCRIPT = textwrap.dedent('''
+# The child: it blocks the `blocked` packages, checks the blocker on `probe`,
+# runs `runner` (which defines `run(job)` and `version()`), then answers each
+# request line '<request.pkl>\t<reply.pkl>' with a reply file and a line on
+# its done pipe.
+_MAIN = textwrap.dedent('''
     import importlib.abc, os, pickle, sys, traceback
     done = os.fdopen(int(sys.argv[1]), 'w')
-    BLOCKED = %r
+    BLOCKED = %(blocked)r
 
     class _Blocker(importlib.abc.MetaPathFinder):
       def find_spec(self, name, path=None, target=None):
         if name.split('.')[0] in BLOCKED:
-          raise ImportError(f'{name} is blocked in this TF-only process')
+          raise ImportError(f'{name} is blocked in this process')
         return None
 
     sys.meta_path.insert(0, _Blocker())
     try:
-      import jax
+      import %(probe)s
     except ImportError:
       pass
     else:
-      sys.exit('tf_only: the import blocker let jax through')
+      sys.exit('isolated: the import blocker let %(probe)s through')
+    %(runner)s
+    for line in sys.stdin:
+      request, reply = line.rstrip('\\n').split('\\t')
+      with open(request, 'rb') as f:
+        jobs = pickle.load(f)
+      try:
+        result = {'outputs': [run(job) for job in jobs]}
+      except Exception:  # Reported to the test.
+        result = {'error': traceback.format_exc()}
+      result['loaded_blocked'] = sorted(
+          m for m in sys.modules if m.split('.')[0] in BLOCKED)
+      result['version'] = version()
+      with open(reply, 'wb') as f:
+        pickle.dump(result, f)
+      print(%(done)r, file=done, flush=True)
+''')
+
+_TF_RUNNER = textwrap.dedent('''
     import tensorflow as tf
 
     loaded = {}
@@ -82,46 +107,56 @@ _SCRIPT = textwrap.dedent('''
         out = obj._tf_methods[job['method']](job['inputs'])
       return tf.nest.map_structure(to_numpy, out)
 
-    for line in sys.stdin:
-      request, reply = line.rstrip('\\n').split('\\t')
-      with open(request, 'rb') as f:
-        jobs = pickle.load(f)
-      try:
-        result = {'outputs': [run(job) for job in jobs]}
-      except Exception:  # Reported to the test.
-        result = {'error': traceback.format_exc()}
-      result['loaded_blocked'] = sorted(
-          m for m in sys.modules if m.split('.')[0] in BLOCKED)
-      result['tf_version'] = tf.__version__
-      with open(reply, 'wb') as f:
-        pickle.dump(result, f)
-      print(%r, file=done, flush=True)
-''') % (BLOCKED, _DONE)
+    def version():
+      return tf.__version__
+''')
 
 
-class TfOnlyProcess:
-  """One long-lived TensorFlow-only Python process (see module doc)."""
+def script(*, blocked: tuple[str, ...], probe: str, runner: str) -> str:
+  """The source of an isolated child process (see `_MAIN`).
 
-  def __init__(self, work_dir: str | os.PathLike[str], *,
-               python: str | os.PathLike[str] | None = None):
+  Args:
+    blocked: top-level package names it cannot import.
+    probe: one of them, imported first to prove the blocker works.
+    runner: code defining `run(job) -> output` and `version() -> str`.
+
+  Returns:
+    Python source for `python -c`.
+  """
+  return _MAIN % {'blocked': blocked, 'probe': probe, 'done': _DONE,
+                  'runner': runner}
+
+
+class IsolatedProcess:
+  """One long-lived Python process where some packages are blocked."""
+
+  def __init__(self, work_dir: str | os.PathLike[str], *, source: str,
+               python: str | os.PathLike[str] | None = None,
+               pythonpath: str | None = None, name: str = 'isolated'):
     """Starts the process.
 
     Args:
       work_dir: a directory for the request/reply files and its stderr; the
-        process runs there, without this repo on its PYTHONPATH.
+        process runs there.
+      source: its program, from `script`.
       python: the interpreter (default: this one).
+      pythonpath: its PYTHONPATH (default: none).
+      name: how messages name it.
     """
-    self._dir = pathlib.Path(tempfile.mkdtemp(prefix='tf_only_',
+    self._name = name
+    self._dir = pathlib.Path(tempfile.mkdtemp(prefix=f'{name}_',
                                               dir=work_dir))
     self._count = 0
     self._stderr_path = self._dir / 'stderr.txt'
     env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
     env.update(CUDA_VISIBLE_DEVICES='', TF_CPP_MIN_LOG_LEVEL='2')
-    self.tf_version: str | None = None  # Known after the first `run`.
+    if pythonpath:
+      env['PYTHONPATH'] = pythonpath
+    self.version: str | None = None  # Known after the first `run`.
     done_read, done_write = os.pipe()
     with open(self._stderr_path, 'wb') as stderr:
       self._proc = subprocess.Popen(
-          [os.fspath(python or sys.executable), '-c', _SCRIPT,
+          [os.fspath(python or sys.executable), '-c', source,
            str(done_write)], cwd=self._dir, env=env, stdin=subprocess.PIPE,
           stdout=stderr, stderr=stderr, text=True, pass_fds=(done_write,))
     os.close(done_write)  # The child holds it; EOF when the child ends.
@@ -165,21 +200,21 @@ class TfOnlyProcess:
       except queue.Empty:
         self.close(kill=True)
         raise AssertionError(
-            f'The TF-only process took over {TIMEOUT_SECS}s; stderr:\n'
+            f'The {self._name} process took over {TIMEOUT_SECS}s; stderr:\n'
             f'{self.stderr()[-4000:]}') from None
       if line is None:
         self.close()
         raise AssertionError(
-            f'The TF-only process died (exit {self._proc.returncode}); '
+            f'The {self._name} process died (exit {self._proc.returncode}); '
             f'stderr:\n{self.stderr()[-4000:]}')
       if line.rstrip('\n') == _DONE:
         break
     with open(reply, 'rb') as f:
       result = pickle.load(f)
-    self.tf_version = result['tf_version']
+    self.version = result['version']
     assert 'error' not in result, result['error']
     assert not result['loaded_blocked'], (
-        f'the TF-only process imported {result["loaded_blocked"]}')
+        f'the {self._name} process imported {result["loaded_blocked"]}')
     return result['outputs']
 
   def stderr(self) -> str:
@@ -202,11 +237,33 @@ class TfOnlyProcess:
       self._proc.kill()
       self._proc.wait()
 
-  def __enter__(self) -> TfOnlyProcess:
+  def __enter__(self) -> IsolatedProcess:
     return self
 
   def __exit__(self, *exc_info: Any) -> None:
     self.close()
+
+
+class TfOnlyProcess(IsolatedProcess):
+  """One long-lived TensorFlow-only Python process (see module doc)."""
+
+  def __init__(self, work_dir: str | os.PathLike[str], *,
+               python: str | os.PathLike[str] | None = None):
+    """Starts the process.
+
+    Args:
+      work_dir: a directory for the request/reply files and its stderr; the
+        process runs there, without this repo on its PYTHONPATH.
+      python: the interpreter (default: this one).
+    """
+    super().__init__(
+        work_dir, python=python, name='TF-only',
+        source=script(blocked=BLOCKED, probe='jax', runner=_TF_RUNNER))
+
+  @property
+  def tf_version(self) -> str | None:
+    """The child's TensorFlow version (after the first `run`)."""
+    return self.version
 
 
 def run(jobs: list[dict[str, Any]],

@@ -108,6 +108,13 @@ FIGURES: dict[str, tuple[str, Callable[[float], bool], str]] = {
     'scaling_slope': (
         '0.9 .. 1.1', lambda r: 0.9 <= r <= 1.1,
         'log-log slope of re-export time over 25M, 100M, 400M params'),
+    'jax_artifact_time': (
+        '<= 1.1', lambda r: r <= 1.1,
+        'first export time with the jax.export artifact / without '
+        '(jax_artifacts=False)'),
+    'jax_artifact_bytes': (
+        '<= 0.01', lambda r: r <= 0.01,
+        'jax.export artifact bytes / version bytes on disk'),
 }
 
 
@@ -385,7 +392,7 @@ class OursSide:
   name = 'ours'
 
   def __init__(self, root: pathlib.Path, width: int, *, validate: bool,
-               warmup: bool = True, keep: int = 2):
+               warmup: bool = True, keep: int = 2, jax_artifacts: bool = True):
     import numpy as np
     import t5export
     self._t5export = t5export
@@ -394,7 +401,8 @@ class OursSide:
         input_specs={'x': (f'b, {width}', 'float32')},
         sample_inputs={'x': np.ones((2, width), np.float32)})
     self.exporter = t5export.SavedModelExporter(
-        str(root), [sig], keep=keep, validate=validate, warmup=warmup)
+        str(root), [sig], keep=keep, validate=validate, warmup=warmup,
+        jax_artifacts=jax_artifacts)
 
   def state(self, variables: dict, step: int) -> Any:
     state = self._t5export.InferenceState.create(variables)
@@ -696,6 +704,34 @@ def worker_throughput(spec: dict[str, Any]) -> dict[str, Any]:
           'steps': steps, 'every': every}
 
 
+def worker_artifact(spec: dict[str, Any]) -> dict[str, Any]:
+  """A first export with or without the jax.export artifacts.
+
+  spec: n_params, depth, artifacts, workdir.
+  """
+  import tensorflow  # noqa: F401
+  from t5export import verify
+  variables = make_variables(spec['n_params'], spec['depth'])
+  width = mlp_width(spec['n_params'], spec['depth'])
+  side = OursSide(pathlib.Path(spec['workdir']) / 'ours', width,
+                  validate=False, jax_artifacts=spec['artifacts'])
+  t0 = time.perf_counter()
+  path = side.export(variables, 1)
+  out = {'first_s': time.perf_counter() - t0,
+         'param_bytes': param_bytes(variables),
+         'version_bytes': sum(f.stat().st_size for f in
+                              pathlib.Path(path).rglob('*') if f.is_file())}
+  if spec['artifacts']:
+    entry = verify.read_metadata(path)['signatures']['serving_default'][
+        'jax_artifact']
+    # The trace + lowering + serialization the exporter adds, once more.
+    t0 = time.perf_counter()
+    side.exporter.module.serialize_method('serving_default')
+    out.update(serialize_s=time.perf_counter() - t0,
+               artifact_bytes=entry['nbytes'])
+  return out
+
+
 def worker_serving(spec: dict[str, Any]) -> dict[str, Any]:
   """Exported SavedModel vs jax.jit of the same function, batch 1 and 32.
 
@@ -829,6 +865,7 @@ WORKERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     'blocking': worker_blocking,
     'throughput': worker_throughput,
     'serving': worker_serving,
+    'artifact': worker_artifact,
     'offline_write': worker_offline_write,
     'offline': worker_offline,
 }
@@ -1132,6 +1169,38 @@ def parse_serving(cfg: Config, res: Results,
         n_params=cfg.serve_size, calls_per_run=cfg.serve_calls))
 
 
+def plan_artifact(cfg: Config) -> list[Item]:
+  items = []
+  for r in range(_reps(cfg)):
+    for on in ((True, False) if r % 2 == 0 else (False, True)):
+      key = f'artifact/{"on" if on else "off"}/{r}'
+      items.append(Item(key, 'artifact', {
+          'n_params': cfg.serve_size, 'depth': cfg.depth, 'artifacts': on,
+          'workdir': str(cfg.workdir / key.replace('/', '-'))},
+          # Smoke: not after the other side in one warmed-up process.
+          bundle=f'artifact-{"on" if on else "off"}'))
+  return items
+
+
+def parse_artifact(cfg: Config, res: Results,
+                   emit: Callable[[dict], None]) -> None:
+  rows = [(_get(res, f'artifact/on/{r}'), _get(res, f'artifact/off/{r}'))
+          for r in range(_reps(cfg))]
+  emit(figure_record(
+      'jax_artifact_time', [on['first_s'] / off['first_s'] for on, off in rows],
+      serialize_s=_median([on['serialize_s'] for on, _ in rows]),
+      first_export_with_s=_median([on['first_s'] for on, _ in rows]),
+      first_export_without_s=_median([off['first_s'] for _, off in rows]),
+      n_params=cfg.serve_size, depth=cfg.depth))
+  emit(figure_record(
+      'jax_artifact_bytes',
+      [on['artifact_bytes'] / on['version_bytes'] for on, _ in rows],
+      artifact_bytes=rows[0][0]['artifact_bytes'],
+      version_bytes=rows[0][0]['version_bytes'],
+      param_bytes=rows[0][0]['param_bytes'],
+      note='the same artifact bytes are written into every version'))
+
+
 def plan_offline(cfg: Config) -> list[Item]:
   work = cfg.workdir / 'offline'
   spec = {'n_params': cfg.offline_size, 'depth': cfg.depth,
@@ -1194,6 +1263,8 @@ GROUPS: tuple[tuple[str, tuple[str, ...], Callable, Callable], ...] = (
      parse_serving),
     ('offline', ('offline_read_bytes', 'offline_time_vs_raw',
                  'offline_peak_rss'), plan_offline, parse_offline),
+    ('artifact', ('jax_artifact_time', 'jax_artifact_bytes'), plan_artifact,
+     parse_artifact),
 )
 
 

@@ -8,8 +8,9 @@
 For an export directory: each published version (step, time, size, check
 result, metrics), the one TensorFlow Serving serves (the highest), and any
 staging leftovers of an interrupted export. For a version: the library
-versions it was written with, platforms, signatures (inputs and outputs),
-the check per signature, parameter count and bytes, and the extra files.
+versions it was written with, platforms, signatures (inputs and outputs,
+and the `jax.export` artifact's file and size), the check per signature,
+parameter count and bytes, and the extra files.
 It reads `assets.extra/t5export.json` only: no TensorFlow, no JAX, fast on
 a serving host. Exit status 1 with one line on stderr for a path that is
 not an export directory or version.
@@ -106,7 +107,9 @@ def describe_version(version_dir: str, *, params: bool) -> dict[str, Any]:
       'serving': meta.get('serving'),
       'options': meta.get('options', {}),
       'signatures': {
-          name: {'inputs': sig.get('inputs'), 'outputs': sig.get('outputs')}
+          name: {'inputs': sig.get('inputs'), 'outputs': sig.get('outputs'),
+                 # None: jax_artifacts=False, or written before artifacts.
+                 'jax_artifact': sig.get('jax_artifact')}
           for name, sig in meta.get('signatures', {}).items()},
       'check': _check_summary(meta.get('check', {})),
       'check_detail': meta.get('check', {}),
@@ -152,9 +155,16 @@ def _print_version(info: dict[str, Any]) -> None:
       'not recorded (written before t5export recorded its serving target)'))
   print(f'  {info["n_params"]} params, {_mib(info["param_bytes"] or 0)} '
         f'({_mib(info["bytes_on_disk"])} on disk); check: {info["check"]}')
+  artifacts_on = info['options'].get('jax_artifacts')
   for name, sig in info['signatures'].items():
     print(f'  signature {name!r}: inputs {json.dumps(sig["inputs"])} -> '
           f'outputs {json.dumps(sig["outputs"])}')
+    art = sig['jax_artifact']
+    print('    jax.export artifact: ' + (
+        f'{art["file"]} ({_mib(art["nbytes"])}; platforms {art["platforms"]}, '
+        f'calling convention {art["calling_convention_version"]})' if art else
+        'none (exported with jax_artifacts=False)' if artifacts_on is False
+        else 'none (written before t5export wrote them)'))
   if info['metrics']:
     print(f'  metrics {info["metrics"]}')
   print('  files: ' + ', '.join(f'{k} {"yes" if v else "no"}'

@@ -1,0 +1,207 @@
+"""Tests for t5export.tensor_bundle against checkpoints TensorFlow wrote.
+
+Every tensor is written by TensorFlow (`SaveV2`, `MergeV2Checkpoints`,
+`tf.saved_model.save`) and read back both by TensorFlow's own reader and by
+`BundleReader`; the two must agree byte for byte. Damaged files must give
+`VariablesFormatError` naming the problem.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from t5export import errors
+from t5export import tensor_bundle
+from tensorflow.core.protobuf import trackable_object_graph_pb2
+
+
+def _values() -> dict[str, np.ndarray]:
+  rng = np.random.default_rng(0)
+  out = {
+      'f32': rng.normal(size=(3, 5)).astype(np.float32),
+      'f64': rng.normal(size=(4,)),
+      'f16': rng.normal(size=(2, 2)).astype(np.float16),
+      'bf16': (rng.normal(size=(7, 3)) * 1e-3).astype(ml_dtypes.bfloat16),
+      'i8': rng.integers(-128, 127, size=(9,), dtype=np.int8),
+      'u8': rng.integers(0, 255, size=(2, 3, 4), dtype=np.uint8),
+      'i16': rng.integers(-9, 9, size=(3,), dtype=np.int16),
+      'u16': rng.integers(0, 9, size=(3,), dtype=np.uint16),
+      'i32': rng.integers(-9, 9, size=(5, 1), dtype=np.int32),
+      'u32': rng.integers(0, 9, size=(5,), dtype=np.uint32),
+      'i64': np.array([-(2**62), 2**62 + 3], np.int64),
+      'u64': np.array([2**63 + 5], np.uint64),
+      'bool': np.array([True, False, True]),
+      'c64': (rng.normal(size=(2,)) + 1j).astype(np.complex64),
+      'c128': rng.normal(size=(2,)) + 2j,
+      'f8e4m3': rng.normal(size=(6,)).astype(ml_dtypes.float8_e4m3fn),
+      'f8e5m2': rng.normal(size=(6,)).astype(ml_dtypes.float8_e5m2),
+      'scalar': np.float32(np.pi),
+      'empty': np.zeros((0, 3), np.float32),
+      # Several CRC rows and a partial head; more than one 4 MiB slab.
+      'big': rng.normal(size=(1_300_001,)).astype(np.float32),
+  }
+  return out
+
+
+def _save(prefix: str, values: dict[str, np.ndarray]) -> None:
+  names = sorted(values)
+  with tf.device('/CPU:0'):
+    tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names,
+                      shape_and_slices=[''] * len(names),
+                      tensors=[tf.constant(values[n]) for n in names])
+
+
+def _assert_same_as_tensorflow(prefix: str) -> tensor_bundle.BundleReader:
+  reader = tensor_bundle.BundleReader(prefix)
+  ref = tf.train.load_checkpoint(prefix)
+  assert reader.keys() == sorted(ref.get_variable_to_shape_map())
+  for key in reader.keys():
+    want = ref.get_tensor(key)
+    if isinstance(want, bytes):
+      assert reader.read_strings(key) == [want], key
+      continue
+    got = reader.read(key)
+    assert got.dtype == want.dtype and got.shape == want.shape, key
+    assert got.tobytes() == want.tobytes(), key
+  return reader
+
+
+def test_every_dtype_reads_as_tensorflow_does(tmp_path):
+  prefix = str(tmp_path / 'ckpt')
+  values = _values()
+  _save(prefix, values)
+  reader = _assert_same_as_tensorflow(prefix)
+  assert reader.read('bf16').dtype == ml_dtypes.bfloat16
+  assert reader.read('bf16').tobytes() == values['bf16'].tobytes()
+  assert reader.read('scalar').shape == ()
+
+
+def test_merged_shards_and_a_many_block_index(tmp_path):
+  # 3000 tensors with long names: the index spans many blocks; two shards
+  # merged as the writer merges its parallel parts.
+  values = {f'layer_{i:04d}/' + 'x' * 60: np.full((i % 5 + 1,), i, np.int32)
+            for i in range(3000)}
+  names = sorted(values)
+  parts = [str(tmp_path / 'part0'), str(tmp_path / 'part1')]
+  _save(parts[0], {n: values[n] for n in names[::2]})
+  _save(parts[1], {n: values[n] for n in names[1::2]})
+  prefix = str(tmp_path / 'merged')
+  with tf.device('/CPU:0'):
+    tf.raw_ops.MergeV2Checkpoints(checkpoint_prefixes=parts,
+                                  destination_prefix=prefix)
+  assert os.path.exists(prefix + '.data-00001-of-00002')
+  assert os.path.getsize(prefix + '.index') > 100_000
+  reader = _assert_same_as_tensorflow(prefix)
+  assert len(reader.keys()) == 3000
+
+
+def test_saved_model_object_graph_gives_the_param_keys(tmp_path):
+  module = tf.Module()
+  module.param_vars = [tf.Variable(np.arange(i + 1, dtype=np.float32))
+                       for i in range(12)]
+  module.other = tf.Variable(1.0)
+  tf.saved_model.save(module, str(tmp_path / 'sm'))
+  prefix = str(tmp_path / 'sm' / 'variables' / 'variables')
+  reader = _assert_same_as_tensorflow(prefix)
+  graph_bytes = reader.read_strings(tensor_bundle.OBJECT_GRAPH_KEY)[0]
+  keys = tensor_bundle.param_checkpoint_keys(graph_bytes)
+  # What TensorFlow's own proto says, list item by list item.
+  graph = trackable_object_graph_pb2.TrackableObjectGraph.FromString(
+      graph_bytes)
+  root = {c.local_name: c.node_id for c in graph.nodes[0].children}
+  items = {c.local_name: c.node_id
+           for c in graph.nodes[root['param_vars']].children}
+  assert keys == [graph.nodes[items[str(i)]].attributes[0].checkpoint_key
+                  for i in range(12)]
+  for i, key in enumerate(keys):
+    np.testing.assert_array_equal(reader.read(key),
+                                  np.arange(i + 1, dtype=np.float32))
+  assert tensor_bundle.param_checkpoint_keys(graph_bytes, count=13) is None
+  assert tensor_bundle.param_checkpoint_keys(
+      graph_bytes, attribute='missing') is None
+
+
+@pytest.mark.parametrize('data, want', [
+    (b'123456789', 0xe3069283),
+    (bytes(32), 0x8a9136aa),
+    (b'\xff' * 32, 0x62a8ab43),
+    (bytes(range(32)), 0x46dd794e),
+    (b'', 0),
+])
+def test_crc32c_known_values(data, want):
+  assert tensor_bundle.crc32c(data) == want
+
+
+def test_crc32c_vectorized_path_equals_byte_by_byte():
+  data = np.random.default_rng(1).integers(0, 256, 70_001, dtype=np.uint8)
+  for n in (2047, 2048, 2049, 5000, 70_001):
+    assert tensor_bundle.crc32c(data[:n]) == tensor_bundle._crc_bytes(  # pylint: disable=protected-access
+        0xffffffff, data[:n]) ^ 0xffffffff, n
+
+
+@pytest.fixture
+def small(tmp_path) -> str:
+  prefix = str(tmp_path / 'ckpt')
+  _save(prefix, {'a': np.arange(600, dtype=np.float32),
+                 'b': np.ones((3,), np.float32)})
+  return prefix
+
+
+def _flip(path: str, offset: int) -> None:
+  with open(path, 'r+b') as f:
+    f.seek(offset)
+    byte = f.read(1)
+    f.seek(offset)
+    f.write(bytes([byte[0] ^ 0x01]))
+
+
+def test_damaged_data_fails_its_checksum(small):
+  _flip(small + '.data-00000-of-00001', 100)
+  reader = tensor_bundle.BundleReader(small)
+  with pytest.raises(errors.VariablesFormatError,
+                     match=r"Tensor 'a' of the checkpoint '.*ckpt' fails its "
+                     r'CRC-32C checksum: the files are damaged\. Copy the '
+                     r'version again or re-export it\.'):
+    reader.read('a')
+  np.testing.assert_array_equal(reader.read('b'), np.ones((3,), np.float32))
+
+
+def test_truncated_data_is_named(small):
+  data = small + '.data-00000-of-00001'
+  os.truncate(data, 1000)
+  reader = tensor_bundle.BundleReader(small)
+  with pytest.raises(errors.VariablesFormatError,
+                     match=r"ends before tensor '.' does \(\d+ of \d+ bytes at "
+                     r'offset \d+\): the file is truncated'):
+    for key in reader.keys():
+      reader.read(key)
+
+
+def test_damaged_or_missing_index(small, tmp_path):
+  _flip(small + '.index', 3)
+  with pytest.raises(errors.VariablesFormatError,
+                     match=r"The checkpoint index '.*ckpt\.index' cannot be "
+                     r'read: data block at offset 0: checksum mismatch'):
+    tensor_bundle.BundleReader(small)
+  with pytest.raises(errors.VariablesFormatError,
+                     match=r"The checkpoint index '.*nothing\.index' cannot be "
+                     r'read: No such file or directory\. Pass a version '
+                     r'directory holding a complete variables/ directory'):
+    tensor_bundle.BundleReader(str(tmp_path / 'nothing'))
+
+
+def test_unknown_key_and_wrong_kind(small):
+  reader = tensor_bundle.BundleReader(small)
+  with pytest.raises(errors.VariablesFormatError,
+                     match=r"Tensor 'c' of the checkpoint '.*' is not in it; "
+                     r"it holds 2 tensors, e\.g\. \['a', 'b'\]"):
+    reader.read('c')
+  with pytest.raises(errors.VariablesFormatError,
+                     match=r"Tensor 'a' .* has dtype enum 1, not a string "
+                     'dtype'):
+    reader.read_strings('a')
