@@ -34,6 +34,7 @@ import pytest
 TESTS = pathlib.Path(__file__).resolve().parent
 REPO = TESTS.parent
 sys.path.insert(0, str(TESTS))
+import gin_includes  # pylint: disable=g-import-not-at-top,wrong-import-position
 import t5x_setup  # pylint: disable=g-import-not-at-top,wrong-import-position
 import tf_only  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -246,7 +247,7 @@ _TRAIN_GIN = textwrap.dedent('''\
     from t5x import utils
 
     include 't5x/configs/runs/pretrain.gin'
-    include 't5export/gin/t5x.gin'
+    %(t5x_include)s
 
     MODEL = @t5x_setup.tiny_model()
     MIXTURE_OR_TASK_NAME = 't5export_tiny'
@@ -272,7 +273,8 @@ def test_t5x_train_with_shipped_gin(tmp_path, tf_process):
   from t5export import checkpoints  # pylint: disable=g-import-not-at-top
   model_dir, export_dir = tmp_path / 'model', tmp_path / 'export'
   config = tmp_path / 'tiny_train.gin'
-  config.write_text(_TRAIN_GIN % LENGTHS)
+  config.write_text(
+      _TRAIN_GIN % dict(LENGTHS, t5x_include=gin_includes.T5X))
   log = tmp_path / 'train.log'
   with open(log, 'wb') as out:
     proc = subprocess.run(
