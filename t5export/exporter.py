@@ -160,7 +160,14 @@ class SavedModelExporter:
       SignatureError: `signatures` is empty or has duplicate names.
       TypeError: a signature is not a `t5export.Signature`, or `options` is
         not an `ExportOptions`.
+      ValueError: a gin macro (EXPORT_DIR, SIGNATURES) was left unset.
     """
+    for name, value in (('export_dir', export_dir), ('signatures', signatures)):
+      if value is gin.REQUIRED:  # A macro left unset.
+        raise ValueError(
+            f'SavedModelExporter: {name} is still %gin.REQUIRED. Set the '
+            f'{name.upper()} macro in your gin file after including '
+            'gin/export.gin (gin.finalize() reports such gaps at parse time).')
     self._export_dir = os.path.abspath(os.fspath(export_dir))
     self._signatures = serving.check_signatures(signatures)
     if options is None:
