@@ -112,8 +112,9 @@ def compare_outputs(signature_name: str, actual: Mapping[str, Any],
                     rtol: float) -> dict[str, float]:
   """Compares a signature's outputs with the expected (JAX) ones.
 
-  Numeric outputs must agree within `|a - e| <= atol + rtol * |e|` and have
-  the same shape; string outputs must be equal exactly.
+  Both sides must return the same output names, shapes and dtypes; numeric
+  outputs must agree within `|a - e| <= atol + rtol * |e|`, string outputs
+  exactly.
 
   Args:
     signature_name: the signature's name (for the error message).
@@ -127,31 +128,40 @@ def compare_outputs(signature_name: str, actual: Mapping[str, Any],
     `{output_name: max abs error}` (0.0 for equal strings).
 
   Raises:
-    ExportCheckError: naming the first output that is missing, has another
-      shape, or differs beyond the tolerance.
+    ExportCheckError: for the first output (by name) that is missing on one
+      side, or differs in shape, dtype or value; its `kind` says which, and
+      the message gives that kind's fix.
   """
   actual = _named_outputs(actual)
   expected = _named_outputs(expected)
   for name in sorted(set(actual) ^ set(expected)):
-    where = 'the SavedModel' if name not in actual else 'JAX'
+    missing = name not in actual
+    where = ('missing from the SavedModel' if missing else
+             'not returned by JAX')
     raise errors.ExportCheckError(
-        signature_name, name, float('inf'),
-        f'output missing from {where}; SavedModel outputs '
-        f'{sorted(actual)}, JAX outputs {sorted(expected)}')
+        signature_name, name,
+        kind='missing_output' if missing else 'extra_output',
+        detail=f'{where}; SavedModel outputs {sorted(actual)}, JAX outputs '
+        f'{sorted(expected)}')
   result = {}
   for name in sorted(actual):
     a, e = _to_numpy(actual[name]), _to_numpy(expected[name])
     if a.shape != e.shape:
       raise errors.ExportCheckError(
-          signature_name, name, float('inf'),
-          f'shape {a.shape} vs JAX shape {e.shape}')
-    if _is_string(a) or _is_string(e):
+          signature_name, name, kind='shape',
+          detail=f'shape mismatch: {a.shape} vs JAX {e.shape}')
+    strings = _is_string(a), _is_string(e)
+    if strings[0] != strings[1] or (not any(strings) and a.dtype != e.dtype):
+      raise errors.ExportCheckError(
+          signature_name, name, kind='dtype',
+          detail=f'dtype mismatch: {a.dtype} vs JAX {e.dtype}')
+    if all(strings):
       equal = a.astype(object) == e.astype(object)
       if not np.all(equal):
         first = tuple(int(i) for i in np.argwhere(~np.asarray(equal))[0])
         raise errors.ExportCheckError(
-            signature_name, name, float('inf'),
-            f'strings differ at index {first}: {a[first]!r} vs JAX '
+            signature_name, name, kind='strings',
+            detail=f'strings differ at index {first}: {a[first]!r} vs JAX '
             f'{e[first]!r}')
       result[name] = 0.0
       continue
@@ -165,8 +175,9 @@ def compare_outputs(signature_name: str, actual: Mapping[str, Any],
     if np.isnan(max_err) or np.any(
         (diff > atol + rtol * np.abs(e64)) | ~np.isfinite(diff)):
       raise errors.ExportCheckError(
-          signature_name, name, max_err if not np.isnan(max_err) else
-          float('nan'), f'atol={atol:g}, rtol={rtol:g}')
+          signature_name, name, kind='values', max_abs_error=max_err,
+          detail=f'values differ beyond atol={atol:g}, rtol={rtol:g}: max '
+          f'abs error {max_err:.6g} vs JAX')
     result[name] = max_err
   return result
 
