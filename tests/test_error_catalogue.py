@@ -62,10 +62,9 @@ def _tree_digest(root: str) -> dict[str, str]:
 
 
 def _callback(export_dir: str, **kwargs) -> callbacks.ExportCallback:
-  options = dict(export_dir=export_dir, signatures=[model.signature()],
-                 export_every_steps=10)
-  options.update(kwargs)
-  return callbacks.ExportCallback(**options)
+  exporter = exporter_lib.SavedModelExporter(export_dir, [model.signature()])
+  return callbacks.ExportCallback(exporter, **{'export_every_steps': 10,
+                                               **kwargs})
 
 
 @pytest.fixture(scope='module')
@@ -73,7 +72,7 @@ def published(tmp_path_factory):
   """An exporter that has published version 1 of the reliability MLP."""
   export_dir = str(tmp_path_factory.mktemp('catalogue') / 'export')
   exporter = exporter_lib.SavedModelExporter(
-      export_dir, [model.signature()], keep=3)
+      export_dir, [model.signature()], options=t5export.ExportOptions(keep=3))
   exporter.export(model.state_for(1))
   return exporter
 
@@ -132,8 +131,9 @@ def test_when_busy_unknown(tmp_path):
 def test_keep_not_a_positive_int(tmp_path, keep):
   with pytest.raises(ValueError,
                      match=rf'keep must be an int >= 1 or None, got {keep}'):
-    exporter_lib.SavedModelExporter(str(tmp_path / 'export'),
-                                    [model.signature()], keep=keep)
+    exporter_lib.SavedModelExporter(
+        str(tmp_path / 'export'), [model.signature()],
+        options=t5export.ExportOptions(keep=keep))
 
 
 def test_serving_tf_version_unreachable(tmp_path):
@@ -142,11 +142,18 @@ def test_serving_tf_version_unreachable(tmp_path):
              r'TensorFlow / TF Serving release an export made with JAX '
              rf'.* loads on is .*Pass serving_tf_version={oldest} or newer')
   with pytest.raises(errors.ServingTargetError, match=message):
-    exporter_lib.SavedModelExporter(str(tmp_path / 'export'),
-                                    [model.signature()],
-                                    serving_tf_version='2.18')
-  with pytest.raises(errors.ServingTargetError, match=message):
-    _callback(str(tmp_path / 'export'), serving_tf_version='2.18')
+    t5export.ExportOptions(serving_tf_version='2.18')
+  gin.clear_config()
+  try:
+    with pytest.raises(errors.ServingTargetError, match=message):
+      gin.parse_config(f"""
+          t5export.ExportOptions.serving_tf_version = '2.18'
+          t5export.SavedModelExporter.export_dir = '{tmp_path / 'export'}'
+          t5export.SavedModelExporter.options = @t5export.ExportOptions()
+          """)
+      exporter_lib.SavedModelExporter(signatures=[model.signature()])
+  finally:
+    gin.clear_config()
   assert not (tmp_path / 'export').exists()
 
 
@@ -276,7 +283,7 @@ def test_non_finite_params(published):
 def test_keep_best_metric_not_numeric(tmp_path):
   exporter = exporter_lib.SavedModelExporter(
       str(tmp_path / 'export'), [model.signature()],
-      keep_best=(1, 'eval/accuracy', 'max'))
+      options=t5export.ExportOptions(keep_best=(1, 'eval/accuracy', 'max')))
   exporter.export(model.state_for(1), {'eval': {'accuracy': 0.5}})
   before = _tree_digest(exporter.export_dir)
   with pytest.raises(errors.MetricNotNumericError,
@@ -332,8 +339,8 @@ def test_logical_axis_without_rule(tmp_path):
   sig = model.signature(
       method=lambda v, inputs: {'logits': _OwnAxisName().apply(v, inputs['x'])})
   exporter = exporter_lib.SavedModelExporter(
-      str(tmp_path / 'export'), [sig],
-      logical_axis_rules=t5export.standard_logical_axis_rules())
+      str(tmp_path / 'export'), [sig], options=t5export.ExportOptions(
+          logical_axis_rules=t5export.standard_logical_axis_rules()))
   with pytest.raises(errors.UnmappedLogicalAxisError,
                      match=r"Logical axis 'my_axis' of parameter "
                      r"'params/Dense_0/kernel' has no rule\..*Add a rule such "

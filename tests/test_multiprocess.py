@@ -172,8 +172,9 @@ def reference(tmp_path_factory):
   done: dict[tuple[str, int], str] = {}
   exporter = t5export.SavedModelExporter(
       tmp_path_factory.mktemp('reference') / 'export',
-      _mp_worker.make_signatures(model), keep=None, warmup=False,
-      validate=False)  # The test compares the outputs itself.
+      _mp_worker.make_signatures(model), options=t5export.ExportOptions(
+          keep=None, validate=False,
+          warmup=False))  # The test compares the outputs itself.
 
   def export(npz_path: pathlib.Path, step: int) -> str:
     key = (str(npz_path), step)
@@ -193,7 +194,8 @@ def _load_npz(path: pathlib.Path) -> dict[str, np.ndarray]:
 
 def _same_bits(a: Any, b: Any) -> bool:
   a, b = np.asarray(a), np.asarray(b)
-  return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+  return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(
+  )
 
 
 def _signature_outputs(version_dir: str) -> dict[str, np.ndarray]:
