@@ -179,7 +179,7 @@ def train_and_export(args: argparse.Namespace) -> None:
           export_every_steps=2, num_train_steps=steps[-1], async_export=False,
           on_error='log', multiprocess_timeout_secs=args.timeout)
     emit(event=f'created:{phase}', process=jax.process_index(),
-         pid=os.getpid(), has_exporter=cb.exporter is not None,
+         pid=os.getpid(), has_worker=cb.worker is not None,
          export_dir_exists=os.path.exists(export_dir))
     failures: dict[str, Any] = {}
     close_secs: dict[str, float] = {}
@@ -219,6 +219,7 @@ def train_and_export(args: argparse.Namespace) -> None:
              if x.is_fully_addressable),
          specs=_specs(state.params),
          digest=_digest(host),
+         traced=cb.exporter.module is not None,
          export_dir_exists=os.path.exists(export_dir))
     if (phase == 'export' and jax.process_index() == 0 and args.params_out
         and error is None):
