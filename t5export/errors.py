@@ -170,8 +170,8 @@ class VersionExistsError(T5ExportError, FileExistsError):
     self.path, self.step = path, step
     super().__init__(
         f'Version {step} already exists at {path!r}; it was not changed. '
-        'Pass overwrite=True (offline: --overwrite) to replace it, or export '
-        'a different step.')
+        'Pass ExportOptions(overwrite=True) (offline: --overwrite) to replace '
+        'it, or export a different step.')
 
 
 class NonFiniteParamsError(T5ExportError, ValueError):
@@ -182,7 +182,7 @@ class NonFiniteParamsError(T5ExportError, ValueError):
     super().__init__(
         f'Parameter {path!r} holds {n_bad} non-finite value(s) (NaN/Inf) out '
         f'of {size}; the export was refused. Fix the training run, or pass '
-        'allow_non_finite=True to publish anyway.')
+        'ExportOptions(allow_non_finite=True) to publish anyway.')
 
 
 class MetricNotNumericError(T5ExportError, TypeError):

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import tensorflow as tf
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TESTS = REPO / 'tests'
@@ -176,7 +177,7 @@ def test_export_dir_under_a_file(tmp_path):
                      match=r'export_dir .*file/export.* cannot be created '
                      r'\(Not a directory\)'):
     exporter_lib.SavedModelExporter(str(tmp_path / 'file' / 'export'),
-                                    [model.signature()])
+                                    [model.signature()]).versions()
   assert (tmp_path / 'file').read_text() == 'x'
 
 
@@ -189,11 +190,33 @@ def test_export_dir_not_writable(tmp_path):
                        match=r'export_dir .*ro.* is not writable by this '
                        r'process \((Read-only file system|Operation not '
                        r'permitted)\)'):
-      exporter_lib.SavedModelExporter(path, [model.signature()])
+      exporter_lib.SavedModelExporter(path, [model.signature()]).versions()
     assert sorted(os.listdir(path)) == before
 
 
 # --- signatures ---------------------------------------------------------------
+
+
+def test_signatures_empty(tmp_path, offline_runs):
+  message = (r'signatures is empty; pass at least one t5export\.Signature '
+             r'\(gin: SIGNATURES = \[@t5export\.Signature\(\)\]\)')
+  with pytest.raises(errors.SignatureError, match=message):
+    exporter_lib.SavedModelExporter(str(tmp_path / 'export'), [])
+  with pytest.raises(errors.SignatureError, match=message):
+    t5export.serving.make_module(model.params_for(1), [])
+  # The offline CLI, with SIGNATURES = [] in its gin file.
+  line = _offline_error(offline_runs, 'empty_signatures')
+  assert re.match('SignatureError: ' + message, line), line
+  gin.clear_config()
+  try:
+    gin.parse_config_files_and_bindings(
+        [str(REPO / 'gin' / 'export.gin')],
+        [f"EXPORT_DIR = '{tmp_path / 'export'}'", 'SIGNATURES = []'])
+    with pytest.raises(errors.SignatureError, match=message):
+      callbacks.ExportCallback()
+  finally:
+    gin.clear_config()
+  assert not (tmp_path / 'export').exists()
 
 
 @pytest.mark.parametrize('name', ['serving default!', '1st', ''])
@@ -298,7 +321,7 @@ def test_version_already_exists(published):
   before = _tree_digest(published.export_dir)
   with pytest.raises(errors.VersionExistsError,
                      match=r"Version 1 already exists at .*; it was not "
-                     r'changed\. Pass overwrite=True'):
+                     r'changed\. Pass ExportOptions\(overwrite=True\)'):
     published.export(model.state_for(1))
   _assert_kept(published, before)
 
@@ -346,7 +369,7 @@ def test_logical_axis_without_rule(tmp_path):
                      r"'params/Dense_0/kernel' has no rule\..*Add a rule such "
                      r"as \('my_axis', None\)"):
     exporter.export(state)
-  assert os.listdir(tmp_path / 'export') == []
+  assert not (tmp_path / 'export').exists()  # Not even created.
 
 
 # --- gin ----------------------------------------------------------------------
@@ -363,12 +386,70 @@ def test_gin_unknown_parameter():
   assert 'export_every_step ' not in gin.config_str()
 
 
+# --- the check -------------------------------------------------------------
+
+
+def _broken_postprocessor(kind: str):
+  """Right when run eagerly (JAX's side), broken inside the SavedModel."""
+
+  def postprocess(outputs):
+    logits = outputs['logits']
+    labels = tf.fill([tf.shape(logits)[0]], 'a')
+    if tf.executing_eagerly():
+      return {'logits': logits, 'label': labels} if kind == 'strings' else {
+          'logits': logits}
+    return {
+        'values': {'logits': logits + 0.25},
+        'strings': {'logits': logits,
+                    'label': tf.fill([tf.shape(logits)[0]], 'b')},
+        'missing_output': {'scores': logits},
+        'extra_output': {'logits': logits, 'scores': logits},
+        'shape': {'logits': logits[:, :2]},
+        'dtype': {'logits': tf.cast(logits, tf.float16)},
+    }[kind]
+
+  return postprocess
+
+
+@pytest.mark.parametrize('kind, output, what, fix', [
+    ('values', 'logits',
+     r'values differ beyond atol=1e-05, rtol=1e-05: max abs error 0\.25 vs '
+     'JAX', r"If the difference is expected \(another platform's or XLA's "
+     r'numerics\), loosen atol/rtol'),
+    ('strings', 'label', r"strings differ at index \(0,\): b'b' vs JAX b'a'",
+     r'Strings are compared exactly \(atol/rtol do not apply\)'),
+    ('missing_output', 'logits',
+     r"missing from the SavedModel; SavedModel outputs \['scores'\], JAX "
+     r"outputs \['logits'\]", 'Both sides must return the same output names'),
+    ('extra_output', 'scores',
+     r"not returned by JAX; SavedModel outputs \['logits', 'scores'\], JAX "
+     r"outputs \['logits'\]",
+     'Both sides must return the same output names'),
+    ('shape', 'logits', r'shape mismatch: \(2, 2\) vs JAX \(2, 3\)',
+     r"atol/rtol do not apply to shapes: check the signature's input_specs"),
+    ('dtype', 'logits', r'dtype mismatch: float16 vs JAX float32',
+     'atol/rtol do not apply to dtypes: check the casts'),
+])
+def test_saved_model_differs_from_jax(published, kind, output, what, fix):
+  before = _tree_digest(published.export_dir)
+  sig = model.signature(postprocessor=_broken_postprocessor(kind))
+  exporter = exporter_lib.SavedModelExporter(published.export_dir, [sig])
+  with pytest.raises(errors.ExportCheckError,
+                     match=rf"SavedModel check failed for signature "
+                     rf"'{model.SIGNATURE}', output '{output}': {what}\. The "
+                     rf'version was not published\. {fix}') as info:
+    exporter.export(model.state_for(2))
+  assert info.value.kind == kind
+  assert ('loosen atol/rtol' in str(info.value)) == (kind == 'values')
+  _assert_kept(published, before)
+
+
 # --- offline ------------------------------------------------------------------
 
 _OFFLINE_GIN = offline_gin.mlp(np.ones((2, 16)), logical_axis_rules=False)
 
 _OFFLINE_CASES = ('missing', 'unknown_format', 'no_params', 'mismatch',
-                  'exists')
+                  'exists', 'empty_signatures')
 
 
 def _mlp_variables() -> dict:
@@ -382,6 +463,8 @@ def offline_runs(tmp_path_factory):
   root = tmp_path_factory.mktemp('offline_errors')
   gin_file = root / 'mlp.gin'
   gin_file.write_text(_OFFLINE_GIN)
+  empty_gin = root / 'empty.gin'
+  empty_gin.write_text(_OFFLINE_GIN + '\nSIGNATURES = []\n')
   variables = _mlp_variables()
   good = {'step': 5, **variables}
   wrong = jax.tree_util.tree_map(lambda x: x, variables)
@@ -393,6 +476,7 @@ def offline_runs(tmp_path_factory):
       'no_params': root / 'opt_only.msgpack',
       'mismatch': root / 'wrong.msgpack',
       'exists': root / 'good.msgpack',
+      'empty_signatures': root / 'good.msgpack',
   }
   ckpts['unknown_format'].mkdir()
   (ckpts['unknown_format'] / 'README.txt').write_text('not a checkpoint')
@@ -411,7 +495,8 @@ def offline_runs(tmp_path_factory):
     before = _tree_digest(str(export_dir))
     procs[case] = (subprocess.Popen(  # pylint: disable=consider-using-with
         [sys.executable, '-m', 't5export.offline', f'--ckpt={ckpts[case]}',
-         f'--export_dir={export_dir}', f'--gin_file={gin_file}'],
+         f'--export_dir={export_dir}',
+         f'--gin_file={empty_gin if case == "empty_signatures" else gin_file}'],
         cwd=REPO, env=_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True), export_dir, before)
   out = {}
@@ -460,7 +545,8 @@ def test_offline_version_exists_without_overwrite(offline_runs):
   line = _offline_error(offline_runs, 'exists')
   assert re.match(r"VersionExistsError: Version 5 already exists at .*"
                   r"export_exists/5'; it was not changed\. Pass "
-                  r'overwrite=True \(offline: --overwrite\)', line), line
+                  r'ExportOptions\(overwrite=True\) \(offline: --overwrite\)',
+                  line), line
 
 
 # --- the table and the tests agree --------------------------------------------

@@ -454,7 +454,7 @@ def test_existing_version_is_not_overwritten(mlp):
   before = os.path.getmtime(os.path.join(path, verify.METADATA_FILE))
   with pytest.raises(errors.VersionExistsError,
                      match=r"Version 200 already exists at '.*/200'; it was "
-                     r'not changed. Pass overwrite=True'):
+                     r'not changed. Pass ExportOptions\(overwrite=True\)'):
     mlp['exporter'].export(mlp['states'][1])
   assert os.path.getmtime(os.path.join(path, verify.METADATA_FILE)) == before
 

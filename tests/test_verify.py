@@ -178,7 +178,9 @@ _LOOSEN = 'loosen atol/rtol'
      r"missing from the SavedModel; SavedModel outputs \['a'\], JAX outputs "
      r"\['a', 'b'\]"),
     ('extra_output', {'a': np.zeros(2), 'b': np.zeros(1)},
-     {'a': np.zeros(2)}, r'not returned by JAX; SavedModel outputs'),
+     {'a': np.zeros(2)},
+     r"not returned by JAX; SavedModel outputs \['a', 'b'\], JAX outputs "
+     r"\['a'\]"),
     ('shape', {'a': np.zeros(2)}, {'a': np.zeros(3)},
      r'shape mismatch: \(2,\) vs JAX \(3,\)'),
     ('dtype', {'a': np.zeros(2, np.float16)}, {'a': np.zeros(2, np.float32)},
