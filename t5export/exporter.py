@@ -20,13 +20,10 @@ One export (DESIGN.md data-flow steps 5-7):
 7. retention: keep the `keep` newest versions plus the `keep_best` best by a
    metric, never the version just written (`versions`).
 
-The options (`keep`, `validate`, `platforms`, ...) are one
-`options.ExportOptions`, checked when it is created. Creating the exporter
-touches no file and traces nothing (every process of a `jax.distributed`
-run may create one); on first use it resumes: it creates `export_dir` if
-needed, lists the published versions (and their metrics, from each
-version's metadata) and removes stale `.tmp-*` directories left by a
-crash. One exporter (one process) writes an `export_dir` at a time. The directory layout, atomic publish and retention
+The options are one `options.ExportOptions`. On first use (not creation)
+the exporter resumes: it creates `export_dir` if needed, lists the versions
+(and their metrics) and removes `.tmp-*` directories left by a crash. One
+exporter (one process) writes an `export_dir` at a time. The directory layout, atomic publish and retention
 live in `t5export.versions`; this module orchestrates one export.
 """
 
@@ -61,9 +58,6 @@ from t5export import verify
 from t5export import versions as versions_lib
 from t5export import writer as writer_lib
 from tensorflow.core.protobuf import saved_model_pb2
-from tensorflow_serving.apis import model_pb2
-from tensorflow_serving.apis import predict_pb2
-from tensorflow_serving.apis import prediction_log_pb2
 
 METADATA_FORMAT_VERSION = 1
 flatten_metrics = versions_lib.flatten_metrics
@@ -95,38 +89,6 @@ def _jsonable(value: Any) -> Any:
   return str(value)
 
 
-def _sample_batches(sig: serving.Signature) -> list[dict[str, Any]]:
-  """The signature's sample inputs as a list of {input_name: array}."""
-  samples = sig.sample_inputs
-  if samples is None:
-    return []
-  if isinstance(samples, Mapping):
-    return [dict(samples)]
-  return [dict(s) for s in samples]  # Several batches, if ever given.
-
-
-def check_finite(variables: Any) -> None:
-  """Raises NonFiniteParamsError naming the first leaf with NaN/Inf.
-
-  Args:
-    variables: a pytree of numpy/JAX arrays.
-
-  Raises:
-    NonFiniteParamsError: for the first leaf (in `paths.flatten` order)
-      holding a NaN or an Inf.
-  """
-  for path, leaf in paths.flatten(variables).items():
-    array = np.asarray(leaf)
-    if not jax.numpy.issubdtype(array.dtype, jax.numpy.inexact):
-      continue
-    if array.dtype.kind not in 'fc':  # bfloat16 and other ml_dtypes floats.
-      array = array.astype(np.float32)
-    finite = np.isfinite(array)
-    if not np.all(finite):
-      raise errors.NonFiniteParamsError(
-          path, int(finite.size - np.count_nonzero(finite)), int(array.size))
-
-
 @gin.configurable('SavedModelExporter', module='t5export')
 class SavedModelExporter:
   """Publishes JAX/Flax variables as versioned TensorFlow SavedModels.
@@ -137,10 +99,8 @@ class SavedModelExporter:
     path = exporter.export(inference_state, metrics={'accuracy': 0.9})
     # -> '/models/t5/1000' (the state's step), servable by TF Serving.
 
-  Creating one touches no file and traces nothing, so every process of a
-  multi-process run can create it (by hand or with gin); the first use on
-  the writing process (`export`, `versions`, `metrics`) prepares
-  `export_dir` and resumes from what it holds.
+  Creating one touches no file and traces nothing (every process may); the
+  first use prepares `export_dir` and resumes from what it holds.
   """
 
   def __init__(self, export_dir: str | os.PathLike[str],
@@ -337,7 +297,7 @@ class SavedModelExporter:
     if os.path.exists(final) and not self._options.overwrite:
       raise errors.VersionExistsError(final, step)
     if not self._options.allow_non_finite:
-      check_finite(snap.variables)
+      verify.check_finite(snap.variables)
     metrics = flatten_metrics(metrics)
     keep_best = self._options.keep_best
     if keep_best is not None and keep_best.score(metrics, step) is None:
@@ -368,7 +328,9 @@ class SavedModelExporter:
                'signatures': {}}
       if self._options.validate:
         start = time.monotonic()
-        check = self._check(staging)
+        check = verify.check_staged(
+            staging, self._signatures, self._module, atol=self._options.atol,
+            rtol=self._options.rtol)
         logging.info('t5export: step %d: check passed for %s in %.2fs.', step,
                      sorted(check['signatures']), time.monotonic() - start)
       start = time.monotonic()
@@ -481,57 +443,8 @@ class SavedModelExporter:
 
   def _write_warmup(self, staging: str) -> int:
     """Writes TF Serving warm-up requests; returns how many."""
-    model_name = os.path.basename(self._export_dir) or 'model'
-    count = 0
-    path = os.path.join(staging, verify.WARMUP_FILE)
-    with tf.io.TFRecordWriter(path) as writer:
-      for sig in self._signatures:
-        for inputs in _sample_batches(sig):
-          request = predict_pb2.PredictRequest(
-              model_spec=model_pb2.ModelSpec(name=model_name,
-                                             signature_name=sig.name))
-          for key, value in inputs.items():
-            request.inputs[key].CopyFrom(tf.make_tensor_proto(
-                np.asarray(value), dtype=sig.inputs[key].dtype))
-          log = prediction_log_pb2.PredictionLog(
-              predict_log=prediction_log_pb2.PredictLog(request=request))
-          writer.write(log.SerializeToString())
-          count += 1
-    if not count:
-      os.remove(path)
-    return count
-
-  # --- check --------------------------------------------------------------
-
-  def _check(self, staging: str) -> dict[str, Any]:
-    """Runs every signature with sample inputs in TF and compares with JAX.
-
-    The staged SavedModel runs in a throw-away graph and session (as TF
-    Serving loads it), so repeated checks leave nothing cached in the
-    process.
-    """
-    result: dict[str, Any] = {'validated': True, 'atol': self._options.atol,
-                              'rtol': self._options.rtol, 'signatures': {}}
-    requests = []
-    for sig in self._signatures:
-      batches = _sample_batches(sig)
-      if not batches:
-        logging.warning('t5export: signature %r has no sample_inputs; it is '
-                        'not checked.', sig.name)
-      requests.extend((sig, inputs) for inputs in batches)
-    actuals = verify.run_signatures_isolated(
-        staging, [(sig.name, inputs) for sig, inputs in requests])
-    for (sig, inputs), actual in zip(requests, actuals):
-      expected = sig.reference_outputs(self._module, inputs)
-      errs = verify.compare_outputs(sig.name, actual, expected,
-                                    atol=self._options.atol,
-                                    rtol=self._options.rtol)
-      entry = result['signatures'].setdefault(
-          sig.name, {'max_abs_error': {}, 'passed': True, 'batches': 0})
-      entry['batches'] += 1
-      for name, err in errs.items():
-        entry['max_abs_error'][name] = max(
-            err, entry['max_abs_error'].get(name, 0.0))
-    # Validated means at least one signature was actually run and compared.
-    result['validated'] = bool(result['signatures'])
-    return result
+    return writer_lib.write_warmup_requests(
+        os.path.join(staging, verify.WARMUP_FILE),
+        os.path.basename(self._export_dir) or 'model',
+        [(sig.name, inputs, {k: sig.inputs[k].dtype for k in inputs})
+         for sig in self._signatures for inputs in verify.sample_batches(sig)])

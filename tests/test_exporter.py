@@ -628,8 +628,8 @@ def test_flatten_metrics_and_check_finite():
   assert exporter_lib.flatten_metrics(
       {'a': {'b': np.float32(0.5), 'c': jnp.int32(3)}, 'd': 'x'}) == {
           'a/b': 0.5, 'a/c': 3, 'd': 'x'}
-  exporter_lib.check_finite({'w': jnp.ones(3, jnp.bfloat16),
+  verify.check_finite({'w': jnp.ones(3, jnp.bfloat16),
                              'i': np.arange(3)})
   with pytest.raises(errors.NonFiniteParamsError, match=r"'params/w' holds 2"):
-    exporter_lib.check_finite(
+    verify.check_finite(
         {'params': {'w': jnp.array([np.inf, 1, -np.inf], jnp.bfloat16)}})
