@@ -39,15 +39,17 @@ _EXPORTS = {
     'JaxModule': 'jax_module',
     'Signature': 'serving',
     'SavedModelExporter': 'exporter',
+    'ExportOptions': 'options',
     'ExportCallback': 'callbacks',
 }
 # Submodules reachable as attributes, e.g. `t5export.verify.load_params`.
 _SUBMODULES = frozenset({
     'async_export', 'callbacks', 'checkpoints', 'distributed', 'errors',
     'exporter', 'jax_artifacts', 'jax_module', 'msgpack_checkpoints',
-    'offline', 'orbax_checkpoints', 'outcomes', 'partitioning', 'paths',
-    'serving', 'serving_compat', 'snapshot', 'specs', 't5x_models',
-    'tensor_bundle', 'train_state', 'triggering', 'verify', 'versions',
+    'offline', 'options', 'orbax_checkpoints', 'outcomes', 'partitioning',
+    'paths', 'publisher', 'serving', 'serving_compat', 'snapshot', 'specs',
+    't5x_models', 'tensor_bundle', 'train_state', 'triggering', 'verify',
+    'versions',
 })
 
 __all__ = sorted(_EXPORTS) + ['errors', 'verify', '__version__']
@@ -72,6 +74,7 @@ if TYPE_CHECKING:  # Static type checkers see the real names.
   from t5export.callbacks import ExportCallback
   from t5export.exporter import SavedModelExporter
   from t5export.jax_module import JaxModule
+  from t5export.options import ExportOptions
   from t5export.partitioning import gather_to_host
   from t5export.partitioning import get_mesh_axes
   from t5export.partitioning import standard_logical_axis_rules

@@ -37,7 +37,7 @@ that is also usable in URLs and file names).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 import re
 from typing import Any
 
@@ -459,6 +459,41 @@ def _callable_name(fn: Any) -> str | None:
   return getattr(fn, '__qualname__', None) or type(fn).__name__
 
 
+def check_signatures(signatures: Any) -> list[Signature]:
+  """The one check of a list of signatures, wherever it is given.
+
+  Args:
+    signatures: what the caller passed as `signatures`.
+
+  Returns:
+    The signatures as a list (a generator is read once).
+
+  Raises:
+    errors.SignatureError: the list is empty or names repeat.
+    TypeError: not a list of `Signature`.
+  """
+  if isinstance(signatures, (str, bytes, Mapping)) or not isinstance(
+      signatures, Iterable):
+    raise TypeError(f'signatures must be a list of t5export.Signature, got '
+                    f'{signatures!r}.')
+  signatures = list(signatures)
+  if not signatures:
+    raise errors.SignatureError(
+        'signatures is empty; pass at least one t5export.Signature (gin: '
+        'SIGNATURES = [@t5export.Signature()]).')
+  wrong = [s for s in signatures if not isinstance(s, Signature)]
+  if wrong:
+    raise TypeError(f'signatures must be t5export.Signature objects; got '
+                    f'{wrong[0]!r}.')
+  names = [s.name for s in signatures]
+  duplicates = sorted({n for n in names if names.count(n) > 1})
+  if duplicates:
+    raise errors.SignatureError(
+        f'signatures have duplicate names {duplicates}; give each signature '
+        'its own name.')
+  return signatures
+
+
 def make_module(variables: Any, signatures: Sequence[Signature], *,
                 trainable: bool = False, jit_compile: bool = True,
                 platforms: Sequence[str] | None = None,
@@ -478,16 +513,10 @@ def make_module(variables: Any, signatures: Sequence[Signature], *,
     The module; `module.methods[sig.name]` is each signature's method.
 
   Raises:
-    errors.SignatureError: for duplicate names or a method that does not
-      accept its input specs.
+    errors.SignatureError: no signatures, duplicate names, or a method that
+      does not accept its input specs.
   """
-  names = [s.name for s in signatures]
-  if not names:
-    raise errors.SignatureError('No signatures given; pass at least one.')
-  duplicates = sorted({n for n in names if names.count(n) > 1})
-  if duplicates:
-    raise errors.SignatureError(
-        f'Signature names must be unique; {duplicates} appear more than once.')
+  signatures = check_signatures(signatures)
   for sig in signatures:
     sig.check_method(variables)
   return jax_module.JaxModule(

@@ -146,7 +146,7 @@ class KeepBest:
       return cls(*value)
     raise TypeError(
         f'keep_best={value!r} is not valid; pass (n, metric_name, '
-        "'max'|'min') or exporter.KeepBest(n, metric, mode).")
+        "'max'|'min') or versions.KeepBest(n, metric, mode).")
 
 
 def _metric_value(value: Any) -> float | int | str:

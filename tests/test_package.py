@@ -22,7 +22,7 @@ LIGHT_MODULES = ('errors', 'paths', 'train_state', 'partitioning', 'snapshot',
                  'async_export', 'distributed', 'versions', 'checkpoints',
                  'orbax_checkpoints', 'msgpack_checkpoints', 'triggering',
                  'outcomes', 'serving_compat', 'tensor_bundle', 'jax_artifacts',
-                 'verify')
+                 'verify', 'options')
 TENSORFLOW = ('tensorflow', 'keras', 'tf_keras')  # keras pulls tensorflow in.
 
 
@@ -126,9 +126,10 @@ def test_gin_registers_the_contract_names():
   import gin  # pylint: disable=g-import-not-at-top
   import t5export.callbacks  # noqa: F401  (registers the heavy classes)
   bindings = {
-      't5export.ExportCallback.keep': 3,
+      't5export.ExportCallback.export_every_steps': 3,
       't5export.Signature.name': 'serving_default',
-      't5export.SavedModelExporter.keep': 2,
+      't5export.SavedModelExporter.export_dir': '/models/m',
+      't5export.ExportOptions.keep': 2,
       't5export.standard_logical_axis_rules.parameter_partitioning_dims': 2,
   }
   try:
