@@ -456,7 +456,9 @@ def test_export_checkpoint_api_overwrites_a_version(background, work):
       name='renamed', method=models.make_mlp_serve_fn(models.MlpBn()),
       input_specs={'x': ('b, 16', 'float32')},
       sample_inputs={'x': _MLP_X[:2]})
-  options = offline.OfflineOptions(signatures=[sig], jax_artifacts=False)
+  options = offline.OfflineOptions(
+      signatures=[sig],
+      export_options=t5export.ExportOptions(jax_artifacts=False))
   with pytest.raises(t5export.errors.VersionExistsError):
     offline.export_checkpoint(work / 'pytree', export_dir, step=7,
                               options=options)

@@ -80,8 +80,10 @@ def test_reading_checkpoints_does_not_import_tensorflow(tmp_path,
 def test_inspect_export_reads_metadata_without_tensorflow_or_jax(tmp_path):
   import _reliability_model as model  # pylint: disable=g-import-not-at-top
   export_dir = str(tmp_path / 'export')
-  t5export.SavedModelExporter(export_dir, [model.signature()],
-                              validate=False).export(model.state_for(1))
+  t5export.SavedModelExporter(
+      export_dir, [model.signature()],
+      options=t5export.ExportOptions(validate=False)).export(
+          model.state_for(1))
   tool = REPO / 'tools' / 'inspect_export.py'
   code = ('import runpy, sys\n'
           f'sys.argv = ["inspect_export", {export_dir!r}]\n'
