@@ -57,6 +57,7 @@ from t5export import outcomes as outcomes_lib
 from t5export import serving_compat
 from t5export import snapshot as snapshot_lib
 from t5export import triggering
+from t5export import versions as versions_lib
 
 _ON_ERROR_CHOICES = ('raise', 'log')
 METRIC_PREFIX = outcomes_lib.METRIC_PREFIX
@@ -108,17 +109,6 @@ def _flatten_metrics_by_task(metrics_by_task: Any) -> dict[str, Any]:
     raise TypeError(f'metrics_by_task must be a mapping {{task: {{metric: '
                     f'value}}}}, got {type(metrics_by_task).__name__}.')
   return exporter_lib.flatten_metrics(metrics_by_task)
-
-
-def _tree_nbytes(path: str) -> int:
-  total = 0
-  for root, _, files in os.walk(path):
-    for name in files:
-      try:
-        total += os.path.getsize(os.path.join(root, name))
-      except OSError:  # Removed by retention meanwhile.
-        pass
-  return total
 
 
 @gin.configurable(module='t5export', denylist=['metric_writer'])
@@ -377,7 +367,7 @@ class ExportCallback:
     start = time.perf_counter()
     # Synchronous: the state cannot change before the export returns, so
     # the params need no copy on the way.
-    snap = self._snapshot(train_state, step, copy=False)
+    snap = self._snapshot(train_state, step, owned=False)
     path = self._publish(snap, metrics, sync=True)
     self._trigger.record_export(step, time.monotonic())
     self._record_blocking(step, time.perf_counter() - start, 0.0)
@@ -391,10 +381,10 @@ class ExportCallback:
     start = time.perf_counter()
     self._waited = self._make_room(step)
     # In the background the train loop runs on (and may donate the state's
-    # buffers) while the export reads the snapshot: copy=None copies only
+    # buffers) while the export reads the snapshot: owned=None copies only
     # where a view or transfer would not survive that.
     snap = self._snapshot(train_state, step,
-                          copy=None if self._async else False)
+                          owned=None if self._async else False)
     if snap.step != step and not self._step_mismatch_warned:
       self._step_mismatch_warned = True
       logging.warning(
@@ -405,13 +395,13 @@ class ExportCallback:
                           self._waited)
 
   def _snapshot(self, train_state: Any, step: int, *,
-                copy: bool | None) -> snapshot_lib.HostSnapshot:
+                owned: bool | None) -> snapshot_lib.HostSnapshot:
     """Counts the due export and takes its snapshot (a failure counts)."""
     self._outcomes.add_due()
     try:
       return snapshot_lib.take_snapshot(
-          train_state, rules=self._rules, keep_arrays=self._is_writer,
-          copy=copy)
+          train_state, rules=self._rules, owned=owned,
+          shapes_only=not self._is_writer)
     except Exception as e:
       self._outcomes.record('failed', step, f'the snapshot failed: '
                             f'{type(e).__name__}: {e}')
@@ -519,7 +509,7 @@ class ExportCallback:
       self._outcomes.record('failed', step, f'{type(e).__name__}: {e}')
       raise
     secs = time.perf_counter() - start
-    nbytes = _tree_nbytes(path)
+    nbytes = versions_lib.dir_nbytes(path)
     with self._lock:
       self._in_flight.discard(step)
       self._published_steps.add(step)

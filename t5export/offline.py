@@ -53,10 +53,11 @@ import numpy as np
 
 from t5export import checkpoints
 from t5export import errors
-from t5export import partitioning
+from t5export import host_buffers
 from t5export import paths
 from t5export import serving_compat
 from t5export import train_state
+from t5export import versions
 
 if __name__ == '__main__':
   # `python -m t5export.offline` runs this file as `__main__`. Run the module
@@ -188,15 +189,6 @@ def _mib(nbytes: int | None) -> str:
   return 'unknown' if nbytes is None else f'{nbytes / 2**20:.2f} MiB'
 
 
-def _tree_nbytes(tree: Any) -> int:
-  return int(sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(tree)))
-
-
-def _dir_nbytes(path: str) -> int:
-  return sum(os.path.getsize(os.path.join(root, f))
-             for root, _, files in os.walk(path) for f in files)
-
-
 def parse_gin(files: Sequence[str], bindings: Sequence[str],
               search_paths: Sequence[str]) -> None:
   """Parses gin files and bindings as T5X does (search paths first).
@@ -278,7 +270,7 @@ def cast_params(params: Any, dtype: str | None) -> Any:
   def cast(x: np.ndarray) -> np.ndarray:
     if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != target:
       # Aligned, so the export can hand the result to TensorFlow uncopied.
-      return partitioning.aligned_copy(x, target)
+      return host_buffers.aligned_copy(x, target)
     return x
 
   return jax.tree_util.tree_map(cast, params)
@@ -388,7 +380,7 @@ def export_checkpoint(ckpt: str, export_dir: str, *, step: int | None = None,
       version, 'params checked against the model, ' if (
           options.init_fn or options.expected_params is not None) else '',
       f'cast to {dtype}' if dtype else 'dtype as stored',
-      _mib(_tree_nbytes((state.params, state.flax_mutables))),
+      _mib(host_buffers.tree_nbytes((state.params, state.flax_mutables))),
       time.monotonic() - start)
 
   from t5export import exporter as exporter_lib  # pylint: disable=g-import-not-at-top
@@ -402,13 +394,14 @@ def export_checkpoint(ckpt: str, export_dir: str, *, step: int | None = None,
       logical_axis_rules=options.logical_axis_rules,
       serving_tf_version=(serving_tf_version if serving_tf_version is not None
                           else options.serving_tf_version))
-  # The params were read for this export alone: TensorFlow may take their
-  # memory instead of copying it (peak memory ~1x the params, not 3x).
-  path = exporter.export(state, hand_over=True)
+  # The params were read for this export alone, so they are owned:
+  # TensorFlow may take their memory instead of copying it (peak memory ~1x
+  # the params, not 3x).
+  path = exporter.export(state, owned=True)
   del contents, state
   logging.info(
       'offline [write, check, publish]: version %d at %s (%s) in %.2fs; '
-      '%.2fs in all.', version, path, _mib(_dir_nbytes(path)),
+      '%.2fs in all.', version, path, _mib(versions.dir_nbytes(path)),
       time.monotonic() - start, time.monotonic() - total)
   return path
 

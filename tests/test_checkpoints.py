@@ -27,6 +27,7 @@ import tensorstore as ts
 
 from t5export import checkpoints
 from t5export import errors
+from t5export import host_buffers
 from t5export import orbax_checkpoints
 from t5export import paths
 from t5export import train_state
@@ -480,3 +481,12 @@ def test_module_stays_light(t5x_checkpoint_dir, orbax_manager_dir):
           "assert 'tensorflow' not in sys.modules, 'tensorflow imported'")
   subprocess.run([sys.executable, '-c', code], check=True, cwd=_REPO,
                  capture_output=True, timeout=120)
+
+
+def test_read_params_returns_arrays_tensorflow_can_adopt(t5x_checkpoint_dir):
+  contents = checkpoints.read_params(str(t5x_checkpoint_dir))
+  flat = paths.flatten(contents.variables)
+  assert flat
+  for path, leaf in flat.items():
+    assert host_buffers.adoptable(leaf), (
+        path, leaf.ctypes.data % 64, leaf.flags)

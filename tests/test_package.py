@@ -10,8 +10,9 @@ import pytest
 
 import t5export
 
-LIGHT_MODULES = ('errors', 'paths', 'train_state', 'partitioning', 'snapshot',
-                 'async_export', 'distributed', 'versions', 'checkpoints',
+LIGHT_MODULES = ('errors', 'paths', 'train_state', 'partitioning',
+                 'host_buffers', 'snapshot', 'async_export', 'distributed',
+                 'versions', 'checkpoints',
                  'orbax_checkpoints', 'msgpack_checkpoints', 'triggering',
                  'outcomes', 'serving_compat')
 
