@@ -14,24 +14,12 @@ import numpy as np
 import pytest
 
 import distributed_setup  # tests/ is on sys.path.
-from examples import models
 from t5export import host_buffers
 from t5export import paths
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 TESTS_DIR = pathlib.Path(__file__).resolve().parent
 SUBPROCESS_TIMEOUT = 120
-
-
-@pytest.fixture(scope='module')
-def t5_variables() -> dict:
-  """TinyT5 variables ({'params', 'params_axes'}) with numpy leaves.
-
-  4 heads so that 'heads' divides a 4-way 'model' mesh axis.
-  """
-  config = models.TinyT5Config(num_heads=4, head_dim=8)
-  variables = models.init_tiny_t5(models.TinyT5(config), jax.random.PRNGKey(0))
-  return jax.tree.map(np.asarray, variables)
 
 
 @pytest.fixture(scope='module')

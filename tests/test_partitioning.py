@@ -12,7 +12,6 @@ import numpy as np
 import optax
 import pytest
 
-from examples import models
 from t5export import errors
 from t5export import partitioning
 from t5export import paths
@@ -22,17 +21,6 @@ ALL_DIMS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
 
 # --- fixtures and helpers ---------------------------------------------------
-
-
-@pytest.fixture(scope='module')
-def t5_variables() -> dict:
-  """TinyT5 variables ({'params', 'params_axes'}) with numpy leaves.
-
-  4 heads so that 'heads' divides a 4-way 'model' mesh axis.
-  """
-  config = models.TinyT5Config(num_heads=4, head_dim=8)
-  variables = models.init_tiny_t5(models.TinyT5(config), jax.random.PRNGKey(0))
-  return jax.tree.map(np.asarray, variables)
 
 
 @pytest.fixture(scope='module')

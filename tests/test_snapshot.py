@@ -31,14 +31,6 @@ def mlp_variables() -> dict:
   return models.init_mlp_bn(models.MlpBn(), jax.random.PRNGKey(1))
 
 
-@pytest.fixture(scope='module')
-def t5_variables() -> dict:
-  """TinyT5 variables ({'params', 'params_axes'}, T5X style), numpy leaves."""
-  config = models.TinyT5Config(num_heads=4, head_dim=8)
-  variables = models.init_tiny_t5(models.TinyT5(config), jax.random.PRNGKey(0))
-  return jax.tree.map(np.asarray, variables)
-
-
 def _train_state(variables, tx=None) -> train_state.FlaxOptimTrainState:
   """A fresh state on device (own buffers, safe to donate or delete)."""
   state = train_state.FlaxOptimTrainState.create(tx or optax.adam(1e-2),
