@@ -2,7 +2,7 @@
 
 Under `jax.distributed` every process runs the same training loop and calls
 the export callback at the same steps. All of them join the gather
-(`partitioning.gather_to_host`, a collective for arrays spread over
+(`host_buffers.gather_to_host`, a collective for arrays spread over
 processes), but only process 0 builds the JaxModule and writes. An
 `ExportCoordinator` makes the other processes follow process 0:
 

@@ -55,6 +55,7 @@ from t5export import paths
 from t5export import serving
 from t5export import serving_compat
 from t5export import snapshot as snapshot_lib
+from t5export import train_state
 from t5export import verify
 from t5export import versions as versions_lib
 from t5export import writer as writer_lib
@@ -228,7 +229,7 @@ class SavedModelExporter:
   # --- export -------------------------------------------------------------
 
   def export(self, state: Any, metrics: Mapping[str, Any] | None = None, *,
-             hand_over: bool = False) -> str:
+             owned: bool = False) -> str:
     """Exports a train or inference state as version `int(state.step)`.
 
     Strips the optimizer state, resolves axes (with `logical_axis_rules`),
@@ -238,35 +239,42 @@ class SavedModelExporter:
     variables are built or assigned straight from the JAX buffers).
 
     Args:
-      state: a `TrainState`, an `InferenceState` or a `HostSnapshot`.
+      state: a `TrainState`, an `InferenceState` or a `HostSnapshot` (which
+        carries its own `owned`).
       metrics: optional `{name: value}` recorded in the metadata (and used
         by `keep_best`); see `versions.flatten_metrics` for what becomes a
         number (e.g. a `clu.values.Scalar`).
-      hand_over: the state's numpy arrays are the caller's to give away
-        (e.g. params just read from a checkpoint, used for nothing else):
-        TensorFlow may take their memory instead of copying them, after
-        which they alias the exported variables. JAX arrays are never
-        handed over.
+      owned: the state's params and mutables are numpy arrays nobody else
+        references (e.g. just read from a checkpoint): TensorFlow may take
+        their memory instead of copying it, after which they alias the
+        exported variables.
 
     Returns:
       The published version directory `<export_dir>/<step>`.
 
     Raises:
+      ValueError: `owned` is True but a leaf is a `jax.Array`, whose buffer
+        JAX keeps.
       VersionExistsError, NonFiniteParamsError, MetricNotNumericError,
         ExportCheckError: see `export_snapshot`.
     """
     if isinstance(state, snapshot_lib.HostSnapshot):
-      snap = state
-    else:
-      start = time.monotonic()
-      snap = snapshot_lib.take_snapshot(
-          state, rules=self._options.logical_axis_rules, copy=False)
-      if hand_over:
-        # Only the numpy leaves passed through as they were can be given
-        # away; JaxModule copies read-only views of JAX buffers anyway.
-        snap = dataclasses.replace(snap, owns_arrays=True)
-      logging.info('t5export: snapshot of step %d: %.1f MiB in %.2fs.',
-                   snap.step, snap.nbytes / 2**20, time.monotonic() - start)
+      return self.export_snapshot(state, metrics)
+    start = time.monotonic()
+    snap = snapshot_lib.take_snapshot(state, rules=self._options.logical_axis_rules, owned=False)
+    if owned:
+      # Numpy leaves came through as they were, the caller's to give; a JAX
+      # leaf came back as a view of a buffer JAX may reuse.
+      given = train_state.InferenceState.from_train_state(state).variables
+      for path, leaf in paths.flatten(given).items():
+        if isinstance(leaf, jax.Array):
+          raise ValueError(
+              f'export(owned=True) gives the state\'s arrays to TensorFlow, '
+              f'but {path!r} is a jax.Array, whose buffer JAX keeps. Pass '
+              'owned=False, or numpy arrays nobody else references.')
+      snap = dataclasses.replace(snap, owned=True)
+    logging.info('t5export: snapshot of step %d: %.1f MiB in %.2fs.',
+                 snap.step, snap.nbytes / 2**20, time.monotonic() - start)
     return self.export_snapshot(snap, metrics)
 
   def export_snapshot(self, snap: snapshot_lib.HostSnapshot,
@@ -314,7 +322,7 @@ class SavedModelExporter:
 
     start = time.monotonic()
     first = self._module is None
-    self._ensure_module(snap.variables, adopt=snap.owns_arrays)
+    self._ensure_module(snap.variables, owned=snap.owned)
     logging.info('t5export: step %d: %s JaxModule in %.2fs (%.1f MiB).', step,
                  'built' if first else 'updated', time.monotonic() - start,
                  snap.nbytes / 2**20)
@@ -359,20 +367,19 @@ class SavedModelExporter:
                  versions_lib.dir_nbytes(final) / 2**20, removed or 'nothing')
     return final
 
-  def _ensure_module(self, variables: Any, *, adopt: bool) -> None:
+  def _ensure_module(self, variables: Any, *, owned: bool) -> None:
     """Builds the JaxModule on first use; assigns new values afterwards.
 
-    With `adopt` (a snapshot that owns its arrays) the variables take the
-    arrays' memory instead of copying it.
+    With `owned` arrays the variables take their memory instead of copying.
     """
     if self._module is not None:
-      self._module.update_variables(variables, adopt_buffers=adopt)
+      self._module.update_variables(variables, owned=owned)
       return
     o = self._options
     module = serving.make_module(
         variables, self._signatures, trainable=o.trainable,
         jit_compile=o.jit_compile, platforms=o.platforms,
-        cast_bfloat16=o.cast_bfloat16, adopt_buffers=adopt,
+        cast_bfloat16=o.cast_bfloat16, owned=owned,
         serving_target=o.serving_target)
     if o.jax_artifacts:
       start = time.monotonic()

@@ -59,8 +59,8 @@ import numpy as np
 
 from t5export import checkpoints
 from t5export import errors
+from t5export import host_buffers
 from t5export import options as options_lib
-from t5export import partitioning
 from t5export import paths
 from t5export import train_state
 from t5export import versions
@@ -279,7 +279,7 @@ def cast_params(params: Any, dtype: str | None) -> Any:
   def cast(x: np.ndarray) -> np.ndarray:
     if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != target:
       # Aligned, so the export can hand the result to TensorFlow uncopied.
-      return partitioning.aligned_copy(x, target)
+      return host_buffers.aligned_copy(x, target)
     return x
 
   return jax.tree_util.tree_map(cast, params)
@@ -376,7 +376,7 @@ def export_checkpoint(
       version, 'params checked against the model, ' if (
           options.init_fn or options.expected_params is not None) else '',
       f'cast to {dtype}' if dtype else 'dtype as stored',
-      _mib(partitioning.tree_nbytes((state.params, state.flax_mutables))),
+      _mib(host_buffers.tree_nbytes((state.params, state.flax_mutables))),
       time.monotonic() - start)
 
   from t5export import exporter as exporter_lib  # pylint: disable=g-import-not-at-top
@@ -384,9 +384,10 @@ def export_checkpoint(
   start = time.monotonic()
   exporter = exporter_lib.SavedModelExporter(
       export_dir, options.signatures, options=options.export_options)
-  # The params were read for this export alone: TensorFlow may take their
-  # memory instead of copying it (peak memory ~1x the params, not 3x).
-  path = exporter.export(state, hand_over=True)
+  # The params were read for this export alone, so they are owned:
+  # TensorFlow may take their memory instead of copying it (peak memory ~1x
+  # the params, not 3x).
+  path = exporter.export(state, owned=True)
   del contents, state
   logging.info(
       'offline [write, check, publish]: version %d at %s (%s) in %.2fs; '

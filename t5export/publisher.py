@@ -41,13 +41,6 @@ from t5export import snapshot as snapshot_lib
 from t5export import versions
 
 
-def _tree_nbytes(path: str) -> int:
-  try:
-    return versions.dir_nbytes(path)
-  except OSError:  # Retention removed it meanwhile.
-    return 0
-
-
 class Publisher:
   """Carries out due exports for `ExportCallback` (see the module docstring).
 
@@ -119,9 +112,9 @@ class Publisher:
     else:
       self._waited = self._make_room(step)
     # In the background the train loop runs on (and may donate the state's
-    # buffers) while the export reads the snapshot: copy=None copies only
+    # buffers) while the export reads the snapshot: owned=None copies only
     # where a view or transfer would not survive that.
-    snap = self._snapshot(train_state, step, copy=False if sync else None)
+    snap = self._snapshot(train_state, step, owned=False if sync else None)
     if snap.step != step and not self._step_mismatch_warned:
       self._step_mismatch_warned = True
       logging.warning(
@@ -136,13 +129,13 @@ class Publisher:
     return path
 
   def _snapshot(self, train_state: Any, step: int, *,
-                copy: bool | None) -> snapshot_lib.HostSnapshot:
+                owned: bool | None) -> snapshot_lib.HostSnapshot:
     """Counts the due export and takes its snapshot (a failure counts)."""
     self.outcomes.add_due()
     try:
       return snapshot_lib.take_snapshot(
           train_state, rules=self.exporter.options.logical_axis_rules,
-          keep_arrays=self.is_writer, copy=copy)
+          owned=owned, shapes_only=not self.is_writer)
     except Exception as e:
       self.outcomes.record('failed', step, f'the snapshot failed: '
                            f'{type(e).__name__}: {e}')
@@ -226,7 +219,7 @@ class Publisher:
       raise
     self.outcomes.record_published(
         snap.step, path, secs=time.perf_counter() - start,
-        nbytes=_tree_nbytes(path))
+        nbytes=versions.dir_nbytes(path))
     return path
 
   def flush_scalars(self) -> None:

@@ -498,7 +498,7 @@ def make_module(variables: Any, signatures: Sequence[Signature], *,
                 trainable: bool = False, jit_compile: bool = True,
                 platforms: Sequence[str] | None = None,
                 cast_bfloat16: bool = False,
-                adopt_buffers: bool = False,
+                owned: bool = False,
                 serving_target: Any = None,
                 name: str | None = None) -> jax_module.JaxModule:
   """Checks the signatures and builds a JaxModule with one method each.
@@ -506,7 +506,7 @@ def make_module(variables: Any, signatures: Sequence[Signature], *,
   Args:
     variables: `{'params': ..., **flax_mutables}` (numpy or JAX arrays).
     signatures: the signatures; names must be unique.
-    trainable, jit_compile, platforms, cast_bfloat16, adopt_buffers,
+    trainable, jit_compile, platforms, cast_bfloat16, owned,
       serving_target, name: as in `jax_module.JaxModule`.
 
   Returns:
@@ -525,7 +525,7 @@ def make_module(variables: Any, signatures: Sequence[Signature], *,
       polymorphic_shapes={
           s.name: s.method_polymorphic_shapes for s in signatures},
       trainable=trainable, jit_compile=jit_compile, platforms=platforms,
-      cast_bfloat16=cast_bfloat16, adopt_buffers=adopt_buffers,
+      cast_bfloat16=cast_bfloat16, owned=owned,
       serving_target=serving_target, name=name)
 
 

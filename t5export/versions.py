@@ -214,7 +214,10 @@ def dir_nbytes(path: str) -> int:
   total = 0
   for root, _, files in os.walk(path):
     for name in files:
-      total += os.path.getsize(os.path.join(root, name))
+      try:
+        total += os.path.getsize(os.path.join(root, name))
+      except OSError:  # Removed meanwhile (e.g. by retention).
+        pass
   return total
 
 

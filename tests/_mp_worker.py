@@ -128,6 +128,7 @@ def train_and_export(args: argparse.Namespace) -> None:
   import t5export  # pylint: disable=g-import-not-at-top
   from examples import models  # pylint: disable=g-import-not-at-top
   from t5export import errors  # pylint: disable=g-import-not-at-top
+  from t5export import host_buffers  # pylint: disable=g-import-not-at-top
   from t5export import partitioning  # pylint: disable=g-import-not-at-top
   from t5export import paths  # pylint: disable=g-import-not-at-top
 
@@ -208,9 +209,9 @@ def train_and_export(args: argparse.Namespace) -> None:
         failures[name] = e
       close_secs[name] = time.monotonic() - start
     error = failures.get('loop') or failures.get('raise')
-    host = paths.flatten(partitioning.gather_to_host(state.params))
+    host = paths.flatten(host_buffers.gather_to_host(state.params))
     emit(event=f'done:{phase}', process=jax.process_index(), pid=os.getpid(),
-         step=int(partitioning.gather_to_host(state.step)),
+         step=int(host_buffers.gather_to_host(state.step)),
          error_type=type(error).__name__ if error else None,
          error=str(error) if error else None,
          is_writer_failed=isinstance(error, errors.WriterFailedError),

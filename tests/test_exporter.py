@@ -29,6 +29,7 @@ from examples import tokenizer
 import t5export
 from t5export import errors
 from t5export import exporter as exporter_lib
+from t5export import host_buffers
 from t5export import paths
 from t5export import verify
 from t5export import versions
@@ -633,3 +634,85 @@ def test_flatten_metrics_and_check_finite():
   with pytest.raises(errors.NonFiniteParamsError, match=r"'params/w' holds 2"):
     verify.check_finite(
         {'params': {'w': jnp.array([np.inf, 1, -np.inf], jnp.bfloat16)}})
+
+
+# --- how params reach the variables: views, owned arrays ---------------------
+
+
+def _dense(variables, inputs):
+  return {'y': inputs['x'] @ variables['params']['w'] + variables['params']['b']}
+
+
+def _dense_params(seed: int) -> dict:
+  rng = np.random.default_rng(seed)
+  return {'w': rng.normal(size=(8, 4)).astype(np.float32),
+          'b': rng.normal(size=(4,)).astype(np.float32)}
+
+
+def _dense_signature() -> t5export.Signature:
+  return t5export.Signature(
+      name='serving_default', method=_dense,
+      input_specs={'x': ('b, 8', 'float32')},
+      sample_inputs={'x': np.ones((2, 8), np.float32)})
+
+
+def _w(exporter) -> np.ndarray:
+  module = exporter.module
+  return module.param_vars[module.param_paths.index('params/w')].numpy()
+
+
+def test_sync_export_reads_jax_buffers_and_leaves_the_state_usable(tmp_path):
+  params = jax.tree_util.tree_map(jnp.asarray, _dense_params(6))
+  state = t5export.InferenceState.create({'params': params}).replace_step(1)
+  exporter = t5export.SavedModelExporter(tmp_path / 'm', [_dense_signature()])
+  exporter.export(state)
+  # The variable holds its own copy: the JAX arrays stay intact and the
+  # next donating step may reuse their buffers.
+  assert not np.shares_memory(_w(exporter), np.asarray(params['w']))
+  params2 = jax.jit(lambda p: jax.tree_util.tree_map(lambda a: a + 1.0, p),
+                    donate_argnums=0)(params)
+  state2 = t5export.InferenceState.create({'params': params2}).replace_step(2)
+  path = exporter.export(state2)
+  loaded = verify.load_params(path)
+  for name in ('w', 'b'):
+    np.testing.assert_array_equal(loaded['params'][name],
+                                  np.asarray(params2[name]))
+  assert exporter.module.trace_count == 1
+
+
+def test_owned_export_adopts_numpy_params_and_publishes_them(tmp_path):
+  variables = host_buffers.gather_to_host({'params': _dense_params(7)})
+  expected = jax.tree_util.tree_map(np.copy, variables)
+  state = t5export.InferenceState.create(variables).replace_step(5)
+  exporter = t5export.SavedModelExporter(tmp_path / 'm', [_dense_signature()])
+  path = exporter.export(state, owned=True)
+  loaded = verify.load_params(path)
+  for name in ('w', 'b'):
+    np.testing.assert_array_equal(loaded['params'][name],
+                                  expected['params'][name])
+  # Owned: the variable took the array's memory (a write shows through).
+  variables['params']['w'][0, 0] = 3.5
+  assert _w(exporter)[0, 0] == 3.5
+  # Not owned: the caller's arrays stay the caller's.
+  other = host_buffers.gather_to_host({'params': _dense_params(8)})
+  exporter2 = t5export.SavedModelExporter(tmp_path / 'm2',
+                                          [_dense_signature()])
+  exporter2.export(t5export.InferenceState.create(other).replace_step(1))
+  before = _w(exporter2).copy()
+  other['params']['w'][0, 0] += 10.0
+  np.testing.assert_array_equal(_w(exporter2), before)
+
+
+def test_owned_export_refuses_jax_arrays(tmp_path):
+  params = _dense_params(9)
+  params['w'] = jnp.asarray(params['w'])  # Its buffer is JAX's to reuse.
+  state = t5export.InferenceState.create({'params': params}).replace_step(2)
+  exporter = t5export.SavedModelExporter(tmp_path / 'm', [_dense_signature()])
+  with pytest.raises(ValueError, match=(
+      r"export\(owned=True\).*'params/w' is a jax.Array.*Pass owned=False")):
+    exporter.export(state, owned=True)
+  assert exporter.versions() == []
+  # The same state exports when its arrays stay the caller's.
+  path = exporter.export(state)
+  np.testing.assert_array_equal(verify.load_params(path)['params']['w'],
+                                np.asarray(params['w']))

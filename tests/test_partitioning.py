@@ -1,7 +1,8 @@
-"""Tests for t5export.partitioning: rules, mesh axes, sharding, host gather."""
+"""Tests for t5export.partitioning: rules, mesh axes, sharding."""
 
 from __future__ import annotations
 
+<<<<<<< HEAD
 import pathlib
 import pickle
 import subprocess
@@ -9,6 +10,8 @@ import sys
 from typing import Any
 
 import flax
+=======
+>>>>>>> host-buffers
 from flax import linen as nn
 from flax.linen import partitioning as flax_partitioning
 import gin
@@ -19,17 +22,16 @@ import numpy as np
 import optax
 import pytest
 
+<<<<<<< HEAD
 import _report  # tests/ is on sys.path.
 import distributed_setup  # tests/ is on sys.path.
 from examples import models
+=======
+>>>>>>> host-buffers
 from t5export import errors
 from t5export import partitioning
 from t5export import paths
 from t5export import train_state
-
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-TESTS_DIR = pathlib.Path(__file__).resolve().parent
-SUBPROCESS_TIMEOUT = 120
 
 ALL_DIMS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
@@ -38,31 +40,12 @@ ALL_DIMS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
 
 @pytest.fixture(scope='module')
-def t5_variables() -> dict:
-  """TinyT5 variables ({'params', 'params_axes'}) with numpy leaves.
-
-  4 heads so that 'heads' divides a 4-way 'model' mesh axis.
-  """
-  config = models.TinyT5Config(num_heads=4, head_dim=8)
-  variables = models.init_tiny_t5(models.TinyT5(config), jax.random.PRNGKey(0))
-  return jax.tree.map(np.asarray, variables)
-
-
-@pytest.fixture(scope='module')
-def t5_pickle(t5_variables, tmp_path_factory) -> pathlib.Path:
-  """The TinyT5 variables pickled for the subprocess scripts."""
-  path = tmp_path_factory.mktemp('vars') / 'tiny_t5.pkl'
-  with open(path, 'wb') as f:
-    pickle.dump(t5_variables, f)
-  return path
-
-
-@pytest.fixture(scope='module')
 def adamw_state(t5_variables) -> train_state.FlaxOptimTrainState:
   return train_state.FlaxOptimTrainState.create(optax.adamw(1e-3),
                                                 t5_variables)
 
 
+<<<<<<< HEAD
 def _run(args: list[str], device_count: int, report: pathlib.Path
          ) -> list[dict]:
   """Runs a script to completion; returns the rows it reported.
@@ -83,6 +66,8 @@ def _run(args: list[str], device_count: int, report: pathlib.Path
   return _report.read(report)
 
 
+=======
+>>>>>>> host-buffers
 def _flat_specs(tree) -> dict:
   return paths.flatten(tree, is_leaf=lambda x: isinstance(x, P))
 
@@ -396,6 +381,7 @@ def test_shard_state_indivisible_dimension():
                             r'divisible by 4')):
     partitioning.shard_state(state, mesh,
                              partitioning.standard_logical_axis_rules())
+<<<<<<< HEAD
 
 
 # --- gather_to_host (one device) -------------------------------------------
@@ -516,3 +502,5 @@ def test_gather_across_processes(t5_variables, t5_pickle, tmp_path):
   assert per_process[0]['encoder_layers_0/mlp/wi']['spec'] == ['data', 'model']
   assert {p: r['digest'] for p, r in per_process[0].items()} == {
       p: r['digest'] for p, r in per_process[1].items()}
+=======
+>>>>>>> host-buffers
