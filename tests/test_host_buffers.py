@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import _report  # tests/ is on sys.path.
 import distributed_setup  # tests/ is on sys.path.
 from t5export import host_buffers
 from t5export import paths
@@ -31,8 +32,14 @@ def t5_pickle(t5_variables, tmp_path_factory) -> pathlib.Path:
   return path
 
 
-def _run(args: list[str], env: dict[str, str]) -> list[dict]:
-  """Runs a script to completion; fails the test with its stderr if it fails."""
+def _run(args: list[str], device_count: int, report: pathlib.Path
+         ) -> list[dict]:
+  """Runs a script to completion; returns the rows it reported.
+
+  The rows come from the report file (tests/_report.py), never the script's
+  output, which is kept for the failure message only.
+  """
+  env = distributed_setup.subprocess_env(device_count, report=report)
   try:
     proc = subprocess.run([sys.executable, *args], env=env, cwd=REPO_ROOT,
                           capture_output=True, text=True,
@@ -42,7 +49,7 @@ def _run(args: list[str], env: dict[str, str]) -> list[dict]:
                 f'{(e.stderr or b"")[-5000:]!r}')
   assert proc.returncode == 0, (
       f'{args} exited {proc.returncode}; stderr:\n{proc.stderr[-5000:]}')
-  return distributed_setup.json_lines(proc.stdout)
+  return _report.read(report)
 
 
 def _misaligned(array: np.ndarray) -> np.ndarray:
@@ -186,10 +193,10 @@ def test_gather_rejects_other_leaves():
 # --- subprocess: 8 devices, several processes, no tensorflow ----------------
 
 
-def test_gather_8_devices_bit_exact(t5_variables, t5_pickle):
+def test_gather_8_devices_bit_exact(t5_variables, t5_pickle, tmp_path):
   cases = ['1,1,2,4', '1,2,4,2', '2,2,2,4']
   lines = _run([str(TESTS_DIR / '_gather_8dev.py'), str(t5_pickle), *cases],
-               distributed_setup.subprocess_env(8))
+               8, tmp_path / 'report.jsonl')
   leaves = [r for r in lines if r['kind'] == 'leaf']
   # TinyT5's params plus a bf16 and an int32 leaf.
   n_params = len(paths.flatten(t5_variables['params'])) + 2
@@ -216,33 +223,35 @@ def test_gather_8_devices_bit_exact(t5_variables, t5_pickle):
 
 
 @pytest.mark.multiprocess
-def test_gather_across_processes(t5_variables, t5_pickle):
+def test_gather_across_processes(t5_variables, t5_pickle, tmp_path):
   n = 2
   port = distributed_setup.free_port()
   script = str(TESTS_DIR / '_gather_2proc.py')
-  procs = [subprocess.Popen(
-      [sys.executable, script, str(i), str(n), str(port), str(t5_pickle)],
-      env=distributed_setup.subprocess_env(2), cwd=REPO_ROOT,
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-      for i in range(n)]
-  outputs = []
+  reports = [tmp_path / f'p{i}.jsonl' for i in range(n)]
+  logs = [tmp_path / f'p{i}.log' for i in range(n)]
+  procs = []
+  for i in range(n):
+    with open(logs[i], 'wb') as out:  # Output for failure messages only.
+      procs.append(subprocess.Popen(
+          [sys.executable, script, str(i), str(n), str(port), str(t5_pickle)],
+          env=distributed_setup.subprocess_env(2, report=reports[i]),
+          cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT))
   try:
     for i, proc in enumerate(procs):
       try:
-        out, err = proc.communicate(timeout=SUBPROCESS_TIMEOUT)
+        proc.wait(timeout=SUBPROCESS_TIMEOUT)
       except subprocess.TimeoutExpired:
-        for p in procs:
-          p.kill()
-        out, err = proc.communicate()
-        pytest.fail(f'process {i} timed out; stderr:\n{err[-5000:]}')
+        pytest.fail(f'process {i} timed out; output:\n'
+                    f'{logs[i].read_text(errors="replace")[-5000:]}')
       assert proc.returncode == 0, (
-          f'process {i} exited {proc.returncode}; stderr:\n{err[-5000:]}')
-      outputs.append(distributed_setup.json_lines(out))
+          f'process {i} exited {proc.returncode}; output:\n'
+          f'{logs[i].read_text(errors="replace")[-5000:]}')
   finally:
     for p in procs:
       if p.poll() is None:
         p.kill()
         p.wait()
+  outputs = [_report.read(r) for r in reports]
 
   per_process = [{r['path']: r for r in rows} for rows in outputs]
   snapshots = [rows.pop('<snapshot>') for rows in per_process]

@@ -221,21 +221,7 @@ json.dump({
   assert result['n_sharded'] >= 10
 
 
-<<<<<<< HEAD
-def test_keep_arrays_false_joins_the_gather_but_holds_no_values():
-=======
-def test_import_does_not_pull_tensorflow():
-  code = ('import sys, t5export.snapshot; '
-          "print([m for m in sys.modules if m.split('.')[0] == 'tensorflow'])")
-  proc = subprocess.run([sys.executable, '-c', code], cwd=REPO_ROOT,
-                        env=dict(os.environ, JAX_PLATFORMS='cpu'),
-                        capture_output=True, text=True, timeout=120)
-  assert proc.returncode == 0, proc.stderr[-5000:]
-  assert proc.stdout.strip() == '[]'
-
-
 def test_shapes_only_joins_the_gather_but_holds_no_values():
->>>>>>> host-buffers
   params = {'dense': {'kernel': jnp.arange(12, dtype=jnp.float32).reshape(3, 4)}}
   state = train_state.InferenceState.create({"params": params})
   kept = snapshot.take_snapshot(state)
