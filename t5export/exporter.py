@@ -1,6 +1,6 @@
 """SavedModelExporter: publishes versioned, checked SavedModels atomically.
 
-One export (DESIGN.md data-flow steps 5-7):
+One export (steps 5-7 of docs/internals.md's "One export, step by step"):
 
 1. refuse early: an existing version (unless `overwrite=True`), non-finite
    params (unless `allow_non_finite=True`);
