@@ -226,7 +226,7 @@ def test_sigkill_at_random_moments_never_publishes_a_partial_version(
       if resumed:
         # The worker's start removed every staging dir left by earlier kills.
         assert not [n for n in resumed[0] if n.startswith(STAGING_PREFIX)], (
-            f'{where}: after constructing the exporter: {resumed[0]}')
+            f'{where}: after the exporter was first used: {resumed[0]}')
         cleanups_seen += bool(before)
       versions = _versions(export_dir) if os.path.isdir(export_dir) else []
       staging = _staging(export_dir) if os.path.isdir(export_dir) else []
@@ -390,10 +390,11 @@ def _export_fails_while_unwritable_then_recovers(export_dir: str,
     with pytest.raises(OSError, match=cause) as info:
       exporter.export(model.state_for(2))
     assert '.tmp-2-' in str(info.value)  # Names the staging path.
-    # A new exporter (a restarted job) says so before any work.
+    # A new exporter (a restarted job) says so on first use, before any work.
     with pytest.raises(errors.ExportDirError,
                        match=rf'is not writable.*{cause}'):
-      exporter_lib.SavedModelExporter(export_dir, [model.signature()])
+      exporter_lib.SavedModelExporter(export_dir,
+                                      [model.signature()]).versions()
   assert _versions(export_dir) == [1]
   assert _staging(export_dir) == []
   exporter.export(model.state_for(2))  # The same step, now it can write.
