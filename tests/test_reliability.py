@@ -252,7 +252,7 @@ def test_sigkill_at_random_moments_never_publishes_a_partial_version(
   versions = _versions(export_dir)
   exporter_lib.SavedModelExporter(
       export_dir, [model.signature()],
-      options=t5export.ExportOptions(keep=KEEP))
+      options=t5export.ExportOptions(keep=KEEP)).versions()  # First use.
   assert _staging(export_dir) == [], '\n'.join(report)
   assert _versions(export_dir) == versions, '\n'.join(report)
   summary = (f'{len(ever)} versions published, {checker.full_checks} full '
