@@ -33,21 +33,23 @@ _EXPORTS = {
     'InferenceState': 'train_state',
     'standard_logical_axis_rules': 'partitioning',
     'get_mesh_axes': 'partitioning',
-    'gather_to_host': 'partitioning',
+    'gather_to_host': 'host_buffers',
     'HostSnapshot': 'snapshot',
     'take_snapshot': 'snapshot',
     'JaxModule': 'jax_module',
     'Signature': 'serving',
     'SavedModelExporter': 'exporter',
+    'ExportOptions': 'options',
     'ExportCallback': 'callbacks',
 }
 # Submodules reachable as attributes, e.g. `t5export.verify.load_params`.
 _SUBMODULES = frozenset({
     'async_export', 'callbacks', 'checkpoints', 'distributed', 'errors',
-    'exporter', 'jax_artifacts', 'jax_module', 'msgpack_checkpoints',
-    'offline', 'orbax_checkpoints', 'outcomes', 'partitioning', 'paths',
-    'serving', 'serving_compat', 'snapshot', 'specs', 't5x_models',
-    'tensor_bundle', 'train_state', 'triggering', 'verify', 'versions',
+    'exporter', 'host_buffers', 'jax_artifacts', 'jax_module',
+    'msgpack_checkpoints', 'offline', 'options', 'orbax_checkpoints',
+    'outcomes', 'partitioning', 'paths', 'publisher', 'serving',
+    'serving_compat', 'snapshot', 'specs', 't5x_models', 'tensor_bundle',
+    'train_state', 'triggering', 'verify', 'versions',
 })
 
 __all__ = sorted(_EXPORTS) + ['errors', 'verify', '__version__']
@@ -72,7 +74,8 @@ if TYPE_CHECKING:  # Static type checkers see the real names.
   from t5export.callbacks import ExportCallback
   from t5export.exporter import SavedModelExporter
   from t5export.jax_module import JaxModule
-  from t5export.partitioning import gather_to_host
+  from t5export.host_buffers import gather_to_host
+  from t5export.options import ExportOptions
   from t5export.partitioning import get_mesh_axes
   from t5export.partitioning import standard_logical_axis_rules
   from t5export.serving import Signature

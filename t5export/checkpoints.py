@@ -46,7 +46,7 @@ import numpy as np
 from t5export import errors
 from t5export import msgpack_checkpoints
 from t5export import orbax_checkpoints
-from t5export import partitioning
+from t5export import host_buffers
 from t5export import paths
 
 ORBAX = 'orbax'
@@ -316,10 +316,6 @@ def _to_numpy(tree: Any) -> Any:
   return jax.tree_util.tree_map(np.asarray, tree)
 
 
-def _nbytes(tree: Any) -> int:
-  return int(sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(tree)))
-
-
 def _plain(tree: Any) -> Any:
   """Nested Mappings as plain dicts (orbax/flax may give other Mappings)."""
   if isinstance(tree, Mapping):
@@ -345,7 +341,8 @@ def _contents(located: _Located, tree: Mapping[str, Any],
       step = int(np.asarray(stored))
   return CheckpointContents(
       path=located.path, format=located.format, step=step, params=params,
-      flax_mutables=mutables, nbytes=_nbytes(params) + _nbytes(mutables),
+      flax_mutables=mutables,
+      nbytes=host_buffers.tree_nbytes((params, mutables)),
       bytes_read=bytes_read)
 
 
@@ -427,40 +424,14 @@ def read_params(path: str | os.PathLike[str], *,
   logging.info('Reading params of %s checkpoint %s (step %s).',
                located.format, located.path, located.step)
   contents = _READERS[located.format](located)
-  moved = _align_in_place(contents.params) + _align_in_place(
-      contents.flax_mutables)
+  # The arrays are owned (read for this call alone): make them adoptable.
+  moved = host_buffers.make_adoptable(
+      contents.params) + host_buffers.make_adoptable(contents.flax_mutables)
   if moved:
     logging.info('Moved %d array(s) to %d-byte aligned memory (so the export '
-                 'can hand them to TensorFlow without a copy).', moved,
-                 partitioning.HOST_ALIGNMENT)
+                 'can give them to TensorFlow without a copy).', moved,
+                 host_buffers.HOST_ALIGNMENT)
   return contents
-
-
-def _align_in_place(tree: dict[str, Any]) -> int:
-  """Replaces each array TensorFlow could not adopt by an aligned copy.
-
-  Readers return arrays wherever their libraries allocated them; TensorFlow
-  can take over only C-contiguous, writeable, 64-byte aligned memory. One
-  leaf is moved at a time and the old one dropped, so this costs one copy
-  of the misplaced leaves but never a second copy of the whole tree.
-
-  Args:
-    tree: a nested dict of numpy arrays, changed in place.
-
-  Returns:
-    How many arrays were moved.
-  """
-  moved = 0
-  for key in list(tree):
-    value = tree[key]
-    if isinstance(value, dict):
-      moved += _align_in_place(value)
-    elif (isinstance(value, np.ndarray) and value.size and
-          not partitioning.is_aligned_writeable(value)):
-      tree[key] = partitioning.aligned_copy(value)
-      del value
-      moved += 1
-  return moved
 
 
 def _expected_leaf(x: Any) -> bool:

@@ -2,11 +2,11 @@
 
 Under `jax.distributed` every process runs the same training loop and calls
 the export callback at the same steps. All of them join the gather
-(`partitioning.gather_to_host`, a collective for arrays spread over
+(`host_buffers.gather_to_host`, a collective for arrays spread over
 processes), but only process 0 builds the JaxModule and writes. An
 `ExportCoordinator` makes the other processes follow process 0:
 
-* a *round* is one thing process 0 does alone (create the exporter, publish
+* a *round* is one thing process 0 does alone (prepare export_dir, publish
   a version). Every process enters each round at the same point, in the same
   order; rounds are numbered, so the n-th round of one process is the n-th
   round of every other.
@@ -117,8 +117,8 @@ class ExportCoordinator:
 
   Example (what `ExportCallback` does):
     coord = ExportCoordinator(timeout_secs=600)
-    exporter = coord.run(lambda: SavedModelExporter(...),
-                         what='create the exporter')   # None on process > 0
+    versions = coord.run(exporter.versions,
+                         what='prepare export_dir')   # None on process > 0
     ...
     coord.publish(step, lambda: write_or_submit(snapshot), sync=False,
                   drain=worker.wait)
@@ -205,7 +205,7 @@ class ExportCoordinator:
     Args:
       fn: what process 0 does alone. A str result (a path) is passed on to
         the others (`last_reported`).
-      what: the round, for messages, e.g. 'create the exporter'.
+      what: the round, for messages, e.g. 'prepare /models/m'.
 
     Returns:
       `fn()` on process 0; None on the others.

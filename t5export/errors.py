@@ -139,22 +139,67 @@ class VariableMismatchError(T5ExportError, ValueError):
 class ExportCheckError(T5ExportError, AssertionError):
   """The staged SavedModel's outputs differ from JAX; nothing was published.
 
+  The message says which kind of mismatch it is and the fix for that kind
+  (`FIXES`); only a difference of values within a tolerance's reach
+  advises loosening atol/rtol.
+
   Attributes:
     signature: the signature name.
     output: the output name (or path) that differs.
-    max_abs_error: the largest absolute difference seen.
+    kind: one of `FIXES`: 'values' (numbers differ beyond atol/rtol),
+      'strings' (compared exactly), 'missing_output' (JAX returns it, the
+      SavedModel does not), 'extra_output' (the other way round), 'shape',
+      'dtype'.
+    max_abs_error: the largest absolute difference ('values'), else None.
   """
 
-  def __init__(self, signature: str, output: str, max_abs_error: float,
-               detail: str = ''):
-    self.signature, self.output = signature, output
-    self.max_abs_error = float(max_abs_error)
+  FIXES = {
+      'values': "If the difference is expected (another platform's or "
+                "XLA's numerics), loosen atol/rtol (ExportOptions(atol=..., "
+                "rtol=...)); otherwise check the signature's pre/post-"
+                'processors and the method for nondeterminism.',
+      'strings': "Strings are compared exactly (atol/rtol do not apply): "
+                 "check the signature's postprocessor that builds them.",
+      'missing_output': 'Both sides must return the same output names: '
+                        "check the signature's postprocessor (traced in the "
+                        'SavedModel, run eagerly for JAX) or, with '
+                        'verify.compare_with_jax, what jax_fn returns.',
+      'extra_output': 'Both sides must return the same output names: check '
+                      "the signature's postprocessor (traced in the "
+                      'SavedModel, run eagerly for JAX) or, with '
+                      'verify.compare_with_jax, what jax_fn returns.',
+      'shape': 'atol/rtol do not apply to shapes: check the signature\'s '
+               'input_specs (a dimension fixed or polymorphic by mistake) '
+               'and any reshape in its method or postprocessor.',
+      'dtype': 'atol/rtol do not apply to dtypes: check the casts in the '
+               "method and the signature's pre/post-processors (serving "
+               'clients get the SavedModel\'s dtype).',
+  }
+
+  def __init__(self, signature: str, output: str, *, kind: str, detail: str,
+               max_abs_error: float | None = None):
+    """Builds the message from the kind's fix.
+
+    Args:
+      signature: the signature name.
+      output: the output that differs.
+      kind: one of `FIXES`.
+      detail: what differs, e.g. "shape mismatch: (2, 3) vs JAX (2, 4)".
+      max_abs_error: for kind 'values', the largest absolute difference.
+
+    Raises:
+      ValueError: `kind` is not one of `FIXES`.
+    """
+    if kind not in self.FIXES:
+      raise ValueError(f'ExportCheckError kind must be one of '
+                       f'{sorted(self.FIXES)}, got {kind!r}.')
+    self.signature, self.output, self.kind = signature, output, kind
+    self.max_abs_error = (None if max_abs_error is None else
+                          float(max_abs_error))
     super().__init__(
         f'SavedModel check failed for signature {signature!r}, output '
-        f'{output!r}: max abs error {self.max_abs_error:.6g} vs JAX'
-        f'{(" (" + detail + ")") if detail else ""}. The version was not '
-        'published. Check the signature\'s pre/post-processors, or loosen '
-        'atol/rtol if the difference is expected.')
+        f'{output!r}: {detail}. The version was not published. '
+        f'{self.FIXES[kind]}')
 
 
 class VersionExistsError(T5ExportError, FileExistsError):
@@ -164,8 +209,8 @@ class VersionExistsError(T5ExportError, FileExistsError):
     self.path, self.step = path, step
     super().__init__(
         f'Version {step} already exists at {path!r}; it was not changed. '
-        'Pass overwrite=True (offline: --overwrite) to replace it, or export '
-        'a different step.')
+        'Pass ExportOptions(overwrite=True) (offline: --overwrite) to replace '
+        'it, or export a different step.')
 
 
 class NonFiniteParamsError(T5ExportError, ValueError):
@@ -176,7 +221,7 @@ class NonFiniteParamsError(T5ExportError, ValueError):
     super().__init__(
         f'Parameter {path!r} holds {n_bad} non-finite value(s) (NaN/Inf) out '
         f'of {size}; the export was refused. Fix the training run, or pass '
-        'allow_non_finite=True to publish anyway.')
+        'ExportOptions(allow_non_finite=True) to publish anyway.')
 
 
 class MetricNotNumericError(T5ExportError, TypeError):

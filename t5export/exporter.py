@@ -1,6 +1,6 @@
 """SavedModelExporter: publishes versioned, checked SavedModels atomically.
 
-One export (DESIGN.md data-flow steps 5-7):
+One export (steps 5-7 of docs/internals.md's "One export, step by step"):
 
 1. refuse early: an existing version (unless `overwrite=True`), non-finite
    params (unless `allow_non_finite=True`);
@@ -20,10 +20,10 @@ One export (DESIGN.md data-flow steps 5-7):
 7. retention: keep the `keep` newest versions plus the `keep_best` best by a
    metric, never the version just written (`versions`).
 
-On construction the exporter resumes: it lists the published versions (and
-their metrics, from each version's metadata) and removes stale `.tmp-*`
-directories left by a crash. One exporter (one process) writes an
-`export_dir` at a time. The directory layout, atomic publish and retention
+The options are one `options.ExportOptions`. On first use (not creation)
+the exporter resumes: it creates `export_dir` if needed, lists the versions
+(and their metrics) and removes `.tmp-*` directories left by a crash. One
+exporter (one process) writes an `export_dir` at a time. The directory layout, atomic publish and retention
 live in `t5export.versions`; this module orchestrates one export.
 """
 
@@ -50,23 +50,18 @@ import t5export
 from t5export import errors
 from t5export import jax_artifacts as jax_artifacts_lib
 from t5export import jax_module
+from t5export import options as options_lib
 from t5export import paths
 from t5export import serving
 from t5export import serving_compat
 from t5export import snapshot as snapshot_lib
+from t5export import train_state
 from t5export import verify
 from t5export import versions as versions_lib
 from t5export import writer as writer_lib
 from tensorflow.core.protobuf import saved_model_pb2
-from tensorflow_serving.apis import model_pb2
-from tensorflow_serving.apis import predict_pb2
-from tensorflow_serving.apis import prediction_log_pb2
 
 METADATA_FORMAT_VERSION = 1
-# Re-exported: they were defined here before the version-directory mechanics
-# moved to `versions`.
-STAGING_PREFIX = versions_lib.STAGING_PREFIX
-KeepBest = versions_lib.KeepBest
 flatten_metrics = versions_lib.flatten_metrics
 
 
@@ -96,161 +91,79 @@ def _jsonable(value: Any) -> Any:
   return str(value)
 
 
-def _sample_batches(sig: serving.Signature) -> list[dict[str, Any]]:
-  """The signature's sample inputs as a list of {input_name: array}."""
-  samples = sig.sample_inputs
-  if samples is None:
-    return []
-  if isinstance(samples, Mapping):
-    return [dict(samples)]
-  return [dict(s) for s in samples]  # Several batches, if ever given.
-
-
-def check_finite(variables: Any) -> None:
-  """Raises NonFiniteParamsError naming the first leaf with NaN/Inf.
-
-  Args:
-    variables: a pytree of numpy/JAX arrays.
-
-  Raises:
-    NonFiniteParamsError: for the first leaf (in `paths.flatten` order)
-      holding a NaN or an Inf.
-  """
-  for path, leaf in paths.flatten(variables).items():
-    array = np.asarray(leaf)
-    if not jax.numpy.issubdtype(array.dtype, jax.numpy.inexact):
-      continue
-    if array.dtype.kind not in 'fc':  # bfloat16 and other ml_dtypes floats.
-      array = array.astype(np.float32)
-    finite = np.isfinite(array)
-    if not np.all(finite):
-      raise errors.NonFiniteParamsError(
-          path, int(finite.size - np.count_nonzero(finite)), int(array.size))
-
-
 @gin.configurable('SavedModelExporter', module='t5export')
 class SavedModelExporter:
   """Publishes JAX/Flax variables as versioned TensorFlow SavedModels.
 
   Example:
-    exporter = SavedModelExporter('/models/t5', [sig], keep=5)
+    exporter = SavedModelExporter('/models/t5', [sig],
+                                  options=ExportOptions(keep=5))
     path = exporter.export(inference_state, metrics={'accuracy': 0.9})
     # -> '/models/t5/1000' (the state's step), servable by TF Serving.
+
+  Creating one touches no file and traces nothing (every process may); the
+  first use prepares `export_dir` and resumes from what it holds.
   """
 
   def __init__(self, export_dir: str | os.PathLike[str],
                signatures: Sequence[serving.Signature], *,
-               keep: int | None = 5,
-               keep_best: KeepBest | tuple[Any, ...] | None = None,
-               validate: bool = True,
-               atol: float = 1e-5,
-               rtol: float = 1e-5,
-               platforms: Sequence[str] | None = None,
-               warmup: bool = True,
-               overwrite: bool = False,
-               allow_non_finite: bool = False,
-               logical_axis_rules: Any = None,
-               trainable: bool = False,
-               jit_compile: bool = True,
-               cast_bfloat16: bool = False,
-               reuse_graph: bool = True,
-               serving_tf_version: str | None = None,
-               jax_artifacts: bool = True):
-    """Prepares the export directory and resumes from what it holds.
+               options: options_lib.ExportOptions | None = None):
+    """Checks the arguments; the directory is prepared on first use.
 
     Args:
       export_dir: the directory TF Serving watches; versions are its integer
-        subdirectories. Created if missing.
-      signatures: the `serving.Signature`s every version serves (unique
+        subdirectories. Created (on first use) if missing.
+      signatures: the `t5export.Signature`s every version serves (unique
         names).
-      keep: how many newest versions to keep (>= 1); None keeps all.
-      keep_best: also keep the best versions by a metric: `(n, metric,
-        'max'|'min')` or a `KeepBest`.
-      validate: run the check (staged SavedModel vs JAX on each signature's
-        sample inputs) before publishing.
-      atol: absolute tolerance of the check.
-      rtol: relative tolerance of the check.
-      platforms: jax2tf lowering platforms, e.g. ('cpu', 'cuda'); default
-        the current JAX backend.
-      warmup: write TF Serving warm-up requests from the sample inputs.
-      overwrite: replace an existing version of the same step instead of
-        raising `VersionExistsError`.
-      allow_non_finite: publish params holding NaN/Inf instead of raising
-        `NonFiniteParamsError`.
-      logical_axis_rules: rules to resolve logical axes to mesh axes (for
-        the snapshot and the metadata); None records logical axes only.
-      trainable: export the variables as trainable (with gradients).
-      jit_compile: `tf.function(jit_compile=...)` of the methods.
-      cast_bfloat16: store bfloat16 params as float32 variables.
-      reuse_graph: write versions after the first as the first one's graph
-        plus the new variables (`writer.SavedModelWriter`); False runs the
-        full `tf.saved_model.save` for every version.
-      serving_tf_version: the oldest TensorFlow / TF Serving release that
-        must load the versions, e.g. '2.20' (see `t5export.serving_compat`);
-        None: the oldest release this JAX can target.
-      jax_artifacts: also write each signature's JAX method as a
-        `jax.export` artifact into `assets.extra/` (for
-        `verify.load_function`; see `t5export.jax_artifacts`).
+      options: how versions are written, checked and kept; default
+        `ExportOptions()`.
 
     Raises:
-      ExportDirError: if `export_dir` is a file or is not writable.
-      ServingTargetError: `serving_tf_version` cannot be targeted.
-      ValueError, TypeError: for invalid options (the message names them).
+      SignatureError: `signatures` is empty or has duplicate names.
+      TypeError: a signature is not a `t5export.Signature`, or `options` is
+        not an `ExportOptions`.
+      ValueError: a gin macro (EXPORT_DIR, SIGNATURES) was left unset.
     """
+    for name, value in (('export_dir', export_dir), ('signatures', signatures)):
+      if value is gin.REQUIRED:  # A macro left unset.
+        raise ValueError(
+            f'SavedModelExporter: {name} is still %gin.REQUIRED. Set the '
+            f"{name.upper()} macro in your gin file after include "
+            "'t5export/gin/export.gin' (gin.finalize() reports such gaps at "
+            'parse time).')
     self._export_dir = os.path.abspath(os.fspath(export_dir))
-    # First: an unreachable serving target fails before anything is traced.
-    self._target = serving_compat.resolve(serving_tf_version)
-    signatures = list(signatures)
-    if not signatures:
-      raise errors.SignatureError(
-          'signatures is empty; pass at least one t5export.Signature.')
-    wrong = [s for s in signatures if not isinstance(s, serving.Signature)]
-    if wrong:
-      raise TypeError(f'signatures must be t5export.Signature objects; got '
-                      f'{wrong[0]!r}.')
-    names = [s.name for s in signatures]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-      raise errors.SignatureError(
-          f'signatures have duplicate names {duplicates}; give each '
-          'signature its own name.')
-    if keep is not None and (not isinstance(keep, int) or
-                             isinstance(keep, bool) or keep < 1):
-      raise ValueError(f'keep must be an int >= 1 or None, got {keep!r}.')
-    for arg, value in (('atol', atol), ('rtol', rtol)):
-      if not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f'{arg} must be a number >= 0, got {value!r}.')
-    self._signatures = signatures
-    self._keep_best = KeepBest.parse(keep_best)
-    self._validate = validate
-    self._atol, self._rtol = float(atol), float(rtol)
-    self._platforms = tuple(platforms) if platforms else None
-    self._warmup = warmup
-    self._overwrite = overwrite
-    self._allow_non_finite = allow_non_finite
-    self._rules = logical_axis_rules
-    self._trainable = trainable
-    self._jit_compile = jit_compile
-    self._cast_bfloat16 = cast_bfloat16
-    self._reuse_graph = reuse_graph
-    self._jax_artifacts = bool(jax_artifacts)
+    self._signatures = serving.check_signatures(signatures)
+    if options is None:
+      options = options_lib.ExportOptions()
+    if not isinstance(options, options_lib.ExportOptions):
+      raise TypeError(
+          f'options must be a t5export.ExportOptions, got {options!r}. In '
+          'gin: SavedModelExporter.options = @t5export.ExportOptions().')
+    self._options = options
     # Signature name -> (serialized jax.export artifact, its metadata entry),
     # made on the first export.
     self._artifacts: dict[str, tuple[bytes, dict[str, Any]]] = {}
     self._module: jax_module.JaxModule | None = None
     self._writer: writer_lib.SavedModelWriter | None = None
     self._serving_fns: dict[str, Any] | None = None
-    self._dir = versions_lib.VersionDirectory(
-        self._export_dir, keep=keep, keep_best=self._keep_best,
-        overwrite=overwrite)
-    self._resume()
+    self._dir_state: versions_lib.VersionDirectory | None = None
 
   # --- directory ----------------------------------------------------------
 
   @property
+  def options(self) -> options_lib.ExportOptions:
+    """The export options."""
+    return self._options
+
+  @property
+  def signatures(self) -> list[serving.Signature]:
+    """The signatures every version serves."""
+    return list(self._signatures)
+
+  @property
   def serving_target(self) -> serving_compat.ServingTarget:
     """The oldest TF release that loads the versions, and its version."""
-    return self._target
+    return self._options.serving_target
 
   @property
   def export_dir(self) -> str:
@@ -262,35 +175,61 @@ class SavedModelExporter:
     """The JaxModule (None before the first export)."""
     return self._module
 
-  def _resume(self) -> None:
-    """Removes stale staging dirs; reads each version's recorded metrics."""
-    stale = self._dir.remove_stale_staging()
-    for version in self.versions():
-      try:
-        meta = verify.read_metadata(self._dir.version_dir(version))
-      except (errors.VersionNotFoundError, ValueError):
-        meta = {}
-      self._dir.record_metrics(version, meta.get('metrics') or {})
-    logging.info('t5export: export_dir %s holds versions %s; removed %d stale '
-                 'staging dir(s).', self._export_dir, self.versions(),
-                 len(stale))
+  @property
+  def _dir(self) -> versions_lib.VersionDirectory:
+    """The version directory, prepared and resumed on first use.
+
+    Raises:
+      ExportDirError: `export_dir` is a file, cannot be created or is not
+        writable.
+    """
+    if self._dir_state is None:
+      o = self._options
+      directory = versions_lib.VersionDirectory(
+          self._export_dir, keep=o.keep, keep_best=o.keep_best,
+          overwrite=o.overwrite)
+      stale = directory.remove_stale_staging()
+      for version in directory.versions():
+        try:
+          meta = verify.read_metadata(directory.version_dir(version))
+        except (errors.VersionNotFoundError, ValueError):
+          meta = {}
+        directory.record_metrics(version, meta.get('metrics') or {})
+      logging.info('t5export: export_dir %s holds versions %s; removed %d '
+                   'stale staging dir(s).', self._export_dir,
+                   directory.versions(), len(stale))
+      self._dir_state = directory
+    return self._dir_state
 
   def versions(self) -> list[int]:
     """The published versions (integer subdirectories), ascending.
 
+    The first call (or export) prepares `export_dir` (see the class).
+
     Returns:
       Sorted version numbers.
+
+    Raises:
+      ExportDirError: `export_dir` is a file, cannot be created or is not
+        writable.
     """
     return self._dir.versions()
 
   def metrics(self) -> dict[int, dict[str, Any]]:
-    """The metrics recorded for each published version."""
+    """The metrics recorded for each published version.
+
+    Returns:
+      `{version: {metric: value}}`.
+
+    Raises:
+      ExportDirError: as `versions`.
+    """
     return self._dir.metrics()
 
   # --- export -------------------------------------------------------------
 
   def export(self, state: Any, metrics: Mapping[str, Any] | None = None, *,
-             hand_over: bool = False) -> str:
+             owned: bool = False) -> str:
     """Exports a train or inference state as version `int(state.step)`.
 
     Strips the optimizer state, resolves axes (with `logical_axis_rules`),
@@ -300,34 +239,42 @@ class SavedModelExporter:
     variables are built or assigned straight from the JAX buffers).
 
     Args:
-      state: a `TrainState`, an `InferenceState` or a `HostSnapshot`.
+      state: a `TrainState`, an `InferenceState` or a `HostSnapshot` (which
+        carries its own `owned`).
       metrics: optional `{name: value}` recorded in the metadata (and used
         by `keep_best`); see `versions.flatten_metrics` for what becomes a
         number (e.g. a `clu.values.Scalar`).
-      hand_over: the state's numpy arrays are the caller's to give away
-        (e.g. params just read from a checkpoint, used for nothing else):
-        TensorFlow may take their memory instead of copying them, after
-        which they alias the exported variables. JAX arrays are never
-        handed over.
+      owned: the state's params and mutables are numpy arrays nobody else
+        references (e.g. just read from a checkpoint): TensorFlow may take
+        their memory instead of copying it, after which they alias the
+        exported variables.
 
     Returns:
       The published version directory `<export_dir>/<step>`.
 
     Raises:
+      ValueError: `owned` is True but a leaf is a `jax.Array`, whose buffer
+        JAX keeps.
       VersionExistsError, NonFiniteParamsError, MetricNotNumericError,
         ExportCheckError: see `export_snapshot`.
     """
     if isinstance(state, snapshot_lib.HostSnapshot):
-      snap = state
-    else:
-      start = time.monotonic()
-      snap = snapshot_lib.take_snapshot(state, rules=self._rules, copy=False)
-      if hand_over:
-        # Only the numpy leaves passed through as they were can be given
-        # away; JaxModule copies read-only views of JAX buffers anyway.
-        snap = dataclasses.replace(snap, owns_arrays=True)
-      logging.info('t5export: snapshot of step %d: %.1f MiB in %.2fs.',
-                   snap.step, snap.nbytes / 2**20, time.monotonic() - start)
+      return self.export_snapshot(state, metrics)
+    start = time.monotonic()
+    snap = snapshot_lib.take_snapshot(state, rules=self._options.logical_axis_rules, owned=False)
+    if owned:
+      # Numpy leaves came through as they were, the caller's to give; a JAX
+      # leaf came back as a view of a buffer JAX may reuse.
+      given = train_state.InferenceState.from_train_state(state).variables
+      for path, leaf in paths.flatten(given).items():
+        if isinstance(leaf, jax.Array):
+          raise ValueError(
+              f'export(owned=True) gives the state\'s arrays to TensorFlow, '
+              f'but {path!r} is a jax.Array, whose buffer JAX keeps. Pass '
+              'owned=False, or numpy arrays nobody else references.')
+      snap = dataclasses.replace(snap, owned=True)
+    logging.info('t5export: snapshot of step %d: %.1f MiB in %.2fs.',
+                 snap.step, snap.nbytes / 2**20, time.monotonic() - start)
     return self.export_snapshot(snap, metrics)
 
   def export_snapshot(self, snap: snapshot_lib.HostSnapshot,
@@ -343,6 +290,7 @@ class SavedModelExporter:
       The published version directory `<export_dir>/<step>`.
 
     Raises:
+      ExportDirError: on first use, `export_dir` is unusable.
       VersionExistsError: the version exists and `overwrite` is False.
       MetricNotNumericError: the `keep_best` metric is given but is not a
         number (nothing is written).
@@ -359,22 +307,22 @@ class SavedModelExporter:
           f'The step is {step}; versions are non-negative integers (TF Serving '
           'ignores other directory names). Export a state with step >= 0.')
     final = self._dir.version_dir(step)
-    if os.path.exists(final) and not self._overwrite:
+    if os.path.exists(final) and not self._options.overwrite:
       raise errors.VersionExistsError(final, step)
-    if not self._allow_non_finite:
-      check_finite(snap.variables)
+    if not self._options.allow_non_finite:
+      verify.check_finite(snap.variables)
     metrics = flatten_metrics(metrics)
-    if self._keep_best is not None and self._keep_best.score(
-        metrics, step) is None:
+    keep_best = self._options.keep_best
+    if keep_best is not None and keep_best.score(metrics, step) is None:
       logging.warning(
           't5export: step %d has no metric %r (keep_best); it can only be '
           'kept as one of the newest. Metrics given: %s.', step,
-          self._keep_best.metric, sorted(metrics))
+          keep_best.metric, sorted(metrics))
     total_start = time.monotonic()
 
     start = time.monotonic()
     first = self._module is None
-    self._ensure_module(snap.variables, adopt=snap.owns_arrays)
+    self._ensure_module(snap.variables, owned=snap.owned)
     logging.info('t5export: step %d: %s JaxModule in %.2fs (%.1f MiB).', step,
                  'built' if first else 'updated', time.monotonic() - start,
                  snap.nbytes / 2**20)
@@ -388,18 +336,21 @@ class SavedModelExporter:
                    versions_lib.dir_nbytes(staging) / 2**20,
                    'first graph + new variables' if written == 'variables'
                    else 'full tf.saved_model.save')
-      check = {'validated': False, 'atol': self._atol, 'rtol': self._rtol,
+      check = {'validated': False, 'atol': self._options.atol,
+               'rtol': self._options.rtol,
                'signatures': {}}
-      if self._validate:
+      if self._options.validate:
         start = time.monotonic()
-        check = self._check(staging)
+        check = verify.check_staged(
+            staging, self._signatures, self._module, atol=self._options.atol,
+            rtol=self._options.rtol)
         logging.info('t5export: step %d: check passed for %s in %.2fs.', step,
                      sorted(check['signatures']), time.monotonic() - start)
       start = time.monotonic()
       os.makedirs(os.path.join(staging, verify.ASSETS_EXTRA), exist_ok=True)
       self._write_artifacts(staging)
       self._write_metadata(staging, snap, check, metrics)
-      n_warmup = self._write_warmup(staging) if self._warmup else 0
+      n_warmup = self._write_warmup(staging) if self._options.warmup else 0
       versions_lib.fsync_tree(staging)
       logging.info('t5export: step %d: metadata, %d warm-up request(s), fsync '
                    'in %.2fs.', step, n_warmup, time.monotonic() - start)
@@ -416,32 +367,32 @@ class SavedModelExporter:
                  versions_lib.dir_nbytes(final) / 2**20, removed or 'nothing')
     return final
 
-  def _ensure_module(self, variables: Any, *, adopt: bool) -> None:
+  def _ensure_module(self, variables: Any, *, owned: bool) -> None:
     """Builds the JaxModule on first use; assigns new values afterwards.
 
-    With `adopt` (a snapshot that owns its arrays) the variables take the
-    arrays' memory instead of copying it.
+    With `owned` arrays the variables take their memory instead of copying.
     """
     if self._module is not None:
-      self._module.update_variables(variables, adopt_buffers=adopt)
+      self._module.update_variables(variables, owned=owned)
       return
+    o = self._options
     module = serving.make_module(
-        variables, self._signatures, trainable=self._trainable,
-        jit_compile=self._jit_compile, platforms=self._platforms,
-        cast_bfloat16=self._cast_bfloat16, adopt_buffers=adopt,
-        serving_target=self._target)
-    if self._jax_artifacts:
+        variables, self._signatures, trainable=o.trainable,
+        jit_compile=o.jit_compile, platforms=o.platforms,
+        cast_bfloat16=o.cast_bfloat16, owned=owned,
+        serving_target=o.serving_target)
+    if o.jax_artifacts:
       start = time.monotonic()
       for sig in self._signatures:
         data = module.serialize_method(sig.name)
         self._artifacts[sig.name] = (data, jax_artifacts_lib.describe(
-            data, sig.name, self._target))
+            data, sig.name, o.serving_target))
       logging.info('t5export: jax.export artifacts of %s in %.2fs (%.1f KiB).',
                    sorted(self._artifacts), time.monotonic() - start,
                    sum(len(d) for d, _ in self._artifacts.values()) / 1024)
     self._serving_fns = serving.serving_functions(module, self._signatures)
     self._writer = writer_lib.SavedModelWriter(
-        module, self._serving_fns, reuse_graph=self._reuse_graph)
+        module, self._serving_fns, reuse_graph=o.reuse_graph)
     self._module = module
 
   # --- assets.extra -------------------------------------------------------
@@ -493,13 +444,14 @@ class SavedModelExporter:
             'flax': flax.__version__,
             't5export': t5export.__version__,
         },
-        'serving': self._target.describe(),
+        'serving': self._options.serving_target.describe(),
         'platforms': list(module.platforms),
         'options': {
-            'trainable': self._trainable, 'jit_compile': self._jit_compile,
-            'cast_bfloat16': self._cast_bfloat16,
-            'reuse_graph': self._reuse_graph,
-            'jax_artifacts': self._jax_artifacts,
+            'trainable': self._options.trainable,
+            'jit_compile': self._options.jit_compile,
+            'cast_bfloat16': self._options.cast_bfloat16,
+            'reuse_graph': self._options.reuse_graph,
+            'jax_artifacts': self._options.jax_artifacts,
         },
         'signatures': {
             s.name: self._signature_metadata(s, signature_defs[s.name])
@@ -524,56 +476,8 @@ class SavedModelExporter:
 
   def _write_warmup(self, staging: str) -> int:
     """Writes TF Serving warm-up requests; returns how many."""
-    model_name = os.path.basename(self._export_dir) or 'model'
-    count = 0
-    path = os.path.join(staging, verify.WARMUP_FILE)
-    with tf.io.TFRecordWriter(path) as writer:
-      for sig in self._signatures:
-        for inputs in _sample_batches(sig):
-          request = predict_pb2.PredictRequest(
-              model_spec=model_pb2.ModelSpec(name=model_name,
-                                             signature_name=sig.name))
-          for key, value in inputs.items():
-            request.inputs[key].CopyFrom(tf.make_tensor_proto(
-                np.asarray(value), dtype=sig.inputs[key].dtype))
-          log = prediction_log_pb2.PredictionLog(
-              predict_log=prediction_log_pb2.PredictLog(request=request))
-          writer.write(log.SerializeToString())
-          count += 1
-    if not count:
-      os.remove(path)
-    return count
-
-  # --- check --------------------------------------------------------------
-
-  def _check(self, staging: str) -> dict[str, Any]:
-    """Runs every signature with sample inputs in TF and compares with JAX.
-
-    The staged SavedModel runs in a throw-away graph and session (as TF
-    Serving loads it), so repeated checks leave nothing cached in the
-    process.
-    """
-    result: dict[str, Any] = {'validated': True, 'atol': self._atol,
-                              'rtol': self._rtol, 'signatures': {}}
-    requests = []
-    for sig in self._signatures:
-      batches = _sample_batches(sig)
-      if not batches:
-        logging.warning('t5export: signature %r has no sample_inputs; it is '
-                        'not checked.', sig.name)
-      requests.extend((sig, inputs) for inputs in batches)
-    actuals = verify.run_signatures_isolated(
-        staging, [(sig.name, inputs) for sig, inputs in requests])
-    for (sig, inputs), actual in zip(requests, actuals):
-      expected = sig.reference_outputs(self._module, inputs)
-      errs = verify.compare_outputs(sig.name, actual, expected,
-                                    atol=self._atol, rtol=self._rtol)
-      entry = result['signatures'].setdefault(
-          sig.name, {'max_abs_error': {}, 'passed': True, 'batches': 0})
-      entry['batches'] += 1
-      for name, err in errs.items():
-        entry['max_abs_error'][name] = max(
-            err, entry['max_abs_error'].get(name, 0.0))
-    # Validated means at least one signature was actually run and compared.
-    result['validated'] = bool(result['signatures'])
-    return result
+    return writer_lib.write_warmup_requests(
+        os.path.join(staging, verify.WARMUP_FILE),
+        os.path.basename(self._export_dir) or 'model',
+        [(sig.name, inputs, {k: sig.inputs[k].dtype for k in inputs})
+         for sig in self._signatures for inputs in verify.sample_batches(sig)])

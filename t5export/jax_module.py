@@ -26,12 +26,12 @@ Variables are built and updated leaf by leaf: at any time at most one extra
 leaf-sized buffer exists besides the caller's arrays and the variables.
 A new variable holds one copy of its leaf, made by us in 64-byte aligned
 memory that TensorFlow then adopts (`tf.Variable(ndarray)` would briefly
-hold a second copy of the leaf); `assign(ndarray)` copies. A caller that
-hands its arrays over (`adopt_buffers=True`: host copies nobody else
-references, such as an owned snapshot) lets the variables take their memory
-instead, through DLPack, with no copy; arrays that cannot be handed over
-(read-only, not C-contiguous, not 64-byte aligned as TensorFlow's kernels
-require, or of a dtype DLPack lacks) are copied as before.
+hold a second copy of the leaf); `assign(ndarray)` copies. With `owned=True`
+(host arrays nobody else references, such as an owned snapshot) the
+variables take the arrays' memory instead, through DLPack, with no copy;
+arrays TensorFlow cannot adopt (`host_buffers.adoptable`: read-only, not
+C-contiguous, not 64-byte aligned as TensorFlow's kernels require, or of a
+dtype DLPack lacks) are copied as before.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ import numpy as np
 import tensorflow as tf
 
 from t5export import errors
+from t5export import host_buffers
 from t5export import jax_artifacts
-from t5export import partitioning
 from t5export import paths
 from t5export import serving_compat
 
@@ -89,39 +89,25 @@ def default_platforms() -> tuple[str, ...]:
 
 
 def _host_array(leaf: Any) -> np.ndarray:
-  """The leaf as a numpy array, without a copy where the backend allows it.
+  """The leaf as a numpy array of JAX's canonical dtype.
 
-  JAX arrays on CPU convert without a copy; arrays on accelerators or spread
-  over devices are copied to the host once. Python scalars become arrays of
-  JAX's canonical dtype (float32 unless x64 is enabled).
+  A JAX array on CPU converts without a copy (a read-only view); arrays on
+  accelerators or spread over devices are copied to the host once. Python
+  scalars become float32 unless x64 is enabled.
   """
-  if isinstance(leaf, np.ndarray):
-    array = leaf
-  elif isinstance(leaf, jax.Array):
-    array = np.asarray(leaf)
-  else:
-    array = np.asarray(leaf)
+  array = np.asarray(leaf)
   dtype = jax.dtypes.canonicalize_dtype(array.dtype)
-  if array.dtype != dtype:
-    array = array.astype(dtype)
-  return array
+  return array if array.dtype == dtype else array.astype(dtype)
 
 
-def _adoptable(array: np.ndarray) -> bool:
-  """Whether TensorFlow can take `array`'s memory without a copy."""
-  return (isinstance(array, np.ndarray) and array.size > 0 and
-          partitioning.is_aligned_writeable(array) and
-          (array.dtype.kind in 'biufc' or array.dtype == jnp.bfloat16))
-
-
-def _tf_value(array: np.ndarray, *, cast: bool, adopt: bool,
+def _tf_value(array: np.ndarray, *, cast: bool, owned: bool,
               own_copy: bool = False) -> Any:
   """The value to build or assign a variable from.
 
   Args:
     array: the host array (the caller's dtype).
     cast: store as float32 (a bfloat16 leaf under `cast_bfloat16`).
-    adopt: the caller hands `array` over: an eligible array becomes a
+    owned: nobody else references `array`: an adoptable one becomes a
       tf.Tensor sharing its memory (DLPack), so the variable takes the
       buffer instead of copying it.
     own_copy: when `array` is not adopted, copy it into aligned memory of
@@ -131,12 +117,12 @@ def _tf_value(array: np.ndarray, *, cast: bool, adopt: bool,
   Returns:
     A numpy array (TensorFlow copies it) or a tf.Tensor owning no copy.
   """
-  if cast or (own_copy and not (adopt and _adoptable(array))):
+  if cast or (own_copy and not (owned and host_buffers.adoptable(array))):
     # The float32 version, or our own copy, is ours in any case: build it
     # where TF can adopt it.
-    array = partitioning.aligned_copy(array, np.float32 if cast else None)
-    adopt = True
-  if not (adopt and _adoptable(array)):
+    array = host_buffers.aligned_copy(array, np.float32 if cast else None)
+    owned = True
+  if not (owned and host_buffers.adoptable(array)):
     return array
   if array.dtype == jnp.bfloat16:
     # DLPack has no bfloat16 in numpy's exporter: share the bits as uint16
@@ -185,7 +171,7 @@ class JaxModule(tf.Module):
                jit_compile: bool = True,
                platforms: Sequence[str] | None = None,
                cast_bfloat16: bool = False,
-               adopt_buffers: bool = False,
+               owned: bool = False,
                serving_target: serving_compat.ServingTarget | None = None,
                name: str | None = None):
     """Creates the variables and converts the methods.
@@ -206,11 +192,11 @@ class JaxModule(tf.Module):
         ('cpu', 'cuda'); default: the current JAX backend.
       cast_bfloat16: store bfloat16 leaves as float32 variables (cast back to
         bfloat16 inside the converted function).
-      adopt_buffers: the caller hands the numpy arrays of `variables` over
-        (copies nobody else references): the variables take their memory
-        without a copy, and the arrays then alias the variables, so the
-        caller must not change or reuse them. Never pass True for views of
-        live JAX arrays or arrays the caller keeps using.
+      owned: nobody else references the numpy arrays of `variables`: the
+        variables take their memory without a copy, and the arrays then
+        alias the variables, so the caller must not change or reuse them.
+        Never True for views of live JAX arrays or arrays the caller keeps
+        using.
       serving_target: the oldest TensorFlow the methods must run on (see
         `t5export.serving_compat`), applied to each conversion on the
         tracing thread only. None: JAX's own defaults.
@@ -249,7 +235,7 @@ class JaxModule(tf.Module):
         dtypes.append(array.dtype)
         casts.append(cast)
         tf_vars.append(tf.Variable(
-            _tf_value(array, cast=cast, adopt=adopt_buffers, own_copy=True),
+            _tf_value(array, cast=cast, owned=owned, own_copy=True),
             trainable=trainable, name=tf_variable_name(path)))
         del array  # The variable holds the value (copied or adopted).
     self.param_vars = tf_vars
@@ -392,8 +378,7 @@ class JaxModule(tf.Module):
       leaves.append(value.astype(dtype) if cast else value)
     return jax.tree_util.tree_unflatten(self._meta.treedef, leaves)
 
-  def update_variables(self, variables: Any, *,
-                       adopt_buffers: bool = False) -> None:
+  def update_variables(self, variables: Any, *, owned: bool = False) -> None:
     """Assigns new values into the existing variables, leaf by leaf.
 
     Nothing is traced again and no second full set of variables is built:
@@ -402,7 +387,7 @@ class JaxModule(tf.Module):
     Args:
       variables: a pytree with the same structure, leaf shapes and dtypes as
         the one given to the constructor (numpy or JAX arrays).
-      adopt_buffers: the caller hands the numpy arrays over, as in the
+      owned: nobody else references the numpy arrays, as in the
         constructor: each variable takes its new array's memory instead of
         copying it (and the array then aliases the variable).
 
@@ -453,5 +438,5 @@ class JaxModule(tf.Module):
       for var, path, cast in zip(self.param_vars, meta.paths,
                                  meta.cast_to_f32):
         array = _host_array(flat[path])
-        var.assign(_tf_value(array, cast=cast, adopt=adopt_buffers))
+        var.assign(_tf_value(array, cast=cast, owned=owned))
         del array

@@ -3,7 +3,8 @@ r"""Exports a checkpoint as a SavedModel version: `python -m t5export.offline`.
   python -m t5export.offline \
       --ckpt /runs/t5/checkpoints --export_dir /models/t5 \
       --gin_file my_offline.gin --gin.EXPORT_BATCH=8 [--step 20000] \
-      [--overwrite] [--dtype bfloat16] [--platforms cpu,cuda] [--no_validate]
+      [--overwrite] [--dtype bfloat16] [--platforms cpu,cuda] [--no_validate] \
+      [--serving_tf_version 2.20]
 
 Phases, each logged with its duration and bytes:
 
@@ -21,11 +22,13 @@ Phases, each logged with its duration and bytes:
    requests, atomic rename to `<export_dir>/<step>/`.
 
 The gin files supply what the callback is given in training: the signatures
-(`SIGNATURES = [@t5export.Signature()]`) and optionally logical axis rules
-and the model's `init_fn`. The user's gin file says `include
-'t5export/gin/offline.gin'` (which documents the macros); that package path
-resolves wherever t5export is installed, and `--gin_search_paths` only
-locates the user's own files.
+(`SIGNATURES = [@t5export.Signature()]`), the `ExportOptions` (`KEEP`,
+`LOGICAL_AXIS_RULES`, ...) and optionally the model's `init_fn`. The user's
+gin file says `include 't5export/gin/offline.gin'` (which documents the
+macros); that package path resolves wherever t5export is installed, and
+`--gin_search_paths` only locates the user's own files. The flags
+--overwrite, --platforms, --no_validate and --serving_tf_version, when
+given, override the gin config's `ExportOptions` (`dataclasses.replace`).
 
 Errors (missing checkpoint, unknown format, no params, params not matching
 the model, an existing version without `--overwrite`, a failed check) print
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 import ctypes
+import dataclasses
 import inspect
 import os
 import shutil
@@ -55,10 +59,11 @@ import numpy as np
 
 from t5export import checkpoints
 from t5export import errors
-from t5export import partitioning
+from t5export import host_buffers
+from t5export import options as options_lib
 from t5export import paths
-from t5export import serving_compat
 from t5export import train_state
+from t5export import versions
 
 if __name__ == '__main__':
   # `python -m t5export.offline` runs this file as `__main__`. Run the module
@@ -93,21 +98,23 @@ _STEP = flags.DEFINE_integer(
     '(default: the latest); also the version number for a checkpoint that '
     'does not record its step.', lower_bound=0)
 _OVERWRITE = flags.DEFINE_boolean(
-    'overwrite', False, 'Replace an existing version of the same step.')
+    'overwrite', None, 'Replace an existing version of the same step '
+    '(default: the gin ExportOptions.overwrite, else no).')
 _DTYPE = flags.DEFINE_enum(
     'dtype', None, _DTYPES,
     'Cast floating-point params to this dtype before export (default: as '
     'stored).')
 _PLATFORMS = flags.DEFINE_list(
     'platforms', None, 'jax2tf lowering platforms, e.g. cpu,cuda (default: '
-    'the current JAX backend).')
+    'the gin ExportOptions.platforms, else the current JAX backend).')
 _VALIDATE = flags.DEFINE_boolean(
-    'validate', True, 'Check the staged SavedModel against JAX on the '
-    'signatures\' sample inputs before publishing (--no_validate to skip).')
+    'validate', None, 'Check the staged SavedModel against JAX on the '
+    'signatures\' sample inputs before publishing (default: the gin '
+    'ExportOptions.validate, else yes; --no_validate to skip).')
 _SERVING_TF_VERSION = flags.DEFINE_string(
     'serving_tf_version', None, 'The oldest TensorFlow / TF Serving release '
-    'that must load the version, e.g. 2.20 (default: the gin value '
-    'OfflineOptions.serving_tf_version, else the oldest this JAX can '
+    'that must load the version, e.g. 2.20 (default: the gin '
+    'ExportOptions.serving_tf_version, else the oldest this JAX can '
     'target).')
 
 
@@ -116,49 +123,47 @@ class OfflineOptions:
   """What the gin config supplies to an offline export.
 
   Attributes:
-    signatures: the `t5export.Signature`s to serve (required).
-    logical_axis_rules: rules resolving logical axes to mesh axes, recorded
-      in the metadata (as `ExportCallback(logical_axis_rules=...)`).
+    signatures: the `t5export.Signature`s to serve (required; checked by the
+      exporter).
     init_fn: `init_fn(rng) -> variables` of the model (e.g. a partial of
       `model.init`); run under `jax.eval_shape` only. Gives the expected
       params (and mutables) for the check and their logical axes.
     expected_params: the model's params tree (arrays, ShapeDtypeStructs or
       shape tuples), when there is no `init_fn`.
-    keep: newest versions to keep in `export_dir` (None: never delete).
-    atol, rtol: tolerances of the check.
-    warmup: write TF Serving warm-up requests.
-    allow_non_finite: publish params holding NaN/Inf.
-    serving_tf_version: the oldest TensorFlow / TF Serving release that must
-      load the version (None: the oldest this JAX can target); the
-      `--serving_tf_version` flag overrides it.
-    jax_artifacts: also write each signature's JAX method as a `jax.export`
-      artifact (for `verify.load_function`).
+    export_options: how the version is written, checked and kept (the same
+      `ExportOptions` as in training; the CLI's flags override fields).
   """
 
   def __init__(self, *, signatures: Sequence[Any] = gin.REQUIRED,
-               logical_axis_rules: Any = None,
                init_fn: Callable[..., Any] | None = None,
                expected_params: Any = None,
-               keep: int | None = None,
-               atol: float = 1e-5, rtol: float = 1e-5,
-               warmup: bool = True, allow_non_finite: bool = False,
-               serving_tf_version: str | None = None,
-               jax_artifacts: bool = True):
-    if serving_tf_version is not None:
-      serving_compat.resolve(serving_tf_version)
+               export_options: options_lib.ExportOptions | None = None):
+    """Checks the offline-specific options.
+
+    Args:
+      signatures: see the class.
+      init_fn: see the class.
+      expected_params: see the class.
+      export_options: see the class; default `ExportOptions()`.
+
+    Raises:
+      TypeError: `init_fn` is not callable, or `export_options` is not an
+        `ExportOptions`.
+    """
     if init_fn is not None and not callable(init_fn):
       raise TypeError(f'init_fn must be callable(rng) -> variables, got '
                       f'{init_fn!r}.')
-    self.signatures = list(signatures)
-    self.logical_axis_rules = logical_axis_rules
+    if export_options is None:
+      export_options = options_lib.ExportOptions()
+    if not isinstance(export_options, options_lib.ExportOptions):
+      raise TypeError(
+          f'export_options must be a t5export.ExportOptions, got '
+          f'{export_options!r}. In gin: OfflineOptions.export_options = '
+          '@t5export.ExportOptions().')
+    self.signatures = signatures
     self.init_fn = init_fn
     self.expected_params = expected_params
-    self.keep = keep
-    self.atol, self.rtol = atol, rtol
-    self.warmup = warmup
-    self.allow_non_finite = allow_non_finite
-    self.serving_tf_version = serving_tf_version
-    self.jax_artifacts = jax_artifacts
+    self.export_options = export_options
 
 
 def rewrite_args(argv: Sequence[str]) -> list[str]:
@@ -191,15 +196,6 @@ def rewrite_args(argv: Sequence[str]) -> list[str]:
 
 def _mib(nbytes: int | None) -> str:
   return 'unknown' if nbytes is None else f'{nbytes / 2**20:.2f} MiB'
-
-
-def _tree_nbytes(tree: Any) -> int:
-  return int(sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(tree)))
-
-
-def _dir_nbytes(path: str) -> int:
-  return sum(os.path.getsize(os.path.join(root, f))
-             for root, _, files in os.walk(path) for f in files)
 
 
 def parse_gin(files: Sequence[str], bindings: Sequence[str],
@@ -250,8 +246,9 @@ def make_options() -> OfflineOptions:
   except Exception as e:  # gin wraps failures of the referenced callables.
     raise errors.GinConfigError(
         f'The gin config does not give usable offline options: '
-        f'{type(e).__name__}: {str(e).rstrip(".")}. Set SIGNATURES = [@t5export.Signature()] '
-        "(and INIT_FN) after include 't5export/gin/offline.gin'.") from e
+        f'{type(e).__name__}: {str(e).rstrip(".")}. Set SIGNATURES = '
+        "[@t5export.Signature()] (and INIT_FN) after include "
+        "'t5export/gin/offline.gin'.") from e
 
 
 def _call_init(init_fn: Callable[..., Any], rng: jax.Array) -> Any:
@@ -282,7 +279,7 @@ def cast_params(params: Any, dtype: str | None) -> Any:
   def cast(x: np.ndarray) -> np.ndarray:
     if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != target:
       # Aligned, so the export can hand the result to TensorFlow uncopied.
-      return partitioning.aligned_copy(x, target)
+      return host_buffers.aligned_copy(x, target)
     return x
 
   return jax.tree_util.tree_map(cast, params)
@@ -324,30 +321,22 @@ def build_state(contents: checkpoints.CheckpointContents, step: int,
   return state.replace(step=step_array)
 
 
-def export_checkpoint(ckpt: str, export_dir: str, *, step: int | None = None,
-                      overwrite: bool = False, dtype: str | None = None,
-                      platforms: Sequence[str] | None = None,
-                      validate: bool = True,
-                      serving_tf_version: str | None = None,
-                      options: OfflineOptions | None = None,
-                      before_gin: Callable[[], None] | None = None) -> str:
+def export_checkpoint(
+    ckpt: str, export_dir: str, *, step: int | None = None,
+    dtype: str | None = None,
+    options: OfflineOptions | Callable[[], OfflineOptions] | None = None,
+) -> str:
   """Reads a checkpoint and publishes it as `<export_dir>/<step>/`.
 
   Args:
     ckpt: the checkpoint path (see `checkpoints.read_params`).
     export_dir: the export directory.
     step: the checkpoint step to read (default: the latest / its own).
-    overwrite: replace an existing version.
     dtype: cast floating params to this dtype.
-    platforms: jax2tf lowering platforms.
-    validate: check the SavedModel against JAX before publishing.
-    serving_tf_version: the oldest TensorFlow release that must load the
-      version; None: `options.serving_tf_version` (see
-      `t5export.serving_compat`).
-    options: the export options; default `OfflineOptions()` (from gin),
-      built after the checkpoint was read.
-    before_gin: called after the read and the version check, before
-      `options` are built (the CLI parses gin files here).
+    options: the options (signatures, model, `ExportOptions`), or a
+      function returning them, called once the checkpoint was read (the CLI
+      parses its gin files and applies its flags there); default
+      `make_options()`, from the parsed gin config.
 
   Returns:
     The published version directory.
@@ -356,13 +345,10 @@ def export_checkpoint(ckpt: str, export_dir: str, *, step: int | None = None,
     CheckpointNotFoundError, UnknownCheckpointFormatError,
     NoParamsInCheckpointError: from reading.
     ParamsMismatchError: the params do not match the model.
-    VersionExistsError: the version exists and `overwrite` is False.
+    VersionExistsError: the version exists and the options' `overwrite` is
+      False (checked before the params are converted).
     ExportCheckError: the SavedModel differs from JAX (nothing published).
-    ServingTargetError: `serving_tf_version` cannot be targeted (raised
-      before the checkpoint is read).
   """
-  if serving_tf_version is not None:
-    serving_compat.resolve(serving_tf_version)
   total = time.monotonic()
   start = time.monotonic()
   contents = checkpoints.read_params(ckpt, step=step)
@@ -377,13 +363,11 @@ def export_checkpoint(ckpt: str, export_dir: str, *, step: int | None = None,
     raise errors.CheckpointNotFoundError(
         f'Checkpoint {contents.path!r} does not record its step; pass --step '
         'N to give the version number to publish.')
+  if not isinstance(options, OfflineOptions):
+    options = (options or make_options)()
   final = os.path.join(os.path.abspath(export_dir), str(version))
-  if os.path.exists(final) and not overwrite:
+  if os.path.exists(final) and not options.export_options.overwrite:
     raise errors.VersionExistsError(final, version)
-  if before_gin is not None:
-    before_gin()
-  if options is None:
-    options = make_options()
 
   start = time.monotonic()
   state = build_state(contents, version, options, dtype=dtype)
@@ -392,28 +376,22 @@ def export_checkpoint(ckpt: str, export_dir: str, *, step: int | None = None,
       version, 'params checked against the model, ' if (
           options.init_fn or options.expected_params is not None) else '',
       f'cast to {dtype}' if dtype else 'dtype as stored',
-      _mib(_tree_nbytes((state.params, state.flax_mutables))),
+      _mib(host_buffers.tree_nbytes((state.params, state.flax_mutables))),
       time.monotonic() - start)
 
   from t5export import exporter as exporter_lib  # pylint: disable=g-import-not-at-top
 
   start = time.monotonic()
   exporter = exporter_lib.SavedModelExporter(
-      export_dir, options.signatures, keep=options.keep, validate=validate,
-      atol=options.atol, rtol=options.rtol, platforms=platforms,
-      warmup=options.warmup, overwrite=overwrite,
-      allow_non_finite=options.allow_non_finite,
-      logical_axis_rules=options.logical_axis_rules,
-      serving_tf_version=(serving_tf_version if serving_tf_version is not None
-                          else options.serving_tf_version),
-      jax_artifacts=options.jax_artifacts)
-  # The params were read for this export alone: TensorFlow may take their
-  # memory instead of copying it (peak memory ~1x the params, not 3x).
-  path = exporter.export(state, hand_over=True)
+      export_dir, options.signatures, options=options.export_options)
+  # The params were read for this export alone, so they are owned:
+  # TensorFlow may take their memory instead of copying it (peak memory ~1x
+  # the params, not 3x).
+  path = exporter.export(state, owned=True)
   del contents, state
   logging.info(
       'offline [write, check, publish]: version %d at %s (%s) in %.2fs; '
-      '%.2fs in all.', version, path, _mib(_dir_nbytes(path)),
+      '%.2fs in all.', version, path, _mib(versions.dir_nbytes(path)),
       time.monotonic() - start, time.monotonic() - total)
   return path
 
@@ -470,15 +448,24 @@ def main(argv: Sequence[str]) -> None:
   existed = os.path.isdir(export_dir)
   before = set(os.listdir(export_dir)) if existed else set()
 
-  def load_gin() -> None:
+  # The ExportOptions fields the command line sets (the flags given).
+  overrides = {name: flag.value for name, flag in (
+      ('overwrite', _OVERWRITE), ('platforms', _PLATFORMS),
+      ('validate', _VALIDATE), ('serving_tf_version', _SERVING_TF_VERSION))
+               if flag.value is not None}
+
+  def load_options() -> OfflineOptions:
     parse_gin(_GIN_FILE.value, _GIN_BINDINGS.value, _GIN_SEARCH_PATHS.value)
+    options = make_options()
+    options.export_options = dataclasses.replace(options.export_options,
+                                                 **overrides)
+    return options
 
   try:
-    export_checkpoint(
-        _CKPT.value, export_dir, step=_STEP.value, overwrite=_OVERWRITE.value,
-        dtype=_DTYPE.value, platforms=_PLATFORMS.value,
-        validate=_VALIDATE.value,
-        serving_tf_version=_SERVING_TF_VERSION.value, before_gin=load_gin)
+    # The flags' values fail here, before the checkpoint is read.
+    options_lib.ExportOptions(**overrides)
+    export_checkpoint(_CKPT.value, export_dir, step=_STEP.value,
+                      dtype=_DTYPE.value, options=load_options)
   except (errors.T5ExportError, ValueError, TypeError, OSError, KeyError,
           RuntimeError) as e:
     _cleanup(export_dir, existed, before)

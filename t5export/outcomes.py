@@ -10,7 +10,10 @@ An export that `ExportCallback` finds due ends as exactly one of:
 * failed: the snapshot, the write or the check failed (logged, or raised).
 
 `Outcomes` counts them, logs each through absl and queues the running count
-as a `t5export/exports_<outcome>` scalar at the version's step. It is
+as a `t5export/exports_<outcome>` scalar at the version's step. It also
+keeps the ledger the callback decides by (which steps are published or
+being written: a step is never written twice) and the numbers of each
+export (seconds, bytes, the training thread's blocking and waiting). It is
 thread-safe: the background worker records 'published' and 'failed', the
 training thread everything else and `take_scalars()` (metric writers are
 not promised to be thread-safe, so only the training thread writes them).
@@ -20,7 +23,9 @@ Light: this module imports neither TensorFlow nor JAX.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 import threading
+from typing import Any
 
 from absl import logging
 
@@ -38,11 +43,81 @@ class Outcomes:
     outcomes.counts()   # {'due': 1, 'published': 1, 'skipped': 0, ...}
   """
 
-  def __init__(self):
-    """Starts with every count at 0."""
+  def __init__(self, *, published_steps: Iterable[int] = ()):
+    """Starts with every count at 0.
+
+    Args:
+      published_steps: versions published before (a resumed run).
+    """
     self._lock = threading.Lock()
     self._counts = dict.fromkeys(('due',) + KINDS, 0)
     self._scalars: list[tuple[int, dict[str, float]]] = []
+    self._published_steps = set(published_steps)
+    self._in_flight: set[int] = set()
+    self.published: list[str] = []  # Paths, in order.
+    self.export_secs: list[float] = []  # Per published version.
+    self.bytes_written = 0
+    self.blocking_secs: list[float] = []  # Per export, training thread.
+    self.wait_secs: list[float] = []  # Per export, waiting for room.
+
+  def claim(self, step: int) -> bool:
+    """Marks `step` as being written, unless it is published or claimed.
+
+    Args:
+      step: the version about to be written.
+
+    Returns:
+      False if the step is already published or being written (then it
+      must not be written again); True if the caller now writes it and
+      must end it with `record` ('published', 'failed' or 'replaced').
+    """
+    with self._lock:
+      if step in self._published_steps or step in self._in_flight:
+        return False
+      self._in_flight.add(step)
+      return True
+
+  @property
+  def in_flight(self) -> int:
+    """How many claimed steps have no outcome yet."""
+    with self._lock:
+      return len(self._in_flight)
+
+  def record_published(self, step: int, path: str, *, secs: float,
+                       nbytes: int) -> None:
+    """Records a published version with its numbers (see `record`).
+
+    Args:
+      step: the version.
+      path: its directory.
+      secs: how long the write took.
+      nbytes: its size on disk.
+    """
+    with self._lock:
+      self._published_steps.add(step)
+      self.published.append(path)
+      self.export_secs.append(secs)
+      self.bytes_written += nbytes
+    self.queue_scalars(step, {METRIC_PREFIX + 'export_secs': secs,
+                              METRIC_PREFIX + 'bytes_written': float(nbytes)})
+    self.record('published', step,
+                f'({nbytes / 2**20:.1f} MiB) in {secs:.2f}s: {path}')
+
+  def record_blocking(self, step: int, secs: float, waited: float) -> None:
+    """Records how long one export held the training thread.
+
+    Args:
+      step: the version.
+      secs: seconds the training thread was held (including `waited`).
+      waited: seconds of it spent waiting for room in the queue.
+    """
+    with self._lock:
+      self.blocking_secs.append(secs)
+      self.wait_secs.append(waited)
+    logging.info('t5export: training thread blocked %.3fs for the export of '
+                 'step %d (%.3fs of it waiting for room).', secs, step, waited)
+    self.queue_scalars(step, {METRIC_PREFIX + 'blocking_secs': secs,
+                              METRIC_PREFIX + 'wait_secs': waited})
 
   def add_due(self) -> None:
     """Counts one export that became due."""
@@ -69,6 +144,7 @@ class Outcomes:
     with self._lock:
       self._counts[kind] += 1
       count = self._counts[kind]
+      self._in_flight.discard(step)
       self._scalars.append(
           (step, {f'{METRIC_PREFIX}exports_{kind}': float(count)}))
     if kind == 'published':
@@ -110,20 +186,42 @@ class Outcomes:
     with self._lock:
       return dict(self._counts)
 
-  def summary(self, *, when_busy: str, waited_secs: float,
-              in_flight: int = 0) -> str:
+  def stats(self) -> dict[str, Any]:
+    """The counts and numbers, as `ExportCallback.stats` reports them.
+
+    Returns:
+      exports_due, exports_done (published), exports_skipped,
+      exports_replaced, exports_failed, bytes_written, blocking_secs_last,
+      blocking_secs_max, wait_secs_total, export_secs_total.
+    """
+    c = self.counts()
+    with self._lock:
+      return {
+          'exports_due': c['due'], 'exports_done': c['published'],
+          'exports_skipped': c['skipped'], 'exports_replaced': c['replaced'],
+          'exports_failed': c['failed'], 'bytes_written': self.bytes_written,
+          'blocking_secs_last': (self.blocking_secs[-1]
+                                 if self.blocking_secs else None),
+          'blocking_secs_max': max(self.blocking_secs, default=None),
+          'wait_secs_total': sum(self.wait_secs),
+          'export_secs_total': sum(self.export_secs),
+      }
+
+  def summary(self, *, when_busy: str) -> str:
     """One line with every count, e.g. for the closing log line.
 
     Args:
       when_busy: the policy in force, named beside the replaced count.
-      waited_secs: the training thread's total wait for room.
-      in_flight: exports handed off and not finished yet.
 
     Returns:
       E.g. "6 due: 4 published, 1 skipped (already published), 0 replaced
-      (when_busy='wait'), 1 failed; waited 2.31s for room."
+      (when_busy='wait'), 1 failed; waited 2.31s for room." (with ", 1
+      still being written" while one is).
     """
     c = self.counts()
+    in_flight = self.in_flight
+    with self._lock:
+      waited_secs = sum(self.wait_secs)
     line = (f"{c['due']} due: {c['published']} published, {c['skipped']} "
             f"skipped (already published), {c['replaced']} replaced "
             f"(when_busy={when_busy!r}), {c['failed']} failed")

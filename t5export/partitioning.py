@@ -1,15 +1,14 @@
-"""Logical axis rules, mesh axes for a state, and the gather to host.
+"""Logical axis rules, mesh axes for a state, and placement on a mesh.
 
-Data-flow steps 2 and 3 of an export (see DESIGN.md):
+Data-flow step 2 of an export:
 
 * `standard_logical_axis_rules` gives T5X's rules mapping logical axis names
   ('embed', 'mlp', 'heads', ...) to the mesh axes 'data' and 'model'.
 * `logical_to_mesh_spec` resolves one parameter's logical names with those
   rules (flax/T5X semantics); `get_mesh_axes` does it for a whole state.
 * `shardings_for` and `shard_state` place a state on a `jax.sharding.Mesh`.
-* `gather_to_host` turns a tree of (possibly sharded, possibly spread over
-  several `jax.distributed` processes) arrays into host numpy arrays that own
-  their memory, leaf by leaf.
+
+Bringing arrays back to the host is `host_buffers.gather_to_host`.
 
 Light: this module never imports TensorFlow.
 """
@@ -17,15 +16,11 @@ Light: this module never imports TensorFlow.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-import functools
-import math
 from typing import Any
-import warnings
 
 from absl import logging
 import gin
 import jax
-from jax.experimental import multihost_utils
 import numpy as np
 
 from t5export import errors
@@ -371,207 +366,7 @@ def _check_divisible(path: str, shape: Sequence[int], spec: PartitionSpec,
       raise errors.IndivisibleShardingError(path, shape, spec, dim, parts)
 
 
-# --- gather -----------------------------------------------------------------
-
-
-# TensorFlow's CPU kernels require 64-byte aligned tensor data (they abort
-# the process otherwise); host copies are allocated at this alignment so
-# that `jax_module.JaxModule(adopt_buffers=True)` can hand them to
-# TensorFlow without a copy.
-HOST_ALIGNMENT = 64
-
-
-def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
-  """An uninitialised C-contiguous, writeable array at `HOST_ALIGNMENT`.
-
-  Args:
-    shape: the array shape.
-    dtype: a numpy dtype (ml_dtypes such as bfloat16 included).
-
-  Returns:
-    The array; it owns its memory through its base buffer.
-  """
-  dtype = np.dtype(dtype)
-  nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-  raw = np.empty(nbytes + HOST_ALIGNMENT, dtype=np.uint8)
-  offset = -raw.ctypes.data % HOST_ALIGNMENT
-  return raw[offset:offset + nbytes].view(dtype).reshape(tuple(shape))
-
-
-def aligned_copy(source: Any, dtype: Any = None) -> np.ndarray:
-  """A new aligned host array holding `source` (optionally cast).
-
-  Args:
-    source: an array-like (numpy, a single-device JAX array, a number).
-    dtype: the result's dtype; default `source`'s (an exact copy).
-
-  Returns:
-    A C-contiguous, writeable array at `HOST_ALIGNMENT` that owns its
-    memory, as `aligned_empty` gives.
-  """
-  source = np.asarray(source)
-  out = aligned_empty(source.shape, source.dtype if dtype is None else dtype)
-  np.copyto(out, source, casting='no' if dtype is None else 'unsafe')
-  return out
-
-
-def is_aligned_writeable(array: np.ndarray) -> bool:
-  """Whether TensorFlow could take `array`'s memory as it is.
-
-  Args:
-    array: a numpy array.
-
-  Returns:
-    True for C-contiguous, writeable memory at `HOST_ALIGNMENT`.
-  """
-  return (array.flags.c_contiguous and array.flags.writeable and
-          array.ctypes.data % HOST_ALIGNMENT == 0)
-
-
-@functools.cache
-def host_views_survive_donation() -> bool:
-  """Whether a numpy view of a CPU `jax.Array` outlives donating the array.
-
-  On the CPU backend `np.asarray(x)` aliases x's buffer. PJRT does not
-  donate a buffer that has such an external reference: the donating
-  computation gets a fresh output buffer and the view keeps the values it
-  had. A snapshot of views then costs the training thread no copy. This
-  checks that behaviour once per process on a tiny donated computation,
-  so a JAX version that behaves otherwise makes snapshots copy again
-  instead of reading overwritten memory.
-
-  Returns:
-    True when views are safe to hold across a donating step.
-  """
-  try:
-    # A device of this process: under jax.distributed, jax.devices() starts
-    # with process 0's, and a computation there would wait for process 0.
-    cpu = jax.local_devices(backend='cpu')[0]
-  except RuntimeError:
-    return False
-  expected = np.arange(4096, dtype=np.float32)
-  x = jax.device_put(expected, cpu)
-  view = np.asarray(x)
-  if not np.shares_memory(view, np.asarray(x)):
-    return False  # Not a view: the caller would copy anyway.
-  step = jax.jit(lambda a: a * 2.0 + 1.0, donate_argnums=0)
-  with warnings.catch_warnings():
-    warnings.simplefilter('ignore')
-    for _ in range(3):  # Donate repeatedly, as a train loop does.
-      x = step(x)
-  x.block_until_ready()
-  safe = bool(np.array_equal(view, expected))
-  # An explicit delete must not free memory a view still reads either.
-  y = jax.device_put(expected + 1.0, cpu)
-  view_y = np.asarray(y)
-  y.delete()
-  _ = [jax.device_put(np.zeros_like(expected), cpu) for _ in range(3)]
-  safe = safe and bool(np.array_equal(view_y, expected + 1.0))
-  logging.info('t5export: host views of CPU arrays %s donation; snapshots '
-               'on CPU %s.', 'survive' if safe else 'do NOT survive',
-               'hold views' if safe else 'copy')
-  return safe
-
-
-def _host_value(x: jax.Array, *, copy: bool) -> np.ndarray:
-  """Assembles a fully addressable array on host, one shard at a time.
-
-  Avoids `np.asarray(x)` on the whole array, which would cache a second host
-  copy on `x` for as long as `x` lives.
-  """
-  if x.is_fully_replicated or len(x.sharding.device_set) == 1:
-    # One shard holds every value (`addressable_data` builds no Shard
-    # objects: this runs on the training thread for every leaf).
-    data = x.addressable_data(0)
-    if not copy:
-      # CPU: a view of the buffer; other backends: one device-to-host copy.
-      return np.asarray(data)
-    # A copy: on CPU np.asarray aliases the device buffer, which a later
-    # donation may hand to another computation.
-    return aligned_copy(data)
-  out = aligned_empty(x.shape, x.dtype)
-  for shard in x.addressable_shards:
-    if shard.replica_id == 0:
-      out[shard.index] = np.asarray(shard.data)
-  return out
-
-
-def _gather_leaf(keypath: Any, x: Any, *, keep: bool, copy: bool) -> Any:
-  if isinstance(x, jax.core.Tracer):
-    raise TypeError(
-        f'gather_to_host got a traced value at {paths.path_str(keypath)!r}; '
-        'call it outside jax.jit / jax.grad.')
-  if isinstance(x, jax.Array):
-    if x.is_deleted():
-      raise ValueError(
-          f'Array {paths.path_str(keypath)!r} was deleted (donated to a '
-          'jitted step?). Take the snapshot before the step that donates it.')
-    if x.is_fully_addressable or x.is_fully_replicated:
-      # Replicated over processes: every process already holds the value.
-      if not keep:
-        return jax.ShapeDtypeStruct(x.shape, x.dtype)
-      return _host_value(x, copy=copy)
-    # Spread over processes: an all-gather every process joins, keeping the
-    # result or not.
-    gathered = multihost_utils.process_allgather(x, tiled=True)
-    if not keep:
-      del gathered  # Joined the collective; this process drops the leaf.
-      return jax.ShapeDtypeStruct(x.shape, x.dtype)
-    return aligned_copy(gathered)
-  if isinstance(x, (np.ndarray, np.generic, bool, int, float, complex)):
-    array = aligned_copy(x) if copy else np.asarray(x)
-    return array if keep else jax.ShapeDtypeStruct(array.shape, array.dtype)
-  raise TypeError(
-      f'gather_to_host: leaf {paths.path_str(keypath)!r} is a '
-      f'{type(x).__name__}; expected jax.Array, numpy array or a number.')
-
-
-def gather_to_host(tree: Any, *, keep: bool = True, copy: bool = True) -> Any:
-  """Brings every array of `tree` to host numpy, leaf by leaf.
-
-  Fully addressable arrays are assembled from their shards on this host.
-  Arrays spread over several `jax.distributed` processes are all-gathered:
-  EVERY process must call `gather_to_host` with the same tree at the same
-  point, or the collective hangs. At most one gathered leaf is in flight
-  beyond the output.
-
-  Args:
-    tree: a pytree of `jax.Array`, numpy arrays or Python numbers.
-    keep: False on a process that must join the collectives but has no use
-      for the values (in a multi-process export, every process but the
-      writer): each gathered leaf is dropped at once, so the extra memory is
-      one leaf, and `jax.ShapeDtypeStruct` placeholders come back.
-    copy: True (default): every result is a new, 64-byte aligned array the
-      caller owns, so donating, deleting or overwriting the sources later
-      does not change it. False: no copy where none is needed; an
-      unsharded array on CPU comes back as a read-only view of its buffer
-      and numpy leaves come back as they are. Use False only while the
-      sources stay unchanged (a synchronous export), or on CPU when
-      `host_views_survive_donation()` holds.
-
-  Returns:
-    The same structure with `np.ndarray` leaves (numbers become 0-d arrays),
-    or `jax.ShapeDtypeStruct` leaves when `keep` is False.
-
-  Raises:
-    TypeError: for traced values or leaves of other types.
-    ValueError: for deleted (donated) arrays.
-  """
-  return jax.tree_util.tree_map_with_path(
-      functools.partial(_gather_leaf, keep=keep, copy=copy), tree)
-
-
-def tree_nbytes(tree: Any) -> int:
-  """Total bytes of the array leaves (or shape/dtype placeholders) of `tree`."""
-  return sum(
-      math.prod(x.shape) * np.dtype(x.dtype).itemsize
-      for x in jax.tree_util.tree_leaves(tree) if hasattr(x, 'dtype'))
-
-
 __all__ = [
-    'HOST_ALIGNMENT', 'LogicalAxisRules', 'aligned_copy', 'aligned_empty',
-    'gather_to_host', 'is_aligned_writeable',
-    'host_views_survive_donation', 'get_mesh_axes',
-    'logical_to_mesh_spec', 'shard_state', 'shardings_for',
-    'standard_logical_axis_rules', 'tree_nbytes',
+    'LogicalAxisRules', 'get_mesh_axes', 'logical_to_mesh_spec',
+    'shard_state', 'shardings_for', 'standard_logical_axis_rules',
 ]

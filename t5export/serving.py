@@ -37,7 +37,7 @@ that is also usable in URLs and file names).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 import re
 from typing import Any
 
@@ -459,11 +459,46 @@ def _callable_name(fn: Any) -> str | None:
   return getattr(fn, '__qualname__', None) or type(fn).__name__
 
 
+def check_signatures(signatures: Any) -> list[Signature]:
+  """The one check of a list of signatures, wherever it is given.
+
+  Args:
+    signatures: what the caller passed as `signatures`.
+
+  Returns:
+    The signatures as a list (a generator is read once).
+
+  Raises:
+    errors.SignatureError: the list is empty or names repeat.
+    TypeError: not a list of `Signature`.
+  """
+  if isinstance(signatures, (str, bytes, Mapping)) or not isinstance(
+      signatures, Iterable):
+    raise TypeError(f'signatures must be a list of t5export.Signature, got '
+                    f'{signatures!r}.')
+  signatures = list(signatures)
+  if not signatures:
+    raise errors.SignatureError(
+        'signatures is empty; pass at least one t5export.Signature (gin: '
+        'SIGNATURES = [@t5export.Signature()]).')
+  wrong = [s for s in signatures if not isinstance(s, Signature)]
+  if wrong:
+    raise TypeError(f'signatures must be t5export.Signature objects; got '
+                    f'{wrong[0]!r}.')
+  names = [s.name for s in signatures]
+  duplicates = sorted({n for n in names if names.count(n) > 1})
+  if duplicates:
+    raise errors.SignatureError(
+        f'signatures have duplicate names {duplicates}; give each signature '
+        'its own name.')
+  return signatures
+
+
 def make_module(variables: Any, signatures: Sequence[Signature], *,
                 trainable: bool = False, jit_compile: bool = True,
                 platforms: Sequence[str] | None = None,
                 cast_bfloat16: bool = False,
-                adopt_buffers: bool = False,
+                owned: bool = False,
                 serving_target: Any = None,
                 name: str | None = None) -> jax_module.JaxModule:
   """Checks the signatures and builds a JaxModule with one method each.
@@ -471,23 +506,17 @@ def make_module(variables: Any, signatures: Sequence[Signature], *,
   Args:
     variables: `{'params': ..., **flax_mutables}` (numpy or JAX arrays).
     signatures: the signatures; names must be unique.
-    trainable, jit_compile, platforms, cast_bfloat16, adopt_buffers,
+    trainable, jit_compile, platforms, cast_bfloat16, owned,
       serving_target, name: as in `jax_module.JaxModule`.
 
   Returns:
     The module; `module.methods[sig.name]` is each signature's method.
 
   Raises:
-    errors.SignatureError: for duplicate names or a method that does not
-      accept its input specs.
+    errors.SignatureError: no signatures, duplicate names, or a method that
+      does not accept its input specs.
   """
-  names = [s.name for s in signatures]
-  if not names:
-    raise errors.SignatureError('No signatures given; pass at least one.')
-  duplicates = sorted({n for n in names if names.count(n) > 1})
-  if duplicates:
-    raise errors.SignatureError(
-        f'Signature names must be unique; {duplicates} appear more than once.')
+  signatures = check_signatures(signatures)
   for sig in signatures:
     sig.check_method(variables)
   return jax_module.JaxModule(
@@ -496,7 +525,7 @@ def make_module(variables: Any, signatures: Sequence[Signature], *,
       polymorphic_shapes={
           s.name: s.method_polymorphic_shapes for s in signatures},
       trainable=trainable, jit_compile=jit_compile, platforms=platforms,
-      cast_bfloat16=cast_bfloat16, adopt_buffers=adopt_buffers,
+      cast_bfloat16=cast_bfloat16, owned=owned,
       serving_target=serving_target, name=name)
 
 

@@ -6,24 +6,12 @@
    without reading any of its leaves;
 2. resolve: each variable's logical axes (`as_logical_axes()`) and, given
    rules, its mesh axes (`partitioning.get_mesh_axes`);
-3. gather: `partitioning.gather_to_host` copies the (possibly sharded, possibly
-   multi-process) arrays to host numpy, leaf by leaf.
+3. gather: `host_buffers.gather_to_host` brings the (possibly sharded,
+   possibly multi-process) arrays to host numpy, leaf by leaf.
 
-How the values reach the host is `take_snapshot`'s `copy` option:
-
-* `copy=True` (default): the snapshot owns aligned copies; the train loop
-  may donate or overwrite the state's buffers right after `take_snapshot`
-  returns, and the background writer (`async_export`) still sees the values
-  of that step. The exporter may hand these copies to TensorFlow without a
-  second copy (`HostSnapshot.owns_arrays`).
-* `copy=False`: no copy where none is needed (read-only views of CPU
-  buffers); only while the state stays unchanged, as in a synchronous
-  export.
-* `copy=None` ("auto", what the training callback uses): no copy where that
-  is still safe across a donating train step: on accelerators the transfer
-  to the host is itself a copy, and on CPU a view keeps PJRT from donating
-  its buffer (`partitioning.host_views_survive_donation`, checked once per
-  process). Otherwise it copies.
+Its `owned` option says how the values reach the host: owned copies, views
+valid while the state is unchanged, or (None, the background callback)
+views only where they outlive a donating train step.
 
 Light: this module never imports TensorFlow.
 """
@@ -39,6 +27,7 @@ from absl import logging
 import jax
 import numpy as np
 
+from t5export import host_buffers
 from t5export import paths
 from t5export import partitioning
 from t5export import train_state
@@ -54,7 +43,8 @@ class HostSnapshot:
   Attributes:
     step: the training step, a Python int.
     variables: `{'params': ..., **flax_mutables}` as plain nested dicts of
-      numpy arrays that the snapshot owns; what a serve method receives.
+      numpy arrays (`jax.ShapeDtypeStruct` placeholders on a process that
+      only joined the gather); what a serve method receives.
     logical_axes: variable path ('params/encoder/...', 'batch_stats/...') to
       its tuple of logical axis names (None entries: never sharded), or None
       when the state declares no axes.
@@ -62,17 +52,17 @@ class HostSnapshot:
       replicated), or None when no rules were given or the state has no
       axes.
     nbytes: total bytes of the numpy arrays in `variables`.
-    owns_arrays: True when `variables` are copies nobody else references
-      (`take_snapshot(copy=True)`): an exporter may then give their memory
-      to TensorFlow instead of copying it, after which the arrays alias the
-      exported variables and must not be changed.
+    owned: True when nobody else references the arrays of `variables`: an
+      exporter may then give their memory to TensorFlow instead of copying
+      it, after which they alias the exported variables and must not be
+      changed.
   """
   step: int
   variables: dict[str, Any]
   logical_axes: AxesByPath | None
   mesh_axes: AxesByPath | None
   nbytes: int
-  owns_arrays: bool = False
+  owned: bool = False
 
   def flat_variables(self) -> dict[str, np.ndarray]:
     """`{path: array}` in `paths.flatten` order (the export's order)."""
@@ -97,23 +87,10 @@ def _axes_by_path(spec_state: train_state.InferenceState) -> AxesByPath:
   return {path: tuple(spec) for path, spec in flat.items()}
 
 
-def copy_needed_across_donation() -> bool:
-  """Whether a snapshot must copy to survive a donating train step.
-
-  Returns:
-    False on accelerators (the transfer to the host copies) and on CPU when
-    views outlive donation (`partitioning.host_views_survive_donation`);
-    True otherwise.
-  """
-  if jax.default_backend() != 'cpu':
-    return False
-  return not partitioning.host_views_survive_donation()
-
-
 def take_snapshot(state: Any, *,
                   rules: Sequence[tuple[str, Any]] | None = None,
-                  keep_arrays: bool = True,
-                  copy: bool | None = True) -> HostSnapshot:
+                  owned: bool | None = True,
+                  shapes_only: bool = False) -> HostSnapshot:
   """Strips, resolves axes and gathers a state to host.
 
   Under `jax.distributed` every process must call this at the same step with
@@ -126,19 +103,18 @@ def take_snapshot(state: Any, *,
       `train_state.TrainState` for the members read).
     rules: logical axis rules (e.g. `standard_logical_axis_rules()`); when
       given and the state has axes, each variable's mesh axes are recorded.
-    keep_arrays: False on a process that only joins the gather (every
+    owned: True: owned copies (safe whatever happens to the state next).
+      False: views where possible, valid only while the state is unchanged
+      (a synchronous export). None: views where they outlive a donating
+      train step, else owned copies (see the module docstring).
+    shapes_only: True on a process that only joins the gather (every
       process but the writer in a multi-process export): the variables are
       `jax.ShapeDtypeStruct` placeholders and at most one gathered leaf is
       held at a time.
-    copy: True: the snapshot owns aligned copies (safe whatever happens to
-      the state next). False: views where possible, valid only while the
-      state is unchanged (a synchronous export). None: no copy where that
-      is safe across a donating train step, else a copy (see the module
-      docstring); numpy leaves of the state are not copied then.
 
   Returns:
     A `HostSnapshot` holding numpy arrays of the params and mutables
-    (shape/dtype placeholders when `keep_arrays` is False).
+    (shape/dtype placeholders when `shapes_only`).
 
   Raises:
     TypeError: if `state` is not a state.
@@ -157,17 +133,19 @@ def take_snapshot(state: Any, *,
   elif rules is not None:
     logging.info('take_snapshot: the state declares no logical axes; '
                  'mesh axes are not recorded.')
-  if copy is None:
-    # Only a process that keeps the values cares; the check runs a local
+  if shapes_only:
+    owned = False
+  elif owned is None:
+    # Only a process that keeps the values asks: the check runs a local
     # computation, never one a non-writer's peers would have to join.
-    copy = copy_needed_across_donation() if keep_arrays else True
-  step = int(np.asarray(partitioning.gather_to_host(inference.step)))
-  variables = partitioning.gather_to_host(inference.variables,
-                                          keep=keep_arrays, copy=copy)
-  nbytes = partitioning.tree_nbytes(variables)
+    owned = not host_buffers.host_views_survive_donation()
+  step = int(np.asarray(host_buffers.gather_to_host(inference.step)))
+  variables = host_buffers.gather_to_host(
+      inference.variables, owned=owned, shapes_only=shapes_only)
+  nbytes = host_buffers.tree_nbytes(variables)
   logging.info('Snapshot of step %d: %d arrays, %.1f MiB (%s) in %.3fs.',
                step, len(jax.tree_util.tree_leaves(variables)), nbytes / 2**20,
-               'copied' if copy else 'not copied', time.perf_counter() - start)
+               'owned' if owned else 'not copied', time.perf_counter() - start)
   return HostSnapshot(step=step, variables=variables,
                       logical_axes=logical_axes, mesh_axes=mesh_axes,
-                      nbytes=nbytes, owns_arrays=bool(copy and keep_arrays))
+                      nbytes=nbytes, owned=owned)

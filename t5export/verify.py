@@ -11,8 +11,9 @@ The reading side of what `exporter.SavedModelExporter` writes:
   version's own weights: runs exactly what the SavedModel runs, without
   TensorFlow.
 - `compare_outputs(...)` / `compare_with_jax(...)`: run a signature and
-  compare every named output with JAX (what the exporter's pre-publish check
-  uses).
+  compare every named output with JAX; `check_staged(...)` is the
+  exporter's pre-publish check built on them, `check_finite(...)` its
+  refusal of NaN/Inf params.
 - `call_exported(version_dir, signature_name)`: a JAX-callable that runs the
   exported signature in TensorFlow through `jax2tf.call_tf`.
 
@@ -27,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 import os
 from typing import Any
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -197,8 +199,9 @@ def compare_outputs(signature_name: str, actual: Mapping[str, Any],
                     rtol: float) -> dict[str, float]:
   """Compares a signature's outputs with the expected (JAX) ones.
 
-  Numeric outputs must agree within `|a - e| <= atol + rtol * |e|` and have
-  the same shape; string outputs must be equal exactly.
+  Both sides must return the same output names, shapes and dtypes; numeric
+  outputs must agree within `|a - e| <= atol + rtol * |e|`, string outputs
+  exactly.
 
   Args:
     signature_name: the signature's name (for the error message).
@@ -212,31 +215,40 @@ def compare_outputs(signature_name: str, actual: Mapping[str, Any],
     `{output_name: max abs error}` (0.0 for equal strings).
 
   Raises:
-    ExportCheckError: naming the first output that is missing, has another
-      shape, or differs beyond the tolerance.
+    ExportCheckError: for the first output (by name) that is missing on one
+      side, or differs in shape, dtype or value; its `kind` says which, and
+      the message gives that kind's fix.
   """
   actual = _named_outputs(actual)
   expected = _named_outputs(expected)
   for name in sorted(set(actual) ^ set(expected)):
-    where = 'the SavedModel' if name not in actual else 'JAX'
+    missing = name not in actual
+    where = ('missing from the SavedModel' if missing else
+             'not returned by JAX')
     raise errors.ExportCheckError(
-        signature_name, name, float('inf'),
-        f'output missing from {where}; SavedModel outputs '
-        f'{sorted(actual)}, JAX outputs {sorted(expected)}')
+        signature_name, name,
+        kind='missing_output' if missing else 'extra_output',
+        detail=f'{where}; SavedModel outputs {sorted(actual)}, JAX outputs '
+        f'{sorted(expected)}')
   result = {}
   for name in sorted(actual):
     a, e = _to_numpy(actual[name]), _to_numpy(expected[name])
     if a.shape != e.shape:
       raise errors.ExportCheckError(
-          signature_name, name, float('inf'),
-          f'shape {a.shape} vs JAX shape {e.shape}')
-    if _is_string(a) or _is_string(e):
+          signature_name, name, kind='shape',
+          detail=f'shape mismatch: {a.shape} vs JAX {e.shape}')
+    strings = _is_string(a), _is_string(e)
+    if strings[0] != strings[1] or (not any(strings) and a.dtype != e.dtype):
+      raise errors.ExportCheckError(
+          signature_name, name, kind='dtype',
+          detail=f'dtype mismatch: {a.dtype} vs JAX {e.dtype}')
+    if all(strings):
       equal = a.astype(object) == e.astype(object)
       if not np.all(equal):
         first = tuple(int(i) for i in np.argwhere(~np.asarray(equal))[0])
         raise errors.ExportCheckError(
-            signature_name, name, float('inf'),
-            f'strings differ at index {first}: {a[first]!r} vs JAX '
+            signature_name, name, kind='strings',
+            detail=f'strings differ at index {first}: {a[first]!r} vs JAX '
             f'{e[first]!r}')
       result[name] = 0.0
       continue
@@ -250,9 +262,97 @@ def compare_outputs(signature_name: str, actual: Mapping[str, Any],
     if np.isnan(max_err) or np.any(
         (diff > atol + rtol * np.abs(e64)) | ~np.isfinite(diff)):
       raise errors.ExportCheckError(
-          signature_name, name, max_err if not np.isnan(max_err) else
-          float('nan'), f'atol={atol:g}, rtol={rtol:g}')
+          signature_name, name, kind='values', max_abs_error=max_err,
+          detail=f'values differ beyond atol={atol:g}, rtol={rtol:g}: max '
+          f'abs error {max_err:.6g} vs JAX')
     result[name] = max_err
+  return result
+
+
+def check_finite(variables: Any) -> None:
+  """Raises NonFiniteParamsError naming the first leaf with NaN/Inf.
+
+  Args:
+    variables: a pytree of numpy/JAX arrays.
+
+  Raises:
+    errors.NonFiniteParamsError: for the first leaf (in `paths.flatten` order)
+      holding a NaN or an Inf.
+  """
+  for path, leaf in paths.flatten(variables).items():
+    array = np.asarray(leaf)
+    if not jax.numpy.issubdtype(array.dtype, jax.numpy.inexact):
+      continue
+    if array.dtype.kind not in 'fc':  # bfloat16 and other ml_dtypes floats.
+      array = array.astype(np.float32)
+    finite = np.isfinite(array)
+    if not np.all(finite):
+      raise errors.NonFiniteParamsError(
+          path, int(finite.size - np.count_nonzero(finite)), int(array.size))
+
+
+def sample_batches(sig: Any) -> list[dict[str, Any]]:
+  """A signature's sample inputs as a list of `{input_name: array}`.
+
+  Args:
+    sig: a `serving.Signature`.
+
+  Returns:
+    One dict per batch ([] without sample inputs).
+  """
+  samples = sig.sample_inputs
+  if samples is None:
+    return []
+  if isinstance(samples, Mapping):
+    return [dict(samples)]
+  return [dict(s) for s in samples]  # Several batches, if ever given.
+
+
+def check_staged(staging: str, signatures: Sequence[Any], module: Any, *,
+                 atol: float, rtol: float) -> dict[str, Any]:
+  """The exporter's check: each signature's sample inputs, TF vs JAX.
+
+  The staged SavedModel runs in a throw-away graph and session
+  (`run_signatures_isolated`, as TF Serving loads it), so repeated checks
+  leave nothing cached in the process; the expected outputs are
+  `Signature.reference_outputs` on the module's current variables.
+
+  Args:
+    staging: the staged SavedModel directory.
+    signatures: the `serving.Signature`s it serves.
+    module: the `JaxModule` it was saved from.
+    atol: absolute tolerance.
+    rtol: relative tolerance.
+
+  Returns:
+    `{'validated', 'atol', 'rtol', 'signatures': {name: {'max_abs_error':
+    {output: error}, 'passed', 'batches'}}}`; validated means at least one
+    signature was run and compared.
+
+  Raises:
+    ExportCheckError: the first mismatch (see `compare_outputs`).
+  """
+  result: dict[str, Any] = {'validated': True, 'atol': atol, 'rtol': rtol,
+                            'signatures': {}}
+  requests = []
+  for sig in signatures:
+    batches = sample_batches(sig)
+    if not batches:
+      logging.warning('t5export: signature %r has no sample_inputs; it is '
+                      'not checked.', sig.name)
+    requests.extend((sig, inputs) for inputs in batches)
+  actuals = run_signatures_isolated(
+      staging, [(sig.name, inputs) for sig, inputs in requests])
+  for (sig, inputs), actual in zip(requests, actuals):
+    expected = sig.reference_outputs(module, inputs)
+    errs = compare_outputs(sig.name, actual, expected, atol=atol, rtol=rtol)
+    entry = result['signatures'].setdefault(
+        sig.name, {'max_abs_error': {}, 'passed': True, 'batches': 0})
+    entry['batches'] += 1
+    for name, err in errs.items():
+      entry['max_abs_error'][name] = max(
+          err, entry['max_abs_error'].get(name, 0.0))
+  result['validated'] = bool(result['signatures'])
   return result
 
 

@@ -146,7 +146,7 @@ class KeepBest:
       return cls(*value)
     raise TypeError(
         f'keep_best={value!r} is not valid; pass (n, metric_name, '
-        "'max'|'min') or exporter.KeepBest(n, metric, mode).")
+        "'max'|'min') or versions.KeepBest(n, metric, mode).")
 
 
 def _metric_value(value: Any) -> float | int | str:
@@ -214,7 +214,10 @@ def dir_nbytes(path: str) -> int:
   total = 0
   for root, _, files in os.walk(path):
     for name in files:
-      total += os.path.getsize(os.path.join(root, name))
+      try:
+        total += os.path.getsize(os.path.join(root, name))
+      except OSError:  # Removed meanwhile (e.g. by retention).
+        pass
   return total
 
 

@@ -32,7 +32,7 @@ runs it against JAX, whichever way it was written.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 import concurrent.futures
 import os
 import shutil
@@ -40,10 +40,14 @@ import time
 from typing import Any
 
 from absl import logging
+import numpy as np
 import tensorflow as tf
 
 from t5export import jax_module
 from t5export import tensor_bundle
+from tensorflow_serving.apis import model_pb2
+from tensorflow_serving.apis import predict_pb2
+from tensorflow_serving.apis import prediction_log_pb2
 
 VARIABLES_DIR = 'variables'
 VARIABLES_PREFIX = os.path.join(VARIABLES_DIR, 'variables')
@@ -252,3 +256,32 @@ class SavedModelWriter:
         raise OSError(e.errno, e.strerror, data) from e
       finally:
         os.close(fd)
+
+
+def write_warmup_requests(
+    path: str, model_name: str,
+    requests: Sequence[tuple[str, Mapping[str, Any], Mapping[str, Any]]]
+) -> int:
+  """Writes TF Serving warm-up requests (one PredictRequest each).
+
+  Args:
+    path: the file, `assets.extra/tf_serving_warmup_requests` of a version.
+    model_name: the model name the requests carry.
+    requests: `(signature_name, {input: array}, {input: tf dtype})` each.
+
+  Returns:
+    How many were written; with none, no file is left.
+  """
+  with tf.io.TFRecordWriter(path) as records:
+    for name, inputs, dtypes in requests:
+      request = predict_pb2.PredictRequest(model_spec=model_pb2.ModelSpec(
+          name=model_name, signature_name=name))
+      for key, value in inputs.items():
+        request.inputs[key].CopyFrom(tf.make_tensor_proto(
+            np.asarray(value), dtype=dtypes[key]))
+      log = prediction_log_pb2.PredictionLog(
+          predict_log=prediction_log_pb2.PredictLog(request=request))
+      records.write(log.SerializeToString())
+  if not requests:
+    os.remove(path)
+  return len(requests)

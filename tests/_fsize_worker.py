@@ -68,13 +68,15 @@ def main(argv: list[str]) -> None:
       argv[4])
   signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
   import _reliability_model as model  # pylint: disable=g-import-not-at-top
+  import t5export  # pylint: disable=g-import-not-at-top
   from t5export import callbacks  # pylint: disable=g-import-not-at-top
   sig = model.signature()
   result = {'log': [], 'raise': []}
 
   cb = callbacks.ExportCallback(
-      export_dir=log_dir, signatures=[sig], export_every_steps=1, keep=keep,
-      on_error='log', async_export=True)
+      t5export.SavedModelExporter(
+          log_dir, [sig], options=t5export.ExportOptions(keep=keep)),
+      export_every_steps=1, on_error='log', async_export=True)
   for step in range(1, 7):
     limited = step in (3, 4)
     _limit(limit if limited else None)
@@ -85,8 +87,9 @@ def main(argv: list[str]) -> None:
   cb.close()
 
   cb = callbacks.ExportCallback(
-      export_dir=raise_dir, signatures=[sig], export_every_steps=1, keep=keep,
-      on_error='raise', async_export=True)
+      t5export.SavedModelExporter(
+          raise_dir, [sig], options=t5export.ExportOptions(keep=keep)),
+      export_every_steps=1, on_error='raise', async_export=True)
   for step in range(1, 4):
     limited = step == 2
     _limit(limit if limited else None)

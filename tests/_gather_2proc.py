@@ -1,4 +1,4 @@
-"""Subprocess half of test_partitioning's multi-process gather test.
+"""Subprocess half of test_host_buffers' multi-process gather test.
 
 One of N `jax.distributed` processes on 127.0.0.1 (gloo CPU collectives, 2
 forced host devices each: set XLA_FLAGS and JAX_PLATFORMS=cpu in the env).
@@ -36,6 +36,7 @@ def main(process_id: int, num_processes: int, port: int,
 
   import optax  # pylint: disable=g-import-not-at-top
 
+  from t5export import host_buffers  # pylint: disable=g-import-not-at-top
   from t5export import partitioning  # pylint: disable=g-import-not-at-top
   from t5export import paths  # pylint: disable=g-import-not-at-top
   from t5export import snapshot  # pylint: disable=g-import-not-at-top
@@ -54,7 +55,7 @@ def main(process_id: int, num_processes: int, port: int,
 
   rules = partitioning.standard_logical_axis_rules(1, 2)
   sharded = partitioning.shard_state(state, mesh, rules)
-  host = partitioning.gather_to_host(sharded.params)
+  host = host_buffers.gather_to_host(sharded.params)
 
   flat_sharded = paths.flatten(sharded.params)
   for path, got in paths.flatten(host).items():

@@ -1,4 +1,4 @@
-"""Subprocess half of test_partitioning's 8-device gather test.
+"""Subprocess half of test_host_buffers' 8-device gather test.
 
 Run with XLA_FLAGS=--xla_force_host_platform_device_count=8 (JAX reads it at
 import). Shards TinyT5's params over a (data, model) mesh by the 1-D or 2-D
@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import _report  # Beside this script in tests/.
+from t5export import host_buffers
 from t5export import partitioning
 from t5export import paths
 from t5export import train_state
@@ -52,7 +53,7 @@ def check(variables: dict, case: str) -> None:
   expected = {p: np.array(x) for p, x in paths.flatten(params).items()}
   sharded = jax.device_put(paths.unflatten(expected), shardings)
 
-  host = partitioning.gather_to_host(sharded)
+  host = host_buffers.gather_to_host(sharded)
   n_shards = {p: len({str(s.index) for s in x.addressable_shards})
               for p, x in paths.flatten(sharded).items()}
 
@@ -97,7 +98,7 @@ def check_shard_state(variables: dict, case: str) -> None:
   sharded = partitioning.shard_state(state, mesh, rules)
   want_specs = paths.flatten(partitioning.get_mesh_axes(state, rules))
   got = paths.flatten(sharded)
-  host = paths.flatten(partitioning.gather_to_host(sharded))
+  host = paths.flatten(host_buffers.gather_to_host(sharded))
   _report.emit({
       'case': case, 'kind': 'shard_state',
       'same_type': type(sharded) is type(state),

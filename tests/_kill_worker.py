@@ -33,6 +33,7 @@ import _report  # Beside this script in tests/.
 def main(argv: list[str]) -> None:
   export_dir, mode, keep = argv[1], argv[2], int(argv[3])
   import _reliability_model as model  # pylint: disable=g-import-not-at-top
+  import t5export  # pylint: disable=g-import-not-at-top
   from t5export import callbacks  # pylint: disable=g-import-not-at-top
   from t5export import exporter as exporter_lib  # pylint: disable=g-import-not-at-top
   sig = model.signature()
@@ -46,14 +47,17 @@ def main(argv: list[str]) -> None:
     return  # The test closed stdin: not needed after all.
   if mode in ('exporter', 'overwrite'):
     exporter = exporter_lib.SavedModelExporter(
-        export_dir, [sig], keep=keep, overwrite=mode == 'overwrite')
+        export_dir, [sig], options=t5export.ExportOptions(
+            keep=keep, overwrite=mode == 'overwrite'))
   else:
     cb = callbacks.ExportCallback(
-        export_dir=export_dir, signatures=[sig], export_every_steps=1,
-        keep=keep, async_export=True, on_error='raise')
+        t5export.SavedModelExporter(
+            export_dir, [sig], options=t5export.ExportOptions(keep=keep)),
+        export_every_steps=1, async_export=True, on_error='raise')
     exporter = cb.exporter
-  _report.emit('resumed ' + json.dumps(sorted(os.listdir(export_dir))))
+  # The first use prepares export_dir: leftovers of the killed run go.
   start = max(exporter.versions(), default=0) + 1
+  _report.emit('resumed ' + json.dumps(sorted(os.listdir(export_dir))))
   seen = 0
   for step in range(start, start + 10_000):
     if mode == 'overwrite':  # The newest version, again (same params).

@@ -128,6 +128,7 @@ def train_and_export(args: argparse.Namespace) -> None:
   import t5export  # pylint: disable=g-import-not-at-top
   from examples import models  # pylint: disable=g-import-not-at-top
   from t5export import errors  # pylint: disable=g-import-not-at-top
+  from t5export import host_buffers  # pylint: disable=g-import-not-at-top
   from t5export import partitioning  # pylint: disable=g-import-not-at-top
   from t5export import paths  # pylint: disable=g-import-not-at-top
 
@@ -170,21 +171,23 @@ def train_and_export(args: argparse.Namespace) -> None:
                    poison_at: int | None = None) -> Any:
     """Trains over `steps`, exporting every 2 steps; emits 'done:<phase>'."""
     cb = t5export.ExportCallback(
-        export_dir=export_dir, signatures=signatures,
-        export_every_steps=2, num_train_steps=steps[-1], keep=None,
-        logical_axis_rules=rules, async_export=True, warmup=False,
+        t5export.SavedModelExporter(
+            export_dir, signatures, options=t5export.ExportOptions(
+                keep=None, warmup=False, logical_axis_rules=rules)),
+        export_every_steps=2, num_train_steps=steps[-1], async_export=True,
         multiprocess_timeout_secs=args.timeout)
     callbacks = {'raise': cb}
     if poison_at is not None:
       # The same failure with on_error='log' and a synchronous write: every
       # process logs it and keeps training.
       callbacks['log'] = t5export.ExportCallback(
-          export_dir=export_dir + '_log', signatures=signatures,
-          export_every_steps=2, num_train_steps=steps[-1],
-          async_export=False, on_error='log', warmup=False,
-          multiprocess_timeout_secs=args.timeout)
+          t5export.SavedModelExporter(
+              export_dir + '_log', signatures,
+              options=t5export.ExportOptions(warmup=False)),
+          export_every_steps=2, num_train_steps=steps[-1], async_export=False,
+          on_error='log', multiprocess_timeout_secs=args.timeout)
     emit(event=f'created:{phase}', process=jax.process_index(),
-         pid=os.getpid(), has_exporter=cb.exporter is not None,
+         pid=os.getpid(), has_worker=cb.worker is not None,
          export_dir_exists=os.path.exists(export_dir))
     failures: dict[str, Any] = {}
     close_secs: dict[str, float] = {}
@@ -206,9 +209,9 @@ def train_and_export(args: argparse.Namespace) -> None:
         failures[name] = e
       close_secs[name] = time.monotonic() - start
     error = failures.get('loop') or failures.get('raise')
-    host = paths.flatten(partitioning.gather_to_host(state.params))
+    host = paths.flatten(host_buffers.gather_to_host(state.params))
     emit(event=f'done:{phase}', process=jax.process_index(), pid=os.getpid(),
-         step=int(partitioning.gather_to_host(state.step)),
+         step=int(host_buffers.gather_to_host(state.step)),
          error_type=type(error).__name__ if error else None,
          error=str(error) if error else None,
          is_writer_failed=isinstance(error, errors.WriterFailedError),
@@ -224,6 +227,7 @@ def train_and_export(args: argparse.Namespace) -> None:
              if x.is_fully_addressable),
          specs=_specs(state.params),
          digest=_digest(host),
+         traced=cb.exporter.module is not None,
          export_dir_exists=os.path.exists(export_dir))
     if (phase == 'export' and jax.process_index() == 0 and args.params_out
         and error is None):
@@ -238,10 +242,11 @@ def train_and_export(args: argparse.Namespace) -> None:
     rules_1d = t5export.standard_logical_axis_rules()
     state_1d = partitioning.shard_state(state, mesh, rules_1d)
     cb_1d = t5export.ExportCallback(
-        export_dir=args.export_dir + '_1d', signatures=signatures,
-        export_every_steps=1000, logical_axis_rules=rules_1d,
-        async_export=False, warmup=False,
-        multiprocess_timeout_secs=args.timeout)
+        t5export.SavedModelExporter(
+            args.export_dir + '_1d', signatures, options=t5export.ExportOptions(
+                warmup=False,
+                logical_axis_rules=rules_1d)), export_every_steps=1000,
+        async_export=False, multiprocess_timeout_secs=args.timeout)
     path = cb_1d.export_now(state_1d)
     cb_1d.close()
     emit(event='done:1d', process=jax.process_index(), path=path,
@@ -252,7 +257,7 @@ def train_and_export(args: argparse.Namespace) -> None:
   # others must learn that instead of training on without a writer.
   try:
     t5export.ExportCallback(
-        export_dir=args.bad_dir, signatures=signatures,
+        t5export.SavedModelExporter(args.bad_dir, signatures),
         export_every_steps=2, multiprocess_timeout_secs=args.timeout)
     ctor_error = None
   except Exception as e:  # pylint: disable=broad-except
@@ -265,10 +270,13 @@ def train_and_export(args: argparse.Namespace) -> None:
   clock = ([0.0, 20.0, 21.0, 40.0] if jax.process_index() == 0 else
            [0.0, 1.0, 2.0, 3.0])
   secs_cb = t5export.ExportCallback(  # The cheap signature: one trace less.
-      export_dir=args.export_dir + '_secs',
-      signatures=[s for s in signatures if s.name == 'logits'],
-      every_secs=10.0, keep=None, logical_axis_rules=rules, warmup=False,
-      validate=False, multiprocess_timeout_secs=args.timeout)
+      t5export.SavedModelExporter(
+          args.export_dir + '_secs',
+          [s for s in signatures if s.name == 'logits'],
+          options=t5export.ExportOptions(
+              keep=None, validate=False, warmup=False,
+              logical_axis_rules=rules)),
+      every_secs=10.0, multiprocess_timeout_secs=args.timeout)
   fired = []
   for step, t in enumerate(clock, start=1):
     if secs_cb(step, t=t, train_state=state.replace_step(step)):

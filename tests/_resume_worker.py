@@ -35,10 +35,13 @@ def main(argv: list[str]) -> None:
   workdir, export_dir = argv[1], argv[2]
   num_steps, kill_at, keep, every, ckpt_every = (int(a) for a in argv[3:8])
   from examples import train as train_lib  # pylint: disable=g-import-not-at-top
+  import t5export  # pylint: disable=g-import-not-at-top
   from t5export import callbacks  # pylint: disable=g-import-not-at-top
   cb = callbacks.ExportCallback(
-      export_dir=export_dir, signatures=[train_lib.mlp_signature()],
-      export_every_steps=every, keep=keep, async_export=False)
+      t5export.SavedModelExporter(
+          export_dir, [train_lib.mlp_signature()],
+          options=t5export.ExportOptions(keep=keep)), export_every_steps=every,
+      async_export=False)
   train_lib.train(model_name='mlp_bn', num_steps=num_steps, batch_size=8,
                   workdir=workdir, checkpoint_every_steps=ckpt_every,
                   callbacks=[cb, KillAt(kill_at)], log_every_steps=ckpt_every,

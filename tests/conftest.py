@@ -52,3 +52,18 @@ def t5x_checkpoint_dir(tmp_path) -> pathlib.Path:
   dst = tmp_path / 'adamw_f32'
   shutil.copytree(src, dst)
   return dst
+
+
+@pytest.fixture(scope='module')
+def t5_variables() -> dict:
+  """TinyT5 variables ({'params', 'params_axes'}, T5X style), numpy leaves.
+
+  4 heads so that 'heads' divides a 4-way 'model' mesh axis.
+  """
+  # Imported here: a test module may set up JAX's environment first.
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from examples import models  # pylint: disable=g-import-not-at-top
+  config = models.TinyT5Config(num_heads=4, head_dim=8)
+  variables = models.init_tiny_t5(models.TinyT5(config), jax.random.PRNGKey(0))
+  return jax.tree.map(np.asarray, variables)

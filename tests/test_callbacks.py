@@ -81,12 +81,20 @@ def trainer() -> Trainer:
   return Trainer(model, serve, sig, train_step)
 
 
-def _callback(trainer: Trainer, export_dir,
+_OPTION_NAMES = frozenset(
+    f.name for f in dataclasses.fields(t5export.ExportOptions) if f.init)
+
+
+def _callback(trainer: Trainer, export_dir, *, signatures=None,
               **kwargs) -> callbacks.ExportCallback:
-  kwargs.setdefault('keep', None)
-  kwargs.setdefault('warmup', False)
-  kwargs.setdefault('signatures', [trainer.signature])
-  return callbacks.ExportCallback(export_dir=str(export_dir), **kwargs)
+  """An ExportCallback over an exporter; ExportOptions fields go to it."""
+  options = {'keep': None, 'warmup': False}
+  options.update({k: kwargs.pop(k) for k in set(kwargs) & _OPTION_NAMES})
+  exporter = t5export.SavedModelExporter(
+      str(export_dir),
+      [trainer.signature] if signatures is None else signatures,
+      options=t5export.ExportOptions(**options))
+  return callbacks.ExportCallback(exporter, **kwargs)
 
 
 def _served(version_dir: str) -> np.ndarray:
@@ -578,10 +586,12 @@ def test_resume_continues_version_sequence_without_overwriting(
      r"when_busy must be one of \('wait', 'skip'\), got None"),
     (dict(export_every_steps=5, num_train_steps=0), ValueError,
      'num_train_steps must be > 0, got 0'),
-    (dict(export_every_steps=5, signatures=[]), ValueError,
+    (dict(export_every_steps=5, signatures=[]), errors.SignatureError,
      'signatures is empty'),
-    (dict(export_every_steps=5, signatures=iter([])), ValueError,
+    (dict(export_every_steps=5, signatures=iter([])), errors.SignatureError,
      'signatures is empty'),
+    (dict(export_every_steps=5, keep=0), ValueError,
+     'keep must be an int >= 1 or None, got 0'),
 ])
 def test_invalid_arguments_are_named(trainer, tmp_path, kwargs, error, match):
   with pytest.raises(error, match=match):
@@ -646,8 +656,8 @@ def test_non_numeric_keep_best_metric_fails_that_export_naming_it(
 def test_exporter_export_records_clu_values_as_numbers(trainer, tmp_path):
   """The same flattening for a direct `SavedModelExporter.export`."""
   exporter = t5export.SavedModelExporter(
-      str(tmp_path), [trainer.signature], keep=None, validate=False,
-      warmup=False, keep_best=(1, 'acc', 'max'))
+      str(tmp_path), [trainer.signature], options=t5export.ExportOptions(
+          keep=None, keep_best=(1, 'acc', 'max'), validate=False, warmup=False))
   ts = trainer.new_state()
   path = exporter.export(ts.replace_step(1), {
       'acc': clu_values.Scalar(jnp.asarray(0.25)),

@@ -25,6 +25,7 @@ import tensorstore as ts
 
 from t5export import checkpoints
 from t5export import errors
+from t5export import host_buffers
 from t5export import orbax_checkpoints
 from t5export import paths
 from t5export import train_state
@@ -515,3 +516,12 @@ def test_check_params_match():
 def test_read_params_rejects_bad_step(tmp_path):
   with pytest.raises(ValueError, match='step must be a non-negative int'):
     checkpoints.read_params(tmp_path, step=-1)
+
+
+def test_read_params_returns_arrays_tensorflow_can_adopt(t5x_checkpoint_dir):
+  contents = checkpoints.read_params(str(t5x_checkpoint_dir))
+  flat = paths.flatten(contents.variables)
+  assert flat
+  for path, leaf in flat.items():
+    assert host_buffers.adoptable(leaf), (
+        path, leaf.ctypes.data % 64, leaf.flags)

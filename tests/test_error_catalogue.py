@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import tensorflow as tf
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TESTS = REPO / 'tests'
@@ -69,10 +70,9 @@ def _tree_digest(root: str) -> dict[str, str]:
 
 
 def _callback(export_dir: str, **kwargs) -> callbacks.ExportCallback:
-  options = dict(export_dir=export_dir, signatures=[model.signature()],
-                 export_every_steps=10)
-  options.update(kwargs)
-  return callbacks.ExportCallback(**options)
+  exporter = exporter_lib.SavedModelExporter(export_dir, [model.signature()])
+  return callbacks.ExportCallback(exporter, **{'export_every_steps': 10,
+                                               **kwargs})
 
 
 @pytest.fixture(scope='module')
@@ -80,7 +80,7 @@ def published(tmp_path_factory):
   """An exporter that has published version 1 of the reliability MLP."""
   export_dir = str(tmp_path_factory.mktemp('catalogue') / 'export')
   exporter = exporter_lib.SavedModelExporter(
-      export_dir, [model.signature()], keep=3)
+      export_dir, [model.signature()], options=t5export.ExportOptions(keep=3))
   exporter.export(model.state_for(1))
   return exporter
 
@@ -139,8 +139,9 @@ def test_when_busy_unknown(tmp_path):
 def test_keep_not_a_positive_int(tmp_path, keep):
   with pytest.raises(ValueError,
                      match=rf'keep must be an int >= 1 or None, got {keep}'):
-    exporter_lib.SavedModelExporter(str(tmp_path / 'export'),
-                                    [model.signature()], keep=keep)
+    exporter_lib.SavedModelExporter(
+        str(tmp_path / 'export'), [model.signature()],
+        options=t5export.ExportOptions(keep=keep))
 
 
 def test_serving_tf_version_unreachable(tmp_path):
@@ -149,11 +150,18 @@ def test_serving_tf_version_unreachable(tmp_path):
              r'TensorFlow / TF Serving release an export made with JAX '
              rf'.* loads on is .*Pass serving_tf_version={oldest} or newer')
   with pytest.raises(errors.ServingTargetError, match=message):
-    exporter_lib.SavedModelExporter(str(tmp_path / 'export'),
-                                    [model.signature()],
-                                    serving_tf_version='2.18')
-  with pytest.raises(errors.ServingTargetError, match=message):
-    _callback(str(tmp_path / 'export'), serving_tf_version='2.18')
+    t5export.ExportOptions(serving_tf_version='2.18')
+  gin.clear_config()
+  try:
+    with pytest.raises(errors.ServingTargetError, match=message):
+      gin.parse_config(f"""
+          t5export.ExportOptions.serving_tf_version = '2.18'
+          t5export.SavedModelExporter.export_dir = '{tmp_path / 'export'}'
+          t5export.SavedModelExporter.options = @t5export.ExportOptions()
+          """)
+      exporter_lib.SavedModelExporter(signatures=[model.signature()])
+  finally:
+    gin.clear_config()
   assert not (tmp_path / 'export').exists()
 
 
@@ -176,7 +184,7 @@ def test_export_dir_under_a_file(tmp_path):
                      match=r'export_dir .*file/export.* cannot be created '
                      r'\(Not a directory\)'):
     exporter_lib.SavedModelExporter(str(tmp_path / 'file' / 'export'),
-                                    [model.signature()])
+                                    [model.signature()]).versions()
   assert (tmp_path / 'file').read_text() == 'x'
 
 
@@ -192,11 +200,33 @@ def test_export_dir_not_writable(tmp_path):
                        match=r"export_dir '.*ro' is not writable by this "
                        r'process \(Permission denied\)\. Fix its permissions '
                        'or pass another directory'):
-      exporter_lib.SavedModelExporter(str(path), [model.signature()])
+      exporter_lib.SavedModelExporter(str(path), [model.signature()]).versions()
   assert sorted(os.listdir(path)) == ['1']
 
 
 # --- signatures ---------------------------------------------------------------
+
+
+def test_signatures_empty(tmp_path, offline_runs):
+  message = (r'signatures is empty; pass at least one t5export\.Signature '
+             r'\(gin: SIGNATURES = \[@t5export\.Signature\(\)\]\)')
+  with pytest.raises(errors.SignatureError, match=message):
+    exporter_lib.SavedModelExporter(str(tmp_path / 'export'), [])
+  with pytest.raises(errors.SignatureError, match=message):
+    t5export.serving.make_module(model.params_for(1), [])
+  # The offline CLI, with SIGNATURES = [] in its gin file.
+  line = _offline_error(offline_runs, 'empty_signatures')
+  assert re.match('SignatureError: ' + message, line), line
+  gin.clear_config()
+  try:
+    gin.parse_config_files_and_bindings(
+        [str(REPO / 't5export' / 'gin' / 'export.gin')],
+        [f"EXPORT_DIR = '{tmp_path / 'export'}'", 'SIGNATURES = []'])
+    with pytest.raises(errors.SignatureError, match=message):
+      callbacks.ExportCallback()
+  finally:
+    gin.clear_config()
+  assert not (tmp_path / 'export').exists()
 
 
 @pytest.mark.parametrize('name', ['serving default!', '1st', ''])
@@ -286,7 +316,7 @@ def test_non_finite_params(published):
 def test_keep_best_metric_not_numeric(tmp_path):
   exporter = exporter_lib.SavedModelExporter(
       str(tmp_path / 'export'), [model.signature()],
-      keep_best=(1, 'eval/accuracy', 'max'))
+      options=t5export.ExportOptions(keep_best=(1, 'eval/accuracy', 'max')))
   exporter.export(model.state_for(1), {'eval': {'accuracy': 0.5}})
   before = _tree_digest(exporter.export_dir)
   with pytest.raises(errors.MetricNotNumericError,
@@ -301,7 +331,7 @@ def test_version_already_exists(published):
   before = _tree_digest(published.export_dir)
   with pytest.raises(errors.VersionExistsError,
                      match=r"Version 1 already exists at .*; it was not "
-                     r'changed\. Pass overwrite=True'):
+                     r'changed\. Pass ExportOptions\(overwrite=True\)'):
     published.export(model.state_for(1))
   _assert_kept(published, before)
 
@@ -396,8 +426,8 @@ def test_axes_tree_mismatch(tmp_path):
   sig = model.signature(
       method=lambda v, inputs: {'logits': module.apply(v, inputs['x'])})
   exporter = exporter_lib.SavedModelExporter(
-      str(tmp_path / 'export'), [sig],
-      logical_axis_rules=t5export.standard_logical_axis_rules())
+      str(tmp_path / 'export'), [sig], options=t5export.ExportOptions(
+          logical_axis_rules=t5export.standard_logical_axis_rules()))
   with pytest.raises(
       errors.AxesTreeMismatchError,
       match=r'The params and their axes \(params_axes\) are different '
@@ -406,7 +436,7 @@ def test_axes_tree_mismatch(tmp_path):
       r"kernel_axes\nThese are T5X's params_axes layout .*Build the state "
       r'with create\(variables\) .*InferenceState\.from_train_state'):
     exporter.export(by_hand)
-  assert os.listdir(tmp_path / 'export') == []
+  assert not (tmp_path / 'export').exists()  # Not even created.
   # Built as the message says, the same params export.
   path = exporter.export(
       t5export.InferenceState.create(variables).replace_step(1))
@@ -419,14 +449,14 @@ def test_logical_axis_without_rule(tmp_path):
   sig = model.signature(
       method=lambda v, inputs: {'logits': _OwnAxisName().apply(v, inputs['x'])})
   exporter = exporter_lib.SavedModelExporter(
-      str(tmp_path / 'export'), [sig],
-      logical_axis_rules=t5export.standard_logical_axis_rules())
+      str(tmp_path / 'export'), [sig], options=t5export.ExportOptions(
+          logical_axis_rules=t5export.standard_logical_axis_rules()))
   with pytest.raises(errors.UnmappedLogicalAxisError,
                      match=r"Logical axis 'my_axis' of parameter "
                      r"'params/Dense_0/kernel' has no rule\..*Add a rule such "
                      r"as \('my_axis', None\)"):
     exporter.export(state)
-  assert os.listdir(tmp_path / 'export') == []
+  assert not (tmp_path / 'export').exists()  # Not even created.
 
 
 # --- gin ----------------------------------------------------------------------
@@ -443,12 +473,70 @@ def test_gin_unknown_parameter():
   assert 'export_every_step ' not in gin.config_str()
 
 
+# --- the check -------------------------------------------------------------
+
+
+def _broken_postprocessor(kind: str):
+  """Right when run eagerly (JAX's side), broken inside the SavedModel."""
+
+  def postprocess(outputs):
+    logits = outputs['logits']
+    labels = tf.fill([tf.shape(logits)[0]], 'a')
+    if tf.executing_eagerly():
+      return {'logits': logits, 'label': labels} if kind == 'strings' else {
+          'logits': logits}
+    return {
+        'values': {'logits': logits + 0.25},
+        'strings': {'logits': logits,
+                    'label': tf.fill([tf.shape(logits)[0]], 'b')},
+        'missing_output': {'scores': logits},
+        'extra_output': {'logits': logits, 'scores': logits},
+        'shape': {'logits': logits[:, :2]},
+        'dtype': {'logits': tf.cast(logits, tf.float16)},
+    }[kind]
+
+  return postprocess
+
+
+@pytest.mark.parametrize('kind, output, what, fix', [
+    ('values', 'logits',
+     r'values differ beyond atol=1e-05, rtol=1e-05: max abs error 0\.25 vs '
+     'JAX', r"If the difference is expected \(another platform's or XLA's "
+     r'numerics\), loosen atol/rtol'),
+    ('strings', 'label', r"strings differ at index \(0,\): b'b' vs JAX b'a'",
+     r'Strings are compared exactly \(atol/rtol do not apply\)'),
+    ('missing_output', 'logits',
+     r"missing from the SavedModel; SavedModel outputs \['scores'\], JAX "
+     r"outputs \['logits'\]", 'Both sides must return the same output names'),
+    ('extra_output', 'scores',
+     r"not returned by JAX; SavedModel outputs \['logits', 'scores'\], JAX "
+     r"outputs \['logits'\]",
+     'Both sides must return the same output names'),
+    ('shape', 'logits', r'shape mismatch: \(2, 2\) vs JAX \(2, 3\)',
+     r"atol/rtol do not apply to shapes: check the signature's input_specs"),
+    ('dtype', 'logits', r'dtype mismatch: float16 vs JAX float32',
+     'atol/rtol do not apply to dtypes: check the casts'),
+])
+def test_saved_model_differs_from_jax(published, kind, output, what, fix):
+  before = _tree_digest(published.export_dir)
+  sig = model.signature(postprocessor=_broken_postprocessor(kind))
+  exporter = exporter_lib.SavedModelExporter(published.export_dir, [sig])
+  with pytest.raises(errors.ExportCheckError,
+                     match=rf"SavedModel check failed for signature "
+                     rf"'{model.SIGNATURE}', output '{output}': {what}\. The "
+                     rf'version was not published\. {fix}') as info:
+    exporter.export(model.state_for(2))
+  assert info.value.kind == kind
+  assert ('loosen atol/rtol' in str(info.value)) == (kind == 'values')
+  _assert_kept(published, before)
+
+
 # --- offline ------------------------------------------------------------------
 
 _OFFLINE_GIN = offline_gin.mlp(np.ones((2, 16)), logical_axis_rules=False)
 
 _OFFLINE_CASES = ('missing', 'unknown_format', 'no_params', 'mismatch',
-                  'exists')
+                  'exists', 'empty_signatures')
 
 
 def _mlp_variables() -> dict:
@@ -462,6 +550,8 @@ def offline_runs(tmp_path_factory):
   root = tmp_path_factory.mktemp('offline_errors')
   gin_file = root / 'mlp.gin'
   gin_file.write_text(_OFFLINE_GIN)
+  empty_gin = root / 'empty.gin'
+  empty_gin.write_text(_OFFLINE_GIN + '\nSIGNATURES = []\n')
   variables = _mlp_variables()
   good = {'step': 5, **variables}
   wrong = jax.tree_util.tree_map(lambda x: x, variables)
@@ -473,6 +563,7 @@ def offline_runs(tmp_path_factory):
       'no_params': root / 'opt_only.msgpack',
       'mismatch': root / 'wrong.msgpack',
       'exists': root / 'good.msgpack',
+      'empty_signatures': root / 'good.msgpack',
   }
   ckpts['unknown_format'].mkdir()
   (ckpts['unknown_format'] / 'README.txt').write_text('not a checkpoint')
@@ -491,7 +582,8 @@ def offline_runs(tmp_path_factory):
     before = _tree_digest(str(export_dir))
     procs[case] = (subprocess.Popen(  # pylint: disable=consider-using-with
         [sys.executable, '-m', 't5export.offline', f'--ckpt={ckpts[case]}',
-         f'--export_dir={export_dir}', f'--gin_file={gin_file}'],
+         f'--export_dir={export_dir}',
+         f'--gin_file={empty_gin if case == "empty_signatures" else gin_file}'],
         cwd=REPO, env=_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True), export_dir, before)
   out = {}
@@ -540,7 +632,8 @@ def test_offline_version_exists_without_overwrite(offline_runs):
   line = _offline_error(offline_runs, 'exists')
   assert re.match(r"VersionExistsError: Version 5 already exists at .*"
                   r"export_exists/5'; it was not changed\. Pass "
-                  r'overwrite=True \(offline: --overwrite\)', line), line
+                  r'ExportOptions\(overwrite=True\) \(offline: --overwrite\)',
+                  line), line
 
 
 # --- the table and the tests agree --------------------------------------------

@@ -9,6 +9,7 @@ greedy decoding) and a token signature with polymorphic batch and length.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import subprocess
@@ -28,8 +29,10 @@ from examples import tokenizer
 import t5export
 from t5export import errors
 from t5export import exporter as exporter_lib
+from t5export import host_buffers
 from t5export import paths
 from t5export import verify
+from t5export import versions
 import tf_only  # tests/ is on sys.path.
 
 VENV_BIN = os.path.dirname(sys.executable)
@@ -93,8 +96,8 @@ def mlp(tmp_path_factory):
   sig = _mlp_signature(model, sample_inputs={'x': _rng_x(3, 0, 16)})
   export_dir = str(tmp_path_factory.mktemp('mlp') / 'mlp_model')
   exporter = t5export.SavedModelExporter(
-      export_dir, [sig], keep=3,
-      logical_axis_rules=t5export.standard_logical_axis_rules())
+      export_dir, [sig], options=t5export.ExportOptions(
+          keep=3, logical_axis_rules=t5export.standard_logical_axis_rules()))
   path1 = exporter.export(state1, metrics={'eval': {'accuracy': 0.5}})
   traces = exporter.module.trace_count
   state2 = state1.replace_params(
@@ -124,8 +127,9 @@ def cnn(tmp_path_factory):
       input_specs={'image': ('b, 8, 8, 1', 'float32')},
       sample_inputs={'image': _rng_x(2, 5, 8, 8, 1)})
   export_dir = str(tmp_path_factory.mktemp('cnn') / 'cnn_model')
-  exporter = t5export.SavedModelExporter(export_dir, [sig],
-                                         platforms=('cpu', 'cuda'))
+  exporter = t5export.SavedModelExporter(
+      export_dir, [sig],
+      options=t5export.ExportOptions(platforms=('cpu', 'cuda')))
   path = exporter.export(state)
   return dict(model=model, state=state, export_dir=export_dir, path=path)
 
@@ -150,8 +154,8 @@ def t5(tmp_path_factory):
       sample_inputs={'encoder_tokens': _tokens(2, 6, seed=0)})
   export_dir = str(tmp_path_factory.mktemp('t5') / 't5_model')
   exporter = t5export.SavedModelExporter(
-      export_dir, [text_sig, tokens_sig],
-      logical_axis_rules=t5export.standard_logical_axis_rules())
+      export_dir, [text_sig, tokens_sig], options=t5export.ExportOptions(
+          logical_axis_rules=t5export.standard_logical_axis_rules()))
   path = exporter.export(state)
   return dict(model=model, state=state, export_dir=export_dir, path=path,
               exporter=exporter)
@@ -391,7 +395,8 @@ def test_bfloat16_params_round_trip_bit_exact(tmp_path):
   state = state.replace_params(jax.tree_util.tree_map(
       lambda x: x.astype(jnp.bfloat16), state.params)).replace_step(3)
   sig = _mlp_signature(model, sample_inputs={'x': _rng_x(2, 6, 16)})
-  exporter = t5export.SavedModelExporter(str(tmp_path), [sig], warmup=False)
+  exporter = t5export.SavedModelExporter(
+      str(tmp_path), [sig], options=t5export.ExportOptions(warmup=False))
   path = exporter.export(state)
   meta = verify.read_metadata(path)
   kernel = meta['params']['params/dense_0/kernel']
@@ -438,8 +443,9 @@ def test_allow_non_finite_publishes(tmp_path):
   params['head']['bias'][1] = np.nan
   state = state.replace_params(params).replace_step(1)
   sig = _mlp_signature(model, sample_inputs={'x': _rng_x(2, 1, 16)})
-  exporter = t5export.SavedModelExporter(str(tmp_path), [sig],
-                                         allow_non_finite=True)
+  exporter = t5export.SavedModelExporter(
+      str(tmp_path), [sig],
+      options=t5export.ExportOptions(allow_non_finite=True))
   path = exporter.export(state)  # The check treats NaN == NaN.
   assert np.isnan(verify.load_params(path)['params']['head']['bias'][1])
 
@@ -449,7 +455,7 @@ def test_existing_version_is_not_overwritten(mlp):
   before = os.path.getmtime(os.path.join(path, verify.METADATA_FILE))
   with pytest.raises(errors.VersionExistsError,
                      match=r"Version 200 already exists at '.*/200'; it was "
-                     r'not changed. Pass overwrite=True'):
+                     r'not changed. Pass ExportOptions\(overwrite=True\)'):
     mlp['exporter'].export(mlp['states'][1])
   assert os.path.getmtime(os.path.join(path, verify.METADATA_FILE)) == before
 
@@ -469,10 +475,12 @@ def test_mismatch_refuses_to_publish(tmp_path):
   exporter = t5export.SavedModelExporter(str(tmp_path), [sig])
   with pytest.raises(errors.ExportCheckError,
                      match=r"signature 'serving_default', output 'logits': "
-                     r'max abs error 0.25 vs JAX.*The version was not '
-                     r'published') as info:
+                     r'values differ beyond atol=1e-05, rtol=1e-05: max abs '
+                     r'error 0.25 vs JAX.*The version was not published. If '
+                     r'the difference is expected .*loosen atol/rtol') as info:
     exporter.export(state)
   assert info.value.signature == 'serving_default'
+  assert info.value.kind == 'values'
   assert info.value.max_abs_error == pytest.approx(0.25, abs=1e-6)
   assert os.listdir(tmp_path) == []  # No version, no staging dir.
 
@@ -483,7 +491,7 @@ def test_mismatch_refuses_to_publish(tmp_path):
 @pytest.fixture
 def gin_keep_two():
   gin.clear_config()
-  gin.parse_config('t5export.SavedModelExporter.keep = 2')
+  gin.parse_config('t5export.ExportOptions.keep = 2')
   yield
   gin.clear_config()
 
@@ -494,22 +502,24 @@ def test_retention_keep_best_resume_overwrite(tmp_path, gin_keep_two):
   state = t5export.InferenceState.create(variables)
   sig = _mlp_signature(model)
   export_dir = str(tmp_path / 'models')
-  options = dict(keep_best=(1, 'acc', 'max'), validate=False, warmup=False)
+  # keep=2 comes from gin.
+  options = t5export.ExportOptions(keep_best=(1, 'acc', 'max'),
+                                   validate=False, warmup=False)
 
-  exporter = t5export.SavedModelExporter(export_dir, [sig], **options)
+  exporter = t5export.SavedModelExporter(export_dir, [sig], options=options)
   for step, acc in ((1, 0.5), (2, 0.9), (3, 0.6), (4, 0.7), (5, 0.8)):
     exporter.export(state.replace_step(step), metrics={'acc': acc})
   # Newest two by gin's keep=2, plus the best by accuracy.
   assert exporter.versions() == [2, 4, 5]
   config = open(os.path.join(export_dir, '5', verify.GIN_CONFIG_FILE)).read()
-  assert 'SavedModelExporter.keep = 2' in config
+  assert 'ExportOptions.keep = 2' in config
 
   # A crash left staging directories; a new exporter resumes.
   for stale in ('.tmp-6-deadbeef', '.tmp-del-3-cafe'):
     os.makedirs(os.path.join(export_dir, stale, 'variables'))
-  exporter = t5export.SavedModelExporter(export_dir, [sig], **options)
+  exporter = t5export.SavedModelExporter(export_dir, [sig], options=options)
+  assert exporter.metrics()[2] == {'acc': 0.9}  # The first use resumes.
   assert sorted(os.listdir(export_dir)) == ['2', '4', '5']
-  assert exporter.metrics()[2] == {'acc': 0.9}
   exporter.export(state.replace_step(6), metrics={'acc': 0.1})
   assert exporter.versions() == [2, 5, 6]  # Best (2) survived the restart.
   # The version just written is kept even when it is the oldest.
@@ -520,8 +530,8 @@ def test_retention_keep_best_resume_overwrite(tmp_path, gin_keep_two):
     exporter.export(state.replace_step(6), metrics={'acc': 0.2})
   assert verify.read_metadata(os.path.join(export_dir, '6'))['metrics'] == {
       'acc': 0.1}
-  replacer = t5export.SavedModelExporter(export_dir, [sig], overwrite=True,
-                                         **options)
+  replacer = t5export.SavedModelExporter(
+      export_dir, [sig], options=dataclasses.replace(options, overwrite=True))
   replacer.export(state.replace_step(6), metrics={'acc': 0.95})
   assert verify.read_metadata(os.path.join(export_dir, '6'))['metrics'] == {
       'acc': 0.95}
@@ -537,10 +547,10 @@ def test_export_dir_errors(tmp_path):
   with pytest.raises(errors.ExportDirError,
                      match=r"export_dir '.*/file' exists and is not a "
                      r'directory'):
-    t5export.SavedModelExporter(str(a_file), [sig])
+    t5export.SavedModelExporter(str(a_file), [sig]).versions()
   with pytest.raises(errors.ExportDirError,
                      match=r"export_dir '.*/file/sub' cannot be created"):
-    t5export.SavedModelExporter(str(a_file / 'sub'), [sig])
+    t5export.SavedModelExporter(str(a_file / 'sub'), [sig]).versions()
 
 
 @pytest.mark.parametrize('kwargs, error, message', [
@@ -551,11 +561,55 @@ def test_export_dir_errors(tmp_path):
      r'keep_best n must be an int >= 1, got 0'),
     (dict(keep_best='acc'), TypeError, r"keep_best='acc' is not valid"),
     (dict(atol=-1), ValueError, r'atol must be a number >= 0, got -1'),
+    (dict(rtol='0.1'), ValueError, r"rtol must be a number >= 0, got '0.1'"),
+    (dict(validate='no'), TypeError,
+     r"validate must be True or False, got 'no' \(str\)\. In gin write "
+     r'`ExportOptions\.validate = True`'),
+    (dict(platforms='cpu'), TypeError,
+     r"platforms must be None or a non-empty sequence of str, e\.g\. "
+     r"\('cpu', 'cuda'\); got 'cpu'"),
+    (dict(logical_axis_rules=['batch']), TypeError,
+     r'logical_axis_rules must be None or a non-empty sequence of tuple'),
+    (dict(serving_tf_version='latest'), errors.ServingTargetError,
+     r"serving_tf_version='latest' is not a TensorFlow release"),
 ])
-def test_invalid_options(tmp_path, kwargs, error, message):
-  sig = _mlp_signature(models.MlpBn())
+def test_invalid_options(kwargs, error, message):
   with pytest.raises(error, match=message):
-    t5export.SavedModelExporter(str(tmp_path), [sig], **kwargs)
+    t5export.ExportOptions(**kwargs)
+
+
+def test_options_are_frozen_normalized_and_replaced_with_a_check():
+  options = t5export.ExportOptions(
+      platforms=['cpu'], logical_axis_rules=[['batch', 'data']],
+      keep_best=(1, 'acc'))
+  assert options.platforms == ('cpu',)
+  assert options.logical_axis_rules == (('batch', 'data'),)
+  assert options.keep_best == versions.KeepBest(1, 'acc', 'max')
+  assert options.serving_target.tf_version == (
+      t5export.serving_compat.oldest_supported())
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    options.keep = 3  # pytype: disable=not-writable
+  with pytest.raises(TypeError, match='positional'):
+    t5export.ExportOptions(3)  # pylint: disable=too-many-function-args
+  with pytest.raises(ValueError, match='keep must be an int >= 1'):
+    dataclasses.replace(options, keep=0)
+  assert dataclasses.replace(options, overwrite=True).overwrite
+
+
+def test_creating_an_exporter_touches_no_file(tmp_path):
+  """Every process may create one: the directory waits for the first use."""
+  sig = _mlp_signature(models.MlpBn())
+  export_dir = tmp_path / 'new'
+  exporter = t5export.SavedModelExporter(export_dir, [sig])
+  assert not export_dir.exists() and exporter.module is None
+  (tmp_path / 'stale').mkdir()
+  (tmp_path / 'stale' / '.tmp-3-deadbeef').mkdir()
+  t5export.SavedModelExporter(tmp_path / 'stale', [sig])
+  assert os.listdir(tmp_path / 'stale') == ['.tmp-3-deadbeef']
+  assert exporter.versions() == [] and export_dir.is_dir()
+  with pytest.raises(TypeError, match=r'options must be a t5export\.'
+                     r'ExportOptions, got \{\'keep\': 3\}'):
+    t5export.SavedModelExporter(export_dir, [sig], options={'keep': 3})
 
 
 def test_invalid_signatures(tmp_path):
@@ -575,8 +629,90 @@ def test_flatten_metrics_and_check_finite():
   assert exporter_lib.flatten_metrics(
       {'a': {'b': np.float32(0.5), 'c': jnp.int32(3)}, 'd': 'x'}) == {
           'a/b': 0.5, 'a/c': 3, 'd': 'x'}
-  exporter_lib.check_finite({'w': jnp.ones(3, jnp.bfloat16),
+  verify.check_finite({'w': jnp.ones(3, jnp.bfloat16),
                              'i': np.arange(3)})
   with pytest.raises(errors.NonFiniteParamsError, match=r"'params/w' holds 2"):
-    exporter_lib.check_finite(
+    verify.check_finite(
         {'params': {'w': jnp.array([np.inf, 1, -np.inf], jnp.bfloat16)}})
+
+
+# --- how params reach the variables: views, owned arrays ---------------------
+
+
+def _dense(variables, inputs):
+  return {'y': inputs['x'] @ variables['params']['w'] + variables['params']['b']}
+
+
+def _dense_params(seed: int) -> dict:
+  rng = np.random.default_rng(seed)
+  return {'w': rng.normal(size=(8, 4)).astype(np.float32),
+          'b': rng.normal(size=(4,)).astype(np.float32)}
+
+
+def _dense_signature() -> t5export.Signature:
+  return t5export.Signature(
+      name='serving_default', method=_dense,
+      input_specs={'x': ('b, 8', 'float32')},
+      sample_inputs={'x': np.ones((2, 8), np.float32)})
+
+
+def _w(exporter) -> np.ndarray:
+  module = exporter.module
+  return module.param_vars[module.param_paths.index('params/w')].numpy()
+
+
+def test_sync_export_reads_jax_buffers_and_leaves_the_state_usable(tmp_path):
+  params = jax.tree_util.tree_map(jnp.asarray, _dense_params(6))
+  state = t5export.InferenceState.create({'params': params}).replace_step(1)
+  exporter = t5export.SavedModelExporter(tmp_path / 'm', [_dense_signature()])
+  exporter.export(state)
+  # The variable holds its own copy: the JAX arrays stay intact and the
+  # next donating step may reuse their buffers.
+  assert not np.shares_memory(_w(exporter), np.asarray(params['w']))
+  params2 = jax.jit(lambda p: jax.tree_util.tree_map(lambda a: a + 1.0, p),
+                    donate_argnums=0)(params)
+  state2 = t5export.InferenceState.create({'params': params2}).replace_step(2)
+  path = exporter.export(state2)
+  loaded = verify.load_params(path)
+  for name in ('w', 'b'):
+    np.testing.assert_array_equal(loaded['params'][name],
+                                  np.asarray(params2[name]))
+  assert exporter.module.trace_count == 1
+
+
+def test_owned_export_adopts_numpy_params_and_publishes_them(tmp_path):
+  variables = host_buffers.gather_to_host({'params': _dense_params(7)})
+  expected = jax.tree_util.tree_map(np.copy, variables)
+  state = t5export.InferenceState.create(variables).replace_step(5)
+  exporter = t5export.SavedModelExporter(tmp_path / 'm', [_dense_signature()])
+  path = exporter.export(state, owned=True)
+  loaded = verify.load_params(path)
+  for name in ('w', 'b'):
+    np.testing.assert_array_equal(loaded['params'][name],
+                                  expected['params'][name])
+  # Owned: the variable took the array's memory (a write shows through).
+  variables['params']['w'][0, 0] = 3.5
+  assert _w(exporter)[0, 0] == 3.5
+  # Not owned: the caller's arrays stay the caller's.
+  other = host_buffers.gather_to_host({'params': _dense_params(8)})
+  exporter2 = t5export.SavedModelExporter(tmp_path / 'm2',
+                                          [_dense_signature()])
+  exporter2.export(t5export.InferenceState.create(other).replace_step(1))
+  before = _w(exporter2).copy()
+  other['params']['w'][0, 0] += 10.0
+  np.testing.assert_array_equal(_w(exporter2), before)
+
+
+def test_owned_export_refuses_jax_arrays(tmp_path):
+  params = _dense_params(9)
+  params['w'] = jnp.asarray(params['w'])  # Its buffer is JAX's to reuse.
+  state = t5export.InferenceState.create({'params': params}).replace_step(2)
+  exporter = t5export.SavedModelExporter(tmp_path / 'm', [_dense_signature()])
+  with pytest.raises(ValueError, match=(
+      r"export\(owned=True\).*'params/w' is a jax.Array.*Pass owned=False")):
+    exporter.export(state, owned=True)
+  assert exporter.versions() == []
+  # The same state exports when its arrays stay the caller's.
+  path = exporter.export(state)
+  np.testing.assert_array_equal(verify.load_params(path)['params']['w'],
+                                np.asarray(params['w']))

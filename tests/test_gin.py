@@ -1,7 +1,7 @@
 """Tests for t5export/gin/export.gin, partitioning.gin and gin registration.
 
-Both gin styles are covered: classic (`t5export.ExportCallback.x = ...`
-after the module registered the class) and dynamic registration
+Both gin styles are covered: classic (`t5export.ExportCallback.x = ...`,
+`t5export.ExportOptions.keep = ...` after the module registered the class) and dynamic registration
 (`from __gin__ import dynamic_registration` + `import t5export`, resolved
 through the package's lazy face).
 """
@@ -128,7 +128,7 @@ def test_classic_gin_files_configure_a_training_run(tmp_path):
        "'float32')}",
        f't5export.Signature.sample_inputs = {{"x": {X_SAMPLE.tolist()}}}',
        't5export.ExportCallback.num_train_steps = 3',
-       't5export.ExportCallback.warmup = False',
+       't5export.ExportOptions.warmup = False',
        'test_gin.train.num_steps = 3',
        'test_gin.train.callbacks_list = [@t5export.ExportCallback()]'])
   expected = train()  # pylint: disable=no-value-for-parameter
@@ -155,19 +155,28 @@ def test_dynamic_registration_through_lazy_package_face(tmp_path):
       from __gin__ import dynamic_registration
       import t5export
       t5export.ExportCallback.export_every_steps = 7
-      t5export.ExportCallback.export_dir = '{tmp_path}'
-      t5export.ExportCallback.logical_axis_rules = \\
+      t5export.ExportCallback.exporter = @t5export.SavedModelExporter()
+      t5export.SavedModelExporter.export_dir = '{tmp_path}'
+      t5export.SavedModelExporter.options = @t5export.ExportOptions()
+      t5export.ExportOptions.keep = 2
+      t5export.ExportOptions.logical_axis_rules = \\
           @t5export.standard_logical_axis_rules()
       t5export.standard_logical_axis_rules.activation_partitioning_dims = 2
       """))
   sig = t5export.Signature('serving_default', tiny_serve,
                            {'x': (f'b, {FEATURES}', 'float32')})
-  cb = t5export.ExportCallback(signatures=[sig])
+  # The callback takes its exporter from gin; the signatures come from here.
+  gin.bind_parameter('t5export.SavedModelExporter.signatures', [sig])
+  cb = t5export.ExportCallback()
   try:
     assert cb.export_every_steps == 7
-    assert cb.export_dir == str(tmp_path)
-    assert cb.logical_axis_rules == partitioning.standard_logical_axis_rules(
-        activation_partitioning_dims=2)
+    assert cb.exporter.export_dir == str(tmp_path)
+    assert [s.name for s in cb.exporter.signatures] == ['serving_default']
+    options = cb.exporter.options
+    assert options.keep == 2
+    assert options.logical_axis_rules == (
+        partitioning.standard_logical_axis_rules(
+            activation_partitioning_dims=2))
   finally:
     cb.close()
 
@@ -183,9 +192,11 @@ def test_dynamic_registration_includes_classic_export_gin(tmp_path):
       """))
   sig = t5export.Signature('serving_default', tiny_serve,
                            {'x': (f'b, {FEATURES}', 'float32')})
-  with t5export.ExportCallback(signatures=[sig]) as cb:
+  gin.bind_parameter('t5export.SavedModelExporter.signatures', [sig])
+  with t5export.ExportCallback() as cb:
     assert cb.export_every_steps == 3
-    assert cb.export_dir == str(tmp_path)
+    assert cb.exporter.export_dir == str(tmp_path)
+    assert cb.exporter.options.keep == 2
 
 
 def test_dynamic_registration_in_a_fresh_process(tmp_path):

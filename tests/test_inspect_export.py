@@ -73,8 +73,9 @@ def test_one_version_in_full_and_as_json(export_dir):
 
 def test_versions_without_artifacts_say_why(export_dir, tmp_path):
   off = str(tmp_path / 'off')
-  exporter = t5export.SavedModelExporter(off, [test_writer._signature()],
-                                         jax_artifacts=False, validate=False)
+  exporter = t5export.SavedModelExporter(
+      off, [test_writer._signature()],
+      options=t5export.ExportOptions(jax_artifacts=False, validate=False))
   exporter.export(test_writer._state(0, 5))
   proc = _run(os.path.join(off, '5'))
   assert proc.returncode == 0, proc.stderr

@@ -118,7 +118,8 @@ def t5(tmp_path_factory):
       sample_inputs={'text': np.array([b'hello', b'tiny t5'], dtype=object)})
   exporter = t5export.SavedModelExporter(
       str(tmp_path_factory.mktemp('t5') / 'export'),
-      [logits_sig, pooled_sig, text_sig], warmup=False)
+      [logits_sig, pooled_sig, text_sig],
+      options=t5export.ExportOptions(warmup=False))
   return dict(state=state, sigs={'logits': logits_sig, 'pooled': pooled_sig,
                                  'serving_default': text_sig},
               path=exporter.export(state))
@@ -137,7 +138,7 @@ def mlp(tmp_path_factory):
   sig = _mlp_signature(model)
   exporter = t5export.SavedModelExporter(
       str(tmp_path_factory.mktemp('mlp') / 'export'), [sig],
-      platforms=('cpu', 'cuda'), warmup=False)
+      options=t5export.ExportOptions(platforms=('cpu', 'cuda'), warmup=False))
   paths_ = (exporter.export(state1), exporter.export(state2))
   return dict(sig=sig, states=(state1, state2), paths=paths_,
               exporter=exporter)
@@ -165,7 +166,7 @@ def bf16(tmp_path_factory):
   for cast in (False, True):
     exporter = t5export.SavedModelExporter(
         str(tmp_path_factory.mktemp('bf16') / 'export'), [sig],
-        cast_bfloat16=cast, warmup=False)
+        options=t5export.ExportOptions(cast_bfloat16=cast, warmup=False))
     out['cast' if cast else 'plain'] = exporter.export(state)
   return out
 
@@ -322,10 +323,12 @@ def no_artifacts(mlp, tmp_path_factory):
   """Versions with no artifact: exported with jax_artifacts=False (by the
   training callback), one as a t5export from before artifacts wrote it, and
   one whose artifact file was deleted."""
-  with t5export.ExportCallback(
-      export_dir=str(tmp_path_factory.mktemp('off') / 'export'),
-      signatures=[mlp['sig']], export_every_steps=1000, async_export=False,
-      validate=False, warmup=False, jax_artifacts=False) as callback:
+  exporter = t5export.SavedModelExporter(
+      str(tmp_path_factory.mktemp('off') / 'export'), [mlp['sig']],
+      options=t5export.ExportOptions(validate=False, warmup=False,
+                                     jax_artifacts=False))
+  with t5export.ExportCallback(exporter, export_every_steps=1000,
+                               async_export=False) as callback:
     off = callback.export_now(mlp['states'][0])
   old = str(tmp_path_factory.mktemp('old') / '1')
   shutil.copytree(mlp['paths'][0], old)

@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from examples import models
 from t5export import errors
+from t5export import host_buffers
 from t5export import jax_module
 from t5export import paths
 from t5export import serving
@@ -479,3 +480,99 @@ def test_build_and_update_hold_at_most_a_leaf_or_two_extra(tmp_path):
   # Updating in place: never a second full copy of the weights.
   assert mem['update_numpy'] < params - leaf, mem
   assert mem['update_jax'] < params - leaf, mem
+
+
+# --- owned arrays: the variables take their memory ---------------------------
+
+
+def _dense(variables, inputs):
+  return {'y': inputs['x'] @ variables['params']['w'] + variables['params']['b']}
+
+
+def _dense_variables(seed: int = 0, dtype=np.float32) -> dict:
+  rng = np.random.default_rng(seed)
+  return {'params': {'w': rng.normal(size=(8, 4)).astype(dtype),
+                     'b': rng.normal(size=(4,)).astype(dtype)}}
+
+
+def _dense_module(variables, **kwargs) -> jax_module.JaxModule:
+  return jax_module.JaxModule(
+      variables, {'f': _dense},
+      input_signatures={'f': {'x': tf.TensorSpec([None, 8], tf.float32)}},
+      polymorphic_shapes={'f': {'x': '(b, 8)'}}, **kwargs)
+
+
+def _var(module: jax_module.JaxModule, path: str) -> tf.Variable:
+  return module.param_vars[module.param_paths.index(path)]
+
+
+def test_owned_arrays_become_the_variables_memory():
+  owned = host_buffers.gather_to_host(_dense_variables())  # Aligned copies.
+  module = _dense_module(owned, owned=True)
+  owned['params']['w'][0, 0] = 1234.0  # Seen by the variable: no copy.
+  assert _var(module, 'params/w').numpy()[0, 0] == 1234.0
+  x = np.ones((2, 8), np.float32)
+  np.testing.assert_allclose(
+      module.methods['f']({'x': x})['y'].numpy(),
+      x @ owned['params']['w'] + owned['params']['b'], rtol=1e-6)
+
+
+@pytest.mark.parametrize('case', ['not_owned', 'read_only', 'misaligned',
+                                  'strided'])
+def test_arrays_that_cannot_be_adopted_are_copied(case):
+  source = _dense_variables(1)
+  w = host_buffers.gather_to_host(source)['params']['w']
+  if case == 'read_only':
+    w.flags.writeable = False
+  elif case == 'misaligned':  # TensorFlow would abort on such a buffer.
+    raw = host_buffers.aligned_empty((w.nbytes + 4,), np.uint8)
+    w_misaligned = raw[4:].view(np.float32).reshape(w.shape)
+    w_misaligned[...] = w
+    w = w_misaligned
+  elif case == 'strided':
+    w = np.asfortranarray(w)
+  variables = {'params': {'w': w, 'b': source['params']['b'].copy()}}
+  module = _dense_module(variables, owned=case != 'not_owned')
+  before = _var(module, 'params/w').numpy().copy()
+  if w.flags.writeable:
+    w[0, 0] += 1.0
+  np.testing.assert_array_equal(_var(module, 'params/w').numpy(), before)
+  out = module.methods['f']({'x': np.ones((3, 8), np.float32)})['y'].numpy()
+  np.testing.assert_allclose(
+      out, np.ones((3, 8)) @ before + source['params']['b'], rtol=1e-5)
+
+
+def test_owned_bfloat16_is_adopted_through_a_bitcast_and_casts_exactly():
+  source = _dense_variables(2, jnp.bfloat16)
+  owned = host_buffers.gather_to_host(source)
+  module = _dense_module(owned, owned=True)
+  var = _var(module, 'params/w')
+  assert var.dtype == tf.bfloat16
+  owned['params']['w'][1, 1] = 7.0
+  assert float(var.numpy()[1, 1]) == 7.0
+  cast = _dense_module(host_buffers.gather_to_host(source), owned=True,
+                       cast_bfloat16=True)
+  assert _var(cast, 'params/w').dtype == tf.float32
+  np.testing.assert_array_equal(
+      _var(cast, 'params/w').numpy(),
+      source['params']['w'].astype(np.float32))
+
+
+def test_update_variables_adopts_owned_and_copies_the_callers():
+  module = _dense_module(_dense_variables(3))
+  x = np.ones((2, 8), np.float32)
+  module.methods['f']({'x': x})
+  new = host_buffers.gather_to_host(_dense_variables(4))
+  module.update_variables(new, owned=True)
+  new['params']['b'][0] = -5.0
+  assert _var(module, 'params/b').numpy()[0] == -5.0  # Adopted.
+  caller = _dense_variables(5)
+  keep = jax.tree_util.tree_map(np.copy, caller)
+  module.update_variables(caller)  # Not owned: copied in.
+  caller['params']['b'][0] = 42.0
+  np.testing.assert_array_equal(_var(module, 'params/b').numpy(),
+                                keep['params']['b'])
+  np.testing.assert_allclose(
+      module.methods['f']({'x': x})['y'].numpy(),
+      x @ keep['params']['w'] + keep['params']['b'], rtol=1e-5)
+  assert module.trace_count == 1  # Updates never trace again.

@@ -221,8 +221,9 @@ def reference(tmp_path_factory):
   done: dict[tuple[str, int], str] = {}
   exporter = t5export.SavedModelExporter(
       tmp_path_factory.mktemp('reference') / 'export',
-      _mp_worker.make_signatures(model), keep=None, warmup=False,
-      validate=False)  # The test compares the outputs itself.
+      _mp_worker.make_signatures(model),
+      # The test compares the outputs itself.
+      options=t5export.ExportOptions(keep=None, validate=False, warmup=False))
 
   def export(npz_path: pathlib.Path, step: int) -> str:
     key = (str(npz_path), step)
@@ -242,7 +243,8 @@ def _load_npz(path: pathlib.Path) -> dict[str, np.ndarray]:
 
 def _same_bits(a: Any, b: Any) -> bool:
   a, b = np.asarray(a), np.asarray(b)
-  return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+  return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(
+  )
 
 
 def _signature_outputs(version_dir: str) -> dict[str, np.ndarray]:
@@ -307,11 +309,13 @@ def test_two_processes_export_like_one(runs, reference):
   assert d0['specs'] == d1['specs']
   assert d0['digest'] == d1['digest']  # Both gathered the same params.
 
-  # Only process 0 built an exporter and wrote. Process 1's export_dir is
-  # below a regular file: creating anything there would have failed.
+  # Both created the exporter; only process 0 traced, touched its
+  # export_dir and wrote. Process 1's export_dir is below a regular file:
+  # creating anything there would have failed.
   export_dir = runs['dirs']['export2'] / 'export'
-  assert p0.event('created:export')['has_exporter']
-  assert not p1.event('created:export')['has_exporter']
+  assert p0.event('created:export')['has_worker']
+  assert not p1.event('created:export')['has_worker']
+  assert d0['traced'] and not d1['traced']
   assert not d1['export_dir_exists'] and d1['published'] == []
   assert runs['blocker'].is_file() and runs['blocker'].read_text() == ''
   assert sorted(os.listdir(export_dir)) == ['2', '4']  # No staging left.
@@ -365,7 +369,7 @@ def test_writer_failure_reaches_the_other_process(runs):
   c0, c1 = p0.event('ctor'), p1.event('ctor')
   assert c0['error_type'] == 'ExportDirError'
   assert c1['error_type'] == 'WriterFailedError'
-  assert 'process 0 (the writer) failed to create the exporter' in c1['error']
+  assert 'process 0 (the writer) failed to prepare' in c1['error']
   assert 'ExportDirError' in c1['error'] and 'Not a directory' in c1['error']
 
   # NaN params: process 0 refuses to publish step 6 (async, on_error=

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import io
 import json
@@ -226,17 +227,19 @@ def background(work):
           state=ocp.args.StandardSave(state.state_dict())))
     manager.wait_until_finished()
   jobs['manager'] = _Job(work / 'manager', work / 'export_manager', mlp_gin,
+                         ['--gin.t5export.ExportOptions.atol=0.001'],
                          expected=states[5])
   # 2. PyTreeCheckpointer of plain flax variables (no step: --step gives
   #    it), with a --gin.NAME=VALUE override of the signature name, and
-  #    without the check (--no_validate).
+  #    without the check (--no_validate wins over the gin binding).
   state = _mlp_variables(7)
   ocp.PyTreeCheckpointer().save(
       work / 'pytree', _to_np({'params': state.params, **state.flax_mutables}))
   jobs['pytree'] = _Job(
       work / 'pytree', work / 'export_pytree', mlp_gin,
       ['--step=7', "--gin.t5export.Signature.name='predict'",
-       '--no_validate'], expected=state, in_process=True)
+       '--gin.t5export.ExportOptions.validate=True', '--no_validate'],
+      expected=state, in_process=True)
   # 3. flax msgpack of a T5X-layout state dict, exported as bfloat16.
   params = _to_np(jax.tree_util.tree_map(
       lambda x: x * 1.5, jax.jit(t5x_fixture_model.init_model)(
@@ -283,6 +286,11 @@ def background(work):
       'w': np.ones(2, np.float32)}})
   jobs['stepless'] = _Job(work / 'stepless', work / 'export_stepless',
                           mlp_gin, in_process=True)
+  # A serving target this JAX cannot reach, for a checkpoint that is not
+  # there: the flag's value is refused first.
+  jobs['target'] = _Job(work / 'no_such_ckpt', work / 'export_target',
+                        mlp_gin, ['--serving_tf_version=2.17'],
+                        in_process=True)
 
   # A gin file that does not set SIGNATURES.
   (work / 'no_signatures.gin').write_text(
@@ -367,6 +375,8 @@ def test_orbax_checkpoint_manager(background, tf_run):
   job, state = background['manager'], background['manager'].expected
   version_dir = _assert_success(job.result(), job.export_dir, 5)
   assert 'offline [read]: orbax checkpoint' in job.result().stderr
+  # A gin ExportOptions binding reaches the exporter.
+  assert _metadata(version_dir)['check']['atol'] == 0.001
   variables = {'params': state.params, **state.flax_mutables}
   _assert_outputs(tf_run(version_dir, {'x': _MLP_X}), _mlp_jax(variables))
 
@@ -411,9 +421,11 @@ def test_same_version_as_the_training_callback(background, work):
       sample_inputs={'x': _MLP_X[:2]})
   callback_dir = work / 'export_callback'
   cb = t5export.ExportCallback(
-      export_dir=callback_dir, signatures=[sig], on_steps=[5],
-      async_export=False, warmup=True,
-      logical_axis_rules=t5export.standard_logical_axis_rules())
+      t5export.SavedModelExporter(
+          callback_dir, [sig], options=t5export.ExportOptions(
+              warmup=True,
+              logical_axis_rules=t5export.standard_logical_axis_rules())),
+      on_steps=[5], async_export=False)
   cb(5, train_state=state)
   cb.close()
   ours, theirs = export_dir / '5', callback_dir / '5'
@@ -444,12 +456,16 @@ def test_export_checkpoint_api_overwrites_a_version(background, work):
       name='renamed', method=models.make_mlp_serve_fn(models.MlpBn()),
       input_specs={'x': ('b, 16', 'float32')},
       sample_inputs={'x': _MLP_X[:2]})
-  options = offline.OfflineOptions(signatures=[sig], jax_artifacts=False)
+  options = offline.OfflineOptions(
+      signatures=[sig],
+      export_options=t5export.ExportOptions(jax_artifacts=False))
   with pytest.raises(t5export.errors.VersionExistsError):
     offline.export_checkpoint(work / 'pytree', export_dir, step=7,
                               options=options)
+  options.export_options = dataclasses.replace(options.export_options,
+                                               overwrite=True)
   path = offline.export_checkpoint(work / 'pytree', export_dir, step=7,
-                                   overwrite=True, options=options)
+                                   options=options)
   assert path == str(export_dir / '7')
   assert sorted(os.listdir(export_dir)) == ['7']
   new = verify.read_metadata(path)
@@ -507,6 +523,14 @@ def test_params_not_matching_the_model(background):
 def test_checkpoint_without_step_needs_step_flag(background):
   job = background['stepless']
   _assert_one_error(job.result(), 'does not record its step; pass --step')
+  assert not job.export_dir.exists()
+
+
+def test_serving_target_is_refused_before_the_checkpoint_is_read(background):
+  job = background['target']
+  _assert_one_error(job.result(), "ServingTargetError: serving_tf_version="
+                    "'2.17' cannot be targeted")
+  assert 'CheckpointNotFoundError' not in job.result().stderr
   assert not job.export_dir.exists()
 
 

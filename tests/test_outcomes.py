@@ -27,13 +27,41 @@ def test_counts_queue_running_count_scalars_and_summarize():
       (30, {'t5export/exports_published': 2.0}),
       (40, {'t5export/exports_failed': 1.0})]
   assert tally.take_scalars() == []
-  assert tally.summary(when_busy='skip', waited_secs=0.0) == (
+  assert tally.summary(when_busy='skip') == (
       "4 due: 2 published, 0 skipped (already published), 1 replaced "
       "(when_busy='skip'), 1 failed; waited 0.00s for room.")
-  assert tally.summary(when_busy='wait', waited_secs=1.234, in_flight=1) == (
+  tally.record_blocking(50, 1.5, 1.234)
+  assert tally.claim(50)
+  assert tally.summary(when_busy='wait') == (
       "4 due: 2 published, 0 skipped (already published), 1 replaced "
       "(when_busy='wait'), 1 failed, 1 still being written; waited 1.23s "
       "for room.")
+
+
+def test_ledger_never_writes_a_step_twice_and_keeps_the_numbers():
+  tally = outcomes.Outcomes(published_steps=[10])
+  assert not tally.claim(10)  # Published before (a resumed run).
+  assert tally.claim(20)
+  assert not tally.claim(20)  # Being written.
+  assert tally.in_flight == 1
+  tally.record_published(20, '/m/20', secs=2.0, nbytes=3 * 2**20)
+  assert tally.in_flight == 0 and not tally.claim(20)
+  assert tally.claim(30)
+  tally.record('failed', 30, 'boom')
+  assert tally.claim(30)  # A failed step may be tried again.
+  tally.record('replaced', 30, 'dropped')
+  tally.record_blocking(20, 0.5, 0.25)
+  assert tally.published == ['/m/20']
+  stats = tally.stats()
+  assert (stats['exports_done'], stats['exports_failed'],
+          stats['exports_replaced']) == (1, 1, 1)
+  assert (stats['bytes_written'], stats['export_secs_total'],
+          stats['blocking_secs_last'], stats['wait_secs_total']) == (
+              3 * 2**20, 2.0, 0.5, 0.25)
+  assert tally.take_scalars()[:2] == [
+      (20, {'t5export/export_secs': 2.0,
+            't5export/bytes_written': float(3 * 2**20)}),
+      (20, {'t5export/exports_published': 1.0})]
 
 
 def test_each_outcome_is_logged_with_its_step(caplog):

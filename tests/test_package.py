@@ -18,11 +18,12 @@ import _report  # tests/ is on sys.path.
 import t5export
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-LIGHT_MODULES = ('errors', 'paths', 'train_state', 'partitioning', 'snapshot',
-                 'async_export', 'distributed', 'versions', 'checkpoints',
+LIGHT_MODULES = ('errors', 'paths', 'train_state', 'partitioning',
+                 'host_buffers', 'snapshot', 'async_export', 'distributed',
+                 'versions', 'checkpoints',
                  'orbax_checkpoints', 'msgpack_checkpoints', 'triggering',
                  'outcomes', 'serving_compat', 'tensor_bundle', 'jax_artifacts',
-                 'verify')
+                 'verify', 'options')
 TENSORFLOW = ('tensorflow', 'keras', 'tf_keras')  # keras pulls tensorflow in.
 
 
@@ -80,8 +81,10 @@ def test_reading_checkpoints_does_not_import_tensorflow(tmp_path,
 def test_inspect_export_reads_metadata_without_tensorflow_or_jax(tmp_path):
   import _reliability_model as model  # pylint: disable=g-import-not-at-top
   export_dir = str(tmp_path / 'export')
-  t5export.SavedModelExporter(export_dir, [model.signature()],
-                              validate=False).export(model.state_for(1))
+  t5export.SavedModelExporter(
+      export_dir, [model.signature()],
+      options=t5export.ExportOptions(validate=False)).export(
+          model.state_for(1))
   tool = REPO / 'tools' / 'inspect_export.py'
   code = ('import runpy, sys\n'
           f'sys.argv = ["inspect_export", {export_dir!r}]\n'
@@ -126,9 +129,10 @@ def test_gin_registers_the_contract_names():
   import gin  # pylint: disable=g-import-not-at-top
   import t5export.callbacks  # noqa: F401  (registers the heavy classes)
   bindings = {
-      't5export.ExportCallback.keep': 3,
+      't5export.ExportCallback.export_every_steps': 3,
       't5export.Signature.name': 'serving_default',
-      't5export.SavedModelExporter.keep': 2,
+      't5export.SavedModelExporter.export_dir': '/models/m',
+      't5export.ExportOptions.keep': 2,
       't5export.standard_logical_axis_rules.parameter_partitioning_dims': 2,
   }
   try:

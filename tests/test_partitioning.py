@@ -1,11 +1,7 @@
-"""Tests for t5export.partitioning: rules, mesh axes, sharding, host gather."""
+"""Tests for t5export.partitioning: rules, mesh axes, sharding."""
 
 from __future__ import annotations
 
-import pathlib
-import pickle
-import subprocess
-import sys
 from typing import Any
 
 import flax
@@ -19,17 +15,10 @@ import numpy as np
 import optax
 import pytest
 
-import _report  # tests/ is on sys.path.
-import distributed_setup  # tests/ is on sys.path.
-from examples import models
 from t5export import errors
 from t5export import partitioning
 from t5export import paths
 from t5export import train_state
-
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-TESTS_DIR = pathlib.Path(__file__).resolve().parent
-SUBPROCESS_TIMEOUT = 120
 
 ALL_DIMS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
@@ -38,49 +27,9 @@ ALL_DIMS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
 
 @pytest.fixture(scope='module')
-def t5_variables() -> dict:
-  """TinyT5 variables ({'params', 'params_axes'}) with numpy leaves.
-
-  4 heads so that 'heads' divides a 4-way 'model' mesh axis.
-  """
-  config = models.TinyT5Config(num_heads=4, head_dim=8)
-  variables = models.init_tiny_t5(models.TinyT5(config), jax.random.PRNGKey(0))
-  return jax.tree.map(np.asarray, variables)
-
-
-@pytest.fixture(scope='module')
-def t5_pickle(t5_variables, tmp_path_factory) -> pathlib.Path:
-  """The TinyT5 variables pickled for the subprocess scripts."""
-  path = tmp_path_factory.mktemp('vars') / 'tiny_t5.pkl'
-  with open(path, 'wb') as f:
-    pickle.dump(t5_variables, f)
-  return path
-
-
-@pytest.fixture(scope='module')
 def adamw_state(t5_variables) -> train_state.FlaxOptimTrainState:
   return train_state.FlaxOptimTrainState.create(optax.adamw(1e-3),
                                                 t5_variables)
-
-
-def _run(args: list[str], device_count: int, report: pathlib.Path
-         ) -> list[dict]:
-  """Runs a script to completion; returns the rows it reported.
-
-  The rows come from the report file (tests/_report.py), never the script's
-  output, which is kept for the failure message only.
-  """
-  env = distributed_setup.subprocess_env(device_count, report=report)
-  try:
-    proc = subprocess.run([sys.executable, *args], env=env, cwd=REPO_ROOT,
-                          capture_output=True, text=True,
-                          timeout=SUBPROCESS_TIMEOUT)
-  except subprocess.TimeoutExpired as e:
-    pytest.fail(f'{args} timed out after {SUBPROCESS_TIMEOUT}s; stderr:\n'
-                f'{(e.stderr or b"")[-5000:]!r}')
-  assert proc.returncode == 0, (
-      f'{args} exited {proc.returncode}; stderr:\n{proc.stderr[-5000:]}')
-  return _report.read(report)
 
 
 def _flat_specs(tree) -> dict:
@@ -396,123 +345,3 @@ def test_shard_state_indivisible_dimension():
                             r'divisible by 4')):
     partitioning.shard_state(state, mesh,
                              partitioning.standard_logical_axis_rules())
-
-
-# --- gather_to_host (one device) -------------------------------------------
-
-
-def test_gather_numpy_and_scalars_are_copied():
-  src = np.arange(6, dtype=np.int16).reshape(2, 3)
-  out = partitioning.gather_to_host({'a': src, 'b': 3.5, 'c': np.float32(2)})
-  assert out['a'].dtype == np.int16 and np.array_equal(out['a'], src)
-  assert not np.shares_memory(out['a'], src)
-  assert isinstance(out['b'], np.ndarray) and out['b'] == 3.5
-  assert out['c'].dtype == np.float32
-
-
-def test_gather_survives_donation():
-  x = jnp.arange(1024, dtype=jnp.float32) * 1.5
-  want = np.array(x)
-  out = partitioning.gather_to_host({'x': x})
-  y = jax.jit(lambda v: v * 0 - 1, donate_argnums=0)(x)
-  jax.block_until_ready(y)
-  assert x.is_deleted()  # the donation really happened
-  assert isinstance(out['x'], np.ndarray)
-  assert np.array_equal(out['x'], want)
-
-
-def test_gather_deleted_array():
-  x = jnp.ones((3,))
-  x.delete()
-  with pytest.raises(ValueError, match=r"Array 'p/x' was deleted"):
-    partitioning.gather_to_host({'p': {'x': x}})
-
-
-def test_gather_inside_jit():
-  with pytest.raises(TypeError, match='traced value'):
-    jax.jit(partitioning.gather_to_host)(jnp.ones(2))
-
-
-def test_gather_rejects_other_leaves():
-  with pytest.raises(TypeError, match=r"leaf 'name' is a str"):
-    partitioning.gather_to_host({'name': 'abc'})
-
-
-# --- subprocess: 8 devices, several processes, no tensorflow ----------------
-
-
-def test_gather_8_devices_bit_exact(t5_variables, t5_pickle, tmp_path):
-  cases = ['1,1,2,4', '1,2,4,2', '2,2,2,4']
-  lines = _run([str(TESTS_DIR / '_gather_8dev.py'), str(t5_pickle), *cases],
-               8, tmp_path / 'report.jsonl')
-  leaves = [r for r in lines if r['kind'] == 'leaf']
-  # TinyT5's params plus a bf16 and an int32 leaf.
-  n_params = len(paths.flatten(t5_variables['params'])) + 2
-  assert len(leaves) == n_params * len(cases)
-  bad = [r for r in leaves if not (r['equal'] and r['is_numpy'] and
-                                   r['owns_data'] and
-                                   r['dtype'] == r['want_dtype'] and
-                                   r['shape'] == r['want_shape'])]
-  assert not bad, bad
-  assert all(r['donated'] for r in leaves)
-  assert {r['dtype'] for r in leaves} == {'float32', 'bfloat16', 'int32'}
-  for case in cases:
-    rows = {r['path']: r for r in leaves if r['case'] == case}
-    assert sum(not r['replicated'] for r in rows.values()) >= 10, case
-    assert not rows['extra_bf16']['replicated']
-  # The 2-D parameter rules shard a kernel over both mesh axes.
-  wi = [r for r in leaves
-        if r['case'] == '1,2,4,2' and r['path'] == 'encoder_layers_0/mlp/wi']
-  assert wi[0]['spec'] == ['data', 'model'] and wi[0]['n_shards'] == 8
-  states = [r for r in lines if r['kind'] == 'shard_state']
-  assert len(states) == len(cases)
-  assert all(r['same_type'] and r['paths_match'] and r['specs_match'] and
-             r['values_match'] for r in states), states
-
-
-@pytest.mark.multiprocess
-def test_gather_across_processes(t5_variables, t5_pickle, tmp_path):
-  n = 2
-  port = distributed_setup.free_port()
-  script = str(TESTS_DIR / '_gather_2proc.py')
-  reports = [tmp_path / f'p{i}.jsonl' for i in range(n)]
-  logs = [tmp_path / f'p{i}.log' for i in range(n)]
-  procs = []
-  for i in range(n):
-    with open(logs[i], 'wb') as out:  # Output for failure messages only.
-      procs.append(subprocess.Popen(
-          [sys.executable, script, str(i), str(n), str(port), str(t5_pickle)],
-          env=distributed_setup.subprocess_env(2, report=reports[i]),
-          cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT))
-  try:
-    for i, proc in enumerate(procs):
-      try:
-        proc.wait(timeout=SUBPROCESS_TIMEOUT)
-      except subprocess.TimeoutExpired:
-        pytest.fail(f'process {i} timed out; output:\n'
-                    f'{logs[i].read_text(errors="replace")[-5000:]}')
-      assert proc.returncode == 0, (
-          f'process {i} exited {proc.returncode}; output:\n'
-          f'{logs[i].read_text(errors="replace")[-5000:]}')
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  outputs = [_report.read(r) for r in reports]
-
-  per_process = [{r['path']: r for r in rows} for rows in outputs]
-  snapshots = [rows.pop('<snapshot>') for rows in per_process]
-  assert len(per_process[0]) == len(paths.flatten(t5_variables['params']))
-  for snap in snapshots:
-    assert snap['step'] == 7
-    assert snap['equal'] and snap['paths_match'] and snap['mesh_axes_match']
-    assert snap['opt_state_sharded_like_params']
-  for rows in per_process:
-    assert all(r['equal'] and r['is_numpy'] for r in rows.values()), rows
-    # Every leaf lives on devices of both processes.
-    assert not any(r['fully_addressable'] for r in rows.values())
-  # 2-D rules: 'embed' is split over 'data', which spans the processes.
-  assert per_process[0]['encoder_layers_0/mlp/wi']['spec'] == ['data', 'model']
-  assert {p: r['digest'] for p, r in per_process[0].items()} == {
-      p: r['digest'] for p, r in per_process[1].items()}

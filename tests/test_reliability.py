@@ -226,7 +226,7 @@ def test_sigkill_at_random_moments_never_publishes_a_partial_version(
       if resumed:
         # The worker's start removed every staging dir left by earlier kills.
         assert not [n for n in resumed[0] if n.startswith(STAGING_PREFIX)], (
-            f'{where}: after constructing the exporter: {resumed[0]}')
+            f'{where}: after the exporter was first used: {resumed[0]}')
         cleanups_seen += bool(before)
       versions = _versions(export_dir) if os.path.isdir(export_dir) else []
       staging = _staging(export_dir) if os.path.isdir(export_dir) else []
@@ -250,7 +250,9 @@ def test_sigkill_at_random_moments_never_publishes_a_partial_version(
   from t5export import exporter as exporter_lib  # pylint: disable=g-import-not-at-top
   left = _staging(export_dir)
   versions = _versions(export_dir)
-  exporter_lib.SavedModelExporter(export_dir, [model.signature()], keep=KEEP)
+  exporter_lib.SavedModelExporter(
+      export_dir, [model.signature()],
+      options=t5export.ExportOptions(keep=KEEP)).versions()  # First use.
   assert _staging(export_dir) == [], '\n'.join(report)
   assert _versions(export_dir) == versions, '\n'.join(report)
   summary = (f'{len(ever)} versions published, {checker.full_checks} full '
@@ -338,8 +340,10 @@ def test_full_disk_fails_export_and_training_continues(small_fs):
   from t5export import callbacks  # pylint: disable=g-import-not-at-top
   export_dir = os.path.join(small_fs, 'export')
   cb = callbacks.ExportCallback(
-      export_dir=export_dir, signatures=[model.signature()],
-      export_every_steps=1, keep=KEEP, on_error='log', async_export=True)
+      t5export.SavedModelExporter(
+          export_dir, [model.signature()],
+          options=t5export.ExportOptions(keep=KEEP)), export_every_steps=1,
+      on_error='log', async_export=True)
   try:
     cb(1, train_state=model.state_for(1))
     cb.wait()
@@ -378,17 +382,19 @@ def _export_fails_while_unwritable_then_recovers(export_dir: str,
   """
   from t5export import exporter as exporter_lib  # pylint: disable=g-import-not-at-top
   exporter = exporter_lib.SavedModelExporter(
-      export_dir, [model.signature()], keep=KEEP)
+      export_dir, [model.signature()],
+      options=t5export.ExportOptions(keep=KEEP))
   exporter.export(model.state_for(1))
   digest = _digest(os.path.join(export_dir, '1'))
   with unwritable():
     with pytest.raises(OSError, match=cause) as info:
       exporter.export(model.state_for(2))
     assert '.tmp-2-' in str(info.value)  # Names the staging path.
-    # A new exporter (a restarted job) says so before any work.
+    # A new exporter (a restarted job) says so on first use, before any work.
     with pytest.raises(errors.ExportDirError,
                        match=rf'is not writable.*{cause}'):
-      exporter_lib.SavedModelExporter(export_dir, [model.signature()])
+      exporter_lib.SavedModelExporter(export_dir,
+                                      [model.signature()]).versions()
   assert _versions(export_dir) == [1]
   assert _staging(export_dir) == []
   exporter.export(model.state_for(2))  # The same step, now it can write.
@@ -462,11 +468,12 @@ def nan_exporters(tmp_path_factory):
   from t5export import exporter as exporter_lib  # pylint: disable=g-import-not-at-top
   root = tmp_path_factory.mktemp('non_finite')
   refusing = exporter_lib.SavedModelExporter(
-      str(root / 'refuse'), [model.signature()], keep=KEEP)
+      str(root / 'refuse'), [model.signature()],
+      options=t5export.ExportOptions(keep=KEEP))
   refusing.export(model.state_for(1))
   allowing = exporter_lib.SavedModelExporter(
-      str(root / 'allow'), [model.signature()], keep=KEEP,
-      allow_non_finite=True)
+      str(root / 'allow'), [model.signature()],
+      options=t5export.ExportOptions(keep=KEEP, allow_non_finite=True))
   return refusing, allowing
 
 
@@ -524,8 +531,10 @@ def test_non_finite_export_in_training_is_logged_and_training_goes_on(
   from t5export import callbacks  # pylint: disable=g-import-not-at-top
   export_dir = str(tmp_path / 'export')
   cb = callbacks.ExportCallback(
-      export_dir=export_dir, signatures=[model.signature()],
-      export_every_steps=1, keep=KEEP, on_error='log', async_export=False)
+      t5export.SavedModelExporter(
+          export_dir, [model.signature()],
+          options=t5export.ExportOptions(keep=KEEP)), export_every_steps=1,
+      on_error='log', async_export=False)
   with cb:
     cb(1, train_state=model.state_for(1))
     bad = _with_bad_values(2, {'params/dense_0/kernel': np.nan})
@@ -546,7 +555,8 @@ def test_check_tells_infinity_from_a_number():
                                 atol=1e-5, rtol=1e-5) == {'y': 0.0}
   finite = np.array([1.0, 3.0e38, -np.inf, np.nan], np.float32)
   with pytest.raises(errors.ExportCheckError,
-                     match=r"output 'y': max abs error inf"):
+                     match=r"output 'y': values differ beyond atol=1e-05, "
+                     r'rtol=1e-05: max abs error inf'):
     verify.compare_outputs('s', {'y': finite}, {'y': inf}, atol=1e-5,
                            rtol=1e-5)
 
@@ -577,8 +587,10 @@ def test_restarted_training_continues_the_version_sequence(tmp_path):
             for v in before}
 
   cb = callbacks.ExportCallback(
-      export_dir=export_dir, signatures=[train_lib.mlp_signature()],
-      export_every_steps=RESUME_EVERY, keep=RESUME_KEEP, async_export=False)
+      t5export.SavedModelExporter(
+          export_dir, [train_lib.mlp_signature()],
+          options=t5export.ExportOptions(keep=RESUME_KEEP)),
+      export_every_steps=RESUME_EVERY, async_export=False)
   result = train_lib.train(
       model_name='mlp_bn', num_steps=RESUME_STEPS, batch_size=8,
       workdir=workdir, checkpoint_every_steps=RESUME_CKPT_EVERY,
@@ -650,8 +662,10 @@ def load_run(tmp_path_factory):
   from t5export import callbacks  # pylint: disable=g-import-not-at-top
   export_dir = str(tmp_path_factory.mktemp('load') / 'export')
   cb = callbacks.ExportCallback(
-      export_dir=export_dir, signatures=[model.signature()],
-      export_every_steps=1, keep=LOAD_KEEP, async_export=True)
+      t5export.SavedModelExporter(
+          export_dir, [model.signature()],
+          options=t5export.ExportOptions(keep=LOAD_KEEP)), export_every_steps=1,
+      async_export=True)
   samples, listings = {}, {}
   start = time.monotonic()
   try:

@@ -197,9 +197,9 @@ def test_check_method_returns_symbolic_output_shapes():
 def test_make_module_and_serving_fn_errors():
   sig = serving.Signature('s', _mlp_method, _X)
   with pytest.raises(errors.SignatureError,
-                     match=r"unique; \['s'\] appear more than once"):
+                     match=r"duplicate names \['s'\]; give each"):
     serving.make_module(_MLP_VARS, [sig, sig])
-  with pytest.raises(errors.SignatureError, match='No signatures given'):
+  with pytest.raises(errors.SignatureError, match='signatures is empty'):
     serving.make_module(_MLP_VARS, [])
   module = serving.make_module(_MLP_VARS, [sig])
   other = serving.Signature('other', _mlp_method, _X)

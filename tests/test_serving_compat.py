@@ -20,7 +20,6 @@ import pytest
 
 import t5export
 from t5export import errors
-from t5export import offline
 from t5export import serving_compat
 
 
@@ -56,17 +55,6 @@ def test_unreachable_or_malformed_targets_name_the_fix(target, message):
     serving_compat.resolve(target)
 
 
-def test_offline_refuses_the_target_before_reading_the_checkpoint(tmp_path):
-  # The checkpoint does not exist: the target error comes first.
-  with pytest.raises(errors.ServingTargetError, match="'2.17' cannot be"):
-    offline.export_checkpoint(str(tmp_path / 'missing'),
-                              str(tmp_path / 'export'),
-                              serving_tf_version='2.17')
-  with pytest.raises(errors.ServingTargetError, match="'x.y' is not"):
-    offline.OfflineOptions(signatures=[], serving_tf_version='x.y')
-  assert not (tmp_path / 'export').exists()
-
-
 def test_the_choice_is_scoped_to_the_converting_thread(tmp_path):
   """While a background export traces, the training thread keeps its value.
 
@@ -95,9 +83,8 @@ def test_the_choice_is_scoped_to_the_converting_thread(tmp_path):
                            sample_inputs={'x': np.ones((1, 3), np.float32)})
   state = t5export.InferenceState.create(
       {'params': {'w': np.eye(3, dtype=np.float32)}}).replace_step(5)
-  with t5export.ExportCallback(export_dir=tmp_path / 'export',
-                               signatures=[sig],
-                               export_every_steps=5) as cb:
+  exporter = t5export.SavedModelExporter(tmp_path / 'export', [sig])
+  with t5export.ExportCallback(exporter, export_every_steps=5) as cb:
     cb(5, train_state=state)
     assert in_trace.wait(300)
     seen['training_thread'] = jax.config.jax_export_calling_convention_version
@@ -130,8 +117,9 @@ def test_the_saved_model_holds_the_target_version(tmp_path, target, version):
       method=lambda v, i: {'y': i['x'] * v['params']['a']},
       input_specs={'x': ('b', 'float32')},
       sample_inputs={'x': np.ones((2,), np.float32)})
-  exporter = t5export.SavedModelExporter(tmp_path, [sig],
-                                         serving_tf_version=target)
+  exporter = t5export.SavedModelExporter(
+      tmp_path, [sig],
+      options=t5export.ExportOptions(serving_tf_version=target))
   path = exporter.export(t5export.InferenceState.create(
       {'params': {'a': np.float32(2.0)}}))
   assert _xla_call_module_versions(path) == {version}

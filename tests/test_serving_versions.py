@@ -102,8 +102,8 @@ def exports(tmp_path_factory) -> _Exports:
 
   # 'poly': the training callback with defaults, two versions.
   export_dir = work / 'poly'
-  with t5export.ExportCallback(export_dir=export_dir,
-                               signatures=[_poly_signature()],
+  with t5export.ExportCallback(t5export.SavedModelExporter(export_dir,
+                                                           [_poly_signature()]),
                                export_every_steps=10) as cb:
     for step in range(1, 21):
       state = t5export.InferenceState.create(
@@ -121,7 +121,8 @@ def exports(tmp_path_factory) -> _Exports:
 
   # 'newer': the same model for TF >= 2.20.
   exporter = t5export.SavedModelExporter(
-      work / 'newer', [_poly_signature()], serving_tf_version='2.20')
+      work / 'newer', [_poly_signature()],
+      options=t5export.ExportOptions(serving_tf_version='2.20'))
   out.dirs['newer'] = exporter.export(t5export.InferenceState.create(
       {'params': _poly_params(10)}).replace_step(1))
   out.jobs['newer'] = out.jobs['poly10']

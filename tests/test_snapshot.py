@@ -31,14 +31,6 @@ def mlp_variables() -> dict:
   return models.init_mlp_bn(models.MlpBn(), jax.random.PRNGKey(1))
 
 
-@pytest.fixture(scope='module')
-def t5_variables() -> dict:
-  """TinyT5 variables ({'params', 'params_axes'}, T5X style), numpy leaves."""
-  config = models.TinyT5Config(num_heads=4, head_dim=8)
-  variables = models.init_tiny_t5(models.TinyT5(config), jax.random.PRNGKey(0))
-  return jax.tree.map(np.asarray, variables)
-
-
 def _train_state(variables, tx=None) -> train_state.FlaxOptimTrainState:
   """A fresh state on device (own buffers, safe to donate or delete)."""
   state = train_state.FlaxOptimTrainState.create(tx or optax.adam(1e-2),
@@ -229,13 +221,51 @@ json.dump({
   assert result['n_sharded'] >= 10
 
 
-def test_keep_arrays_false_joins_the_gather_but_holds_no_values():
+def test_shapes_only_joins_the_gather_but_holds_no_values():
   params = {'dense': {'kernel': jnp.arange(12, dtype=jnp.float32).reshape(3, 4)}}
   state = train_state.InferenceState.create({"params": params})
   kept = snapshot.take_snapshot(state)
-  dropped = snapshot.take_snapshot(state, keep_arrays=False)
+  dropped = snapshot.take_snapshot(state, shapes_only=True)
   leaf = dropped.variables['params']['dense']['kernel']
   assert isinstance(leaf, jax.ShapeDtypeStruct)
   assert (leaf.shape, leaf.dtype) == ((3, 4), np.float32)
   assert dropped.nbytes == kept.nbytes == 48
   assert dropped.step == kept.step == 0
+  assert kept.owned and not dropped.owned
+
+
+def test_owned_modes_set_the_owned_field():
+  w = jnp.ones((2, 2))
+  state = train_state.InferenceState.create(
+      {'params': {'w': w}}).replace_step(1)
+  owned = snapshot.take_snapshot(state)
+  assert owned.owned
+  assert not np.shares_memory(owned.variables['params']['w'], np.asarray(w))
+  views = snapshot.take_snapshot(state, owned=False)
+  assert not views.owned
+  assert np.shares_memory(views.variables['params']['w'], np.asarray(w))
+
+
+def test_auto_snapshot_keeps_its_values_while_the_loop_donates():
+  params = {'w': jnp.arange(1024.0).reshape(32, 32), 'b': jnp.ones((32,))}
+  expected = jax.tree_util.tree_map(np.array, params)
+  state = train_state.InferenceState.create(
+      {'params': params}).replace_step(3)
+  # owned=None: views, since host views survive donation on this backend
+  # (test_host_buffers checks that self-check).
+  snap = snapshot.take_snapshot(state, owned=None)
+  assert np.shares_memory(snap.variables['params']['w'],
+                          np.asarray(params['w']))  # A view, no copy.
+  assert not snap.owned
+
+  @jax.jit
+  def _step(p):
+    return jax.tree_util.tree_map(lambda a: a * 3.0 - 1.0, p)
+  step = jax.jit(_step, donate_argnums=0)
+  for _ in range(5):
+    params = step(params)
+  jax.block_until_ready(params)
+  for path in ('w', 'b'):
+    np.testing.assert_array_equal(snap.variables['params'][path],
+                                  expected[path])
+  assert not np.array_equal(np.asarray(params['w']), expected['w'])

@@ -221,7 +221,8 @@ def exported(states, tmp_path_factory):
                           with_samples=True)
   export_dir = tmp_path_factory.mktemp('t5x_states') / 'export'
   exporter = t5export.SavedModelExporter(
-      str(export_dir), [sig], keep=None, logical_axis_rules=RULES)
+      str(export_dir), [sig], options=t5export.ExportOptions(
+          keep=None, logical_axis_rules=RULES))
   version_dirs = {kind: exporter.export(states[kind][2]) for kind in KINDS}
   return dict(dirs=version_dirs, features=features,
               inputs={name: features[name] for name in FEATURE_NAMES})
@@ -284,9 +285,10 @@ def test_exported_outputs_equal_t5x_model_in_tf_only_process(
 def test_export_callback_takes_a_t5x_state(states, exported, tmp_path):
   model, partitioner, state = states['adafactor']
   sig = _logits_signature(model, exported['features'], with_samples=False)
-  with t5export.ExportCallback(
-      export_dir=str(tmp_path / 'cb'), signatures=[sig],
-      export_every_steps=1, logical_axis_rules=RULES, warmup=False) as cb:
+  exporter = t5export.SavedModelExporter(
+      str(tmp_path / 'cb'), [sig], options=t5export.ExportOptions(
+          logical_axis_rules=RULES, warmup=False))
+  with t5export.ExportCallback(exporter, export_every_steps=1) as cb:
     cb.run(state, {})
   assert cb.exports_done == 1
   version = tmp_path / 'cb' / '1'

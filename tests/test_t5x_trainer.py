@@ -111,11 +111,13 @@ def t5x_run(tmp_path_factory):
       num_microbatches=None)
 
   def callback(name):
+    exporter = t5export.SavedModelExporter(
+        tmp / name,
+        t5x_models.signatures(model, task_feature_lengths=LENGTHS),
+        options=t5export.ExportOptions(
+            logical_axis_rules=partitioner.logical_axis_rules))
     return t5export.ExportCallback(
-        export_dir=tmp / name,
-        signatures=t5x_models.signatures(model, task_feature_lengths=LENGTHS),
-        export_every_steps=EVERY, num_train_steps=TOTAL_STEPS,
-        logical_axis_rules=partitioner.logical_axis_rules)
+        exporter, export_every_steps=EVERY, num_train_steps=TOTAL_STEPS)
 
   action, chunked = callback('action'), callback('chunks')
   actions = {trainer_lib.ActionMode.TRAIN_EVAL: [action]}

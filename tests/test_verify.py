@@ -143,8 +143,9 @@ def test_compare_with_jax_names_output_and_error(model_dir, inputs):
   other = _values(0)
   other['params/dense/bias'] = other['params/dense/bias'] + 0.5
   with pytest.raises(errors.ExportCheckError,
-                     match=r"signature 'serving_default', output 'y': max abs "
-                     r'error 0.5') as info:
+                     match=r"signature 'serving_default', output 'y': values "
+                     r'differ beyond atol=1e-05, rtol=1e-05: max abs error '
+                     r'0.5') as info:
     verify.compare_with_jax(model_dir, 'serving_default', _jax_serve(other),
                             inputs, atol=1e-5, rtol=1e-5)
   assert info.value.output == 'y'
@@ -163,21 +164,42 @@ def test_compare_with_jax_strings_exact(model_dir, inputs):
     verify.compare_with_jax(model_dir, 'serving_default', jax_fn, inputs)
 
 
-def test_compare_outputs_shape_and_missing():
+_LOOSEN = 'loosen atol/rtol'
+
+
+@pytest.mark.parametrize('kind, actual, expected, what', [
+    ('values', {'a': np.float32([1, 2])}, {'a': np.float32([1, 2.5])},
+     r'values differ beyond atol=0, rtol=0: max abs error 0\.5 vs JAX'),
+    ('strings', {'a': np.array([b'x'], object)},
+     {'a': np.array([b'y'], object)},
+     r"strings differ at index \(0,\): b'x' vs JAX b'y'"),
+    ('missing_output', {'a': np.zeros(2)},
+     {'a': np.zeros(2), 'b': np.zeros(1)},
+     r"missing from the SavedModel; SavedModel outputs \['a'\], JAX outputs "
+     r"\['a', 'b'\]"),
+    ('extra_output', {'a': np.zeros(2), 'b': np.zeros(1)},
+     {'a': np.zeros(2)},
+     r"not returned by JAX; SavedModel outputs \['a', 'b'\], JAX outputs "
+     r"\['a'\]"),
+    ('shape', {'a': np.zeros(2)}, {'a': np.zeros(3)},
+     r'shape mismatch: \(2,\) vs JAX \(3,\)'),
+    ('dtype', {'a': np.zeros(2, np.float16)}, {'a': np.zeros(2, np.float32)},
+     r'dtype mismatch: float16 vs JAX float32'),
+    ('dtype', {'a': np.array([b'x'], object)}, {'a': np.zeros(1, np.int32)},
+     r'dtype mismatch: object vs JAX int32'),
+])
+def test_compare_outputs_names_the_kind_and_its_fix(kind, actual, expected,
+                                                    what):
+  name = sorted(set(actual) ^ set(expected) or {'a'})[0]
   with pytest.raises(errors.ExportCheckError,
-                     match=r"output 'a'.*shape \(2,\) vs JAX shape \(3,\)"):
-    verify.compare_outputs('s', {'a': np.zeros(2)}, {'a': np.zeros(3)},
-                           atol=0, rtol=0)
-  with pytest.raises(errors.ExportCheckError,
-                     match=r"output 'b'.*output missing from the SavedModel"):
-    verify.compare_outputs('s', {'a': np.zeros(2)},
-                           {'a': np.zeros(2), 'b': np.zeros(1)},
-                           atol=0, rtol=0)
-  # Nested expected outputs are named by path; NaN == NaN counts as equal.
-  errs = verify.compare_outputs(
-      's', {'x/y': np.array([np.nan, 1.0])},
-      {'x': {'y': np.array([np.nan, 1.0 + 1e-7])}}, atol=1e-6, rtol=0)
-  assert errs['x/y'] == pytest.approx(1e-7, rel=1e-3)
+                     match=rf"signature 's', output '{name}': {what}\. The "
+                     r'version was not published\. ') as info:
+    verify.compare_outputs('s', actual, expected, atol=0, rtol=0)
+  assert info.value.kind == kind
+  assert str(info.value).endswith(errors.ExportCheckError.FIXES[kind])
+  # Only a difference of values can be a matter of tolerance.
+  assert (_LOOSEN in str(info.value)) == (kind == 'values')
+  assert (info.value.max_abs_error is None) == (kind != 'values')
 
 
 def test_unknown_signature(model_dir, inputs):

@@ -166,11 +166,11 @@ try:
   result = {
       'util_before_parse': util_before_parse,
       'type': type(cb).__module__ + '.' + type(cb).__qualname__,
-      'export_dir': cb.export_dir,
+      'export_dir': cb.exporter.export_dir,
       'export_every_steps': cb.export_every_steps,
-      'keep': gin.query_parameter('%KEEP'),
+      'keep': cb.exporter.options.keep,
       'async_export': cb.worker is not None,
-      'rules_match_standard': cb.logical_axis_rules ==
+      'rules_match_standard': cb.exporter.options.logical_axis_rules ==
           t5export.standard_logical_axis_rules(),
   }
 finally:

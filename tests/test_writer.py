@@ -53,7 +53,8 @@ def _state(seed: int, step: int) -> t5export.InferenceState:
 @pytest.fixture(scope='module')
 def three_versions(tmp_path_factory):
   export_dir = str(tmp_path_factory.mktemp('writer') / 'm')
-  exporter = t5export.SavedModelExporter(export_dir, [_signature()], keep=None)
+  exporter = t5export.SavedModelExporter(
+      export_dir, [_signature()], options=t5export.ExportOptions(keep=None))
   paths = [exporter.export(_state(seed, step))
            for seed, step in ((0, 10), (1, 20), (2, 30))]
   return exporter, paths
@@ -105,8 +106,9 @@ def test_every_version_is_bit_exact_and_serves_its_own_weights(
 
 
 def test_reuse_graph_false_saves_every_version_in_full(tmp_path):
-  exporter = t5export.SavedModelExporter(tmp_path / 'm', [_signature()],
-                                         reuse_graph=False)
+  exporter = t5export.SavedModelExporter(
+      tmp_path / 'm', [_signature()],
+      options=t5export.ExportOptions(reuse_graph=False))
   exporter.export(_state(0, 1))
   second = exporter.export(_state(1, 2))
   assert not exporter._writer.reuses_graph  # pylint: disable=protected-access

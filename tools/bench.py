@@ -401,8 +401,9 @@ class OursSide:
         input_specs={'x': (f'b, {width}', 'float32')},
         sample_inputs={'x': np.ones((2, width), np.float32)})
     self.exporter = t5export.SavedModelExporter(
-        str(root), [sig], keep=keep, validate=validate, warmup=warmup,
-        jax_artifacts=jax_artifacts)
+        str(root), [sig], options=t5export.ExportOptions(
+            keep=keep, validate=validate, warmup=warmup,
+            jax_artifacts=jax_artifacts))
 
   def state(self, variables: dict, step: int) -> Any:
     state = self._t5export.InferenceState.create(variables)
@@ -533,15 +534,18 @@ class AsyncOurs:
       callbacks = None
     if callbacks is not None and hasattr(callbacks, 'ExportCallback'):
       self._cb = callbacks.ExportCallback(
-          export_dir=str(root), signatures=signatures,
-          export_every_steps=every, keep=2, validate=validate)
+          t5export.SavedModelExporter(
+              str(root), signatures,
+              options=t5export.ExportOptions(keep=2, validate=validate)),
+          export_every_steps=every)
       self.kind = 'ExportCallback'
       return
     from t5export import async_export
     from t5export import snapshot
     self._snapshot = snapshot
     self.exporter = t5export.SavedModelExporter(
-        str(root), signatures, keep=2, validate=validate)
+        str(root), signatures,
+        options=t5export.ExportOptions(keep=2, validate=validate))
     self._worker = async_export.AsyncWorker(self.exporter.export_snapshot)
 
   def __call__(self, state: Any) -> None:
@@ -838,8 +842,9 @@ def worker_offline(spec: dict[str, Any]) -> dict[str, Any]:
   with phases('offline'):
     # What `python -m t5export.offline --ckpt ...` runs after parsing gin.
     path = offline.export_checkpoint(
-        spec['ckpt'], str(out / 'ours'), validate=False,
-        options=offline.OfflineOptions(signatures=[sig]))
+        spec['ckpt'], str(out / 'ours'), options=offline.OfflineOptions(
+            signatures=[sig],
+            export_options=t5export.ExportOptions(validate=False)))
   shutil.rmtree(path, ignore_errors=True)
   return {'phases': phases.phases, 'dropped': dropped}
 

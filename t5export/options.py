@@ -1,0 +1,157 @@
+"""ExportOptions: how a SavedModelExporter writes, checks and keeps versions.
+
+One frozen, keyword-only dataclass holds every option of an export, so the
+training callback, `SavedModelExporter` and the offline CLI share one set
+of names, defaults and checks:
+
+  options = t5export.ExportOptions(keep=3, platforms=('cpu', 'cuda'))
+  exporter = t5export.SavedModelExporter(export_dir, [sig], options=options)
+  callback = t5export.ExportCallback(exporter, export_every_steps=1000)
+
+Each value is checked once, when the options are created (a
+`dataclasses.replace` creates new options and checks again), so a bad value
+fails before any directory is touched or anything is traced. What the model
+serves (its signatures) and where versions go (`export_dir`) are the
+exporter's own arguments, not options: see docs/internals.md.
+
+Gin: registered as `t5export.ExportOptions`, e.g.
+`SavedModelExporter.options = @t5export.ExportOptions()` and
+`ExportOptions.keep = %KEEP` (t5export/gin files bind it so).
+
+Light: this module never imports TensorFlow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+import dataclasses
+from typing import Any
+
+import gin
+
+from t5export import serving_compat
+from t5export import versions
+
+_FLAGS = ('validate', 'warmup', 'overwrite', 'allow_non_finite', 'trainable',
+          'jit_compile', 'cast_bfloat16', 'reuse_graph', 'jax_artifacts')
+
+
+@gin.configurable(module='t5export')
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExportOptions:
+  """How an exporter writes, checks and keeps versions (all optional).
+
+  Example:
+    options = ExportOptions(keep=3, keep_best=(1, 'eval/accuracy', 'max'))
+    SavedModelExporter('/models/t5', [sig], options=options)
+    dataclasses.replace(options, overwrite=True)   # checked again
+
+  Attributes:
+    keep: how many newest versions to keep (>= 1); None keeps all.
+    keep_best: also keep the best versions by a metric: `(n, metric,
+      'max'|'min')` or a `versions.KeepBest` (stored as a `KeepBest`). The
+      metric must be a number at each export (CLU values such as
+      `clu.values.Scalar` and 0-d arrays count).
+    validate: check each staged SavedModel against JAX on the signatures'
+      sample inputs before publishing.
+    atol: absolute tolerance of the check.
+    rtol: relative tolerance of the check.
+    platforms: jax2tf lowering platforms, e.g. ('cpu', 'cuda') (stored as a
+      tuple); None: the current JAX backend.
+    warmup: write TF Serving warm-up requests from the sample inputs.
+    overwrite: replace an existing version of the same step instead of
+      raising `errors.VersionExistsError`.
+    allow_non_finite: publish params holding NaN/Inf instead of raising
+      `errors.NonFiniteParamsError`.
+    logical_axis_rules: `(logical name, mesh axes)` pairs resolving the
+      params' logical axes to mesh axes for the snapshot and the metadata
+      (e.g. `t5export.standard_logical_axis_rules()`; stored as a tuple);
+      None records logical axes only.
+    trainable: export the variables as trainable (with gradients).
+    jit_compile: `tf.function(jit_compile=...)` of the methods.
+    cast_bfloat16: store bfloat16 params as float32 variables.
+    reuse_graph: write versions after the first as the first one's graph
+      plus the new variables; False runs the full `tf.saved_model.save`
+      for every version.
+    serving_tf_version: the oldest TensorFlow / TF Serving release that
+      must load the versions, e.g. '2.20'; None: the oldest this JAX can
+      target (see `t5export.serving_compat`).
+    jax_artifacts: also write each signature's JAX method as a `jax.export`
+      artifact under `assets.extra/` (read back without TensorFlow by
+      `t5export.verify.load_function`).
+    serving_target: what `serving_tf_version` resolved to (derived, not an
+      argument).
+  """
+  keep: int | None = 5
+  keep_best: versions.KeepBest | tuple[Any, ...] | None = None
+  validate: bool = True
+  atol: float = 1e-5
+  rtol: float = 1e-5
+  platforms: Sequence[str] | None = None
+  warmup: bool = True
+  overwrite: bool = False
+  allow_non_finite: bool = False
+  logical_axis_rules: Sequence[tuple[str, Any]] | None = None
+  trainable: bool = False
+  jit_compile: bool = True
+  cast_bfloat16: bool = False
+  reuse_graph: bool = True
+  serving_tf_version: str | None = None
+  jax_artifacts: bool = True
+  serving_target: serving_compat.ServingTarget = dataclasses.field(
+      init=False, repr=False, compare=False)
+
+  def __post_init__(self) -> None:
+    """Checks every option and normalizes the sequences to tuples.
+
+    Raises:
+      ValueError: `keep`, `atol`, `rtol` or `keep_best` has a bad value.
+      TypeError: a flag is not a bool, `keep_best`, `platforms` or
+        `logical_axis_rules` has the wrong type.
+      errors.ServingTargetError: `serving_tf_version` cannot be targeted.
+    """
+    keep = self.keep
+    if keep is not None and (not isinstance(keep, int) or
+                             isinstance(keep, bool) or keep < 1):
+      raise ValueError(f'keep must be an int >= 1 or None, got {keep!r}.')
+    for name in ('atol', 'rtol'):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+          value < 0):
+        raise ValueError(f'{name} must be a number >= 0, got {value!r}.')
+      self._set(name, float(value))
+    for name in _FLAGS:
+      value = getattr(self, name)
+      if not isinstance(value, bool):
+        raise TypeError(f'{name} must be True or False, got {value!r} '
+                        f'({type(value).__name__}). In gin write '
+                        f'`ExportOptions.{name} = True`.')
+    self._set('keep_best', versions.KeepBest.parse(self.keep_best))
+    self._set('platforms', _tuple_of('platforms', self.platforms, str,
+                                     "e.g. ('cpu', 'cuda')"))
+    self._set('logical_axis_rules', _tuple_of(
+        'logical_axis_rules', self.logical_axis_rules, tuple,
+        'e.g. t5export.standard_logical_axis_rules()'))
+    # Last: an unreachable serving target fails before anything is traced.
+    self._set('serving_target', serving_compat.resolve(self.serving_tf_version))
+
+  def _set(self, name: str, value: Any) -> None:
+    object.__setattr__(self, name, value)  # Frozen: only while checking.
+
+
+def _tuple_of(name: str, value: Any, item_type: type,
+              example: str) -> tuple[Any, ...] | None:
+  """None, or `value` as a non-empty tuple of `item_type` (lists too)."""
+  if value is None:
+    return None
+  items = None
+  if isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
+    items = tuple(tuple(v) if item_type is tuple and isinstance(v, list)
+                  else v for v in value)
+  if not items or not all(isinstance(v, item_type) for v in items):
+    raise TypeError(f'{name} must be None or a non-empty sequence of '
+                    f'{item_type.__name__}, {example}; got {value!r}.')
+  return items
+
+
+__all__ = ['ExportOptions']

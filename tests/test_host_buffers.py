@@ -1,0 +1,270 @@
+"""Tests for t5export.host_buffers: the gather to host and owned arrays."""
+
+from __future__ import annotations
+
+import pathlib
+import pickle
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import _report  # tests/ is on sys.path.
+import distributed_setup  # tests/ is on sys.path.
+from t5export import host_buffers
+from t5export import paths
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+TESTS_DIR = pathlib.Path(__file__).resolve().parent
+SUBPROCESS_TIMEOUT = 120
+
+
+@pytest.fixture(scope='module')
+def t5_pickle(t5_variables, tmp_path_factory) -> pathlib.Path:
+  """The TinyT5 variables pickled for the subprocess scripts."""
+  path = tmp_path_factory.mktemp('vars') / 'tiny_t5.pkl'
+  with open(path, 'wb') as f:
+    pickle.dump(t5_variables, f)
+  return path
+
+
+def _run(args: list[str], device_count: int, report: pathlib.Path
+         ) -> list[dict]:
+  """Runs a script to completion; returns the rows it reported.
+
+  The rows come from the report file (tests/_report.py), never the script's
+  output, which is kept for the failure message only.
+  """
+  env = distributed_setup.subprocess_env(device_count, report=report)
+  try:
+    proc = subprocess.run([sys.executable, *args], env=env, cwd=REPO_ROOT,
+                          capture_output=True, text=True,
+                          timeout=SUBPROCESS_TIMEOUT)
+  except subprocess.TimeoutExpired as e:
+    pytest.fail(f'{args} timed out after {SUBPROCESS_TIMEOUT}s; stderr:\n'
+                f'{(e.stderr or b"")[-5000:]!r}')
+  assert proc.returncode == 0, (
+      f'{args} exited {proc.returncode}; stderr:\n{proc.stderr[-5000:]}')
+  return _report.read(report)
+
+
+def _misaligned(array: np.ndarray) -> np.ndarray:
+  """A C-contiguous writeable copy one item past a 64-byte boundary."""
+  raw = host_buffers.aligned_empty((array.nbytes + array.itemsize,), np.uint8)
+  out = raw[array.itemsize:].view(array.dtype).reshape(array.shape)
+  out[...] = array
+  return out
+
+
+# --- aligned buffers ---------------------------------------------------------
+
+
+def test_aligned_empty_is_adoptable_and_shaped():
+  for shape, dtype in (((3, 5), np.float32), ((), np.int32),
+                       ((7,), ml_dtypes.bfloat16), ((0, 2), np.float64)):
+    a = host_buffers.aligned_empty(shape, dtype)
+    assert a.shape == shape and a.dtype == np.dtype(dtype)
+    assert a.flags.c_contiguous and a.flags.writeable
+    # An empty array has no memory to give.
+    assert host_buffers.adoptable(a) == (a.size > 0)
+
+
+def test_aligned_copy_casts_and_owns_its_memory():
+  src = np.arange(6, dtype=np.float32).reshape(2, 3)
+  out = host_buffers.aligned_copy(src, ml_dtypes.bfloat16)
+  assert out.dtype == ml_dtypes.bfloat16 and host_buffers.adoptable(out)
+  np.testing.assert_array_equal(out.astype(np.float32), src)
+  assert not np.shares_memory(out, src)
+
+
+@pytest.mark.parametrize('case', ['read_only', 'misaligned', 'strided',
+                                  'object'])
+def test_adoptable_refuses_what_tensorflow_cannot_take(case):
+  a = host_buffers.aligned_copy(np.arange(16.0).reshape(4, 4))
+  assert host_buffers.adoptable(a)
+  if case == 'read_only':
+    a.flags.writeable = False
+  elif case == 'misaligned':
+    a = _misaligned(a)
+  elif case == 'strided':
+    a = a[:, ::2]
+  else:
+    a = np.array([None, 1], dtype=object)
+  assert not host_buffers.adoptable(a)
+
+
+def test_make_adoptable_moves_only_the_misplaced_leaves():
+  good = host_buffers.aligned_copy(np.arange(4.0))
+  tree = {'a': {'x': _misaligned(np.arange(8.0)), 'good': good},
+          'b': np.asfortranarray(np.arange(6.0).reshape(2, 3)),
+          'strings': np.array(['s'])}
+  assert host_buffers.make_adoptable(tree) == 2
+  assert tree['a']['good'] is good
+  assert host_buffers.adoptable(tree['a']['x'])
+  assert host_buffers.adoptable(tree['b'])
+  np.testing.assert_array_equal(tree['a']['x'], np.arange(8.0))
+  np.testing.assert_array_equal(tree['b'], np.arange(6.0).reshape(2, 3))
+  assert tree['strings'].dtype.kind == 'U'  # No DLPack dtype: left alone.
+
+
+def test_tree_nbytes_counts_arrays_and_placeholders():
+  tree = {'a': np.zeros((3, 4), np.float32),
+          'b': jax.ShapeDtypeStruct((5,), jnp.bfloat16),
+          'c': jnp.zeros((2,), jnp.int32), 'name': 'not an array'}
+  assert host_buffers.tree_nbytes(tree) == 48 + 10 + 8
+
+
+# --- gather_to_host (one device) -------------------------------------------
+
+
+def test_gather_owned_copies_are_aligned_and_independent():
+  x = jnp.arange(12.0).reshape(3, 4)
+  n = np.arange(6, dtype=np.int16).reshape(2, 3)
+  out = host_buffers.gather_to_host({'x': x, 'n': n, 'b': 3.5,
+                                     'c': np.float32(2)})
+  for name in ('x', 'n'):
+    assert host_buffers.adoptable(out[name]), name
+  assert not np.shares_memory(out['x'], np.asarray(x))
+  n[0, 0] = 99  # The copy does not see later changes of the source.
+  assert out['n'].dtype == np.int16 and out['n'][0, 0] == 0
+  np.testing.assert_array_equal(out['x'], np.arange(12.0).reshape(3, 4))
+  assert isinstance(out['b'], np.ndarray) and out['b'] == 3.5
+  assert out['c'].dtype == np.float32
+
+
+def test_gather_not_owned_views_cpu_buffers_and_passes_numpy_through():
+  x = jnp.arange(12.0).reshape(3, 4)
+  n = np.arange(5.0)
+  out = host_buffers.gather_to_host({'x': x, 'n': n}, owned=False)
+  assert out['n'] is n
+  assert np.shares_memory(out['x'], np.asarray(x))
+  assert not out['x'].flags.writeable  # A view of a JAX buffer is read-only.
+  assert not host_buffers.adoptable(out['x'])
+
+
+def test_gather_shapes_only_gives_placeholders_and_copies_nothing():
+  out = host_buffers.gather_to_host(
+      {'x': jnp.ones((2, 3), jnp.bfloat16), 'n': np.zeros(4, np.int8),
+       's': 1.5}, shapes_only=True)
+  assert {k: (v.shape, np.dtype(v.dtype)) for k, v in out.items()} == {
+      'x': ((2, 3), np.dtype(jnp.bfloat16)), 'n': ((4,), np.dtype(np.int8)),
+      's': ((), np.dtype(np.float64))}
+  assert all(isinstance(v, jax.ShapeDtypeStruct) for v in out.values())
+
+
+def test_host_views_survive_donation_on_this_backend():
+  # The self-check the background snapshot relies on; if a JAX upgrade
+  # breaks it, snapshots copy again (and this test says why).
+  assert host_buffers.host_views_survive_donation() is True
+
+
+def test_gather_survives_donation():
+  x = jnp.arange(1024, dtype=jnp.float32) * 1.5
+  want = np.array(x)
+  out = host_buffers.gather_to_host({'x': x})
+  y = jax.jit(lambda v: v * 0 - 1, donate_argnums=0)(x)
+  jax.block_until_ready(y)
+  assert x.is_deleted()  # the donation really happened
+  assert isinstance(out['x'], np.ndarray)
+  assert np.array_equal(out['x'], want)
+
+
+def test_gather_deleted_array():
+  x = jnp.ones((3,))
+  x.delete()
+  with pytest.raises(ValueError, match=r"Array 'p/x' was deleted"):
+    host_buffers.gather_to_host({'p': {'x': x}})
+
+
+def test_gather_inside_jit():
+  with pytest.raises(TypeError, match='traced value'):
+    jax.jit(host_buffers.gather_to_host)(jnp.ones(2))
+
+
+def test_gather_rejects_other_leaves():
+  with pytest.raises(TypeError, match=r"leaf 'name' is a str"):
+    host_buffers.gather_to_host({'name': 'abc'})
+
+
+# --- subprocess: 8 devices, several processes, no tensorflow ----------------
+
+
+def test_gather_8_devices_bit_exact(t5_variables, t5_pickle, tmp_path):
+  cases = ['1,1,2,4', '1,2,4,2', '2,2,2,4']
+  lines = _run([str(TESTS_DIR / '_gather_8dev.py'), str(t5_pickle), *cases],
+               8, tmp_path / 'report.jsonl')
+  leaves = [r for r in lines if r['kind'] == 'leaf']
+  # TinyT5's params plus a bf16 and an int32 leaf.
+  n_params = len(paths.flatten(t5_variables['params'])) + 2
+  assert len(leaves) == n_params * len(cases)
+  bad = [r for r in leaves if not (r['equal'] and r['is_numpy'] and
+                                   r['owns_data'] and
+                                   r['dtype'] == r['want_dtype'] and
+                                   r['shape'] == r['want_shape'])]
+  assert not bad, bad
+  assert all(r['donated'] for r in leaves)
+  assert {r['dtype'] for r in leaves} == {'float32', 'bfloat16', 'int32'}
+  for case in cases:
+    rows = {r['path']: r for r in leaves if r['case'] == case}
+    assert sum(not r['replicated'] for r in rows.values()) >= 10, case
+    assert not rows['extra_bf16']['replicated']
+  # The 2-D parameter rules shard a kernel over both mesh axes.
+  wi = [r for r in leaves
+        if r['case'] == '1,2,4,2' and r['path'] == 'encoder_layers_0/mlp/wi']
+  assert wi[0]['spec'] == ['data', 'model'] and wi[0]['n_shards'] == 8
+  states = [r for r in lines if r['kind'] == 'shard_state']
+  assert len(states) == len(cases)
+  assert all(r['same_type'] and r['paths_match'] and r['specs_match'] and
+             r['values_match'] for r in states), states
+
+
+@pytest.mark.multiprocess
+def test_gather_across_processes(t5_variables, t5_pickle, tmp_path):
+  n = 2
+  port = distributed_setup.free_port()
+  script = str(TESTS_DIR / '_gather_2proc.py')
+  reports = [tmp_path / f'p{i}.jsonl' for i in range(n)]
+  logs = [tmp_path / f'p{i}.log' for i in range(n)]
+  procs = []
+  for i in range(n):
+    with open(logs[i], 'wb') as out:  # Output for failure messages only.
+      procs.append(subprocess.Popen(
+          [sys.executable, script, str(i), str(n), str(port), str(t5_pickle)],
+          env=distributed_setup.subprocess_env(2, report=reports[i]),
+          cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT))
+  try:
+    for i, proc in enumerate(procs):
+      try:
+        proc.wait(timeout=SUBPROCESS_TIMEOUT)
+      except subprocess.TimeoutExpired:
+        pytest.fail(f'process {i} timed out; output:\n'
+                    f'{logs[i].read_text(errors="replace")[-5000:]}')
+      assert proc.returncode == 0, (
+          f'process {i} exited {proc.returncode}; output:\n'
+          f'{logs[i].read_text(errors="replace")[-5000:]}')
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  outputs = [_report.read(r) for r in reports]
+
+  per_process = [{r['path']: r for r in rows} for rows in outputs]
+  snapshots = [rows.pop('<snapshot>') for rows in per_process]
+  assert len(per_process[0]) == len(paths.flatten(t5_variables['params']))
+  for snap in snapshots:
+    assert snap['step'] == 7
+    assert snap['equal'] and snap['paths_match'] and snap['mesh_axes_match']
+    assert snap['opt_state_sharded_like_params']
+  for rows in per_process:
+    assert all(r['equal'] and r['is_numpy'] for r in rows.values()), rows
+    # Every leaf lives on devices of both processes.
+    assert not any(r['fully_addressable'] for r in rows.values())
+  # 2-D rules: 'embed' is split over 'data', which spans the processes.
+  assert per_process[0]['encoder_layers_0/mlp/wi']['spec'] == ['data', 'model']
+  assert {p: r['digest'] for p, r in per_process[0].items()} == {
+      p: r['digest'] for p, r in per_process[1].items()}
