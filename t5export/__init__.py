@@ -46,10 +46,11 @@ _EXPORTS = {
 _SUBMODULES = frozenset({
     'async_export', 'callbacks', 'checkpoints', 'distributed', 'errors',
     'exporter', 'host_buffers', 'jax_artifacts', 'jax_module',
-    'msgpack_checkpoints', 'offline', 'options', 'orbax_checkpoints',
-    'outcomes', 'partitioning', 'paths', 'publisher', 'serving',
-    'serving_compat', 'snapshot', 'specs', 't5x_models', 'tensor_bundle',
-    'train_state', 'triggering', 'verify', 'versions',
+    'msgpack_checkpoints', 'offline', 'optax_state', 'options',
+    'orbax_checkpoints', 'outcomes', 'partitioning', 'paths', 'publisher',
+    'serving', 'serving_compat', 'snapshot', 'specs', 'state_axes',
+    't5x_models', 'tensor_bundle', 'train_state', 'triggering', 'verify',
+    'versions',
 })
 
 __all__ = sorted(_EXPORTS) + ['errors', 'verify', '__version__']

@@ -18,7 +18,8 @@ import _report  # tests/ is on sys.path.
 import t5export
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-LIGHT_MODULES = ('errors', 'paths', 'train_state', 'partitioning',
+LIGHT_MODULES = ('errors', 'paths', 'train_state', 'state_axes',
+                 'optax_state', 'partitioning',
                  'host_buffers', 'snapshot', 'async_export', 'distributed',
                  'versions', 'checkpoints',
                  'orbax_checkpoints', 'msgpack_checkpoints', 'triggering',
