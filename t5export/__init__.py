@@ -50,7 +50,7 @@ _SUBMODULES = frozenset({
     'orbax_checkpoints', 'outcomes', 'partitioning', 'paths', 'publisher',
     'serving', 'serving_compat', 'snapshot', 'specs', 'state_axes',
     't5x_models', 'tensor_bundle', 'train_state', 'triggering', 'verify',
-    'versions',
+    'versions', 'worker_thread',
 })
 
 __all__ = sorted(_EXPORTS) + ['errors', 'verify', '__version__']
