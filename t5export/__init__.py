@@ -44,9 +44,9 @@ _EXPORTS = {
 }
 # Submodules reachable as attributes, e.g. `t5export.verify.load_params`.
 _SUBMODULES = frozenset({
-    'async_export', 'callbacks', 'checkpoints', 'distributed', 'errors',
-    'exporter', 'host_buffers', 'jax_artifacts', 'jax_module',
-    'msgpack_checkpoints', 'offline', 'optax_state', 'options',
+    'async_export', 'callbacks', 'checkpoint_layout', 'checkpoints',
+    'distributed', 'errors', 'exporter', 'host_buffers', 'jax_artifacts',
+    'jax_module', 'msgpack_checkpoints', 'offline', 'optax_state', 'options',
     'orbax_checkpoints', 'outcomes', 'partitioning', 'paths', 'publisher',
     'serving', 'serving_compat', 'snapshot', 'specs', 'state_axes',
     't5x_models', 'tensor_bundle', 'train_state', 'triggering', 'verify',
