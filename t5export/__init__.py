@@ -44,12 +44,13 @@ _EXPORTS = {
 }
 # Submodules reachable as attributes, e.g. `t5export.verify.load_params`.
 _SUBMODULES = frozenset({
-    'async_export', 'callbacks', 'checkpoints', 'distributed', 'errors',
-    'exporter', 'host_buffers', 'jax_artifacts', 'jax_module',
-    'msgpack_checkpoints', 'offline', 'options', 'orbax_checkpoints',
-    'outcomes', 'partitioning', 'paths', 'publisher', 'serving',
-    'serving_compat', 'snapshot', 'specs', 't5x_models', 'tensor_bundle',
-    'train_state', 'triggering', 'verify', 'versions',
+    'async_export', 'callbacks', 'checkpoint_layout', 'checkpoints',
+    'distributed', 'errors', 'exporter', 'host_buffers', 'jax_artifacts',
+    'jax_module', 'msgpack_checkpoints', 'offline', 'offline_export',
+    'optax_state', 'options', 'orbax_checkpoints', 'outcomes', 'partitioning',
+    'paths', 'publisher', 'serving', 'serving_compat', 'snapshot', 'specs',
+    'state_axes', 't5x_models', 'tensor_bundle', 'train_state', 'triggering',
+    'verify', 'versions', 'worker_thread',
 })
 
 __all__ = sorted(_EXPORTS) + ['errors', 'verify', '__version__']

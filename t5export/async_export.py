@@ -19,10 +19,8 @@ Errors raised by the worker function do not disappear:
   counted in `stats['failed']`; training is never interrupted.
 
 The thread is not a daemon, so an item in flight is never cut off halfway.
-`close` stops and joins it. A worker that is never closed is still shut
-down cleanly: at interpreter exit (before Python joins non-daemon threads)
-the queued item is finished and the thread stopped, and when the worker
-object is garbage-collected its thread is told to finish and stop.
+`close` stops and joins it; a worker never closed is still shut down
+cleanly (`worker_thread`).
 
 This module is light: it never imports TensorFlow or JAX.
 """
@@ -32,13 +30,13 @@ from __future__ import annotations
 from collections.abc import Callable
 import threading
 import time
-import traceback
 from typing import Any, NamedTuple
 import weakref
 
 from absl import logging
 
 from t5export import errors
+from t5export import worker_thread
 
 _ON_ERROR_CHOICES = ('raise', 'log')
 WHEN_BUSY_CHOICES = ('wait', 'skip')
@@ -72,138 +70,6 @@ def check_when_busy(when_busy: Any, *, owner: str) -> None:
       f"{when_busy!r}. 'wait' makes the training thread wait for room when "
       "an export is running and another is queued (no version is dropped); "
       "'skip' lets the newest due version replace the queued one.")
-
-
-class _Shared:
-  """State shared by an AsyncWorker and its thread.
-
-  Kept apart from `AsyncWorker` so the running thread holds no reference to
-  the worker object itself; that lets the worker be garbage-collected (and
-  its finalizer stop the thread) when a caller forgets `close()`.
-  """
-
-  def __init__(self, fn: Callable[[Any], Any], on_error: str, when_busy: str,
-               name: str):
-    self.fn = fn
-    self.on_error = on_error
-    self.when_busy = when_busy
-    self.name = name
-    self.cv = threading.Condition()
-    self.queued: tuple[Any] | None = None  # (item,) when an item waits.
-    self.running = False
-    self.stopping = False
-    self.pending_error: BaseException | None = None
-    self.submitted = 0
-    self.completed = 0
-    self.replaced = 0
-    self.failed = 0
-    self.waits = 0
-    self.waiting = 0  # Callers blocked for room right now.
-    self.waited_secs = 0.0
-    self.last_error: BaseException | None = None
-    self.last_result: Any = None
-    self.busy_secs = 0.0
-    self.thread: threading.Thread | None = None
-
-  def run(self) -> None:
-    """The thread's loop: take the queued item, run it, repeat until stopped."""
-    try:
-      while True:
-        with self.cv:
-          while self.queued is None and not self.stopping:
-            self.cv.wait()
-          if self.queued is None:  # Stopping and drained.
-            return
-          (item,) = self.queued
-          self.queued = None
-          self.running = True
-          self.cv.notify_all()  # Room in the queue: wake a waiting submit.
-        start = time.perf_counter()
-        try:
-          result = self.fn(item)
-        except Exception as e:  # pylint: disable=broad-except
-          self._record_failure(e)
-        else:
-          with self.cv:
-            self.completed += 1
-            self.last_result = result
-        finally:
-          del item  # Free the snapshot before waiting for the next one.
-          with self.cv:
-            self.running = False
-            self.busy_secs += time.perf_counter() - start
-            self.cv.notify_all()
-    finally:
-      with self.cv:
-        self.running = False
-        self.cv.notify_all()
-      _LIVE.discard(self)
-
-  def _record_failure(self, e: Exception) -> None:
-    with self.cv:
-      self.failed += 1
-      self.last_error = e
-      log = self.on_error == 'log'
-      if not log and self.pending_error is None:
-        self.pending_error = e
-      elif not log:  # Keep the first; the later one is only logged.
-        logging.error('%s: another background failure while one is '
-                      'pending: %s: %s', self.name, type(e).__name__, e)
-    if log:
-      logging.error('%s: background work failed (on_error=\'log\', failure '
-                    '#%d; training continues): %s: %s', self.name,
-                    self.failed, type(e).__name__, e,
-                    exc_info=(type(e), e, e.__traceback__))
-    # The kept error must not keep the failed item alive through its
-    # traceback's frames (a whole snapshot): drop their locals.
-    traceback.clear_frames(e.__traceback__)
-
-  def request_stop(self) -> None:
-    """Tells the thread to finish the queued item and exit (no join)."""
-    with self.cv:
-      self.stopping = True
-      self.cv.notify_all()
-
-
-# Threads still running, shut down at interpreter exit before Python joins
-# non-daemon threads (a plain `atexit` handler would run after that join and
-# never get the chance).
-_LIVE: set[_Shared] = set()
-_atexit_registered = False
-
-
-def _shutdown_all_at_exit() -> None:
-  live = list(_LIVE)
-  for shared in live:
-    with shared.cv:
-      waiting = shared.queued is not None or shared.running
-    if waiting:
-      logging.info('%s: interpreter exit; finishing the queued work.',
-                   shared.name)
-    shared.request_stop()
-  for shared in live:
-    if shared.thread is not None:
-      shared.thread.join()
-  for shared in live:
-    if shared.pending_error is not None:
-      e = shared.pending_error
-      logging.error('%s: background work failed and the worker was never '
-                    'closed: %s: %s', shared.name, type(e).__name__, e,
-                    exc_info=(type(e), e, e.__traceback__))
-
-
-def _register_atexit_once() -> None:
-  global _atexit_registered
-  if _atexit_registered:
-    return
-  # threading._register_atexit runs before non-daemon threads are joined
-  # (concurrent.futures relies on it too); fall back to atexit otherwise.
-  register = getattr(threading, '_register_atexit', None)
-  if register is None:
-    import atexit  # pylint: disable=g-import-not-at-top
-    register = atexit.register
-  register(_shutdown_all_at_exit)
-  _atexit_registered = True
 
 
 def close_on_exit(close: Callable[[], None], exc_type: type | None, *,
@@ -280,13 +146,12 @@ class AsyncWorker:
     self.name = name
     self.on_error = on_error
     self.when_busy = when_busy
-    self._shared = _Shared(fn, on_error, when_busy, name)
+    self._shared = worker_thread.WorkerState(fn, on_error, when_busy, name)
     self._closed = False
     self._thread = threading.Thread(
         target=self._shared.run, name=name, daemon=False)
     self._shared.thread = self._thread
-    _register_atexit_once()
-    _LIVE.add(self._shared)
+    worker_thread.track(self._shared)
     self._thread.start()
     # Forgotten workers: stop the thread when this object is collected.
     self._finalizer = weakref.finalize(self, self._shared.request_stop)
@@ -381,7 +246,7 @@ class AsyncWorker:
     self._closed = True
     self._shared.request_stop()
     self._thread.join()
-    _LIVE.discard(self._shared)
+    worker_thread.untrack(self._shared)
     self._finalizer.detach()
     self._raise_pending()
 

@@ -88,6 +88,16 @@ def _check_args(*, exporter: Any, export_every_steps: Any, every_secs: Any,
   return steps
 
 
+def _outcome_count(kind: str, doc: str) -> property:
+  """A read-only count of the due exports that ended as `kind`."""
+
+  def count(self: ExportCallback) -> int:
+    return self._outcomes.counts()[kind]  # pylint: disable=protected-access
+
+  count.__doc__ = doc
+  return property(count)
+
+
 @gin.configurable(module='t5export', denylist=['metric_writer'])
 class ExportCallback:
   """Runs an exporter every N steps of training, in the background.
@@ -346,30 +356,18 @@ class ExportCallback:
 
   # --- introspection --------------------------------------------------------
 
-  @property
-  def exports_due(self) -> int:
-    """Exports that became due (including `export_now`)."""
-    return self._outcomes.counts()['due']
-
-  @property
-  def exports_done(self) -> int:
-    """Due exports this callback published."""
-    return self._outcomes.counts()['published']
-
-  @property
-  def exports_skipped(self) -> int:
-    """Due exports skipped: the version was already published (resume)."""
-    return self._outcomes.counts()['skipped']
-
-  @property
-  def exports_replaced(self) -> int:
-    """Due exports dropped from the queue for a newer one ('skip' only)."""
-    return self._outcomes.counts()['replaced']
-
-  @property
-  def exports_failed(self) -> int:
-    """Due exports that failed (logged, or raised)."""
-    return self._outcomes.counts()['failed']
+  exports_due = _outcome_count(
+      'due', 'Exports that became due (including `export_now`).')
+  exports_done = _outcome_count(
+      'published', 'Due exports this callback published.')
+  exports_skipped = _outcome_count(
+      'skipped',
+      'Due exports skipped: the version was already published (resume).')
+  exports_replaced = _outcome_count(
+      'replaced',
+      "Due exports dropped from the queue for a newer one ('skip' only).")
+  exports_failed = _outcome_count(
+      'failed', 'Due exports that failed (logged, or raised).')
 
   @property
   def published(self) -> list[str]:

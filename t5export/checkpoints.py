@@ -1,31 +1,17 @@
 """Reads only the params (and flax mutables) out of a training checkpoint.
 
-Formats (`detect_format` names them):
+`checkpoint_layout` finds the checkpoint, its format and step, and chooses
+the subtrees that hold the params, the mutables and the step; this module
+reads those subtrees alone:
 
-- 'orbax': a PyTree checkpoint written by orbax (`ocp.CheckpointManager`
-  with standard or composite items such as 'default' or 'state',
-  `PyTreeCheckpointer`, `StandardCheckpointer`), including T5X's orbax layout
-  `checkpoint_<step>/state`. Only the params subtree (and flax mutables and
-  the step) is restored: the orbax metadata gives the tree, and a partial
-  restore never opens the optimizer-state arrays (`orbax_checkpoints`).
-- 't5x': T5X's legacy layout (version 3): a msgpack `checkpoint` file whose
-  large leaves are TensorStore arrays beside it; `param_states` is never
-  decoded and the optimizer-state arrays are never opened
-  (`msgpack_checkpoints` reads it).
-- 'flax_msgpack': a file written with `flax.serialization.msgpack_serialize`
-  / `to_bytes`, or flax's legacy `checkpoints.save_checkpoint`; read
-  sequentially, optimizer subtrees skipped without being decoded
-  (`msgpack_checkpoints`).
+- 'orbax': the orbax metadata gives the tree, and a partial restore never
+  opens the optimizer-state arrays (`orbax_checkpoints`).
+- 't5x': `param_states` is never decoded and the optimizer-state arrays are
+  never opened (`msgpack_checkpoints`).
+- 'flax_msgpack': read sequentially, optimizer subtrees skipped without
+  being decoded (`msgpack_checkpoints`).
 
-What counts as params: the 'target' subtree (T5X / t5export
-`FlaxOptimTrainState.state_dict()` layout, with 'flax_mutables' beside it),
-else the 'params' subtree (flax variables or `flax.training` TrainState; the
-other top-level collections such as 'batch_stats' are the mutables), else the
-whole tree when it holds no optimizer keys (a bare params tree).
-
-`path` may be a manager / model directory (the latest step, or `step`), one
-step's directory, an orbax item directory, T5X's `checkpoint_<step>`
-directory or its `checkpoint` file, or a msgpack file.
+`check_params_match` compares what was read with the model's params.
 
 Light module: never imports TensorFlow. orbax and tensorstore are imported
 only when a checkpoint of theirs is read.
@@ -36,38 +22,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 import dataclasses
 import os
-import re
 from typing import Any
 
 from absl import logging
 import jax
 import numpy as np
 
+from t5export import checkpoint_layout
 from t5export import errors
+from t5export import host_buffers
 from t5export import msgpack_checkpoints
 from t5export import orbax_checkpoints
-from t5export import host_buffers
 from t5export import paths
-
-ORBAX = 'orbax'
-T5X = 't5x'
-FLAX_MSGPACK = 'flax_msgpack'
-FORMATS = (ORBAX, T5X, FLAX_MSGPACK)
-
-# Keys of a train-state dict that are never variables.
-_NON_VARIABLE_KEYS = frozenset({
-    'step', 'state', 'opt_state', 'param_states', 'optimizer', 'target',
-    'flax_mutables', 'rng', 'rngs', 'dropout_rng', 'metrics', 'tx',
-    'apply_fn', 'version'})
-# Preferred orbax item names in a composite step, most likely first.
-_ITEM_PREFERENCE = ('state', 'default', 'train_state', 'params', 'model')
-_STEP_NAME = re.compile(r'^(?:(?P<prefix>[A-Za-z][\w.-]*?)_)?(?P<step>\d+)$')
-_ORBAX_STEP_METADATA = '_CHECKPOINT_METADATA'
-_LOOKED_FOR = (
-    'an orbax PyTree checkpoint (a directory with _METADATA, or a step '
-    'directory / CheckpointManager directory holding such items), a T5X '
-    "checkpoint (a 'checkpoint' msgpack file with {'version', 'optimizer'}, "
-    'in checkpoint_<step>/), or a flax msgpack file')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +43,7 @@ class CheckpointContents:
   Attributes:
     path: the concrete location read (orbax item directory, T5X `checkpoint`
       file or msgpack file).
-    format: one of `FORMATS`.
+    format: one of `checkpoint_layout.FORMATS`.
     step: the checkpoint's step (directory name, else the stored step), or
       None when the checkpoint does not say.
     params: nested dict of numpy arrays.
@@ -100,212 +66,6 @@ class CheckpointContents:
     return {'params': self.params, **self.flax_mutables}
 
 
-@dataclasses.dataclass(frozen=True)
-class _Located:
-  format: str
-  path: str
-  step: int | None
-
-
-# --- locating ---------------------------------------------------------------
-
-
-def _is_orbax_item(path: str) -> bool:
-  return os.path.isfile(os.path.join(path, orbax_checkpoints.METADATA))
-
-
-def _step_of_name(name: str, *, strict: bool = False) -> int | None:
-  """The step a directory or file name stands for, or None.
-
-  Args:
-    name: a base name such as '20', 'checkpoint_20' or 'ckpt_20'.
-    strict: accept only '<N>' and 'checkpoint_<N>' (used for a path given
-      directly, whose name may be unrelated to a step); otherwise any
-      '<prefix>_<N>' (used when listing the steps of a manager directory).
-
-  Returns:
-    The step, or None (also for orbax / T5X temporary directories).
-  """
-  if 'tmp' in name:
-    return None
-  match = _STEP_NAME.match(name)
-  if not match:
-    return None
-  if strict and match.group('prefix') not in (None, 'checkpoint'):
-    return None
-  return int(match.group('step'))
-
-
-def _orbax_items(path: str) -> list[str]:
-  """Orbax PyTree item directories directly under a step directory."""
-  try:
-    names = sorted(os.listdir(path))
-  except OSError:
-    return []
-  items = [n for n in names if _is_orbax_item(os.path.join(path, n))]
-  rank = {n: i for i, n in enumerate(_ITEM_PREFERENCE)}
-  return sorted(items, key=lambda n: (rank.get(n, len(rank)), n))
-
-
-def _locate_single(path: str) -> _Located | None:
-  """Identifies one checkpoint (not a directory of steps), or None."""
-  path = os.path.abspath(path)
-  name_step = _step_of_name(os.path.basename(path), strict=True)
-  parent_step = _step_of_name(os.path.basename(os.path.dirname(path)),
-                              strict=True)
-  if os.path.isfile(path):
-    if msgpack_checkpoints.is_t5x_file(path):
-      return _Located(T5X, path, parent_step)
-    if msgpack_checkpoints.is_msgpack_map_file(path):
-      return _Located(FLAX_MSGPACK, path, name_step)
-    return None
-  if _is_orbax_item(path):
-    step = name_step
-    in_step_dir = not os.path.isfile(
-        os.path.join(path, _ORBAX_STEP_METADATA)) and os.path.isfile(
-            os.path.join(os.path.dirname(path), _ORBAX_STEP_METADATA))
-    if in_step_dir:  # An item of a CheckpointManager step.
-      step = parent_step
-    return _Located(ORBAX, path, step)
-  t5x_file = os.path.join(path, msgpack_checkpoints.T5X_FILE)
-  if os.path.isfile(t5x_file) and msgpack_checkpoints.is_t5x_file(t5x_file):
-    return _Located(T5X, t5x_file, name_step)
-  items = [os.path.join(path, n) for n in _orbax_items(path)]
-  if items:
-    with_params = [i for i in items if _has_params(i)]
-    return _Located(ORBAX, (with_params or items)[0], name_step)
-  return None
-
-
-def _has_params(item_dir: str) -> bool:
-  """Whether an orbax item's tree holds params (by its `_METADATA`)."""
-  try:
-    structure = orbax_checkpoints.structure(item_dir)
-    _select(structure, item_dir)
-  except (errors.T5ExportError, OSError, ValueError, KeyError, TypeError,
-          AttributeError):
-    return False
-  return True
-
-
-def _steps_under(path: str) -> dict[int, _Located]:
-  """Checkpoints in the numbered entries of a manager / model directory."""
-  found = {}
-  for name in os.listdir(path):
-    step = _step_of_name(name)
-    if step is None:
-      continue
-    located = _locate_single(os.path.join(path, name))
-    if located is not None:
-      found[step] = dataclasses.replace(located, step=step)
-  return found
-
-
-def _locate(path: str | os.PathLike[str], step: int | None) -> _Located:
-  """Finds the checkpoint to read at `path` (and `step`)."""
-  path = os.fspath(path)
-  if not os.path.exists(path):
-    raise errors.CheckpointNotFoundError(
-        f'Checkpoint path {path!r} does not exist. Pass the checkpoint '
-        'directory or file (--ckpt).')
-  located = _locate_single(path)
-  if located is not None:
-    if step is not None and located.step is not None and located.step != step:
-      raise errors.CheckpointNotFoundError(
-          f'{path!r} is the checkpoint of step {located.step}, not step '
-          f'{step}. Pass the directory holding all steps, or drop the step.')
-    if step is not None and located.step is None:
-      located = dataclasses.replace(located, step=step)
-    return located
-  if os.path.isdir(path):
-    steps = _steps_under(path)
-    if steps:
-      if step is None:
-        return steps[max(steps)]
-      if step not in steps:
-        raise errors.CheckpointNotFoundError(
-            f'No checkpoint of step {step} in {path!r}; steps found: '
-            f'{sorted(steps)}.')
-      return steps[step]
-  raise errors.UnknownCheckpointFormatError(
-      f'{path!r} is not a checkpoint t5export can read. Looked for '
-      f'{_LOOKED_FOR}.')
-
-
-def detect_format(path: str | os.PathLike[str]) -> str:
-  """Names the format of the checkpoint at `path`.
-
-  Args:
-    path: a checkpoint file or directory (see the module docstring).
-
-  Returns:
-    One of 'orbax', 't5x', 'flax_msgpack'.
-
-  Raises:
-    CheckpointNotFoundError: `path` does not exist.
-    UnknownCheckpointFormatError: `path` holds none of the formats.
-  """
-  return _locate(path, None).format
-
-
-def available_steps(path: str | os.PathLike[str]) -> list[int]:
-  """The steps of the checkpoints in a manager / model directory.
-
-  Args:
-    path: a directory of numbered checkpoints.
-
-  Returns:
-    Ascending steps; [] when `path` is one checkpoint or holds none.
-  """
-  path = os.fspath(path)
-  if not os.path.isdir(path) or _locate_single(path) is not None:
-    return []
-  return sorted(_steps_under(path))
-
-
-# --- selecting params from a tree ---------------------------------------------
-
-
-def _select(keys: Mapping[str, Any], source: str) -> dict[str, Any]:
-  """Chooses the subtrees to read from a top-level dict (or its metadata).
-
-  Args:
-    keys: the checkpoint's top-level dict (values may be metadata).
-    source: the checkpoint path, for messages.
-
-  Returns:
-    {'params': key path tuple (() for the whole tree), 'mutables':
-    {collection: key path tuple}, 'step': key path tuple or None}.
-
-  Raises:
-    NoParamsInCheckpointError: no params in the tree.
-  """
-  if 'target' in keys:
-    mutables = {}
-    if isinstance(keys.get('flax_mutables'), Mapping):
-      mutables = {k: ('flax_mutables', k) for k in keys['flax_mutables']}
-    state = keys.get('state')
-    step = (('state', 'step') if isinstance(state, Mapping)
-            and 'step' in state else None)
-    return {'params': ('target',), 'mutables': mutables, 'step': step}
-  if 'params' in keys:
-    if isinstance(keys.get('flax_mutables'), Mapping):
-      mutables = {k: ('flax_mutables', k) for k in keys['flax_mutables']}
-    else:
-      mutables = {k: (k,) for k, v in keys.items()
-                  if k != 'params' and k not in _NON_VARIABLE_KEYS
-                  and isinstance(v, Mapping)}
-    return {'params': ('params',), 'mutables': mutables,
-            'step': ('step',) if 'step' in keys else None}
-  if keys and not (set(keys) & _NON_VARIABLE_KEYS):
-    return {'params': (), 'mutables': {}, 'step': None}
-  raise errors.NoParamsInCheckpointError(
-      f'Checkpoint {source!r} holds no params: no \'target\' (T5X / '
-      f"FlaxOptimTrainState layout) or 'params' entry, and it is not a bare "
-      f'params tree (top-level keys: {sorted(map(str, keys))}). Point --ckpt '
-      'at a checkpoint that saved the model parameters.')
-
-
 def _get(tree: Mapping[str, Any], keypath: tuple[str, ...]) -> Any:
   for key in keypath:
     tree = tree[key]
@@ -323,7 +83,7 @@ def _plain(tree: Any) -> Any:
   return tree
 
 
-def _contents(located: _Located, tree: Mapping[str, Any],
+def _contents(located: checkpoint_layout.Located, tree: Mapping[str, Any],
               selection: Mapping[str, Any], bytes_read: int | None,
               ) -> CheckpointContents:
   params = _plain(_get(tree, selection['params']))
@@ -349,14 +109,14 @@ def _contents(located: _Located, tree: Mapping[str, Any],
 # --- orbax --------------------------------------------------------------------
 
 
-def _read_orbax(located: _Located) -> CheckpointContents:
+def _read_orbax(located: checkpoint_layout.Located) -> CheckpointContents:
   structure = orbax_checkpoints.structure(located.path)
   if not isinstance(structure, Mapping):
     raise errors.UnknownCheckpointFormatError(
         f'Orbax checkpoint {located.path!r} holds a '
         f'{type(structure).__name__}, not a dict of params or a train state '
         'dict.')
-  selection = _select(structure, located.path)
+  selection = checkpoint_layout.select(structure, located.path)
   keypaths = [selection['params'], *selection['mutables'].values()]
   if selection['step'] is not None:
     keypaths.append(selection['step'])
@@ -368,21 +128,24 @@ def _read_orbax(located: _Located) -> CheckpointContents:
 # --- msgpack (flax and T5X) ---------------------------------------------------
 
 
-def _read_flax_msgpack(located: _Located) -> CheckpointContents:
-  tree = msgpack_checkpoints.read_tree(located.path, looked_for=_LOOKED_FOR)
+def _read_flax_msgpack(located: checkpoint_layout.Located
+                       ) -> CheckpointContents:
+  tree = msgpack_checkpoints.read_tree(
+      located.path, looked_for=checkpoint_layout.LOOKED_FOR)
   if not isinstance(tree, dict):
     raise errors.UnknownCheckpointFormatError(
         f'Flax msgpack file {located.path!r} holds a {type(tree).__name__}, '
         'not a dict of params or a train state dict.')
-  selection = _select(tree, located.path)
+  selection = checkpoint_layout.select(tree, located.path)
   return _contents(located, tree, selection, os.path.getsize(located.path))
 
 
-def _read_t5x(located: _Located) -> CheckpointContents:
+def _read_t5x(located: checkpoint_layout.Located) -> CheckpointContents:
   state = msgpack_checkpoints.t5x_state(
-      msgpack_checkpoints.read_tree(located.path, looked_for=_LOOKED_FOR),
+      msgpack_checkpoints.read_tree(
+          located.path, looked_for=checkpoint_layout.LOOKED_FOR),
       located.path)
-  selection = _select(state, located.path)
+  selection = checkpoint_layout.select(state, located.path)
   subtrees = [_get(state, keypath) for keypath in (
       selection['params'], *selection['mutables'].values())]
   bytes_read = os.path.getsize(located.path) + (
@@ -392,7 +155,9 @@ def _read_t5x(located: _Located) -> CheckpointContents:
 
 # --- public -------------------------------------------------------------------
 
-_READERS = {ORBAX: _read_orbax, T5X: _read_t5x, FLAX_MSGPACK: _read_flax_msgpack}
+_READERS = {checkpoint_layout.ORBAX: _read_orbax,
+            checkpoint_layout.T5X: _read_t5x,
+            checkpoint_layout.FLAX_MSGPACK: _read_flax_msgpack}
 
 
 def read_params(path: str | os.PathLike[str], *,
@@ -420,7 +185,8 @@ def read_params(path: str | os.PathLike[str], *,
   if step is not None and (isinstance(step, bool) or int(step) != step
                            or step < 0):
     raise ValueError(f'step must be a non-negative int or None, got {step!r}.')
-  located = _locate(path, None if step is None else int(step))
+  located = checkpoint_layout.locate(path,
+                                     None if step is None else int(step))
   logging.info('Reading params of %s checkpoint %s (step %s).',
                located.format, located.path, located.step)
   contents = _READERS[located.format](located)

@@ -225,11 +225,7 @@ class ExportCoordinator:
     if not self.is_writer:
       self._follow(index, what)
       return None
-    try:
-      result = fn()
-    except Exception as e:
-      self._report(index, _ERROR + _one_line(e))
-      raise
+    result = self._run_reporting_failure(index, fn)
     self._report(index, _OK + (result if isinstance(result, str) else ''))
     self._barrier(index, what)
     return result
@@ -270,11 +266,7 @@ class ExportCoordinator:
       else:
         self._open = (index, what)
       return None
-    try:
-      result = publish_locally()
-    except Exception as e:
-      self._report(index, _ERROR + _one_line(e))
-      raise
+    result = self._run_reporting_failure(index, publish_locally)
     if not sync:
       self._open = (index, what)
       return None
@@ -357,6 +349,14 @@ class ExportCoordinator:
     if value.startswith(_OK) and len(value) > len(_OK):
       self.last_reported = value[len(_OK):]
     self._client.key_value_set(self._key(index), value)
+
+  def _run_reporting_failure(self, index: int, fn: Callable[[], Any]) -> Any:
+    """`fn()` on the writer; its failure is reported for round `index`."""
+    try:
+      return fn()
+    except Exception as e:
+      self._report(index, _ERROR + _one_line(e))
+      raise
 
   def _follow(self, index: int, what: str) -> None:
     """A non-writer waits for process 0's report of round `index`.

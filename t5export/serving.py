@@ -11,11 +11,8 @@ gin-friendly way:
 Input specs. `input_specs` is a pytree (usually a flat dict) whose leaves are
 either `(shape, dtype)` pairs of strings ('b, 16', 'float32') or
 `tf.TensorSpec`s; a named dimension is polymorphic and shared by the inputs
-that name it. Serving inputs are flat keyword arguments named after the
-flattened keys ('a__x' for nested dicts, 'input_0', ... for a tuple) and
-outputs a flat dict ('enc/h' for nested outputs, 'output_0', ... for a
-tensor or tuple). The exact rules are in `t5export.specs`, which parses and
-names; this module checks and builds.
+that name it. How specs, serving inputs and outputs are parsed, named and
+checked against sample inputs is `t5export.specs`; this module builds.
 
 Pre/post-processing. `preprocessor(inputs) -> method_inputs` and
 `postprocessor(outputs) -> outputs` are TensorFlow functions run in the
@@ -52,15 +49,6 @@ from t5export import paths
 from t5export import specs
 
 _SIGNATURE_NAME = re.compile(r'^[A-Za-z_][A-Za-z0-9_.\-]*$')
-
-# Spec parsing and naming live in `specs`; these names stay importable from
-# here, where they were first defined.
-Dim = specs.Dim
-InputSpec = specs.InputSpec
-parse_shape = specs.parse_shape
-parse_dtype = specs.parse_dtype
-parse_spec = specs.parse_spec
-name_outputs = specs.name_outputs
 
 
 def _is_parsed(x: Any) -> bool:
@@ -129,7 +117,9 @@ class Signature:
     self.preprocessor = preprocessor
     self.postprocessor = postprocessor
 
-    self._serving_tree = self._parse_tree(input_specs, 'input_specs')
+    where = f'Signature {name!r}'
+    self._serving_tree = specs.parse_tree(input_specs, where=where,
+                                          arg='input_specs')
     self.input_names = tuple(specs.flat_input_names(input_specs))
     for input_name in self.input_names:
       if not specs.is_identifier(input_name):
@@ -159,35 +149,16 @@ class Signature:
             'into numbers (e.g. token ids).')
       self.method_inputs = self._serving_tree
     elif method_input_specs is not None:
-      self.method_inputs = self._parse_tree(method_input_specs,
-                                            'method_input_specs')
+      self.method_inputs = specs.parse_tree(
+          method_input_specs, where=where, arg='method_input_specs')
     else:
       self.method_inputs = self._trace_preprocessor()
     self.sample_inputs = (None if sample_inputs is None else
-                          self._check_samples(sample_inputs))
+                          specs.check_samples(
+                              sample_inputs, self.inputs,
+                              where=f'{where}: sample_inputs'))
 
   # --- specs ---------------------------------------------------------------
-
-  def _parse_tree(self, tree: Any, arg: str) -> Any:
-    if tree is None or (isinstance(tree, (Mapping, list, tuple)) and
-                        not specs.is_spec_leaf(tree) and
-                        not jax.tree_util.tree_leaves(
-                            tree, is_leaf=specs.is_spec_leaf)):
-      raise errors.SignatureError(
-          f'Signature {self.name!r}: {arg} is empty; give at least one '
-          "input, e.g. {'x': ('b, 16', 'float32')}.")
-    flat = paths.flatten(tree, is_leaf=specs.is_spec_leaf)
-    parsed = []
-    for path, leaf in flat.items():
-      where = f'Signature {self.name!r}, {arg}[{path!r}]'
-      if not specs.is_spec_leaf(leaf):
-        raise errors.SignatureError(
-            f"{where}: expected a (shape, dtype) pair such as ('b, 16', "
-            f"'float32') or a tf.TensorSpec; got {leaf!r}.")
-      parsed.append(specs.parse_spec(
-          leaf, where=where, flat_name=path.replace('/', '_') or 'input'))
-    treedef = jax.tree_util.tree_structure(tree, is_leaf=specs.is_spec_leaf)
-    return jax.tree_util.tree_unflatten(treedef, parsed)
 
   def _trace_preprocessor(self) -> Any:
     """Derives the method's input specs from the preprocessor's outputs."""
@@ -204,24 +175,8 @@ class Signature:
           f'Signature {self.name!r}: the preprocessor failed on the serving '
           f'input specs {self._describe_inputs()}: {type(e).__name__}: {e}'
       ) from e
-    outputs = concrete.structured_outputs
-    flat = paths.flatten(outputs)
-    parsed = []
-    for path, tensor in flat.items():
-      if not isinstance(tensor, tf.Tensor) or tensor.shape.rank is None:
-        raise errors.SignatureError(
-            f'Signature {self.name!r}: preprocessor output {path!r} is '
-            f'{tensor!r}; a JAX method takes dense tensors of known rank. '
-            'Convert it (e.g. ragged.to_tensor()) or pass '
-            'method_input_specs.')
-      stem = re.sub(r'[^A-Za-z0-9_]', '_', path) or 'input'
-      dims = tuple(
-          d if d is not None else
-          (batch if i == 0 and batch else f'{stem}_{i}')
-          for i, d in enumerate(tensor.shape.as_list()))
-      parsed.append(specs.InputSpec(dims, tensor.dtype))
-    treedef = jax.tree_util.tree_structure(outputs)
-    return jax.tree_util.tree_unflatten(treedef, parsed)
+    return specs.specs_of_tensors(concrete.structured_outputs, batch=batch,
+                                  where=f'Signature {self.name!r}')
 
   def _to_serving_tree(self, flat_values: Sequence[Any]) -> Any:
     treedef = jax.tree_util.tree_structure(
@@ -270,70 +225,6 @@ class Signature:
         'preprocessor': _callable_name(self.preprocessor),
         'postprocessor': _callable_name(self.postprocessor),
     }
-
-  # --- sample inputs -------------------------------------------------------
-
-  def _check_samples(self, samples: Mapping[str, Any]) -> dict[str, Any]:
-    """Validates sample inputs against the serving specs; returns arrays."""
-    where = f'Signature {self.name!r}: sample_inputs'
-    if not isinstance(samples, Mapping):
-      raise errors.SignatureError(
-          f'{where} must be a dict input name -> array; got '
-          f'{type(samples).__name__}.')
-    missing = [n for n in self.input_names if n not in samples]
-    extra = [n for n in samples if n not in self.inputs]
-    if missing or extra:
-      raise errors.SignatureError(
-          f'{where} do not match the inputs {list(self.input_names)}: '
-          f'missing {missing}, unexpected {extra}.')
-    out: dict[str, Any] = {}
-    sizes: dict[str, tuple[int, str]] = {}
-    for input_name in self.input_names:
-      spec, value = self.inputs[input_name], samples[input_name]
-      if spec.dtype == tf.string:
-        array = np.asarray(value, dtype=object if not hasattr(
-            value, 'dtype') else None)
-        ok = array.dtype.kind in 'OUS' and all(
-            isinstance(v, (str, bytes)) for v in array.reshape(-1))
-        if ok:  # bytes objects: what TF and the warm-up protos expect.
-          array = np.array(
-              [v.encode() if isinstance(v, str) else v
-               for v in array.reshape(-1)], dtype=object).reshape(array.shape)
-      else:
-        want = np.dtype(spec.dtype.as_numpy_dtype)
-        if hasattr(value, 'dtype'):
-          array = np.asarray(value)
-          ok = array.dtype == want
-        else:
-          try:
-            array = np.asarray(value, dtype=want)
-            ok = True
-          except (TypeError, ValueError):
-            array, ok = np.asarray(value, dtype=object), False
-      if not ok:
-        raise errors.SignatureError(
-            f'{where}[{input_name!r}] has dtype {array.dtype}, the spec says '
-            f'{spec.dtype.name}; cast it (e.g. .astype(np.'
-            f'{spec.dtype.name if spec.dtype != tf.string else "str_"})).')
-      if array.ndim != len(spec.dims):
-        raise errors.SignatureError(
-            f'{where}[{input_name!r}] has shape {array.shape} (rank '
-            f'{array.ndim}), the spec says ({spec.shape_string}) (rank '
-            f'{len(spec.dims)}).')
-      for axis, (dim, size) in enumerate(zip(spec.dims, array.shape)):
-        if isinstance(dim, int) and dim != size:
-          raise errors.SignatureError(
-              f'{where}[{input_name!r}] has shape {array.shape}, the spec '
-              f'says ({spec.shape_string}): axis {axis} must be {dim}.')
-        if isinstance(dim, str):
-          if dim in sizes and sizes[dim][0] != size:
-            raise errors.SignatureError(
-                f'{where}: dimension {dim!r} is {sizes[dim][0]} in '
-                f'{sizes[dim][1]!r} but {size} in {input_name!r}; inputs '
-                'sharing a dimension name must agree.')
-          sizes.setdefault(dim, (size, input_name))
-      out[input_name] = array
-    return out
 
   # --- the method ----------------------------------------------------------
 

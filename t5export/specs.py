@@ -25,8 +25,10 @@ nested containers are joined with '/' ({'enc': {'h': ...}} -> 'enc/h'; '/'
 is fine in a SignatureDef output key), a bare tensor is 'output_0', a tuple
 is 'output_0', 'output_1', ...
 
-This module only parses and names; `serving.Signature` checks the parsed
-specs against each other, the method and the sample inputs.
+Parsing (`parse_tree`; a preprocessor's outputs: `specs_of_tensors`),
+naming, and checking sample inputs against the specs (`check_samples`) are
+here; `serving.Signature` checks the specs against each other and the
+method, and builds the serving functions.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import dataclasses
 import re
 from typing import Any
 
+import jax
+import numpy as np
 import tensorflow as tf
 
 from t5export import errors
@@ -235,3 +239,150 @@ def name_outputs(outputs: Any) -> dict[str, Any]:
   if list(flat) == ['']:
     return {'output_0': flat['']}
   return {f'output_{path}': leaf for path, leaf in flat.items()}
+
+
+def parse_tree(tree: Any, *, where: str, arg: str) -> Any:
+  """Parses every leaf of an input_specs tree into an `InputSpec`.
+
+  Args:
+    tree: the input_specs (or method_input_specs) tree.
+    where: whose specs they are, for messages (e.g. "Signature 'x'").
+    arg: the argument's name, for messages.
+
+  Returns:
+    The same tree structure with `InputSpec` leaves.
+
+  Raises:
+    errors.SignatureError: the tree is empty, or a leaf is not a spec or
+      does not parse.
+  """
+  if tree is None or (isinstance(tree, (Mapping, list, tuple)) and
+                      not is_spec_leaf(tree) and
+                      not jax.tree_util.tree_leaves(
+                          tree, is_leaf=is_spec_leaf)):
+    raise errors.SignatureError(
+        f'{where}: {arg} is empty; give at least one input, e.g. '
+        "{'x': ('b, 16', 'float32')}.")
+  parsed = []
+  for path, leaf in paths.flatten(tree, is_leaf=is_spec_leaf).items():
+    leaf_where = f'{where}, {arg}[{path!r}]'
+    if not is_spec_leaf(leaf):
+      raise errors.SignatureError(
+          f"{leaf_where}: expected a (shape, dtype) pair such as ('b, 16', "
+          f"'float32') or a tf.TensorSpec; got {leaf!r}.")
+    parsed.append(parse_spec(leaf, where=leaf_where,
+                             flat_name=path.replace('/', '_') or 'input'))
+  treedef = jax.tree_util.tree_structure(tree, is_leaf=is_spec_leaf)
+  return jax.tree_util.tree_unflatten(treedef, parsed)
+
+
+def specs_of_tensors(outputs: Any, *, batch: str | None, where: str) -> Any:
+  """The specs of traced tensors (a preprocessor's outputs).
+
+  Static dimensions stay; an unknown leading one becomes `batch` (when
+  given), any other unknown one the name '<path>_<axis>'.
+
+  Args:
+    outputs: a tree of symbolic `tf.Tensor`s.
+    batch: the serving inputs' leading dimension name, or None.
+    where: whose tensors they are, for messages.
+
+  Returns:
+    The same tree structure with `InputSpec` leaves.
+
+  Raises:
+    errors.SignatureError: a leaf is not a dense tensor of known rank.
+  """
+  parsed = []
+  for path, tensor in paths.flatten(outputs).items():
+    if not isinstance(tensor, tf.Tensor) or tensor.shape.rank is None:
+      raise errors.SignatureError(
+          f'{where}: preprocessor output {path!r} is {tensor!r}; a JAX '
+          'method takes dense tensors of known rank. Convert it (e.g. '
+          'ragged.to_tensor()) or pass method_input_specs.')
+    stem = re.sub(r'[^A-Za-z0-9_]', '_', path) or 'input'
+    parsed.append(InputSpec(tuple(
+        d if d is not None else
+        (batch if i == 0 and batch else f'{stem}_{i}')
+        for i, d in enumerate(tensor.shape.as_list())), tensor.dtype))
+  treedef = jax.tree_util.tree_structure(outputs)
+  return jax.tree_util.tree_unflatten(treedef, parsed)
+
+
+def _sample_array(value: Any, spec: InputSpec) -> tuple[np.ndarray, bool]:
+  """`value` as an array of the spec's dtype, and whether it is one."""
+  if spec.dtype == tf.string:
+    array = np.asarray(value, dtype=object if not hasattr(
+        value, 'dtype') else None)
+    ok = array.dtype.kind in 'OUS' and all(
+        isinstance(v, (str, bytes)) for v in array.reshape(-1))
+    if ok:  # bytes objects: what TF and the warm-up protos expect.
+      array = np.array(
+          [v.encode() if isinstance(v, str) else v
+           for v in array.reshape(-1)], dtype=object).reshape(array.shape)
+    return array, ok
+  want = np.dtype(spec.dtype.as_numpy_dtype)
+  if hasattr(value, 'dtype'):
+    array = np.asarray(value)
+    return array, array.dtype == want
+  try:
+    return np.asarray(value, dtype=want), True
+  except (TypeError, ValueError):
+    return np.asarray(value, dtype=object), False
+
+
+def check_samples(samples: Any, inputs: Mapping[str, InputSpec], *,
+                  where: str) -> dict[str, np.ndarray]:
+  """Checks sample inputs against the serving specs.
+
+  Args:
+    samples: input name -> array (or list), as the user gave them.
+    inputs: input name -> spec, in serving order.
+    where: whose samples they are, for messages.
+
+  Returns:
+    Input name -> numpy array (strings as bytes objects), in `inputs` order.
+
+  Raises:
+    errors.SignatureError: not a dict, names that differ from the inputs,
+      or an array whose dtype, rank, static size or shared dimension does
+      not match.
+  """
+  if not isinstance(samples, Mapping):
+    raise errors.SignatureError(
+        f'{where} must be a dict input name -> array; got '
+        f'{type(samples).__name__}.')
+  missing = [n for n in inputs if n not in samples]
+  extra = [n for n in samples if n not in inputs]
+  if missing or extra:
+    raise errors.SignatureError(
+        f'{where} do not match the inputs {list(inputs)}: '
+        f'missing {missing}, unexpected {extra}.')
+  out: dict[str, np.ndarray] = {}
+  sizes: dict[str, tuple[int, str]] = {}
+  for input_name, spec in inputs.items():
+    array, ok = _sample_array(samples[input_name], spec)
+    if not ok:
+      raise errors.SignatureError(
+          f'{where}[{input_name!r}] has dtype {array.dtype}, the spec says '
+          f'{spec.dtype.name}; cast it (e.g. .astype(np.'
+          f'{spec.dtype.name if spec.dtype != tf.string else "str_"})).')
+    if array.ndim != len(spec.dims):
+      raise errors.SignatureError(
+          f'{where}[{input_name!r}] has shape {array.shape} (rank '
+          f'{array.ndim}), the spec says ({spec.shape_string}) (rank '
+          f'{len(spec.dims)}).')
+    for axis, (dim, size) in enumerate(zip(spec.dims, array.shape)):
+      if isinstance(dim, int) and dim != size:
+        raise errors.SignatureError(
+            f'{where}[{input_name!r}] has shape {array.shape}, the spec '
+            f'says ({spec.shape_string}): axis {axis} must be {dim}.')
+      if isinstance(dim, str):
+        if dim in sizes and sizes[dim][0] != size:
+          raise errors.SignatureError(
+              f'{where}: dimension {dim!r} is {sizes[dim][0]} in '
+              f'{sizes[dim][1]!r} but {size} in {input_name!r}; inputs '
+              'sharing a dimension name must agree.')
+        sizes.setdefault(dim, (size, input_name))
+    out[input_name] = array
+  return out

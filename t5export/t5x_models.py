@@ -201,6 +201,17 @@ def logits_signature(model: Any, *, task_feature_lengths: Mapping[str, int],
                            sample_inputs=samples)
 
 
+def _encoder_tokens_signature(model: Any, name: str, serve: Any, *, b: str,
+                              enc_len: int, batch_size: int | None
+                              ) -> serving.Signature:
+  """A Signature whose one input is int32 `encoder_input_tokens` [b, n]."""
+  return serving.Signature(
+      name=name, method=serve,
+      input_specs={'encoder_input_tokens': (f'{b}, {enc_len}', 'int32')},
+      sample_inputs={'encoder_input_tokens': _sample_tokens(
+          model.input_vocabulary, batch_size or SAMPLE_BATCH, enc_len, 0)})
+
+
 @gin.configurable('t5x_encoder_signature', module='t5export')
 def encoder_signature(model: Any, *, task_feature_lengths: Mapping[str, int],
                       name: str = 'encode',
@@ -231,11 +242,8 @@ def encoder_signature(model: Any, *, task_feature_lengths: Mapping[str, int],
         enable_dropout=False, method=model.module.encode)
     return {'encoded': encoded}
 
-  return serving.Signature(
-      name=name, method=serve,
-      input_specs={'encoder_input_tokens': (f'{b}, {enc_len}', 'int32')},
-      sample_inputs={'encoder_input_tokens': _sample_tokens(
-          model.input_vocabulary, batch_size or SAMPLE_BATCH, enc_len, 0)})
+  return _encoder_tokens_signature(model, name, serve, b=b, enc_len=enc_len,
+                                   batch_size=batch_size)
 
 
 @gin.configurable('t5x_decode_signature', module='t5export')
@@ -284,11 +292,8 @@ def decode_signature(model: Any, *, task_feature_lengths: Mapping[str, int],
         variables['params'], batch, **kwargs)
     return {'decodes': decodes.astype(jnp.int32), 'scores': aux['scores']}
 
-  return serving.Signature(
-      name=name, method=serve,
-      input_specs={'encoder_input_tokens': (f'{b}, {enc_len}', 'int32')},
-      sample_inputs={'encoder_input_tokens': _sample_tokens(
-          model.input_vocabulary, batch_size or SAMPLE_BATCH, enc_len, 0)})
+  return _encoder_tokens_signature(model, name, serve, b=b, enc_len=enc_len,
+                                   batch_size=batch_size)
 
 
 @gin.configurable('t5x_signatures', module='t5export')

@@ -6,24 +6,10 @@ optimizer state without touching its bytes (`InferenceState.from_train_state`,
 which also takes T5X's own states as they are) and the logical axis names of
 every array leaf (`as_logical_axes()`). `TrainState` lists what is read.
 
-Storage (docs/internals.md, "State"):
-
-* `params` and `flax_mutables` are plain nested dicts of arrays (FrozenDict
-  input is converted; the array leaves are kept, not copied). Boxed params
-  (`nn.Partitioned`, `nn.LogicallyPartitioned`, e.g. from
-  `nn.with_logical_partitioning`) are unboxed at `create`.
-* `params_axes` / `flax_mutables_axes` mirror `params` / `flax_mutables`
-  exactly (T5X's `_axes` key suffix removed: `_axis_names` is the one
-  reader of that layout); each leaf position holds a
-  `flax.linen.partitioning.AxisMetadata(names=...)`. They hold no arrays, so
-  jit, donation and tree_map skip them. `None` when nothing declares axes.
-  A mutable leaf without axes holds `None` in `flax_mutables_axes`.
-* Params have axes all or none: a partial set raises `MissingAxesError` at
-  `create`. Mutables without axes are replicated.
-
-Replicated leaves get a rank-matched spec, `PartitionSpec(None, ..., None)`
-(`PartitionSpec()` for scalars such as `step` and optimizer counts), so that
-rank checks downstream always pass; JAX treats both spellings alike.
+`params` and `flax_mutables` are plain nested dicts of arrays (FrozenDict
+input is converted; the array leaves are kept, not copied); boxed params
+(`nn.Partitioned`, `nn.LogicallyPartitioned`) are unboxed at `create`. How
+the axis names are stored, read and turned into specs is `state_axes`.
 
 Light module: never imports tensorflow.
 """
@@ -33,31 +19,23 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from absl import logging
 import flax
-from flax.core import meta
-from flax.linen import partitioning as flax_partitioning
 import flax.serialization
 import flax.struct
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
-import numpy as np
 import optax
 # typing_extensions' runtime Protocol checks members with getattr_static (as
 # Python 3.12+ does), so a property that raises, like InferenceState's
 # param_states, still counts as present on Python 3.10 and 3.11.
 from typing_extensions import Protocol
 from typing_extensions import runtime_checkable
+from typing_extensions import Self
 
 from t5export import errors
-from t5export import paths
-
-AxisMetadata = flax_partitioning.AxisMetadata
-_AXES_SUFFIX = '_axes'
-_INJECT_STATES = (optax.InjectHyperparamsState,
-                  optax.InjectStatefulHyperparamsState)
-
+from t5export import optax_state
+from t5export import state_axes
 
 class _Keep:
   """Default of `apply_gradient(flax_mutables=...)`: keep the current ones."""
@@ -136,293 +114,6 @@ class TrainState(Protocol):
     ...
 
 
-# --- variables and axes -----------------------------------------------------
-
-
-def _plain(tree: Any) -> Any:
-  """Nested Mappings (FrozenDict, dict) as plain dicts; leaves untouched."""
-  if isinstance(tree, Mapping):
-    return {k: _plain(v) for k, v in tree.items()}
-  return tree
-
-
-def _is_box(x: Any) -> bool:
-  return isinstance(x, meta.AxisMetadata)
-
-
-def _unbox(tree: Any) -> tuple[Any, dict[str, tuple[Any, ...]]]:
-  """Unboxes flax metadata boxes; returns (plain tree, {path: axis names})."""
-  names: dict[str, tuple[Any, ...]] = {}
-
-  def unbox_leaf(keypath: tuple[Any, ...], leaf: Any) -> Any:
-    if isinstance(leaf, meta.Partitioned):
-      names[paths.path_str(keypath)] = tuple(leaf.names)
-      return leaf.value
-    if _is_box(leaf):
-      return leaf.unbox()
-    return leaf
-
-  plain = jax.tree_util.tree_map_with_path(
-      unbox_leaf, _plain(tree), is_leaf=_is_box)
-  return plain, names
-
-
-def _is_axis_md(x: Any) -> bool:
-  return isinstance(x, AxisMetadata)
-
-
-def _axis_names(axes: Any, known: set[str]
-                ) -> tuple[dict[str, tuple[Any, ...]], list[str]]:
-  """Reads an axes tree in either layout: ({value path: names}, unknown).
-
-  The one place that knows T5X's layout. An entry's path is the value's own
-  path (t5export's mirror layout) or that path plus T5X's `_axes` key
-  suffix (`{'kernel_axes': AxisMetadata}` beside `{'kernel': ...}`, as
-  flax's `param_with_axes` sows it and T5X's states keep it).
-
-  Args:
-    axes: a tree with `AxisMetadata` leaves (None entries: no axes), or
-      None.
-    known: the paths of the values the axes are for.
-
-  Returns:
-    The names by value path, and the axes paths that name no known value.
-
-  Raises:
-    TypeError: if a leaf of `axes` is not an `AxisMetadata`.
-  """
-  names, unknown = {}, []
-  if axes is None:
-    return names, unknown
-  for path, md in paths.flatten(_plain(axes), is_leaf=_is_axis_md).items():
-    if not _is_axis_md(md):
-      raise TypeError(
-          f'Axes entry {path!r} is {md!r}, not a flax.linen.partitioning.'
-          'AxisMetadata(names=...), which axes trees hold.')
-    if path in known:
-      names[path] = tuple(md.names)
-    elif (path.endswith(_AXES_SUFFIX) and
-          path[:-len(_AXES_SUFFIX)] in known):
-      names[path[:-len(_AXES_SUFFIX)]] = tuple(md.names)
-    else:
-      unknown.append(path)
-  return names, unknown
-
-
-def _axes_tree(values: Any, names: Mapping[str, tuple[Any, ...]]) -> Any:
-  """A tree mirroring `values`: AxisMetadata where named, else None."""
-  return jax.tree_util.tree_map_with_path(
-      lambda kp, _: (AxisMetadata(names=names[paths.path_str(kp)])
-                     if paths.path_str(kp) in names else None), values)
-
-
-def _split_variables(model_variables: Mapping[str, Any]) -> dict[str, Any]:
-  """Splits flax variables into params, mutables and their axes."""
-  if not isinstance(model_variables, Mapping):
-    raise TypeError(
-        'model_variables must be a mapping of flax collections such as '
-        "{'params': ..., 'params_axes': ...} (what model.init returns); got "
-        f'{type(model_variables).__name__}.')
-  if 'params' not in model_variables:
-    raise ValueError(
-        "model_variables has no 'params' collection (collections: "
-        f'{sorted(model_variables)}). Pass the variables returned by '
-        'model.init(...).')
-  collections, sown = {}, {}
-  for name, value in model_variables.items():
-    base = name[:-len(_AXES_SUFFIX)] if name.endswith(_AXES_SUFFIX) else None
-    if base is not None and base in model_variables:
-      sown[base] = value
-    elif base is not None and not jax.tree_util.tree_leaves(value):
-      logging.warning('Ignoring %r: axes for a collection %r that the '
-                      'variables do not hold.', name, base)
-    else:
-      collections[name] = value
-
-  values, names = {}, {}
-  for name, tree in collections.items():
-    values[name], boxed = _unbox(tree)
-    known = set(paths.flatten(values[name]))
-    merged, extra = _axis_names(sown.get(name), known)
-    for path, box_names in boxed.items():
-      if path in merged and tuple(merged[path]) != box_names:
-        raise ValueError(
-            f'Parameter {name}/{path!r} has two sets of axis names: '
-            f'{merged[path]} from {name}_axes and {box_names} from its '
-            'partitioning box. Declare them once.')
-      merged[path] = box_names
-    _warn_unknown(extra, name)
-    names[name] = merged
-
-  params = values.pop('params')
-  params_axes = _params_axes_tree(params, names.pop('params'))
-  mutables_axes = None
-  if any(names.values()):
-    mutables_axes = {c: _axes_tree(values[c], names[c]) for c in values}
-  return dict(params=params, params_axes=params_axes, flax_mutables=values,
-              flax_mutables_axes=mutables_axes)
-
-
-def _warn_unknown(unknown: list[str], what: str) -> None:
-  if unknown:
-    logging.warning('Axes for %d unknown %s variable(s) ignored: %s',
-                    len(unknown), what, sorted(unknown)[:10])
-
-
-def _params_axes_tree(params: Any, names: Mapping[str, tuple[Any, ...]]
-                      ) -> Any:
-  """The params' axes mirror, None without names; all params or none."""
-  if not names:
-    return None
-  missing = [p for p in paths.flatten(params) if p not in names]
-  if missing:
-    raise errors.MissingAxesError(
-        [f'params/{p}' for p in missing],
-        hint='Some params declare logical axes and these do not; give '
-        'every parameter axis names (param_with_axes(..., axes=...) or '
-        'nn.with_logical_partitioning), or none.')
-  return _axes_tree(params, names)
-
-
-def _foreign_axes(params: Any, params_axes: Any, flax_mutables: Any,
-                  flax_mutables_axes: Any) -> tuple[Any, Any]:
-  """Another state's axes in t5export's mirror layout (see `_axis_names`).
-
-  Returns:
-    (params_axes, flax_mutables_axes) mirroring params / flax_mutables.
-
-  Raises:
-    MissingAxesError: if some params have axis names and others do not.
-    ValueError: if the params' axes name none of the params.
-  """
-  names, unknown = _axis_names(params_axes, set(paths.flatten(params)))
-  if unknown and not names:
-    raise ValueError(
-        f'params_axes names none of the params: {sorted(unknown)[:10]} '
-        f'vs params {sorted(paths.flatten(params))[:10]}. Each entry must '
-        "be at its param's own path, or at that path with the suffix "
-        "'_axes' (T5X's layout).")
-  _warn_unknown(unknown, 'params')
-  mutable_names, unknown = _axis_names(flax_mutables_axes,
-                                       set(paths.flatten(flax_mutables)))
-  _warn_unknown(unknown, 'flax_mutables')
-  mutables_axes = (_axes_tree(flax_mutables, mutable_names)
-                   if mutable_names else None)
-  return _params_axes_tree(params, names), mutables_axes
-
-
-# --- logical axes -----------------------------------------------------------
-
-
-def _replicated(x: Any) -> PartitionSpec:
-  """Replicated spec with one None per dimension (PartitionSpec() if 0-d)."""
-  return PartitionSpec(*([None] * np.ndim(x)))
-
-
-def _param_specs(params: Any, params_axes: Any) -> Any:
-  if params_axes is None:
-    raise errors.MissingAxesError(
-        [f'params/{p}' for p in paths.flatten(params)],
-        hint='as_logical_axes() needs axis names for every parameter, and '
-        'the model declares none. Declare them with flax.linen.partitioning.'
-        'param_with_axes(..., axes=(...)) (T5X style) or '
-        'nn.with_logical_partitioning(init_fn, (...)).')
-  return _map_axes(lambda _, md: PartitionSpec(*md.names), params,
-                   params_axes, what='params')
-
-
-def _mutable_specs(flax_mutables: Any, flax_mutables_axes: Any) -> Any:
-  if flax_mutables_axes is None:
-    return jax.tree.map(_replicated, flax_mutables)
-  return _map_axes(
-      lambda x, md: _replicated(x) if md is None else PartitionSpec(*md.names),
-      flax_mutables, flax_mutables_axes, what='flax_mutables')
-
-
-def _map_axes(fn: Any, values: Any, axes: Any, *, what: str) -> Any:
-  """tree_map over values and their axes mirror, naming any difference."""
-  try:
-    return jax.tree.map(fn, values, axes)
-  except ValueError as e:
-    value_paths = paths.flatten(values)
-    axes_paths = paths.flatten(axes,
-                               is_leaf=lambda x: x is None or _is_axis_md(x))
-    if value_paths.keys() == axes_paths.keys():
-      raise  # Same paths, other node types: jax's message says which.
-    raise errors.AxesTreeMismatchError(
-        what, [p for p in value_paths if p not in axes_paths],
-        [p for p in axes_paths if p not in value_paths]) from e
-
-
-def _opt_leaf_spec(leaf: Any, param: Any, spec: PartitionSpec) -> Any:
-  """Spec of one optimizer leaf found in a params-shaped subtree.
-
-  Same shape as the param: the param's spec. One dimension fewer, and the
-  dimension dropped is unambiguous (adafactor's factored row/column second
-  moments): the param's names without that dimension. Anything else
-  (adafactor's (1,)-shaped placeholders, a square param's factors, where the
-  dropped dimension can't be told): replicated.
-  """
-  if isinstance(leaf, optax.MaskedNode):
-    return leaf
-  shape, pshape, names = np.shape(leaf), np.shape(param), tuple(spec)
-  if shape == pshape:
-    return spec
-  if len(shape) == len(pshape) - 1 and len(names) == len(pshape):
-    dropped = [i for i in range(len(pshape))
-               if pshape[:i] + pshape[i + 1:] == shape]
-    if len(dropped) == 1:
-      i = dropped[0]
-      return PartitionSpec(*(names[:i] + names[i + 1:]))
-  return _replicated(leaf)
-
-
-def _opt_state_specs(tx: optax.GradientTransformation, opt_state: Any,
-                     params: Any, param_specs: Any) -> Any:
-  """Logical specs of the optimizer state via `optax.tree_map_params`."""
-  try:
-    return optax.tree_map_params(
-        tx, _opt_leaf_spec, opt_state, params, param_specs,
-        transform_non_params=_replicated,
-        is_leaf=lambda x: isinstance(x, optax.MaskedNode))
-  except Exception as e:  # pylint: disable=broad-except
-    # Optimizers whose init can't run on optax's placeholder, or whose
-    # state is not shaped like params: replicate everything rather than
-    # fail the export of params.
-    logging.warning(
-        'optax.tree_map_params could not map the state of %r (%s: %s); its '
-        'optimizer state is treated as replicated.', tx, type(e).__name__, e)
-    return jax.tree.map(_replicated, opt_state)
-
-
-def _set_learning_rate(opt_state: Any, learning_rate: Any) -> Any:
-  """Sets every injected 'learning_rate' hyperparameter; raises if none."""
-  found = []
-
-  def visit(x: Any) -> Any:
-    if isinstance(x, _INJECT_STATES) and 'learning_rate' in x.hyperparams:
-      old = x.hyperparams['learning_rate']
-      hyperparams = dict(x.hyperparams)
-      hyperparams['learning_rate'] = jnp.asarray(
-          learning_rate, dtype=getattr(old, 'dtype', None))
-      found.append(True)
-      return x._replace(hyperparams=hyperparams)
-    return x
-
-  new_state = jax.tree.map(
-      visit, opt_state, is_leaf=lambda x: isinstance(x, _INJECT_STATES))
-  if not found:
-    raise errors.HyperparamNotInjectedError(
-        f'apply_gradient(learning_rate={learning_rate!r}) needs the '
-        "optimizer to hold 'learning_rate' in its state, and this optax "
-        'state has no optax.inject_hyperparams state with a learning_rate. '
-        'Wrap the optimizer in optax.inject_hyperparams, e.g. '
-        'optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3), or call '
-        'apply_gradient without learning_rate to use the optimizer\'s own '
-        'schedule.')
-  return new_state
-
-
 def _check_state_dict(state_dict: Any, *, need_param_states: bool) -> None:
   if not isinstance(state_dict, Mapping) or 'target' not in state_dict:
     raise ValueError(
@@ -443,15 +134,57 @@ def _restore_mutables(current: Any, state_dict: Mapping[str, Any]) -> Any:
   if 'flax_mutables' not in state_dict:
     return {}
   if current:
-    return _plain(flax.serialization.from_state_dict(
-        current, _plain(state_dict['flax_mutables'])))
-  return _plain(state_dict['flax_mutables'])
+    return state_axes.plain(flax.serialization.from_state_dict(
+        current, state_axes.plain(state_dict['flax_mutables'])))
+  return state_axes.plain(state_dict['flax_mutables'])
 
 
-# --- the states -------------------------------------------------------------
+class _StateMethods:
+  """What both states do alike; `self.replace` is flax.struct's."""
+
+  def _state_dict(self, state: dict[str, Any]) -> dict[str, Any]:
+    out = {'target': state_axes.plain(self.params), 'state': state}
+    if self.flax_mutables:
+      out['flax_mutables'] = state_axes.plain(self.flax_mutables)
+    return out
+
+  def _restored(self, state_dict: Mapping[str, Any], *,
+                param_states: bool) -> dict[str, Any]:
+    """The fields of a checked `state_dict` (`param_states` if asked)."""
+    _check_state_dict(state_dict, need_param_states=param_states)
+    state = state_dict['state']
+    out = dict(step=jnp.asarray(state['step'], jnp.int32),
+               params=state_axes.plain(flax.serialization.from_state_dict(
+                   self.params, state_axes.plain(state_dict['target']))))
+    if param_states:
+      out['param_states'] = flax.serialization.from_state_dict(
+          self.param_states, state_axes.plain(state['param_states']))
+    out['flax_mutables'] = _restore_mutables(self.flax_mutables, state_dict)
+    return out
+
+  def _logical_axes(self, **others: Any) -> Self:
+    """`as_logical_axes()` of step, params and mutables, plus `others`."""
+    return self.replace(
+        step=PartitionSpec(),
+        params=state_axes.param_specs(self.params, self.params_axes),
+        flax_mutables=state_axes.mutable_specs(self.flax_mutables,
+                                               self.flax_mutables_axes),
+        **others)
+
+  def replace_params(self, params: Any) -> Self:
+    """Returns a new state with `params` (FrozenDict accepted)."""
+    return self.replace(params=state_axes.plain(params))
+
+  def replace_step(self, step: Any) -> Self:
+    """Returns a new state with `step` (as an int32 scalar)."""
+    return self.replace(step=jnp.asarray(step, jnp.int32))
+
+  def replace_flax_mutables(self, flax_mutables: Any) -> Self:
+    """Returns a new state with `flax_mutables` (FrozenDict accepted)."""
+    return self.replace(flax_mutables=state_axes.plain(flax_mutables))
 
 
-class FlaxOptimTrainState(flax.struct.PyTreeNode):
+class FlaxOptimTrainState(_StateMethods, flax.struct.PyTreeNode):
   """Step, params, optax state and axis names, as one pytree.
 
   Attributes:
@@ -500,7 +233,7 @@ class FlaxOptimTrainState(flax.struct.PyTreeNode):
       raise TypeError(
           f'tx must be an optax GradientTransformation (with init and '
           f'update), e.g. optax.adamw(1e-3); got {tx!r}.')
-    parts = _split_variables(model_variables)
+    parts = state_axes.split_variables(model_variables)
     return cls(step=jnp.zeros((), jnp.int32),
                param_states=tx.init(parts['params']), tx=tx, **parts)
 
@@ -512,13 +245,9 @@ class FlaxOptimTrainState(flax.struct.PyTreeNode):
       flax.serialization.to_state_dict(opt_state)}, 'flax_mutables': ...}`,
       'flax_mutables' only when there are any.
     """
-    out = {'target': _plain(self.params),
-           'state': {'step': self.step,
-                     'param_states': flax.serialization.to_state_dict(
-                         self.param_states)}}
-    if self.flax_mutables:
-      out['flax_mutables'] = _plain(self.flax_mutables)
-    return out
+    return self._state_dict({
+        'step': self.step,
+        'param_states': flax.serialization.to_state_dict(self.param_states)})
 
   def restore_state(self, state_dict: Mapping[str, Any]) -> FlaxOptimTrainState:
     """The inverse of `state_dict()`, checked against this state's structure.
@@ -534,27 +263,7 @@ class FlaxOptimTrainState(flax.struct.PyTreeNode):
     Raises:
       ValueError: if keys are missing or the trees do not match.
     """
-    _check_state_dict(state_dict, need_param_states=True)
-    state = state_dict['state']
-    return self.replace(
-        step=jnp.asarray(state['step'], jnp.int32),
-        params=_plain(flax.serialization.from_state_dict(
-            self.params, _plain(state_dict['target']))),
-        param_states=flax.serialization.from_state_dict(
-            self.param_states, _plain(state['param_states'])),
-        flax_mutables=_restore_mutables(self.flax_mutables, state_dict))
-
-  def replace_params(self, params: Any) -> FlaxOptimTrainState:
-    """Returns a new state with `params` (FrozenDict accepted)."""
-    return self.replace(params=_plain(params))
-
-  def replace_step(self, step: Any) -> FlaxOptimTrainState:
-    """Returns a new state with `step` (as an int32 scalar)."""
-    return self.replace(step=jnp.asarray(step, jnp.int32))
-
-  def replace_flax_mutables(self, flax_mutables: Any) -> FlaxOptimTrainState:
-    """Returns a new state with `flax_mutables` (FrozenDict accepted)."""
-    return self.replace(flax_mutables=_plain(flax_mutables))
+    return self.replace(**self._restored(state_dict, param_states=True))
 
   def apply_gradient(self, grads: Any, learning_rate: Any = None,
                      flax_mutables: Any = KEEP) -> FlaxOptimTrainState:
@@ -578,13 +287,14 @@ class FlaxOptimTrainState(flax.struct.PyTreeNode):
     """
     opt_state = self.param_states
     if learning_rate is not None:
-      opt_state = _set_learning_rate(opt_state, learning_rate)
-    updates, opt_state = self.tx.update(_plain(grads), opt_state, self.params)
+      opt_state = optax_state.set_learning_rate(opt_state, learning_rate)
+    updates, opt_state = self.tx.update(state_axes.plain(grads), opt_state,
+                                        self.params)
     new = self.replace(step=self.step + 1,
                        params=optax.apply_updates(self.params, updates),
                        param_states=opt_state)
     if flax_mutables is not KEEP:
-      new = new.replace(flax_mutables=_plain(flax_mutables))
+      new = new.replace(flax_mutables=state_axes.plain(flax_mutables))
     return new
 
   def as_logical_axes(self) -> FlaxOptimTrainState:
@@ -592,7 +302,7 @@ class FlaxOptimTrainState(flax.struct.PyTreeNode):
 
     Params get their declared names; optimizer leaves in params-shaped
     subtrees (found with `optax.tree_map_params`) get the param's names
-    (adafactor's factored moments: see `_opt_leaf_spec`); counts and other
+    (adafactor's factored moments: see `optax_state`); counts and other
     optimizer leaves, mutables without axes and step are replicated. States
     optax can't map (init fails on its placeholder) are replicated whole.
 
@@ -602,17 +312,12 @@ class FlaxOptimTrainState(flax.struct.PyTreeNode):
     Raises:
       MissingAxesError: if the params have no axis names, naming each.
     """
-    param_specs = _param_specs(self.params, self.params_axes)
-    return self.replace(
-        step=PartitionSpec(),
-        params=param_specs,
-        param_states=_opt_state_specs(self.tx, self.param_states, self.params,
-                                      param_specs),
-        flax_mutables=_mutable_specs(self.flax_mutables,
-                                     self.flax_mutables_axes))
+    return self._logical_axes(param_states=optax_state.logical_specs(
+        self.tx, self.param_states, self.params,
+        state_axes.param_specs(self.params, self.params_axes)))
 
 
-class InferenceState(flax.struct.PyTreeNode):
+class InferenceState(_StateMethods, flax.struct.PyTreeNode):
   """A train state without optimizer state: what gets exported.
 
   Attributes:
@@ -644,20 +349,16 @@ class InferenceState(flax.struct.PyTreeNode):
       TypeError, ValueError, MissingAxesError: as FlaxOptimTrainState.create.
     """
     return cls(step=jnp.zeros((), jnp.int32),
-               **_split_variables(model_variables))
+               **state_axes.split_variables(model_variables))
 
   @classmethod
   def from_train_state(cls, train_state: Any) -> InferenceState:
     """The strip: keeps step, params, mutables and axes; drops the optimizer.
 
     No optimizer leaf is read, copied or flattened; the result shares the
-    param and mutable buffers with `train_state`. Of a state other than
-    t5export's own, only the members of `TrainState`'s minimal set are
-    read (see `TrainState`); T5X's states (`t5x.train_state.
-    FlaxOptimTrainState`, `InferenceState`) work as they are, their
-    FrozenDicts becoming plain dicts and their `*_axes` key layout
-    (`{'kernel_axes': AxisMetadata}` beside `{'kernel': ...}`) becoming
-    t5export's mirror layout.
+    param and mutable buffers with `train_state`. T5X's states work as they
+    are: FrozenDicts become plain dicts, their `*_axes` key layout the
+    mirror layout (`state_axes.foreign_axes`).
 
     Args:
       train_state: a FlaxOptimTrainState, an InferenceState (returned as is)
@@ -684,9 +385,10 @@ class InferenceState(flax.struct.PyTreeNode):
                  params_axes=train_state.params_axes,
                  flax_mutables=train_state.flax_mutables,
                  flax_mutables_axes=train_state.flax_mutables_axes)
-    params = _plain(train_state.params)
-    flax_mutables = _plain(getattr(train_state, 'flax_mutables', None) or {})
-    params_axes, flax_mutables_axes = _foreign_axes(
+    params = state_axes.plain(train_state.params)
+    flax_mutables = state_axes.plain(
+        getattr(train_state, 'flax_mutables', None) or {})
+    params_axes, flax_mutables_axes = state_axes.foreign_axes(
         params, getattr(train_state, 'params_axes', None), flax_mutables,
         getattr(train_state, 'flax_mutables_axes', None))
     return cls(step=train_state.step, params=params, params_axes=params_axes,
@@ -703,7 +405,8 @@ class InferenceState(flax.struct.PyTreeNode):
   @property
   def variables(self) -> dict[str, Any]:
     """`{'params': params, **flax_mutables}` as plain dicts (for serving)."""
-    return {'params': _plain(self.params), **_plain(self.flax_mutables)}
+    return {'params': state_axes.plain(self.params),
+            **state_axes.plain(self.flax_mutables)}
 
   def apply_gradient(self, *args: Any, **kwargs: Any) -> InferenceState:
     """Raises: an InferenceState can't be trained."""
@@ -714,10 +417,7 @@ class InferenceState(flax.struct.PyTreeNode):
 
   def state_dict(self) -> dict[str, Any]:
     """`{'target': params, 'state': {'step'}, 'flax_mutables'?}`."""
-    out = {'target': _plain(self.params), 'state': {'step': self.step}}
-    if self.flax_mutables:
-      out['flax_mutables'] = _plain(self.flax_mutables)
-    return out
+    return self._state_dict({'step': self.step})
 
   def restore_state(self, state_dict: Mapping[str, Any]) -> InferenceState:
     """Restores from an inference or a full train state dict.
@@ -732,24 +432,7 @@ class InferenceState(flax.struct.PyTreeNode):
     Raises:
       ValueError: if keys are missing or the trees do not match.
     """
-    _check_state_dict(state_dict, need_param_states=False)
-    return self.replace(
-        step=jnp.asarray(state_dict['state']['step'], jnp.int32),
-        params=_plain(flax.serialization.from_state_dict(
-            self.params, _plain(state_dict['target']))),
-        flax_mutables=_restore_mutables(self.flax_mutables, state_dict))
-
-  def replace_params(self, params: Any) -> InferenceState:
-    """Returns a new state with `params`."""
-    return self.replace(params=_plain(params))
-
-  def replace_step(self, step: Any) -> InferenceState:
-    """Returns a new state with `step` (as an int32 scalar)."""
-    return self.replace(step=jnp.asarray(step, jnp.int32))
-
-  def replace_flax_mutables(self, flax_mutables: Any) -> InferenceState:
-    """Returns a new state with `flax_mutables`."""
-    return self.replace(flax_mutables=_plain(flax_mutables))
+    return self.replace(**self._restored(state_dict, param_states=False))
 
   def as_logical_axes(self) -> InferenceState:
     """Logical `PartitionSpec`s in place of arrays (step replicated).
@@ -757,8 +440,4 @@ class InferenceState(flax.struct.PyTreeNode):
     Raises:
       MissingAxesError: if the params have no axis names, naming each.
     """
-    return self.replace(
-        step=PartitionSpec(),
-        params=_param_specs(self.params, self.params_axes),
-        flax_mutables=_mutable_specs(self.flax_mutables,
-                                     self.flax_mutables_axes))
+    return self._logical_axes()

@@ -39,6 +39,7 @@ from flax import serialization
 
 from examples import models
 from t5export import offline
+from t5export import offline_export
 from t5export import paths
 from t5export import train_state
 
@@ -456,16 +457,16 @@ def test_export_checkpoint_api_overwrites_a_version(background, work):
       name='renamed', method=models.make_mlp_serve_fn(models.MlpBn()),
       input_specs={'x': ('b, 16', 'float32')},
       sample_inputs={'x': _MLP_X[:2]})
-  options = offline.OfflineOptions(
+  options = offline_export.OfflineOptions(
       signatures=[sig],
       export_options=t5export.ExportOptions(jax_artifacts=False))
   with pytest.raises(t5export.errors.VersionExistsError):
-    offline.export_checkpoint(work / 'pytree', export_dir, step=7,
-                              options=options)
+    offline_export.export_checkpoint(work / 'pytree', export_dir, step=7,
+                                     options=options)
   options.export_options = dataclasses.replace(options.export_options,
                                                overwrite=True)
-  path = offline.export_checkpoint(work / 'pytree', export_dir, step=7,
-                                   options=options)
+  path = offline_export.export_checkpoint(work / 'pytree', export_dir,
+                                          step=7, options=options)
   assert path == str(export_dir / '7')
   assert sorted(os.listdir(export_dir)) == ['7']
   new = verify.read_metadata(path)
@@ -556,9 +557,9 @@ def test_rewrite_args():
 
 def test_cast_params():
   params = {'w': np.ones(2, np.float32), 'i': np.arange(3, dtype=np.int32)}
-  cast = offline.cast_params(params, 'bfloat16')
+  cast = offline_export.cast_params(params, 'bfloat16')
   assert cast['w'].dtype == jnp.bfloat16 and cast['i'].dtype == np.int32
-  assert offline.cast_params(params, None) is params
+  assert offline_export.cast_params(params, None) is params
 
 
 _KEPT_AFTER_FREE = '''

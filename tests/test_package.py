@@ -18,12 +18,13 @@ import _report  # tests/ is on sys.path.
 import t5export
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-LIGHT_MODULES = ('errors', 'paths', 'train_state', 'partitioning',
-                 'host_buffers', 'snapshot', 'async_export', 'distributed',
-                 'versions', 'checkpoints',
-                 'orbax_checkpoints', 'msgpack_checkpoints', 'triggering',
-                 'outcomes', 'serving_compat', 'tensor_bundle', 'jax_artifacts',
-                 'verify', 'options')
+LIGHT_MODULES = ('errors', 'paths', 'train_state', 'state_axes',
+                 'optax_state', 'partitioning', 'host_buffers', 'snapshot',
+                 'async_export', 'worker_thread', 'distributed', 'versions',
+                 'checkpoint_layout', 'checkpoints', 'orbax_checkpoints',
+                 'msgpack_checkpoints', 'triggering', 'outcomes',
+                 'serving_compat', 'tensor_bundle', 'jax_artifacts', 'verify',
+                 'options')
 TENSORFLOW = ('tensorflow', 'keras', 'tf_keras')  # keras pulls tensorflow in.
 
 

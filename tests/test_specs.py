@@ -12,7 +12,6 @@ import pytest
 import tensorflow as tf
 
 from t5export import errors
-from t5export import serving
 from t5export import specs
 
 
@@ -93,9 +92,3 @@ def test_name_outputs():
   assert list(specs.name_outputs((t, t))) == ['output_0', 'output_1']
   assert list(specs.name_outputs(
       {'a': {'b': t, 'c': (t, t)}, 'd': t})) == ['a/b', 'a/c/0', 'a/c/1', 'd']
-
-
-@pytest.mark.parametrize('name', ['Dim', 'InputSpec', 'parse_shape',
-                                  'parse_dtype', 'parse_spec', 'name_outputs'])
-def test_serving_still_exports_the_spec_names(name):
-  assert getattr(serving, name) is getattr(specs, name)

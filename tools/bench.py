@@ -838,11 +838,12 @@ def worker_offline(spec: dict[str, Any]) -> dict[str, Any]:
   width = mlp_width(spec['n_params'], spec['depth'])
   sig = _mlp_signature(width)
   from t5export import offline
+  from t5export import offline_export
   offline.release_freed_memory()  # As the CLI does before anything else.
   with phases('offline'):
     # What `python -m t5export.offline --ckpt ...` runs after parsing gin.
-    path = offline.export_checkpoint(
-        spec['ckpt'], str(out / 'ours'), options=offline.OfflineOptions(
+    path = offline_export.export_checkpoint(
+        spec['ckpt'], str(out / 'ours'), options=offline_export.OfflineOptions(
             signatures=[sig],
             export_options=t5export.ExportOptions(validate=False)))
   shutil.rmtree(path, ignore_errors=True)
@@ -1248,8 +1249,8 @@ def parse_offline(cfg: Config, res: Results,
       [x['ours']['seconds'] / x['raw']['seconds'] for x in rows],
       ours_s=_median([x['ours']['seconds'] for x in rows]),
       raw_s=_median([x['raw']['seconds'] for x in rows]),
-      ours_includes='offline.export_checkpoint: read_params + first export '
-                    '(tracing), validate=False'))
+      ours_includes='offline_export.export_checkpoint: read_params + first '
+                    'export (tracing), validate=False'))
   emit(figure_record(
       'offline_peak_rss', [x['ours']['peak']['sampled'] / pb for x in rows],
       hwm=_median([x['ours']['peak']['hwm'] / pb for x in rows]),
