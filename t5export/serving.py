@@ -70,7 +70,7 @@ class Signature:
     sample_inputs: input name -> numpy array, or None.
   """
 
-  def __init__(self, name: str, method: Callable[[Any, Any], Any],
+  def __init__(self, *, name: str, method: Callable[[Any, Any], Any],
                input_specs: Any,
                preprocessor: Callable[[Any], Any] | None = None,
                postprocessor: Callable[[Any], Any] | None = None,

@@ -76,7 +76,8 @@ def trainer() -> Trainer:
   train_step = models.make_mlp_bn_train_step(model)
 
   sig = t5export.Signature(
-      'serving_default', serve, {'x': (f'b, {FEATURES}', 'float32')},
+      name='serving_default', method=serve,
+      input_specs={'x': (f'b, {FEATURES}', 'float32')},
       sample_inputs={'x': X_SAMPLE})
   return Trainer(model, serve, sig, train_step)
 

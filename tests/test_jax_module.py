@@ -114,17 +114,19 @@ def exported(tmp_path_factory):
   mlp_vars = nn.unbox(models.init_mlp_bn(mlp, jax.random.key(0)))
   cases['mlp'] = dict(
       variables=mlp_vars,
-      sig=serving.Signature('serving_default', models.make_mlp_serve_fn(mlp),
-                            {'x': ('b, 16', 'float32')}),
+      sig=serving.Signature(
+          name='serving_default', method=models.make_mlp_serve_fn(mlp),
+          input_specs={'x': ('b, 16', 'float32')}),
       kwargs={}, seqs=[None])
 
   cnn, cnn_vars = _cnn_variables()
   cases['cnn'] = dict(
       variables=cnn_vars,
       sig=serving.Signature(
-          'classify',
-          lambda v, inp: {'logits': cnn.apply(v, inp['image'], train=False)},
-          {'image': ('b, 8, 8, 3', 'float32')}),
+          name='classify',
+          method=lambda v, inp: {
+              'logits': cnn.apply(v, inp['image'], train=False)},
+          input_specs={'image': ('b, 8, 8, 3', 'float32')}),
       kwargs={'platforms': ('cpu', 'cuda')}, seqs=[None])
 
   nested = Nested()
@@ -132,8 +134,8 @@ def exported(tmp_path_factory):
   cases['nested'] = dict(
       variables=dict(nested_vars),
       sig=serving.Signature(
-          'nested', _nested_method(nested),
-          {'x': ('b, 512', 'float32'),
+          name='nested', method=_nested_method(nested),
+          input_specs={'x': ('b, 512', 'float32'),
            'pair': (('b, n', 'int32'), ('b, n', 'float32'))}),
       kwargs={'jit_compile': False}, seqs=[3, 5])
 
@@ -143,9 +145,9 @@ def exported(tmp_path_factory):
     cases[name] = dict(
         variables=bf16_vars,
         sig=serving.Signature(
-            'serving_default',
-            lambda v, inp: {'y': bf16.apply(v, inp['x'])},
-            {'x': ('b, 4', 'float32')}),
+            name='serving_default',
+            method=lambda v, inp: {'y': bf16.apply(v, inp['x'])},
+            input_specs={'x': ('b, 4', 'float32')}),
         kwargs={'cast_bfloat16': cast}, seqs=[None])
 
   jobs, expected = [], []

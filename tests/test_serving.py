@@ -36,10 +36,11 @@ _MLP_VARS = {'params': {'w': np.ones((16, 3), np.float32)}}
 
 def test_specs_give_tf_signature_and_polymorphic_shapes():
   sig = serving.Signature(
-      'tokens', _mlp_method,
-      {'tokens': ('b, n', 'int32'), 'mask': ('(b, n)', 'bool'),
-       'scale': ('', 'bfloat16'), 'x': tf.TensorSpec([None, 16], tf.float32),
-       'y': tf.TensorSpec([None, None, 2], tf.int64)})
+      name='tokens', method=_mlp_method,
+      input_specs={'tokens': ('b, n', 'int32'), 'mask': ('(b, n)', 'bool'),
+                   'scale': ('', 'bfloat16'),
+                   'x': tf.TensorSpec([None, 16], tf.float32),
+                   'y': tf.TensorSpec([None, None, 2], tf.int64)})
   assert sig.input_names == ('mask', 'scale', 'tokens', 'x', 'y')
   specs = {s.name: s for s in sig.serving_input_signature}
   assert specs['tokens'] == tf.TensorSpec([None, None], tf.int32, 'tokens')
@@ -56,16 +57,24 @@ def test_specs_give_tf_signature_and_polymorphic_shapes():
                                            'dtype': 'float32'}
 
 
+def test_signature_options_are_keyword_only():
+  with pytest.raises(TypeError, match='positional'):
+    serving.Signature('s', _mlp_method, ('b, 16', 'float32'))  # pylint: disable=too-many-function-args
+
+
 def test_nested_and_positional_input_names():
   nested = serving.Signature(
-      'n', _mlp_method, {'a': {'x': ('b', 'float32')},
-                         'pair': (('b', 'int32'), ('b', 'int32'))})
+      name='n', method=_mlp_method,
+      input_specs={'a': {'x': ('b', 'float32')},
+                   'pair': (('b', 'int32'), ('b', 'int32'))})
   assert nested.input_names == ('a__x', 'pair__0', 'pair__1')
   assert isinstance(nested.method_input_signature['pair'], tuple)
   positional = serving.Signature(
-      'p', _mlp_method, (('b', 'float32'), ('b', 'int32')))
+      name='p', method=_mlp_method,
+      input_specs=(('b', 'float32'), ('b', 'int32')))
   assert positional.input_names == ('input_0', 'input_1')
-  single = serving.Signature('s', _mlp_method, ('b, 16', 'float32'))
+  single = serving.Signature(name='s', method=_mlp_method,
+                             input_specs=('b, 16', 'float32'))
   assert single.input_names == ('input',)
   assert single.method_polymorphic_shapes == '(b, 16)'
 
@@ -183,26 +192,26 @@ def _needs_equal_lengths(v, inp):
      r'(?s:.*)incompatible shapes'),
 ])
 def test_check_method_reports_the_methods_error(specs, method, message):
-  sig = serving.Signature('s', method, specs)
+  sig = serving.Signature(name='s', method=method, input_specs=specs)
   with pytest.raises(errors.SignatureError, match=message):
     serving.make_module(_MLP_VARS, [sig])
 
 
 def test_check_method_returns_symbolic_output_shapes():
-  sig = serving.Signature('s', _mlp_method, _X)
+  sig = serving.Signature(name='s', method=_mlp_method, input_specs=_X)
   out = sig.check_method(_MLP_VARS)
   assert str(out['y'].shape) == '(b, 3)' and out['y'].dtype == np.float32
 
 
 def test_make_module_and_serving_fn_errors():
-  sig = serving.Signature('s', _mlp_method, _X)
+  sig = serving.Signature(name='s', method=_mlp_method, input_specs=_X)
   with pytest.raises(errors.SignatureError,
                      match=r"duplicate names \['s'\]; give each"):
     serving.make_module(_MLP_VARS, [sig, sig])
   with pytest.raises(errors.SignatureError, match='signatures is empty'):
     serving.make_module(_MLP_VARS, [])
   module = serving.make_module(_MLP_VARS, [sig])
-  other = serving.Signature('other', _mlp_method, _X)
+  other = serving.Signature(name='other', method=_mlp_method, input_specs=_X)
   with pytest.raises(errors.SignatureError,
                      match=r"Signature 'other': the module has no method of "
                      r"that name \(it has \['s'\]\)"):
@@ -253,30 +262,32 @@ def exported(tmp_path_factory):
   t5_vars = {'params': models.init_tiny_t5(t5, jax.random.key(0))['params']}
   t5_serve = models.make_t5_serve_fn(t5, MAX_DECODE_LEN)
   text_sig = serving.Signature(
-      'serving_default', t5_serve, {'text': ('b', 'string')},
+      name='serving_default', method=t5_serve,
+      input_specs={'text': ('b', 'string')},
       preprocessor=tokenizer.tf_preprocess,
       postprocessor=lambda out: {**tokenizer.tf_postprocess(out),
                                  'tokens': out['tokens']},
       sample_inputs={'text': ['hello', 'abc']})
   tokens_sig = serving.Signature(
-      'tokens', t5_serve, {'encoder_tokens': ('b, n', 'int32')},
+      name='tokens', method=t5_serve,
+      input_specs={'encoder_tokens': ('b, n', 'int32')},
       sample_inputs=_t5_inputs(2, 5, 0))
 
   mlp = models.MlpBn()
   mlp_vars = nn.unbox(models.init_mlp_bn(mlp, jax.random.key(1)))
   mlp_serve = models.make_mlp_serve_fn(mlp)
   tuple_sig = serving.Signature(
-      'tuple_out',
-      lambda v, inp: (mlp_serve(v, inp)['logits'],
+      name='tuple_out',
+      method=lambda v, inp: (mlp_serve(v, inp)['logits'],
                       jax.nn.softmax(mlp_serve(v, inp)['logits'])),
-      {'x': ('b, 16', 'float32')})
+      input_specs={'x': ('b, 16', 'float32')})
 
   bow = BagOfWords()
   bow_vars = dict(bow.init(jax.random.key(2), np.ones((1, 3), np.int64)))
   vocab = Vocab()
   vocab_sig = serving.Signature(
-      'bag', lambda v, inp: bow.apply(v, inp['ids']),
-      {'words': ('b, n', 'string')}, preprocessor=vocab,
+      name='bag', method=lambda v, inp: bow.apply(v, inp['ids']),
+      input_specs={'words': ('b, n', 'string')}, preprocessor=vocab,
       method_input_specs={'ids': ('b, n', 'int64')})
 
   cases = {'t5': (t5_vars, [text_sig, tokens_sig]),
@@ -345,7 +356,7 @@ def test_preprocessor_specs_are_traced_with_batch_name(exported):
 
 def test_unknown_preprocessor_dims_get_fresh_names():
   sig = serving.Signature(
-      'ids', _mlp_method, {'s': ('batch', 'string')},
+      name='ids', method=_mlp_method, input_specs={'s': ('batch', 'string')},
       preprocessor=lambda inp: {
           'x': tf.strings.unicode_decode(inp['s'], 'UTF-8').to_tensor()})
   assert sig.method_polymorphic_shapes == {'x': '(batch, x_1)'}

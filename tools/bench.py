@@ -397,7 +397,7 @@ class OursSide:
     import t5export
     self._t5export = t5export
     sig = t5export.Signature(
-        'serving_default', _serve,
+        name='serving_default', method=_serve,
         input_specs={'x': (f'b, {width}', 'float32')},
         sample_inputs={'x': np.ones((2, width), np.float32)})
     self.exporter = t5export.SavedModelExporter(
@@ -587,7 +587,7 @@ def _mlp_signature(width: int) -> Any:
   import numpy as np
   import t5export
   return t5export.Signature(
-      'serving_default', _serve,
+      name='serving_default', method=_serve,
       input_specs={'x': (f'b, {width}', 'float32')},
       sample_inputs={'x': np.ones((2, width), np.float32)})
 
@@ -659,7 +659,8 @@ def _t5_setup(spec: dict[str, Any]) -> dict[str, Any]:
     return ts.apply_gradient(grads)
 
   sig = t5export.Signature(
-      'serving_default', models.make_t5_serve_fn(model, max_decode_len=8),
+      name='serving_default',
+      method=models.make_t5_serve_fn(model, max_decode_len=8),
       input_specs={'encoder_tokens': ('b, n', 'int32')},
       sample_inputs={'encoder_tokens': np.full((2, n), 5, np.int32)})
   return {'ts': ts, 'step': lambda ts: train_step(ts, enc, tgt),
