@@ -55,6 +55,7 @@ from t5export import paths
 from t5export import serving
 from t5export import serving_compat
 from t5export import snapshot as snapshot_lib
+from t5export import staged_check
 from t5export import train_state
 from t5export import verify
 from t5export import versions as versions_lib
@@ -341,7 +342,7 @@ class SavedModelExporter:
                'signatures': {}}
       if self._options.validate:
         start = time.monotonic()
-        check = verify.check_staged(
+        check = staged_check.check(
             staging, self._signatures, self._module, atol=self._options.atol,
             rtol=self._options.rtol)
         logging.info('t5export: step %d: check passed for %s in %.2fs.', step,

@@ -366,15 +366,21 @@ class JaxModule(tf.Module):
     """The current variable values as a pytree of JAX arrays.
 
     bfloat16 leaves stored as float32 come back as bfloat16; the structure
-    is the one passed to the constructor.
+    is the one passed to the constructor. On a CPU JAX backend the arrays
+    share the variables' memory (DLPack) instead of copying it: a later
+    `update_variables` gives the variables new buffers and leaves these
+    arrays as they were. Do not donate them to a jitted function.
 
     Returns:
       A pytree like the constructor's `variables`.
     """
+    share = jax.default_backend() == 'cpu'
     leaves = []
     for var, cast, dtype in zip(self.param_vars, self._meta.cast_to_f32,
                                 self._meta.dtypes):
-      value = jnp.asarray(var.numpy())
+      # var.numpy() would copy the buffer, and jnp.asarray might copy again.
+      value = (jnp.from_dlpack(var.value()) if share else
+               jnp.asarray(var.numpy()))
       leaves.append(value.astype(dtype) if cast else value)
     return jax.tree_util.tree_unflatten(self._meta.treedef, leaves)
 
