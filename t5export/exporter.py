@@ -329,6 +329,10 @@ class SavedModelExporter:
                  snap.nbytes / 2**20)
 
     staging = self._dir.staging_dir(step)
+    o = self._options
+    # The check's JAX side runs while the version is written.
+    pending = (staged_check.begin(self._signatures, self._module, atol=o.atol,
+                                  rtol=o.rtol) if o.validate else None)
     try:
       start = time.monotonic()
       written = self._writer.write(staging)
@@ -337,14 +341,10 @@ class SavedModelExporter:
                    versions_lib.dir_nbytes(staging) / 2**20,
                    'first graph + new variables' if written == 'variables'
                    else 'full tf.saved_model.save')
-      check = {'validated': False, 'atol': self._options.atol,
-               'rtol': self._options.rtol,
-               'signatures': {}}
-      if self._options.validate:
+      check = staged_check.unchecked(atol=o.atol, rtol=o.rtol)
+      if pending is not None:
         start = time.monotonic()
-        check = staged_check.check(
-            staging, self._signatures, self._module, atol=self._options.atol,
-            rtol=self._options.rtol)
+        check, pending = pending.finish(staging), None
         logging.info('t5export: step %d: check passed for %s in %.2fs.', step,
                      sorted(check['signatures']), time.monotonic() - start)
       start = time.monotonic()
@@ -357,6 +357,8 @@ class SavedModelExporter:
                    'in %.2fs.', step, n_warmup, time.monotonic() - start)
       self._dir.publish(staging, final)
     except BaseException:
+      if pending is not None:
+        pending.abandon()
       shutil.rmtree(staging, ignore_errors=True)
       raise
     self._dir.record_metrics(step, metrics)

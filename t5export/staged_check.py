@@ -19,15 +19,24 @@ The check's memory is that of its largest phase, not of all of them at once:
    signature, and the graph and session are discarded before the
    comparison.
 
+The JAX references need only the module's variables, so `begin` computes
+them in a background thread while the exporter writes the staged version
+(writing waits on the disk more than on the CPU); `Pending.finish` runs the
+TensorFlow side once the files are there and compares.
+
 What remains is TensorFlow's and XLA's: the restored copy of the weights
 (it is what proves the files load) and the temporaries XLA allocates to run
 the model (on CPU, e.g., the float32 copies of bfloat16 kernels it
 multiplies with), in TensorFlow and again in the JAX reference.
+
+Importing this module does not import TensorFlow (like `verify`); running a
+check does, through the module and the staged SavedModel it runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+import concurrent.futures
 import time
 from typing import Any
 
@@ -48,51 +57,111 @@ def _requests(signatures: Sequence[Any]) -> list[tuple[Any, dict[str, Any]]]:
   return requests
 
 
-def check(staging: str, signatures: Sequence[Any], module: Any, *,
-          atol: float, rtol: float) -> dict[str, Any]:
-  """Runs each signature's sample batches in TF and compares them with JAX.
+def _references(requests: Sequence[tuple[Any, Mapping[str, Any]]],
+                module: Any) -> tuple[list[Any], float]:
+  """Each request's JAX outputs (numpy: no JAX buffer outlives this)."""
+  start = time.monotonic()
+  expected = [sig.reference_outputs(module, inputs)
+              for sig, inputs in requests]
+  return expected, time.monotonic() - start
+
+
+def unchecked(*, atol: float, rtol: float) -> dict[str, Any]:
+  """The check record of a version published without the check.
 
   Args:
-    staging: the staged SavedModel directory.
-    signatures: the `serving.Signature`s it serves; those without sample
-      inputs are not checked (a warning says so).
-    module: the `JaxModule` the version was saved from; its current
-      variables are the ones written.
+    atol: the absolute tolerance a check would have used.
+    rtol: the relative tolerance a check would have used.
+
+  Returns:
+    `{'validated': False, 'atol', 'rtol', 'signatures': {}}`.
+  """
+  return {'validated': False, 'atol': atol, 'rtol': rtol, 'signatures': {}}
+
+
+class Pending:
+  """A check whose JAX references are being computed; see `begin`."""
+
+  def __init__(self, signatures: Sequence[Any], module: Any, *, atol: float,
+               rtol: float):
+    """Starts the JAX references in a background thread (see `begin`)."""
+    self._requests = _requests(signatures)
+    self._atol, self._rtol = atol, rtol
+    self._pool = concurrent.futures.ThreadPoolExecutor(
+        1, thread_name_prefix='t5export-check')
+    self._future = self._pool.submit(_references, self._requests, module)
+
+  def finish(self, staging: str) -> dict[str, Any]:
+    """Runs the staged version in TensorFlow and compares with the JAX side.
+
+    Args:
+      staging: the staged SavedModel directory, complete.
+
+    Returns:
+      `{'validated', 'atol', 'rtol', 'signatures': {name: {'max_abs_error':
+      {output: error}, 'passed', 'batches'}}}`; validated means at least
+      one signature was run and compared.
+
+    Raises:
+      ExportCheckError: the first output that differs (see
+        `verify.compare_outputs`).
+      SignatureError: the staged SavedModel lacks a signature or an input.
+      Exception: whatever the JAX method (or a signature's processors) raised
+        on the sample inputs.
+    """
+    # The JAX temporaries are gone before TensorFlow restores the weights.
+    expected, jax_seconds = self._wait()
+    start = time.monotonic()
+    actuals = verify.run_signatures_isolated(
+        staging, [(sig.name, inputs) for sig, inputs in self._requests])
+    logging.info('t5export: check of %s: JAX references in %.2fs (beside '
+                 'the write), TensorFlow load and run in %.2fs.', staging,
+                 jax_seconds, time.monotonic() - start)
+    result = unchecked(atol=self._atol, rtol=self._rtol)
+    for (sig, _), actual, want in zip(self._requests, actuals, expected):
+      errs = verify.compare_outputs(sig.name, actual, want, atol=self._atol,
+                                    rtol=self._rtol)
+      entry = result['signatures'].setdefault(
+          sig.name, {'max_abs_error': {}, 'passed': True, 'batches': 0})
+      entry['batches'] += 1
+      for name, err in errs.items():
+        entry['max_abs_error'][name] = max(
+            err, entry['max_abs_error'].get(name, 0.0))
+    # Validated means at least one signature was actually run and compared.
+    result['validated'] = bool(result['signatures'])
+    return result
+
+  def abandon(self) -> None:
+    """Waits for the JAX side and drops it (the export failed meanwhile)."""
+    try:
+      self._wait()
+    except Exception:  # pylint: disable=broad-except
+      pass  # The export's own error is the one to report.
+
+  def _wait(self) -> tuple[list[Any], float]:
+    try:
+      return self._future.result()
+    finally:
+      self._pool.shutdown(wait=True)
+
+
+def begin(signatures: Sequence[Any], module: Any, *, atol: float,
+          rtol: float) -> Pending:
+  """Starts the check of the version about to be written from `module`.
+
+  Call it once the module's variables hold the values to be written; it
+  returns at once, the JAX references running in a background thread.
+
+  Args:
+    signatures: the `serving.Signature`s the version serves; those without
+      sample inputs are not checked (a warning says so).
+    module: the `JaxModule` the version is saved from; its variables must
+      not change until `finish` or `abandon` returns.
     atol: absolute tolerance of the comparison.
     rtol: relative tolerance of the comparison.
 
   Returns:
-    `{'validated', 'atol', 'rtol', 'signatures': {name: {'max_abs_error':
-    {output: error}, 'passed', 'batches'}}}`; validated means at least one
-    signature was run and compared.
-
-  Raises:
-    ExportCheckError: the first output that differs (see
-      `verify.compare_outputs`).
-    SignatureError: the staged SavedModel lacks a signature or an input.
+    The pending check: `finish(staging)` once the version is written,
+    `abandon()` if writing it failed.
   """
-  requests = _requests(signatures)
-  start = time.monotonic()
-  # numpy outputs only: no JAX buffer outlives this line.
-  expected = [sig.reference_outputs(module, inputs)
-              for sig, inputs in requests]
-  jax_seconds = time.monotonic() - start
-  start = time.monotonic()
-  actuals = verify.run_signatures_isolated(
-      staging, [(sig.name, inputs) for sig, inputs in requests])
-  logging.info('t5export: check of %s: JAX references in %.2fs, TensorFlow '
-               'load and run in %.2fs.', staging, jax_seconds,
-               time.monotonic() - start)
-  result: dict[str, Any] = {'validated': True, 'atol': atol, 'rtol': rtol,
-                            'signatures': {}}
-  for (sig, _), actual, want in zip(requests, actuals, expected):
-    errs = verify.compare_outputs(sig.name, actual, want, atol=atol,
-                                  rtol=rtol)
-    entry = result['signatures'].setdefault(
-        sig.name, {'max_abs_error': {}, 'passed': True, 'batches': 0})
-    entry['batches'] += 1
-    for name, err in errs.items():
-      entry['max_abs_error'][name] = max(
-          err, entry['max_abs_error'].get(name, 0.0))
-  result['validated'] = bool(result['signatures'])
-  return result
+  return Pending(signatures, module, atol=atol, rtol=rtol)
