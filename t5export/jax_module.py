@@ -132,6 +132,20 @@ def _tf_value(array: np.ndarray, *, cast: bool, owned: bool,
   return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
 
 
+def _check_options() -> dict[str, str] | None:
+  """XLA options of the JAX methods run for checks (`jax_methods`).
+
+  On CPU, XLA's default schedule converts every bfloat16 kernel a dot needs
+  to float32 before the first dot, so a model's temporaries are twice its
+  bfloat16 weights; the memory-optimized schedule converts each one just
+  before its dot. The schedule orders the same operations, so the outputs
+  are the same bits.
+  """
+  if jax.default_backend() != 'cpu':
+    return None
+  return {'xla_cpu_scheduler_type': 'CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED'}
+
+
 @dataclasses.dataclass(frozen=True)
 class _Meta:
   """Untracked metadata (kept out of tf.Module's attribute conversion)."""
@@ -254,7 +268,8 @@ class JaxModule(tf.Module):
         treedef=treedef, paths=tuple(leaf_paths), shapes=tuple(shapes),
         dtypes=tuple(dtypes), cast_to_f32=tuple(casts),
         raw_methods=dict(methods),
-        jitted_methods={k: jax.jit(fn) for k, fn in methods.items()},
+        jitted_methods={k: jax.jit(fn, compiler_options=_check_options())
+                        for k, fn in methods.items()},
         platforms=platforms, input_signatures=dict(input_signatures),
         polymorphic_shapes=dict(polymorphic_shapes),
         serving_target=serving_target)
