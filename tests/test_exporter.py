@@ -14,6 +14,7 @@ import functools
 import os
 import subprocess
 import sys
+import threading
 
 import flax.linen as nn
 import gin
@@ -483,6 +484,28 @@ def test_mismatch_refuses_to_publish(tmp_path):
   assert info.value.kind == 'values'
   assert info.value.max_abs_error == pytest.approx(0.25, abs=1e-6)
   assert os.listdir(tmp_path) == []  # No version, no staging dir.
+
+
+def test_check_error_on_the_jax_side_refuses_to_publish(tmp_path):
+  # The JAX references run in a background thread beside the write: what
+  # they raise reaches the caller, and nothing is published or left behind.
+  model = models.MlpBn()
+  variables = models.init_mlp_bn(model, jax.random.PRNGKey(6))
+  state = t5export.InferenceState.create(variables).replace_step(1)
+
+  def eager_only_failure(inputs):
+    if tf.executing_eagerly():  # The JAX reference runs it eagerly.
+      raise ValueError('preprocessor failed on the sample inputs')
+    return inputs
+
+  sig = _mlp_signature(model, preprocessor=eager_only_failure,
+                       sample_inputs={'x': _rng_x(2, 1, 16)})
+  exporter = t5export.SavedModelExporter(str(tmp_path), [sig])
+  with pytest.raises(ValueError, match='preprocessor failed on the sample'):
+    exporter.export(state)
+  assert os.listdir(tmp_path) == []
+  assert not [t for t in threading.enumerate()
+              if t.name.startswith('t5export-check')]
 
 
 # --- retention, resume, overwrite ------------------------------------------------
