@@ -311,7 +311,7 @@ class SavedModelExporter:
     if os.path.exists(final) and not self._options.overwrite:
       raise errors.VersionExistsError(final, step)
     if not self._options.allow_non_finite:
-      verify.check_finite(snap.variables)
+      staged_check.check_finite(snap.variables)
     metrics = flatten_metrics(metrics)
     keep_best = self._options.keep_best
     if keep_best is not None and keep_best.score(metrics, step) is None:
@@ -483,4 +483,5 @@ class SavedModelExporter:
         os.path.join(staging, verify.WARMUP_FILE),
         os.path.basename(self._export_dir) or 'model',
         [(sig.name, inputs, {k: sig.inputs[k].dtype for k in inputs})
-         for sig in self._signatures for inputs in verify.sample_batches(sig)])
+         for sig in self._signatures for inputs in
+         staged_check.sample_batches(sig)])

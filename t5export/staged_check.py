@@ -1,5 +1,6 @@
-"""The pre-publish check of a staged version, one phase at a time.
+"""The exporter's checks of a version before it is published.
 
+`check_finite` refuses params holding NaN or Inf before anything is written.
 `SavedModelExporter` checks every staged version before it publishes it:
 the staged directory is loaded in TensorFlow the way TF Serving loads a
 version (a graph and session of their own, `verify.run_signatures_isolated`),
@@ -41,15 +42,58 @@ import time
 from typing import Any
 
 from absl import logging
+import jax
+import numpy as np
 
+from t5export import errors
+from t5export import paths
 from t5export import verify
+
+
+def check_finite(variables: Any) -> None:
+  """Raises NonFiniteParamsError naming the first leaf with NaN/Inf.
+
+  Args:
+    variables: a pytree of numpy/JAX arrays.
+
+  Raises:
+    errors.NonFiniteParamsError: for the first leaf (in `paths.flatten` order)
+      holding a NaN or an Inf.
+  """
+  for path, leaf in paths.flatten(variables).items():
+    array = np.asarray(leaf)
+    if not jax.numpy.issubdtype(array.dtype, jax.numpy.inexact):
+      continue
+    if array.dtype.kind not in 'fc':  # bfloat16 and other ml_dtypes floats.
+      array = array.astype(np.float32)
+    finite = np.isfinite(array)
+    if not np.all(finite):
+      raise errors.NonFiniteParamsError(
+          path, int(finite.size - np.count_nonzero(finite)), int(array.size))
+
+
+def sample_batches(sig: Any) -> list[dict[str, Any]]:
+  """A signature's sample inputs as a list of `{input_name: array}`.
+
+  Args:
+    sig: a `serving.Signature`.
+
+  Returns:
+    One dict per batch ([] without sample inputs).
+  """
+  samples = sig.sample_inputs
+  if samples is None:
+    return []
+  if isinstance(samples, Mapping):
+    return [dict(samples)]
+  return [dict(s) for s in samples]  # Several batches, if ever given.
 
 
 def _requests(signatures: Sequence[Any]) -> list[tuple[Any, dict[str, Any]]]:
   """(signature, sample batch) pairs; warns of signatures without samples."""
   requests = []
   for sig in signatures:
-    batches = verify.sample_batches(sig)
+    batches = sample_batches(sig)
     if not batches:
       logging.warning('t5export: signature %r has no sample_inputs; it is '
                       'not checked.', sig.name)

@@ -12,8 +12,7 @@ The reading side of what `exporter.SavedModelExporter` writes:
   TensorFlow.
 - `compare_outputs(...)` / `compare_with_jax(...)`: run a signature and
   compare every named output with JAX (`staged_check` is the exporter's
-  pre-publish check built on them); `check_finite(...)`: the exporter's
-  refusal of NaN/Inf params.
+  pre-publish check built on them).
 - `call_exported(version_dir, signature_name)`: a JAX-callable that runs the
   exported signature in TensorFlow through `jax2tf.call_tf`.
 
@@ -28,7 +27,6 @@ from collections.abc import Callable, Mapping, Sequence
 import os
 from typing import Any
 
-from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -267,45 +265,6 @@ def compare_outputs(signature_name: str, actual: Mapping[str, Any],
           f'abs error {max_err:.6g} vs JAX')
     result[name] = max_err
   return result
-
-
-def check_finite(variables: Any) -> None:
-  """Raises NonFiniteParamsError naming the first leaf with NaN/Inf.
-
-  Args:
-    variables: a pytree of numpy/JAX arrays.
-
-  Raises:
-    errors.NonFiniteParamsError: for the first leaf (in `paths.flatten` order)
-      holding a NaN or an Inf.
-  """
-  for path, leaf in paths.flatten(variables).items():
-    array = np.asarray(leaf)
-    if not jax.numpy.issubdtype(array.dtype, jax.numpy.inexact):
-      continue
-    if array.dtype.kind not in 'fc':  # bfloat16 and other ml_dtypes floats.
-      array = array.astype(np.float32)
-    finite = np.isfinite(array)
-    if not np.all(finite):
-      raise errors.NonFiniteParamsError(
-          path, int(finite.size - np.count_nonzero(finite)), int(array.size))
-
-
-def sample_batches(sig: Any) -> list[dict[str, Any]]:
-  """A signature's sample inputs as a list of `{input_name: array}`.
-
-  Args:
-    sig: a `serving.Signature`.
-
-  Returns:
-    One dict per batch ([] without sample inputs).
-  """
-  samples = sig.sample_inputs
-  if samples is None:
-    return []
-  if isinstance(samples, Mapping):
-    return [dict(samples)]
-  return [dict(s) for s in samples]  # Several batches, if ever given.
 
 
 def _signature(loaded: Any, version_dir: str, signature_name: str) -> Any:

@@ -32,6 +32,7 @@ from t5export import errors
 from t5export import exporter as exporter_lib
 from t5export import host_buffers
 from t5export import paths
+from t5export import staged_check
 from t5export import verify
 from t5export import versions
 import tf_only  # tests/ is on sys.path.
@@ -652,10 +653,10 @@ def test_flatten_metrics_and_check_finite():
   assert exporter_lib.flatten_metrics(
       {'a': {'b': np.float32(0.5), 'c': jnp.int32(3)}, 'd': 'x'}) == {
           'a/b': 0.5, 'a/c': 3, 'd': 'x'}
-  verify.check_finite({'w': jnp.ones(3, jnp.bfloat16),
+  staged_check.check_finite({'w': jnp.ones(3, jnp.bfloat16),
                              'i': np.arange(3)})
   with pytest.raises(errors.NonFiniteParamsError, match=r"'params/w' holds 2"):
-    verify.check_finite(
+    staged_check.check_finite(
         {'params': {'w': jnp.array([np.inf, 1, -np.inf], jnp.bfloat16)}})
 
 
