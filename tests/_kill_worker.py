@@ -55,8 +55,9 @@ def main(argv: list[str]) -> None:
             export_dir, [sig], options=t5export.ExportOptions(keep=keep)),
         export_every_steps=1, async_export=True, on_error='raise')
     exporter = cb.exporter
-  _report.emit('resumed ' + json.dumps(sorted(os.listdir(export_dir))))
+  # versions() prepares export_dir (first use) before it is listed.
   start = max(exporter.versions(), default=0) + 1
+  _report.emit('resumed ' + json.dumps(sorted(os.listdir(export_dir))))
   seen = 0
   for step in range(start, start + 10_000):
     if mode == 'overwrite':  # The newest version, again (same params).

@@ -226,7 +226,7 @@ def test_sigkill_at_random_moments_never_publishes_a_partial_version(
       if resumed:
         # The worker's start removed every staging dir left by earlier kills.
         assert not [n for n in resumed[0] if n.startswith(STAGING_PREFIX)], (
-            f'{where}: after constructing the exporter: {resumed[0]}')
+            f'{where}: after the exporter\'s first use: {resumed[0]}')
         cleanups_seen += bool(before)
       versions = _versions(export_dir) if os.path.isdir(export_dir) else []
       staging = _staging(export_dir) if os.path.isdir(export_dir) else []
@@ -252,7 +252,7 @@ def test_sigkill_at_random_moments_never_publishes_a_partial_version(
   versions = _versions(export_dir)
   exporter_lib.SavedModelExporter(
       export_dir, [model.signature()],
-      options=t5export.ExportOptions(keep=KEEP))
+      options=t5export.ExportOptions(keep=KEEP)).versions()  # First use.
   assert _staging(export_dir) == [], '\n'.join(report)
   assert _versions(export_dir) == versions, '\n'.join(report)
   summary = (f'{len(ever)} versions published, {checker.full_checks} full '
