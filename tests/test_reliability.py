@@ -390,10 +390,12 @@ def _export_fails_while_unwritable_then_recovers(export_dir: str,
     with pytest.raises(OSError, match=cause) as info:
       exporter.export(model.state_for(2))
     assert '.tmp-2-' in str(info.value)  # Names the staging path.
-    # A new exporter (a restarted job) says so before any work.
+    # A new exporter (a restarted job) says so on first use, before any
+    # work.
     with pytest.raises(errors.ExportDirError,
                        match=rf'is not writable.*{cause}'):
-      exporter_lib.SavedModelExporter(export_dir, [model.signature()])
+      exporter_lib.SavedModelExporter(export_dir,
+                                      [model.signature()]).versions()
   assert _versions(export_dir) == [1]
   assert _staging(export_dir) == []
   exporter.export(model.state_for(2))  # The same step, now it can write.
