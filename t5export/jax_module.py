@@ -133,17 +133,15 @@ def _tf_value(array: np.ndarray, *, cast: bool, owned: bool,
 
 
 def _check_options() -> dict[str, str] | None:
-  """XLA options of the JAX methods run for checks (`jax_methods`).
+  """XLA options of `jax_methods` (run for checks): on CPU, less memory.
 
-  On CPU, XLA's default schedule converts every bfloat16 kernel a dot needs
-  to float32 before the first dot, so a model's temporaries are twice its
-  bfloat16 weights; the memory-optimized schedule converts each one just
-  before its dot. The schedule orders the same operations, so the outputs
-  are the same bits.
+  XLA's default CPU schedule converts every bfloat16 kernel to float32
+  before the first dot (temporaries twice the bfloat16 weights); the
+  memory-optimized one converts each just before its dot: the same
+  operations in another order, so the same output bits.
   """
-  if jax.default_backend() != 'cpu':
-    return None
-  return {'xla_cpu_scheduler_type': 'CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED'}
+  return ({'xla_cpu_scheduler_type': 'CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED'}
+          if jax.default_backend() == 'cpu' else None)
 
 
 @dataclasses.dataclass(frozen=True)
