@@ -9,11 +9,13 @@ One export (steps 5-7 of docs/internals.md's "One export, step by step"):
 3. write the SavedModel into `<export_dir>/.tmp-<step>-<nonce>/`
    (`writer`: the first version with `tf.saved_model.save`, later ones as
    the first one's graph plus the new variables, written in parallel);
-4. the check: load the staged SavedModel in TensorFlow, run every signature
-   that has sample inputs and compare with the JAX method (the same TF
-   pre/post-processing around it);
-5. `assets.extra/`: `t5export.json` metadata, `config.gin` (when gin is in
-   use), `tf_serving_warmup_requests`;
+4. the check (`staged_check`, its JAX side started before the write): load
+   the staged SavedModel in TensorFlow, run every signature that has sample
+   inputs and compare with the JAX method (the same TF pre/post-processing
+   around it);
+5. `assets.extra/` (`assets_extra`): `t5export.json` metadata, `config.gin`
+   (when gin is in use), the `jax.export` artifacts,
+   `tf_serving_warmup_requests`;
 6. fsync every file and directory, then publish: rename the staging
    directory to `<export_dir>/<step>/` in one step (`versions`), so
    TensorFlow Serving never sees a partial version;
@@ -31,22 +33,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 import dataclasses
-import datetime
-import json
 import os
 import shutil
 import time
 from typing import Any
 
 from absl import logging
-import flax
 import gin
 import jax
-import jaxlib
-import numpy as np
-import tensorflow as tf
 
-import t5export
+from t5export import assets_extra
 from t5export import errors
 from t5export import jax_artifacts as jax_artifacts_lib
 from t5export import jax_module
@@ -55,40 +51,13 @@ from t5export import paths
 from t5export import serving
 from t5export import serving_compat
 from t5export import snapshot as snapshot_lib
+from t5export import staged_check
 from t5export import train_state
 from t5export import verify
 from t5export import versions as versions_lib
 from t5export import writer as writer_lib
-from tensorflow.core.protobuf import saved_model_pb2
 
-METADATA_FORMAT_VERSION = 1
 flatten_metrics = versions_lib.flatten_metrics
-
-
-def _tensor_info_json(info: Any) -> dict[str, Any]:
-  """{'shape': [None, 16], 'dtype': 'float32'} of a SignatureDef TensorInfo."""
-  shape = tf.TensorShape(info.tensor_shape)
-  return {'shape': None if shape.rank is None else shape.as_list(),
-          'dtype': tf.as_dtype(info.dtype).name}
-
-
-def _signature_defs(saved_model_dir: str) -> Mapping[str, Any]:
-  """The SignatureDefs of a SavedModel, read from saved_model.pb."""
-  proto = saved_model_pb2.SavedModel()
-  with open(os.path.join(saved_model_dir, 'saved_model.pb'), 'rb') as f:
-    proto.ParseFromString(f.read())
-  return proto.meta_graphs[0].signature_def
-
-
-def _jsonable(value: Any) -> Any:
-  """Converts tuples, PartitionSpecs and other leaves to JSON-ready values."""
-  if value is None or isinstance(value, (bool, int, float, str)):
-    return value
-  if isinstance(value, Mapping):
-    return {str(k): _jsonable(v) for k, v in value.items()}
-  if isinstance(value, (list, tuple)):
-    return [_jsonable(v) for v in value]
-  return str(value)
 
 
 @gin.configurable('SavedModelExporter', module='t5export')
@@ -310,7 +279,7 @@ class SavedModelExporter:
     if os.path.exists(final) and not self._options.overwrite:
       raise errors.VersionExistsError(final, step)
     if not self._options.allow_non_finite:
-      verify.check_finite(snap.variables)
+      staged_check.check_finite(snap.variables)
     metrics = flatten_metrics(metrics)
     keep_best = self._options.keep_best
     if keep_best is not None and keep_best.score(metrics, step) is None:
@@ -328,6 +297,10 @@ class SavedModelExporter:
                  snap.nbytes / 2**20)
 
     staging = self._dir.staging_dir(step)
+    o = self._options
+    # The check's JAX side runs while the version is written.
+    pending = (staged_check.begin(self._signatures, self._module, atol=o.atol,
+                                  rtol=o.rtol) if o.validate else None)
     try:
       start = time.monotonic()
       written = self._writer.write(staging)
@@ -336,26 +309,24 @@ class SavedModelExporter:
                    versions_lib.dir_nbytes(staging) / 2**20,
                    'first graph + new variables' if written == 'variables'
                    else 'full tf.saved_model.save')
-      check = {'validated': False, 'atol': self._options.atol,
-               'rtol': self._options.rtol,
-               'signatures': {}}
-      if self._options.validate:
+      check = staged_check.unchecked(atol=o.atol, rtol=o.rtol)
+      if pending is not None:
         start = time.monotonic()
-        check = verify.check_staged(
-            staging, self._signatures, self._module, atol=self._options.atol,
-            rtol=self._options.rtol)
+        check, pending = pending.finish(staging), None
         logging.info('t5export: step %d: check passed for %s in %.2fs.', step,
                      sorted(check['signatures']), time.monotonic() - start)
       start = time.monotonic()
-      os.makedirs(os.path.join(staging, verify.ASSETS_EXTRA), exist_ok=True)
-      self._write_artifacts(staging)
-      self._write_metadata(staging, snap, check, metrics)
-      n_warmup = self._write_warmup(staging) if self._options.warmup else 0
+      n_warmup = assets_extra.write(
+          staging, module=self._module, signatures=self._signatures,
+          artifacts=self._artifacts, snap=snap, check=check, metrics=metrics,
+          options=o, model_name=os.path.basename(self._export_dir) or 'model')
       versions_lib.fsync_tree(staging)
       logging.info('t5export: step %d: metadata, %d warm-up request(s), fsync '
                    'in %.2fs.', step, n_warmup, time.monotonic() - start)
       self._dir.publish(staging, final)
     except BaseException:
+      if pending is not None:
+        pending.abandon()
       shutil.rmtree(staging, ignore_errors=True)
       raise
     self._dir.record_metrics(step, metrics)
@@ -394,90 +365,3 @@ class SavedModelExporter:
     self._writer = writer_lib.SavedModelWriter(
         module, self._serving_fns, reuse_graph=o.reuse_graph)
     self._module = module
-
-  # --- assets.extra -------------------------------------------------------
-
-  def _write_artifacts(self, staging: str) -> None:
-    """Writes the jax.export artifacts (the same bytes every version)."""
-    for name, (data, _) in self._artifacts.items():
-      path = os.path.join(staging, jax_artifacts_lib.artifact_file(name))
-      os.makedirs(os.path.dirname(path), exist_ok=True)
-      with open(path, 'wb') as f:
-        f.write(data)
-
-  def _signature_metadata(self, sig: serving.Signature,
-                          signature_def: Any) -> dict[str, Any]:
-    meta = sig.describe()
-    meta['outputs'] = {k: _tensor_info_json(v)
-                       for k, v in sorted(signature_def.outputs.items())}
-    meta['has_sample_inputs'] = sig.sample_inputs is not None
-    meta[jax_artifacts_lib.METADATA_KEY] = (
-        self._artifacts[sig.name][1] if sig.name in self._artifacts else None)
-    return meta
-
-  def _write_metadata(self, staging: str, snap: snapshot_lib.HostSnapshot,
-                      check: dict[str, Any], metrics: dict[str, Any]) -> None:
-    module = self._module
-    # Read the SignatureDefs from what was saved: getting them from the
-    # serving functions would trace them again outside the save context.
-    signature_defs = _signature_defs(staging)
-    params = {}
-    source = paths.flatten(snap.variables)
-    for path, var in zip(module.param_paths, module.param_vars):
-      logical = (snap.logical_axes or {}).get(path)
-      mesh = (snap.mesh_axes or {}).get(path)
-      params[path] = {
-          'shape': var.shape.as_list(),
-          'dtype': var.dtype.name,  # As stored (float32 if cast_bfloat16).
-          'source_dtype': np.dtype(np.asarray(source[path]).dtype).name,
-          'logical_axes': None if logical is None else list(logical),
-          'mesh_axes': None if mesh is None else _jsonable(list(mesh)),
-      }
-    meta = {
-        'format_version': METADATA_FORMAT_VERSION,
-        'step': int(snap.step),
-        'time_utc': datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        'versions': {
-            'jax': jax.__version__,
-            'jaxlib': jaxlib.__version__,
-            'tensorflow': tf.__version__,
-            'flax': flax.__version__,
-            't5export': t5export.__version__,
-        },
-        'serving': self._options.serving_target.describe(),
-        'platforms': list(module.platforms),
-        'options': {
-            'trainable': self._options.trainable,
-            'jit_compile': self._options.jit_compile,
-            'cast_bfloat16': self._options.cast_bfloat16,
-            'reuse_graph': self._options.reuse_graph,
-            'jax_artifacts': self._options.jax_artifacts,
-        },
-        'signatures': {
-            s.name: self._signature_metadata(s, signature_defs[s.name])
-            for s in self._signatures},
-        'parameters': list(module.param_paths),
-        'params': params,
-        'nbytes': int(snap.nbytes),
-        'check': check,
-        'metrics': metrics,
-    }
-    with open(os.path.join(staging, verify.METADATA_FILE), 'w',
-              encoding='utf-8') as f:
-      json.dump(meta, f, indent=2, sort_keys=False, allow_nan=True)
-    # Only when gin is in use: the operative config also lists the defaults
-    # of every configurable called, so it is never empty by itself.
-    config = (gin.operative_config_str() if gin.config_str().strip() or
-              gin.config_is_locked() else '')
-    if config.strip():
-      with open(os.path.join(staging, verify.GIN_CONFIG_FILE), 'w',
-                encoding='utf-8') as f:
-        f.write(config)
-
-  def _write_warmup(self, staging: str) -> int:
-    """Writes TF Serving warm-up requests; returns how many."""
-    return writer_lib.write_warmup_requests(
-        os.path.join(staging, verify.WARMUP_FILE),
-        os.path.basename(self._export_dir) or 'model',
-        [(sig.name, inputs, {k: sig.inputs[k].dtype for k in inputs})
-         for sig in self._signatures for inputs in verify.sample_batches(sig)])

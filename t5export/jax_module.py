@@ -132,6 +132,18 @@ def _tf_value(array: np.ndarray, *, cast: bool, owned: bool,
   return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
 
 
+def _check_options() -> dict[str, str] | None:
+  """XLA options of `jax_methods` (run for checks): on CPU, less memory.
+
+  XLA's default CPU schedule converts every bfloat16 kernel to float32
+  before the first dot (temporaries twice the bfloat16 weights); the
+  memory-optimized one converts each just before its dot: the same
+  operations in another order, so the same output bits.
+  """
+  return ({'xla_cpu_scheduler_type': 'CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED'}
+          if jax.default_backend() == 'cpu' else None)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Meta:
   """Untracked metadata (kept out of tf.Module's attribute conversion)."""
@@ -254,7 +266,8 @@ class JaxModule(tf.Module):
         treedef=treedef, paths=tuple(leaf_paths), shapes=tuple(shapes),
         dtypes=tuple(dtypes), cast_to_f32=tuple(casts),
         raw_methods=dict(methods),
-        jitted_methods={k: jax.jit(fn) for k, fn in methods.items()},
+        jitted_methods={k: jax.jit(fn, compiler_options=_check_options())
+                        for k, fn in methods.items()},
         platforms=platforms, input_signatures=dict(input_signatures),
         polymorphic_shapes=dict(polymorphic_shapes),
         serving_target=serving_target)
@@ -366,15 +379,21 @@ class JaxModule(tf.Module):
     """The current variable values as a pytree of JAX arrays.
 
     bfloat16 leaves stored as float32 come back as bfloat16; the structure
-    is the one passed to the constructor.
+    is the one passed to the constructor. On a CPU JAX backend the arrays
+    share the variables' memory (DLPack) instead of copying it: a later
+    `update_variables` gives the variables new buffers and leaves these
+    arrays as they were. Do not donate them to a jitted function.
 
     Returns:
       A pytree like the constructor's `variables`.
     """
+    share = jax.default_backend() == 'cpu'
     leaves = []
     for var, cast, dtype in zip(self.param_vars, self._meta.cast_to_f32,
                                 self._meta.dtypes):
-      value = jnp.asarray(var.numpy())
+      # var.numpy() would copy the buffer, and jnp.asarray might copy again.
+      value = (jnp.from_dlpack(var.value()) if share else
+               jnp.asarray(var.numpy()))
       leaves.append(value.astype(dtype) if cast else value)
     return jax.tree_util.tree_unflatten(self._meta.treedef, leaves)
 

@@ -11,9 +11,8 @@ The reading side of what `exporter.SavedModelExporter` writes:
   version's own weights: runs exactly what the SavedModel runs, without
   TensorFlow.
 - `compare_outputs(...)` / `compare_with_jax(...)`: run a signature and
-  compare every named output with JAX; `check_staged(...)` is the
-  exporter's pre-publish check built on them, `check_finite(...)` its
-  refusal of NaN/Inf params.
+  compare every named output with JAX (`staged_check` is the exporter's
+  pre-publish check built on them).
 - `call_exported(version_dir, signature_name)`: a JAX-callable that runs the
   exported signature in TensorFlow through `jax2tf.call_tf`.
 
@@ -28,7 +27,6 @@ from collections.abc import Callable, Mapping, Sequence
 import os
 from typing import Any
 
-from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -266,93 +264,6 @@ def compare_outputs(signature_name: str, actual: Mapping[str, Any],
           detail=f'values differ beyond atol={atol:g}, rtol={rtol:g}: max '
           f'abs error {max_err:.6g} vs JAX')
     result[name] = max_err
-  return result
-
-
-def check_finite(variables: Any) -> None:
-  """Raises NonFiniteParamsError naming the first leaf with NaN/Inf.
-
-  Args:
-    variables: a pytree of numpy/JAX arrays.
-
-  Raises:
-    errors.NonFiniteParamsError: for the first leaf (in `paths.flatten` order)
-      holding a NaN or an Inf.
-  """
-  for path, leaf in paths.flatten(variables).items():
-    array = np.asarray(leaf)
-    if not jax.numpy.issubdtype(array.dtype, jax.numpy.inexact):
-      continue
-    if array.dtype.kind not in 'fc':  # bfloat16 and other ml_dtypes floats.
-      array = array.astype(np.float32)
-    finite = np.isfinite(array)
-    if not np.all(finite):
-      raise errors.NonFiniteParamsError(
-          path, int(finite.size - np.count_nonzero(finite)), int(array.size))
-
-
-def sample_batches(sig: Any) -> list[dict[str, Any]]:
-  """A signature's sample inputs as a list of `{input_name: array}`.
-
-  Args:
-    sig: a `serving.Signature`.
-
-  Returns:
-    One dict per batch ([] without sample inputs).
-  """
-  samples = sig.sample_inputs
-  if samples is None:
-    return []
-  if isinstance(samples, Mapping):
-    return [dict(samples)]
-  return [dict(s) for s in samples]  # Several batches, if ever given.
-
-
-def check_staged(staging: str, signatures: Sequence[Any], module: Any, *,
-                 atol: float, rtol: float) -> dict[str, Any]:
-  """The exporter's check: each signature's sample inputs, TF vs JAX.
-
-  The staged SavedModel runs in a throw-away graph and session
-  (`run_signatures_isolated`, as TF Serving loads it), so repeated checks
-  leave nothing cached in the process; the expected outputs are
-  `Signature.reference_outputs` on the module's current variables.
-
-  Args:
-    staging: the staged SavedModel directory.
-    signatures: the `serving.Signature`s it serves.
-    module: the `JaxModule` it was saved from.
-    atol: absolute tolerance.
-    rtol: relative tolerance.
-
-  Returns:
-    `{'validated', 'atol', 'rtol', 'signatures': {name: {'max_abs_error':
-    {output: error}, 'passed', 'batches'}}}`; validated means at least one
-    signature was run and compared.
-
-  Raises:
-    ExportCheckError: the first mismatch (see `compare_outputs`).
-  """
-  result: dict[str, Any] = {'validated': True, 'atol': atol, 'rtol': rtol,
-                            'signatures': {}}
-  requests = []
-  for sig in signatures:
-    batches = sample_batches(sig)
-    if not batches:
-      logging.warning('t5export: signature %r has no sample_inputs; it is '
-                      'not checked.', sig.name)
-    requests.extend((sig, inputs) for inputs in batches)
-  actuals = run_signatures_isolated(
-      staging, [(sig.name, inputs) for sig, inputs in requests])
-  for (sig, inputs), actual in zip(requests, actuals):
-    expected = sig.reference_outputs(module, inputs)
-    errs = compare_outputs(sig.name, actual, expected, atol=atol, rtol=rtol)
-    entry = result['signatures'].setdefault(
-        sig.name, {'max_abs_error': {}, 'passed': True, 'batches': 0})
-    entry['batches'] += 1
-    for name, err in errs.items():
-      entry['max_abs_error'][name] = max(
-          err, entry['max_abs_error'].get(name, 0.0))
-  result['validated'] = bool(result['signatures'])
   return result
 
 

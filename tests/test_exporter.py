@@ -14,6 +14,7 @@ import functools
 import os
 import subprocess
 import sys
+import threading
 
 import flax.linen as nn
 import gin
@@ -31,6 +32,7 @@ from t5export import errors
 from t5export import exporter as exporter_lib
 from t5export import host_buffers
 from t5export import paths
+from t5export import staged_check
 from t5export import verify
 from t5export import versions
 import tf_only  # tests/ is on sys.path.
@@ -485,6 +487,28 @@ def test_mismatch_refuses_to_publish(tmp_path):
   assert os.listdir(tmp_path) == []  # No version, no staging dir.
 
 
+def test_check_error_on_the_jax_side_refuses_to_publish(tmp_path):
+  # The JAX references run in a background thread beside the write: what
+  # they raise reaches the caller, and nothing is published or left behind.
+  model = models.MlpBn()
+  variables = models.init_mlp_bn(model, jax.random.PRNGKey(6))
+  state = t5export.InferenceState.create(variables).replace_step(1)
+
+  def eager_only_failure(inputs):
+    if tf.executing_eagerly():  # The JAX reference runs it eagerly.
+      raise ValueError('preprocessor failed on the sample inputs')
+    return inputs
+
+  sig = _mlp_signature(model, preprocessor=eager_only_failure,
+                       sample_inputs={'x': _rng_x(2, 1, 16)})
+  exporter = t5export.SavedModelExporter(str(tmp_path), [sig])
+  with pytest.raises(ValueError, match='preprocessor failed on the sample'):
+    exporter.export(state)
+  assert os.listdir(tmp_path) == []
+  assert not [t for t in threading.enumerate()
+              if t.name.startswith('t5export-check')]
+
+
 # --- retention, resume, overwrite ------------------------------------------------
 
 
@@ -629,10 +653,10 @@ def test_flatten_metrics_and_check_finite():
   assert exporter_lib.flatten_metrics(
       {'a': {'b': np.float32(0.5), 'c': jnp.int32(3)}, 'd': 'x'}) == {
           'a/b': 0.5, 'a/c': 3, 'd': 'x'}
-  verify.check_finite({'w': jnp.ones(3, jnp.bfloat16),
+  staged_check.check_finite({'w': jnp.ones(3, jnp.bfloat16),
                              'i': np.arange(3)})
   with pytest.raises(errors.NonFiniteParamsError, match=r"'params/w' holds 2"):
-    verify.check_finite(
+    staged_check.check_finite(
         {'params': {'w': jnp.array([np.inf, 1, -np.inf], jnp.bfloat16)}})
 
 

@@ -331,6 +331,35 @@ def test_update_variables_reaches_eager_methods_and_jax_methods():
       np.asarray(after_jax), np.asarray(fn(doubled, x)))
 
 
+def test_jax_variables_share_the_variables_and_keep_their_values():
+  # On CPU the JAX view shares each variable's buffer (no copy of the
+  # weights for a check); an update then gives the variables new buffers
+  # and leaves the view as it was.
+  kernel = np.arange(12, dtype=np.float32).reshape(4, 3)
+  variables = {'params': {'kernel': kernel,
+                          'scale': np.full((3,), 1.5, jnp.bfloat16)}}
+  fn = lambda v, inp: inp @ v['params']['kernel']
+  module = jax_module.JaxModule(
+      variables, {'f': fn},
+      input_signatures={'f': tf.TensorSpec([None, 4], tf.float32)},
+      polymorphic_shapes={'f': '(b, 4)'})
+  view = module.jax_variables()
+  var = module.param_vars[0]
+  assert (view['params']['kernel'].unsafe_buffer_pointer() ==
+          np.from_dlpack(var.value()).ctypes.data)
+  assert view['params']['scale'].dtype == jnp.bfloat16
+  module.update_variables({'params': {
+      'kernel': kernel * 2, 'scale': np.full((3,), 2.5, jnp.bfloat16)}})
+  np.testing.assert_array_equal(np.asarray(view['params']['kernel']), kernel)
+  np.testing.assert_array_equal(
+      np.asarray(view['params']['scale'], np.float32), [1.5] * 3)
+  new = module.jax_variables()
+  np.testing.assert_array_equal(np.asarray(new['params']['kernel']),
+                                kernel * 2)
+  np.testing.assert_array_equal(
+      np.asarray(new['params']['scale'], np.float32), [2.5] * 3)
+
+
 @pytest.fixture(scope='module')
 def small_module():
   variables = {'params': {'dense': {'kernel': np.ones((4, 3), np.float32),

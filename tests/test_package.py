@@ -24,7 +24,7 @@ LIGHT_MODULES = ('errors', 'paths', 'train_state', 'state_axes',
                  'checkpoint_layout', 'checkpoints', 'orbax_checkpoints',
                  'msgpack_checkpoints', 'triggering', 'outcomes',
                  'serving_compat', 'tensor_bundle', 'jax_artifacts', 'verify',
-                 'options')
+                 'staged_check', 'options')
 TENSORFLOW = ('tensorflow', 'keras', 'tf_keras')  # keras pulls tensorflow in.
 
 

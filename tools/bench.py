@@ -26,6 +26,9 @@ Usage:
   python tools/bench.py --smoke         # tiny sizes, < 60 s (tests use it)
   python tools/bench.py --no-write      # full run, leave BENCHMARKS.md
   python tools/bench.py --only reexport_vs_orbax,scaling_slope
+  python tools/bench.py --only check_peak_rss_first,check_peak_rss_reexport,\
+      check_time_first,check_time_reexport --check-params 1e9
+                                        # the check's cost at 1B bfloat16
 """
 
 from __future__ import annotations
@@ -115,6 +118,20 @@ FIGURES: dict[str, tuple[str, Callable[[float], bool], str]] = {
     'jax_artifact_bytes': (
         '<= 0.01', lambda r: r <= 0.01,
         'jax.export artifact bytes / version bytes on disk'),
+    'check_peak_rss_first': (
+        '<= 0.5', lambda r: r <= 0.5,
+        'peak RSS added by a checked first export minus an unchecked one, '
+        '/ param bytes (bfloat16 Dense stack, tools/check_memory.py)'),
+    'check_peak_rss_reexport': (
+        '<= 0.5', lambda r: r <= 0.5,
+        'peak RSS added by a checked re-export minus an unchecked one, '
+        '/ param bytes'),
+    'check_time_first': (
+        '<= 1.3', lambda r: r <= 1.3,
+        'first export time, validate=True / validate=False'),
+    'check_time_reexport': (
+        '<= 1.2', lambda r: r <= 1.2,
+        're-export time, validate=True / validate=False'),
 }
 
 
@@ -126,7 +143,8 @@ class Config:
   """Sizes and repeat counts of one benchmark run."""
 
   def __init__(self, *, smoke: bool, repeats: int | None,
-               workdir: pathlib.Path):
+               workdir: pathlib.Path, check_params: float | None = None,
+               check_dtype: str = 'bfloat16'):
     self.smoke = smoke
     self.workdir = workdir
     self.depth = 4 if smoke else 12
@@ -146,6 +164,11 @@ class Config:
     self.export_every = 10 if smoke else 300
     self.blocking_size = self.main_size
     self.offline_size = self.main_size
+    # The pre-publish check's cost (check_* figures): a Dense stack of
+    # `check_dtype` params; 1B bfloat16 needs ~10 GB free.
+    self.check_size = int(check_params or (250_000 if smoke else 200_000_000))
+    self.check_depth = 4 if smoke else 8
+    self.check_dtype = check_dtype
 
 
 # --------------------------------------------------------------------------
@@ -861,9 +884,18 @@ def worker_multi(spec: dict[str, Any]) -> dict[str, Any]:
       traceback.print_exc()
       results[key] = {'error': f'{type(e).__name__}: {e}'}
     finally:
-      if task == 'export':
+      if task in ('export', 'check_export', 'check_phases'):
         shutil.rmtree(item_spec['workdir'], ignore_errors=True)
   return {'results': results}
+
+
+def _check_memory_worker(name: str) -> Callable[[dict[str, Any]],
+                                                 dict[str, Any]]:
+  """A worker of tools/check_memory.py (the pre-publish check's cost)."""
+  def run(spec: dict[str, Any]) -> dict[str, Any]:
+    import check_memory  # tools/, beside this file.
+    return check_memory.WORKERS[name](spec)
+  return run
 
 
 WORKERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
@@ -875,6 +907,8 @@ WORKERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     'artifact': worker_artifact,
     'offline_write': worker_offline_write,
     'offline': worker_offline,
+    'check_export': _check_memory_worker('check_export'),
+    'check_phases': _check_memory_worker('check_phases'),
 }
 
 
@@ -1258,6 +1292,70 @@ def parse_offline(cfg: Config, res: Results,
       raw_baseline=_median([x['raw']['peak']['sampled'] / pb for x in rows])))
 
 
+CHECK_FIGURES = ('check_peak_rss_first', 'check_peak_rss_reexport',
+                 'check_time_first', 'check_time_reexport')
+
+
+def plan_check(cfg: Config) -> list[Item]:
+  spec = {'n_params': cfg.check_size, 'depth': cfg.check_depth,
+          'dtype': cfg.check_dtype, 'reexports': cfg.reexports}
+  items = []
+  for r in range(cfg.repeats):
+    for on in ((True, False) if r % 2 == 0 else (False, True)):
+      key = f'check/{"on" if on else "off"}/{r}'
+      items.append(Item(key, 'check_export', {
+          **spec, 'validate': on,
+          'workdir': str(cfg.workdir / key.replace('/', '-'))},
+          bundle=f'check-{"on" if on else "off"}'))
+  items.append(Item('check/phases', 'check_phases', {
+      **spec, 'workdir': str(cfg.workdir / 'check-phases')},
+      bundle='check-off'))
+  return items
+
+
+def parse_check(cfg: Config, res: Results,
+                emit: Callable[[dict], None]) -> None:
+  re_names = [f're{i}' for i in range(cfg.reexports)]
+
+  def peak(r, names):
+    return max(max(phase_peak_added(r, p)['sampled'],
+                   phase_peak_added(r, p)['hwm'])
+               for p in names) / r['param_bytes']
+
+  def seconds(r, names):
+    return min(r['phases'][p]['seconds'] for p in names)
+
+  rows = [(_get(res, f'check/on/{r}'), _get(res, f'check/off/{r}'))
+          for r in range(cfg.repeats)]
+  profile = {}
+  try:
+    ph = _get(res, 'check/phases')
+    profile = {name: round(max(phase_peak_added(ph, name)['sampled'],
+                               phase_peak_added(ph, name)['hwm']) /
+                           ph['param_bytes'], 2)
+               for name in ph['phases']}
+    profile['xla_temp_of_jax_reference'] = round(
+        ph['xla_temp_bytes'] / ph['param_bytes'], 2)
+  except ChildError as e:
+    profile = {'error': str(e)[:200]}
+  model = {'n_params': cfg.check_size, 'dtype': cfg.check_dtype,
+           'depth': cfg.check_depth}
+  for kind, names in (('first', ['first']), ('reexport', re_names)):
+    extra = {'phase_peak_added': profile} if kind == 'first' else {}
+    emit(figure_record(
+        f'check_peak_rss_{kind}',
+        [peak(on, names) - peak(off, names) for on, off in rows],
+        checked=_median([peak(on, names) for on, _ in rows]),
+        unchecked=_median([peak(off, names) for _, off in rows]),
+        **model, **extra))
+    emit(figure_record(
+        f'check_time_{kind}',
+        [seconds(on, names) / seconds(off, names) for on, off in rows],
+        checked_s=_median([seconds(on, names) for on, _ in rows]),
+        unchecked_s=_median([seconds(off, names) for _, off in rows]),
+        **model))
+
+
 # name, figures, plan, parse (parse runs in this order: scaling reads the
 # export pairs).
 GROUPS: tuple[tuple[str, tuple[str, ...], Callable, Callable], ...] = (
@@ -1272,6 +1370,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...], Callable, Callable], ...] = (
                  'offline_peak_rss'), plan_offline, parse_offline),
     ('artifact', ('jax_artifact_time', 'jax_artifact_bytes'), plan_artifact,
      parse_artifact),
+    ('check', CHECK_FIGURES, plan_check, parse_check),
 )
 
 
@@ -1491,6 +1590,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help='rewrite the table in BENCHMARKS.md (default: '
                            'yes for a full run, no with --smoke or --only)')
   parser.add_argument('--workdir', default=None)
+  parser.add_argument('--check-params', type=float, default=None,
+                      help='params of the check_* figures\' model (default '
+                           '2e8; 1e9 needs ~10 GB free)')
+  parser.add_argument('--check-dtype', default='bfloat16',
+                      help='dtype of the check_* figures\' model')
   parser.add_argument('--worker', default=None, help=argparse.SUPPRESS)
   parser.add_argument('--spec', default='{}', help=argparse.SUPPRESS)
   parser.add_argument('--render', default=None, metavar='JSONL',
@@ -1507,7 +1611,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.error(f'--only: unknown figures {sorted(unknown)}; '
                  f'known: {sorted(FIGURES)}')
   workdir = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix='t5bench-'))
-  cfg = Config(smoke=args.smoke, repeats=args.repeats, workdir=workdir)
+  cfg = Config(smoke=args.smoke, repeats=args.repeats, workdir=workdir,
+               check_params=args.check_params, check_dtype=args.check_dtype)
   records: list[dict] = []
 
   def emit(rec: dict) -> None:
