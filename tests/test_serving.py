@@ -11,7 +11,6 @@ from __future__ import annotations
 import flax.linen as nn
 import gin
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import tensorflow as tf

@@ -35,7 +35,6 @@ import pathlib
 import shutil
 import sys
 import tempfile
-import time
 from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -80,7 +79,8 @@ def _signature(width: int) -> Any:
   import numpy as np
   import t5export
   return t5export.Signature(
-      'serving_default', serve, input_specs={'x': (f'b, {width}', 'float32')},
+      name='serving_default', method=serve,
+      input_specs={'x': (f'b, {width}', 'float32')},
       sample_inputs={'x': np.linspace(-1, 1, 2 * width, dtype=np.float32
                                       ).reshape(2, width)})
 
