@@ -57,8 +57,6 @@ from t5export import verify
 from t5export import versions as versions_lib
 from t5export import writer as writer_lib
 
-flatten_metrics = versions_lib.flatten_metrics
-
 
 @gin.configurable('SavedModelExporter', module='t5export')
 class SavedModelExporter:
@@ -280,7 +278,7 @@ class SavedModelExporter:
       raise errors.VersionExistsError(final, step)
     if not self._options.allow_non_finite:
       staged_check.check_finite(snap.variables)
-    metrics = flatten_metrics(metrics)
+    metrics = versions_lib.flatten_metrics(metrics)
     keep_best = self._options.keep_best
     if keep_best is not None and keep_best.score(metrics, step) is None:
       logging.warning(

@@ -650,7 +650,7 @@ def test_invalid_signatures(tmp_path):
 
 
 def test_flatten_metrics_and_check_finite():
-  assert exporter_lib.flatten_metrics(
+  assert versions.flatten_metrics(
       {'a': {'b': np.float32(0.5), 'c': jnp.int32(3)}, 'd': 'x'}) == {
           'a/b': 0.5, 'a/c': 3, 'd': 'x'}
   staged_check.check_finite({'w': jnp.ones(3, jnp.bfloat16),
