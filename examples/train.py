@@ -11,7 +11,7 @@ synthetic task:
   `mutable=['batch_stats']` and carried as the state's `flax_mutables`).
 
 The state is a `t5export.FlaxOptimTrainState`, placed on a ('data', 'model')
-device mesh through the models' logical axes (`t5export.partitioning`); the
+device mesh through the models' logical axes (`t5export._src.partitioning`); the
 jitted train step donates it. Orbax `CheckpointManager` saves
 `state.state_dict()` every `checkpoint_every_steps` (and at the end) and the
 loop resumes from the latest checkpoint in `workdir`. CLU's
@@ -45,7 +45,7 @@ import optax
 import orbax.checkpoint as ocp
 
 import t5export
-from t5export import partitioning
+from t5export._src import partitioning
 from examples import models
 
 Array = jax.Array

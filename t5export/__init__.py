@@ -1,18 +1,18 @@
 """t5export: servable TensorFlow SavedModels from JAX/Flax training runs.
 
-Python runs this file before any submodule, so it imports nothing heavy:
-each public name is resolved from its module on first access (PEP 562
-`__getattr__`). `import t5export.train_state` therefore never imports
+The public face is the names in `__all__`; the implementation lives in
+`t5export._src` and is private. `t5export.errors` (the exceptions users
+meet) is a public submodule; `python -m t5export.offline` is the command
+line around `export_checkpoint`.
+
+Nothing heavy is imported here: each name is resolved from its module on
+first access (PEP 562 `__getattr__`), so `import t5export` never imports
 TensorFlow, while `t5export.ExportCallback` does, when first used.
 
-With `from __gin__ import dynamic_registration` a gin file can say
-`import t5export` and `@t5export.ExportCallback()`; the classes are also
-registered with gin under the module name `t5export` when their module is
-imported, for gin files written the classic way.
-
-t5export's gin files live in the package (`t5export/gin/`); a gin file
-includes them by package path, `include 't5export/gin/export.gin'`, which
-gin resolves wherever t5export is installed (see t5export/gin/__init__.py).
+Gin: with `from __gin__ import dynamic_registration` a gin file can say
+`import t5export` and `@t5export.ExportCallback()`. Classic gin files
+`include 't5export/gin/export.gin'` (a package path, resolved wherever
+t5export is installed), which registers the classes under `t5export`.
 """
 
 from __future__ import annotations
@@ -26,40 +26,36 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = '0.1.0'
 
-# Public name -> the submodule that defines it.
+# Public name -> (module under t5export._src, attribute there).
 _EXPORTS = {
-    'TrainState': 'train_state',
-    'FlaxOptimTrainState': 'train_state',
-    'InferenceState': 'train_state',
-    'standard_logical_axis_rules': 'partitioning',
-    'get_mesh_axes': 'partitioning',
-    'gather_to_host': 'host_buffers',
-    'HostSnapshot': 'snapshot',
-    'take_snapshot': 'snapshot',
-    'JaxModule': 'jax_module',
-    'Signature': 'serving',
-    'SavedModelExporter': 'exporter',
-    'ExportOptions': 'options',
-    'ExportCallback': 'callbacks',
+    'TrainState': ('train_state', 'TrainState'),
+    'FlaxOptimTrainState': ('train_state', 'FlaxOptimTrainState'),
+    'InferenceState': ('train_state', 'InferenceState'),
+    'standard_logical_axis_rules': ('partitioning',
+                                    'standard_logical_axis_rules'),
+    'shard_state': ('partitioning', 'shard_state'),
+    'JaxModule': ('jax_module', 'JaxModule'),
+    'Signature': ('serving', 'Signature'),
+    't5x_signatures': ('t5x_models', 'signatures'),
+    'ExportOptions': ('options', 'ExportOptions'),
+    'SavedModelExporter': ('exporter', 'SavedModelExporter'),
+    'ExportCallback': ('callbacks', 'ExportCallback'),
+    'load_params': ('verify', 'load_params'),
+    'load_function': ('verify', 'load_function'),
+    'read_metadata': ('versions', 'read_metadata'),
+    'OfflineOptions': ('offline_export', 'OfflineOptions'),
+    'export_checkpoint': ('offline_export', 'export_checkpoint'),
+    'read_params': ('checkpoints', 'read_params'),
 }
-# Submodules reachable as attributes, e.g. `t5export.verify.load_params`.
-_SUBMODULES = frozenset({
-    'async_export', 'callbacks', 'checkpoint_layout', 'checkpoints',
-    'distributed', 'errors', 'exporter', 'host_buffers', 'jax_artifacts',
-    'jax_module', 'msgpack_checkpoints', 'offline', 'offline_export',
-    'optax_state', 'options', 'orbax_checkpoints', 'outcomes', 'partitioning',
-    'paths', 'publisher', 'serving', 'serving_compat', 'snapshot', 'specs',
-    'state_axes', 't5x_models', 'tensor_bundle', 'train_state', 'triggering',
-    'verify', 'versions', 'worker_thread',
-})
+_SUBMODULES = ('errors',)
 
-__all__ = sorted(_EXPORTS) + ['errors', 'verify', '__version__']
+__all__ = sorted(_EXPORTS) + list(_SUBMODULES) + ['__version__']
 
 
 def __getattr__(name: str) -> Any:
   if name in _EXPORTS:
-    module = importlib.import_module(f'{__name__}.{_EXPORTS[name]}')
-    value = getattr(module, name)
+    module, attr = _EXPORTS[name]
+    value = getattr(importlib.import_module(f'{__name__}._src.{module}'), attr)
     globals()[name] = value  # Cache: later lookups skip __getattr__.
     return value
   if name in _SUBMODULES:
@@ -68,20 +64,25 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-  return sorted(set(globals()) | set(_EXPORTS) | _SUBMODULES)
+  return sorted(set(globals()) | set(__all__))
 
 
 if TYPE_CHECKING:  # Static type checkers see the real names.
-  from t5export.callbacks import ExportCallback
-  from t5export.exporter import SavedModelExporter
-  from t5export.jax_module import JaxModule
-  from t5export.host_buffers import gather_to_host
-  from t5export.options import ExportOptions
-  from t5export.partitioning import get_mesh_axes
-  from t5export.partitioning import standard_logical_axis_rules
-  from t5export.serving import Signature
-  from t5export.snapshot import HostSnapshot
-  from t5export.snapshot import take_snapshot
-  from t5export.train_state import FlaxOptimTrainState
-  from t5export.train_state import InferenceState
-  from t5export.train_state import TrainState
+  from t5export import errors
+  from t5export._src.callbacks import ExportCallback
+  from t5export._src.exporter import SavedModelExporter
+  from t5export._src.jax_module import JaxModule
+  from t5export._src.checkpoints import read_params
+  from t5export._src.offline_export import export_checkpoint
+  from t5export._src.offline_export import OfflineOptions
+  from t5export._src.options import ExportOptions
+  from t5export._src.partitioning import shard_state
+  from t5export._src.partitioning import standard_logical_axis_rules
+  from t5export._src.serving import Signature
+  from t5export._src.t5x_models import signatures as t5x_signatures
+  from t5export._src.train_state import FlaxOptimTrainState
+  from t5export._src.train_state import InferenceState
+  from t5export._src.train_state import TrainState
+  from t5export._src.verify import load_function
+  from t5export._src.verify import load_params
+  from t5export._src.versions import read_metadata

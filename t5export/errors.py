@@ -297,7 +297,7 @@ class VersionNotFoundError(T5ExportError, FileNotFoundError):
 class VariablesFormatError(T5ExportError, ValueError):
   """A version's variables checkpoint is damaged or cannot be read.
 
-  Raised by the TensorFlow-free reader (`t5export.tensor_bundle`): a
+  Raised by the TensorFlow-free reader (`t5export._src.tensor_bundle`): a
   missing or truncated file, a failed checksum, or a form it does not read
   (compressed index, partitioned variables).
   """

@@ -39,8 +39,8 @@ from absl import logging
 import gin
 
 from t5export import errors
-from t5export import offline_export
-from t5export import options as options_lib
+from t5export._src import offline_export
+from t5export._src import options as options_lib
 
 if __name__ == '__main__':
   # `python -m t5export.offline` runs this file as `__main__`. Run the module
@@ -132,8 +132,8 @@ def parse_gin(files: Sequence[str], bindings: Sequence[str],
       files resolve by package path, `t5export/gin/offline.gin`).
   """
   # Register every t5export configurable first: a locked config takes none.
-  from t5export import exporter  # pylint: disable=g-import-not-at-top,unused-import
-  from t5export import serving  # pylint: disable=g-import-not-at-top,unused-import
+  from t5export._src import exporter  # pylint: disable=g-import-not-at-top,unused-import
+  from t5export._src import serving  # pylint: disable=g-import-not-at-top,unused-import
   for path in search_paths:
     if os.path.isdir(path):
       gin.add_config_file_search_path(path)

@@ -36,11 +36,11 @@ def main(process_id: int, num_processes: int, port: int,
 
   import optax  # pylint: disable=g-import-not-at-top
 
-  from t5export import host_buffers  # pylint: disable=g-import-not-at-top
-  from t5export import partitioning  # pylint: disable=g-import-not-at-top
-  from t5export import paths  # pylint: disable=g-import-not-at-top
-  from t5export import snapshot  # pylint: disable=g-import-not-at-top
-  from t5export import train_state  # pylint: disable=g-import-not-at-top
+  from t5export._src import host_buffers  # pylint: disable=g-import-not-at-top
+  from t5export._src import partitioning  # pylint: disable=g-import-not-at-top
+  from t5export._src import paths  # pylint: disable=g-import-not-at-top
+  from t5export._src import snapshot  # pylint: disable=g-import-not-at-top
+  from t5export._src import train_state  # pylint: disable=g-import-not-at-top
 
   assert jax.process_count() == num_processes
   n_local = jax.local_device_count()

@@ -22,10 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import _report  # Beside this script in tests/.
-from t5export import host_buffers
-from t5export import partitioning
-from t5export import paths
-from t5export import train_state
+from t5export._src import host_buffers
+from t5export._src import partitioning
+from t5export._src import paths
+from t5export._src import train_state
 
 
 def check(variables: dict, case: str) -> None:

@@ -34,8 +34,8 @@ def main(argv: list[str]) -> None:
   export_dir, mode, keep = argv[1], argv[2], int(argv[3])
   import _reliability_model as model  # pylint: disable=g-import-not-at-top
   import t5export  # pylint: disable=g-import-not-at-top
-  from t5export import callbacks  # pylint: disable=g-import-not-at-top
-  from t5export import exporter as exporter_lib  # pylint: disable=g-import-not-at-top
+  from t5export._src import callbacks  # pylint: disable=g-import-not-at-top
+  from t5export._src import exporter as exporter_lib  # pylint: disable=g-import-not-at-top
   sig = model.signature()
   scratch = tempfile.mkdtemp(prefix='t5export-kill-warmup-')
   try:

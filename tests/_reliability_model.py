@@ -91,8 +91,8 @@ def check_version(version_dir: str) -> int:
       incomplete or differs from the model.
   """
   import jax  # pylint: disable=g-import-not-at-top
-  from t5export import paths  # pylint: disable=g-import-not-at-top
-  from t5export import verify  # pylint: disable=g-import-not-at-top
+  from t5export._src import paths  # pylint: disable=g-import-not-at-top
+  from t5export._src import verify  # pylint: disable=g-import-not-at-top
   step = int(os.path.basename(version_dir))
   meta = verify.read_metadata(version_dir)
   assert meta['step'] == step, (version_dir, meta['step'])

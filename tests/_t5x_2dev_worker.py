@@ -19,8 +19,8 @@ import jax
 import numpy as np
 
 import t5export
-from t5export import paths
-from t5export import snapshot
+from t5export._src import paths
+from t5export._src import snapshot
 import t5x_setup
 
 

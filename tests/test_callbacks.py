@@ -1,4 +1,4 @@
-"""Tests for t5export.callbacks.ExportCallback with real training steps.
+"""Tests for t5export._src.callbacks.ExportCallback with real training steps.
 
 A tiny MlpBn (params with logical axes + batch_stats) trains with optax and
 `jax.jit(donate_argnums=0)`; the callback exports while it trains and every
@@ -34,9 +34,9 @@ import tensorflow as tf
 
 import t5export
 from examples import models
-from t5export import callbacks
+from t5export._src import callbacks
 from t5export import errors
-from t5export import snapshot as snapshot_lib
+from t5export._src import snapshot as snapshot_lib
 
 FEATURES = 4
 X_SAMPLE = np.linspace(-1.0, 1.0, 3 * FEATURES, dtype=np.float32).reshape(
@@ -631,11 +631,11 @@ def test_clu_scalar_metrics_become_numbers_and_drive_keep_best(
   cb.close()
   # keep=1 keeps 6; the best by accuracy (4) stays; 2 went to retention.
   assert cb.versions() == [4, 6]
-  meta = t5export.verify.read_metadata(str(tmp_path / '4'))
+  meta = t5export.read_metadata(str(tmp_path / '4'))
   assert meta['metrics'] == {'eval/accuracy': pytest.approx(0.9),
                              'eval/note': 'best so far'}
   assert isinstance(meta['metrics']['eval/accuracy'], float)
-  meta = t5export.verify.read_metadata(str(tmp_path / '6'))
+  meta = t5export.read_metadata(str(tmp_path / '6'))
   assert meta['metrics'] == {'eval/accuracy': pytest.approx(0.7)}
 
 
@@ -666,7 +666,7 @@ def test_exporter_export_records_clu_values_as_numbers(trainer, tmp_path):
       'hist': clu_values.Histogram(np.zeros((2, 3), np.float32), 4)})
   recorded = {'acc': 0.25, 'loss': 1.5,
               'hist': '<array of shape (2, 3), float32>'}
-  assert t5export.verify.read_metadata(path)['metrics'] == recorded
+  assert t5export.read_metadata(path)['metrics'] == recorded
   assert exporter.metrics()[1] == recorded
   with pytest.raises(errors.MetricNotNumericError,
                      match="keep_best metric 'acc' of step 2 is not a number: "

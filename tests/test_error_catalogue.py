@@ -43,10 +43,12 @@ import _small_fs  # pylint: disable=g-import-not-at-top,wrong-import-position
 import offline_gin  # pylint: disable=g-import-not-at-top,wrong-import-position
 from examples import models  # pylint: disable=g-import-not-at-top,wrong-import-position
 import t5export  # pylint: disable=g-import-not-at-top,wrong-import-position
-from t5export import callbacks  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5export._src import callbacks  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5export import errors  # pylint: disable=g-import-not-at-top,wrong-import-position
-from t5export import exporter as exporter_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
-from t5export import verify  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5export._src import exporter as exporter_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5export._src import verify  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5export._src import serving  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5export._src import serving_compat  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 DOC = REPO / 'docs' / 'errors.md'
 _ENV = {**os.environ,
@@ -145,7 +147,7 @@ def test_keep_not_a_positive_int(tmp_path, keep):
 
 
 def test_serving_tf_version_unreachable(tmp_path):
-  oldest = re.escape(repr(t5export.serving_compat.oldest_supported()))
+  oldest = re.escape(repr(serving_compat.oldest_supported()))
   message = (r"serving_tf_version='2.18' cannot be targeted: the oldest "
              r'TensorFlow / TF Serving release an export made with JAX '
              rf'.* loads on is .*Pass serving_tf_version={oldest} or newer')
@@ -213,7 +215,7 @@ def test_signatures_empty(tmp_path, offline_runs):
   with pytest.raises(errors.SignatureError, match=message):
     exporter_lib.SavedModelExporter(str(tmp_path / 'export'), [])
   with pytest.raises(errors.SignatureError, match=message):
-    t5export.serving.make_module(model.params_for(1), [])
+    serving.make_module(model.params_for(1), [])
   # The offline CLI, with SIGNATURES = [] in its gin file.
   line = _offline_error(offline_runs, 'empty_signatures')
   assert re.match('SignatureError: ' + message, line), line

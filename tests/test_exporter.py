@@ -1,4 +1,4 @@
-"""Tests for t5export.exporter with real flax models, JAX and TensorFlow.
+"""Tests for t5export._src.exporter with real flax models, JAX and TensorFlow.
 
 Three real models are exported once per module (module-scoped fixtures):
 the MlpBn classifier (logical axes, batch_stats; exported twice to check
@@ -29,12 +29,13 @@ from examples import models
 from examples import tokenizer
 import t5export
 from t5export import errors
-from t5export import exporter as exporter_lib
-from t5export import host_buffers
-from t5export import paths
-from t5export import staged_check
-from t5export import verify
-from t5export import versions
+from t5export._src import exporter as exporter_lib
+from t5export._src import host_buffers
+from t5export._src import paths
+from t5export._src import staged_check
+from t5export._src import verify
+from t5export._src import versions
+from t5export._src import serving_compat
 import tf_only  # tests/ is on sys.path.
 
 VENV_BIN = os.path.dirname(sys.executable)
@@ -610,7 +611,7 @@ def test_options_are_frozen_normalized_and_replaced_with_a_check():
   assert options.logical_axis_rules == (('batch', 'data'),)
   assert options.keep_best == versions.KeepBest(1, 'acc', 'max')
   assert options.serving_target.tf_version == (
-      t5export.serving_compat.oldest_supported())
+      serving_compat.oldest_supported())
   with pytest.raises(dataclasses.FrozenInstanceError):
     options.keep = 3  # pytype: disable=not-writable
   with pytest.raises(TypeError, match='positional'):

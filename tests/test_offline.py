@@ -39,9 +39,9 @@ from flax import serialization
 
 from examples import models
 from t5export import offline
-from t5export import offline_export
-from t5export import paths
-from t5export import train_state
+from t5export._src import offline_export
+from t5export._src import paths
+from t5export._src import train_state
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / 'tests'))
@@ -410,7 +410,7 @@ def test_flax_msgpack_cast_to_bfloat16(background, tf_run):
 def test_same_version_as_the_training_callback(background, work):
   """The callback, given the same state and config, publishes the same."""
   import t5export  # pylint: disable=g-import-not-at-top
-  from t5export import verify  # pylint: disable=g-import-not-at-top
+  from t5export._src import verify  # pylint: disable=g-import-not-at-top
 
   job = background['manager']
   assert job.result().returncode == 0, job.result().stderr[-2000:]
@@ -447,7 +447,7 @@ def test_same_version_as_the_training_callback(background, work):
 def test_export_checkpoint_api_overwrites_a_version(background, work):
   """The Python entry point, gin-free, replacing version 7 (overwrite)."""
   import t5export  # pylint: disable=g-import-not-at-top
-  from t5export import verify  # pylint: disable=g-import-not-at-top
+  from t5export._src import verify  # pylint: disable=g-import-not-at-top
 
   job = background['pytree']
   assert job.result().returncode == 0, job.result().stderr[-2000:]

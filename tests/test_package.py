@@ -18,7 +18,7 @@ import _report  # tests/ is on sys.path.
 import t5export
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-LIGHT_MODULES = ('errors', 'paths', 'train_state', 'state_axes',
+LIGHT_MODULES = ('paths', 'train_state', 'state_axes',
                  'optax_state', 'partitioning', 'host_buffers', 'snapshot',
                  'async_export', 'worker_thread', 'distributed', 'versions',
                  'checkpoint_layout', 'checkpoints', 'orbax_checkpoints',
@@ -50,8 +50,8 @@ def _heavy_imports(code: str, tmp_path: pathlib.Path, *,
   return row['heavy']
 
 
-@pytest.mark.parametrize('module', ('t5export',) + tuple(
-    f't5export.{m}' for m in LIGHT_MODULES))
+@pytest.mark.parametrize('module', ('t5export', 't5export.errors') + tuple(
+    f't5export._src.{m}' for m in LIGHT_MODULES))
 def test_light_module_does_not_import_tensorflow(module, tmp_path):
   assert _heavy_imports(f'import {module}', tmp_path) == []
 
@@ -72,7 +72,7 @@ def test_reading_checkpoints_does_not_import_tensorflow(tmp_path,
   ocp.PyTreeCheckpointer().save(tmp_path / 'orbax', state)
   (tmp_path / 'state.msgpack').write_bytes(
       serialization.msgpack_serialize(state))
-  code = ('from t5export import checkpoints\n' + ''.join(
+  code = ('from t5export._src import checkpoints\n' + ''.join(
       f'checkpoints.read_params({str(p)!r})\n'
       for p in (t5x_checkpoint_dir, tmp_path / 'orbax',
                 tmp_path / 'state.msgpack')))
@@ -100,8 +100,8 @@ def test_inspect_export_reads_metadata_without_tensorflow_or_jax(tmp_path):
 @pytest.mark.parametrize('name', sorted(t5export._EXPORTS))
 def test_public_name_resolves_and_is_documented(name):
   value = getattr(t5export, name)
-  module = sys.modules[f't5export.{t5export._EXPORTS[name]}']
-  assert getattr(module, name) is value
+  module, attr = t5export._EXPORTS[name]
+  assert getattr(sys.modules[f't5export._src.{module}'], attr) is value
   doc = inspect.getdoc(value) or ''
   assert len(doc) > 40, f'{name} needs a real docstring'
   if inspect.isfunction(value):
@@ -120,15 +120,20 @@ def test_all_lists_every_public_name_and_dir_shows_them():
   assert set(t5export._EXPORTS) <= set(dir(t5export))
 
 
-def test_submodules_are_reachable_as_attributes():
-  # Attribute access alone (no import statement) reaches them.
-  assert t5export.verify.load_params.__module__ == 't5export.verify'
+def test_only_errors_is_a_public_submodule():
+  # Attribute access alone (no import statement) reaches `errors`; the
+  # implementation modules are not part of the face.
   assert t5export.errors.T5ExportError.__module__ == 't5export.errors'
+  for private in ('verify', 'exporter', 'snapshot', 'versions', 'writer'):
+    with pytest.raises(AttributeError, match=private):
+      getattr(t5export, private)
+  assert all(not n.startswith('_') or n == '__version__'
+             for n in t5export.__all__)
 
 
 def test_gin_registers_the_contract_names():
   import gin  # pylint: disable=g-import-not-at-top
-  import t5export.callbacks  # noqa: F401  (registers the heavy classes)
+  import t5export._src.callbacks  # noqa: F401  (registers the heavy classes)
   bindings = {
       't5export.ExportCallback.export_every_steps': 3,
       't5export.Signature.name': 'serving_default',

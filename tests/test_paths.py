@@ -1,9 +1,9 @@
-"""Tests for t5export.paths."""
+"""Tests for t5export._src.paths."""
 
 import numpy as np
 import pytest
 
-from t5export import paths
+from t5export._src import paths
 
 
 def test_flatten_orders_like_jax_and_joins_keys():

@@ -1,4 +1,4 @@
-"""Tests for t5export.snapshot: strip, resolve axes, gather to host."""
+"""Tests for t5export._src.snapshot: strip, resolve axes, gather to host."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ import pytest
 
 from examples import models
 from t5export import errors
-from t5export import partitioning
-from t5export import paths
-from t5export import snapshot
-from t5export import train_state
+from t5export._src import partitioning
+from t5export._src import paths
+from t5export._src import snapshot
+from t5export._src import train_state
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -184,7 +184,7 @@ def test_snapshot_of_sharded_state_8_devices(t5_variables, tmp_path):
   code = '''
 import json, pickle, sys
 import jax, numpy as np, optax
-from t5export import partitioning, paths, snapshot, train_state
+from t5export._src import partitioning, paths, snapshot, train_state
 variables = pickle.load(open(sys.argv[1], 'rb'))
 rules = partitioning.standard_logical_axis_rules(1, 2)
 mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2),

@@ -1,4 +1,4 @@
-"""Tests for t5export.t5x_models: signatures built from T5X's own models.
+"""Tests for t5export._src.t5x_models: signatures built from T5X's own models.
 
 The encoder-decoder signatures are checked end to end, in a TensorFlow-only
 process, against T5X's Trainer in tests/test_t5x_trainer.py; here: a
@@ -21,7 +21,7 @@ sys.path.insert(0, str(TESTS))
 import t5x_setup  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from t5export import errors  # pylint: disable=g-import-not-at-top,wrong-import-position
-from t5export import t5x_models  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5export._src import t5x_models  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 LENGTHS = {'inputs': t5x_setup.INPUT_LENGTH,
            'targets': t5x_setup.TARGET_LENGTH}
@@ -48,7 +48,7 @@ def _decoder_only_model():
 def test_decoder_only_logits_match_t5x(tmp_path):
   import jax  # pylint: disable=g-import-not-at-top
   import t5export  # pylint: disable=g-import-not-at-top
-  from t5export import verify  # pylint: disable=g-import-not-at-top
+  from t5export._src import verify  # pylint: disable=g-import-not-at-top
   model = _decoder_only_model()
   length = LENGTHS['inputs'] + LENGTHS['targets']  # Prefix LM layout.
   variables = model.get_initial_variables(

@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 
 import t5export
-from t5export import paths
-from t5export import snapshot
-from t5export import verify
+from t5export._src import paths
+from t5export._src import snapshot
+from t5export._src import verify
 import t5x_setup  # tests/ is on sys.path.
 import tf_only
 

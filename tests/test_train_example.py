@@ -173,7 +173,7 @@ def test_mlp_bn_gin_exports_versions_that_match_the_trained_model(tmp_path):
   # published.
   assert _published(export_dir) == [3, 6, 7]
   newest = str(export_dir / '7')
-  params = t5export.verify.load_params(newest)
+  params = t5export.load_params(newest)
   np.testing.assert_array_equal(
       params['batch_stats']['bn_0']['mean'],
       result.state.flax_mutables['batch_stats']['bn_0']['mean'])

@@ -319,7 +319,7 @@ def test_training_gin_includes_the_packaged_export_gin(venv, home, root):
   # t5export/__init__.py guards against): informative, not asserted.
   del result['util_before_parse']
   assert result == {
-      'type': 't5export.callbacks.ExportCallback',
+      'type': 't5export._src.callbacks.ExportCallback',
       'export_dir': str(export_dir),
       'export_every_steps': 10,  # The binding, over export.gin's 1000.
       'keep': 2,  # train.gin, over export.gin's 5.

@@ -1,4 +1,4 @@
-"""Tests for t5export.writer: later versions as the first graph + variables.
+"""Tests for t5export._src.writer: later versions as the first graph + variables.
 
 Each version written from the template must load and serve its own weights
 in TensorFlow (object-based `tf.saved_model.load` and the TF1 session loader
@@ -17,9 +17,9 @@ import pytest
 import tensorflow as tf
 
 import t5export
-from t5export import jax_module
-from t5export import verify
-from t5export import writer as writer_lib
+from t5export._src import jax_module
+from t5export._src import verify
+from t5export._src import writer as writer_lib
 
 
 def _mlp(variables, inputs):

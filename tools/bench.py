@@ -552,7 +552,7 @@ class AsyncOurs:
     self.kind = 'AsyncWorker+take_snapshot'
     self._cb = None
     try:
-      callbacks = t5export.callbacks
+      callbacks = t5export._src.callbacks
     except (ImportError, AttributeError):
       callbacks = None
     if callbacks is not None and hasattr(callbacks, 'ExportCallback'):
@@ -563,8 +563,8 @@ class AsyncOurs:
           export_every_steps=every)
       self.kind = 'ExportCallback'
       return
-    from t5export import async_export
-    from t5export import snapshot
+    from t5export._src import async_export
+    from t5export._src import snapshot
     self._snapshot = snapshot
     self.exporter = t5export.SavedModelExporter(
         str(root), signatures,
@@ -738,7 +738,7 @@ def worker_artifact(spec: dict[str, Any]) -> dict[str, Any]:
   spec: n_params, depth, artifacts, workdir.
   """
   import tensorflow  # noqa: F401
-  from t5export import verify
+  from t5export._src import verify
   variables = make_variables(spec['n_params'], spec['depth'])
   width = mlp_width(spec['n_params'], spec['depth'])
   side = OursSide(pathlib.Path(spec['workdir']) / 'ours', width,
@@ -862,7 +862,7 @@ def worker_offline(spec: dict[str, Any]) -> dict[str, Any]:
   width = mlp_width(spec['n_params'], spec['depth'])
   sig = _mlp_signature(width)
   from t5export import offline
-  from t5export import offline_export
+  from t5export._src import offline_export
   offline.release_freed_memory()  # As the CLI does before anything else.
   with phases('offline'):
     # What `python -m t5export.offline --ckpt ...` runs after parsing gin.

@@ -144,8 +144,8 @@ def worker_phases(spec: dict[str, Any]) -> dict[str, Any]:
   import jax
   import tensorflow as tf
   import t5export
-  from t5export import staged_check
-  from t5export import verify
+  from t5export._src import staged_check
+  from t5export._src import verify
   variables = make_variables(spec['n_params'], spec['depth'], spec['dtype'])
   width = bench.mlp_width(spec['n_params'], spec['depth'])
   sig = _signature(width)

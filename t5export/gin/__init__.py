@@ -3,7 +3,7 @@
 A gin file includes them by package path, from any directory, wherever
 t5export is installed (a wheel in site-packages or this checkout):
 
-  import t5export.callbacks
+  import t5export
   include 't5export/gin/export.gin'
 
 gin resolves `t5export/gin/export.gin` with the package-path reader that

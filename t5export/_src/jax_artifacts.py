@@ -43,8 +43,8 @@ import jax
 import numpy as np
 
 from t5export import errors
-from t5export import serving_compat
-from t5export import versions
+from t5export._src import serving_compat
+from t5export._src import versions
 
 ARTIFACT_DIR = os.path.join(versions.ASSETS_EXTRA, 'jax_exported')
 # The key of each signature's entry in the metadata.

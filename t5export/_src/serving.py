@@ -12,7 +12,7 @@ Input specs. `input_specs` is a pytree (usually a flat dict) whose leaves are
 either `(shape, dtype)` pairs of strings ('b, 16', 'float32') or
 `tf.TensorSpec`s; a named dimension is polymorphic and shared by the inputs
 that name it. How specs, serving inputs and outputs are parsed, named and
-checked against sample inputs is `t5export.specs`; this module builds.
+checked against sample inputs is `t5export._src.specs`; this module builds.
 
 Pre/post-processing. `preprocessor(inputs) -> method_inputs` and
 `postprocessor(outputs) -> outputs` are TensorFlow functions run in the
@@ -44,9 +44,9 @@ import numpy as np
 import tensorflow as tf
 
 from t5export import errors
-from t5export import jax_module
-from t5export import paths
-from t5export import specs
+from t5export._src import jax_module
+from t5export._src import paths
+from t5export._src import specs
 
 _SIGNATURE_NAME = re.compile(r'^[A-Za-z_][A-Za-z0-9_.\-]*$')
 

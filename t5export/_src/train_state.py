@@ -34,8 +34,8 @@ from typing_extensions import runtime_checkable
 from typing_extensions import Self
 
 from t5export import errors
-from t5export import optax_state
-from t5export import state_axes
+from t5export._src import optax_state
+from t5export._src import state_axes
 
 class _Keep:
   """Default of `apply_gradient(flax_mutables=...)`: keep the current ones."""

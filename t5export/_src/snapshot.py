@@ -27,10 +27,10 @@ from absl import logging
 import jax
 import numpy as np
 
-from t5export import host_buffers
-from t5export import paths
-from t5export import partitioning
-from t5export import train_state
+from t5export._src import host_buffers
+from t5export._src import paths
+from t5export._src import partitioning
+from t5export._src import train_state
 
 PartitionSpec = jax.sharding.PartitionSpec
 AxesByPath = dict[str, tuple[Any, ...]]

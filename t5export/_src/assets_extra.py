@@ -30,14 +30,14 @@ import numpy as np
 import tensorflow as tf
 
 import t5export
-from t5export import jax_artifacts
-from t5export import options as options_lib
-from t5export import paths
-from t5export import serving
-from t5export import snapshot as snapshot_lib
-from t5export import staged_check
-from t5export import versions
-from t5export import writer as writer_lib
+from t5export._src import jax_artifacts
+from t5export._src import options as options_lib
+from t5export._src import paths
+from t5export._src import serving
+from t5export._src import snapshot as snapshot_lib
+from t5export._src import staged_check
+from t5export._src import versions
+from t5export._src import writer as writer_lib
 from tensorflow.core.protobuf import saved_model_pb2
 
 METADATA_FORMAT_VERSION = 1

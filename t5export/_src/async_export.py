@@ -36,7 +36,7 @@ import weakref
 from absl import logging
 
 from t5export import errors
-from t5export import worker_thread
+from t5export._src import worker_thread
 
 _ON_ERROR_CHOICES = ('raise', 'log')
 WHEN_BUSY_CHOICES = ('wait', 'skip')

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec
 import numpy as np
 
 from t5export import errors
-from t5export import paths
+from t5export._src import paths
 
 AxisMetadata = flax_partitioning.AxisMetadata
 _AXES_SUFFIX = '_axes'

@@ -37,13 +37,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5export import checkpoints
+from t5export._src import checkpoints
 from t5export import errors
-from t5export import host_buffers
-from t5export import options as options_lib
-from t5export import paths
-from t5export import train_state
-from t5export import versions
+from t5export._src import host_buffers
+from t5export._src import options as options_lib
+from t5export._src import paths
+from t5export._src import train_state
+from t5export._src import versions
 
 DTYPES = ('float32', 'bfloat16', 'float16')
 
@@ -250,7 +250,7 @@ def export_checkpoint(
       _mib(host_buffers.tree_nbytes((state.params, state.flax_mutables))),
       time.monotonic() - start)
 
-  from t5export import exporter as exporter_lib  # pylint: disable=g-import-not-at-top
+  from t5export._src import exporter as exporter_lib  # pylint: disable=g-import-not-at-top
 
   start = time.monotonic()
   exporter = exporter_lib.SavedModelExporter(

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from t5export import errors
-from t5export import paths
+from t5export._src import paths
 
 PartitionSpec = jax.sharding.PartitionSpec
 # A mesh axis in a rule: one axis name, several (sharded over their product),

@@ -33,7 +33,7 @@ import msgpack
 import numpy as np
 
 from t5export import errors
-from t5export import paths
+from t5export._src import paths
 
 T5X_FILE = 'checkpoint'
 # Keys of a train-state dict holding optimizer state, never decoded.

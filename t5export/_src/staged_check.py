@@ -46,8 +46,8 @@ import jax
 import numpy as np
 
 from t5export import errors
-from t5export import paths
-from t5export import verify
+from t5export._src import paths
+from t5export._src import verify
 
 
 def check_finite(variables: Any) -> None:

@@ -43,8 +43,8 @@ from absl import logging
 import numpy as np
 import tensorflow as tf
 
-from t5export import jax_module
-from t5export import tensor_bundle
+from t5export._src import jax_module
+from t5export._src import tensor_bundle
 from tensorflow_serving.apis import model_pb2
 from tensorflow_serving.apis import predict_pb2
 from tensorflow_serving.apis import prediction_log_pb2

@@ -47,7 +47,7 @@ only).
 
 Gin (module `t5export`): `t5export.t5x_signatures`, `t5x_logits_signature`,
 `t5x_encoder_signature`, `t5x_decode_signature`; with dynamic registration
-`from t5export import t5x_models` and `t5x_models.signatures`.
+`from t5export._src import t5x_models` and `t5x_models.signatures`.
 `t5export/gin/t5x.gin` binds `signatures(model=%MODEL,
 task_feature_lengths=%TASK_FEATURE_LENGTHS)`.
 """
@@ -63,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from t5export import errors
-from t5export import serving
+from t5export._src import serving
 
 SAMPLE_BATCH = 2  # Batch of the sample inputs when the batch is polymorphic.
 _SAMPLE_SEED = 0

@@ -26,7 +26,7 @@ The options are one `options.ExportOptions`. On first use (not creation)
 the exporter resumes: it creates `export_dir` if needed, lists the versions
 (and their metrics) and removes `.tmp-*` directories left by a crash. One
 exporter (one process) writes an `export_dir` at a time. The directory layout, atomic publish and retention
-live in `t5export.versions`; this module orchestrates one export.
+live in `t5export._src.versions`; this module orchestrates one export.
 """
 
 from __future__ import annotations
@@ -42,20 +42,20 @@ from absl import logging
 import gin
 import jax
 
-from t5export import assets_extra
+from t5export._src import assets_extra
 from t5export import errors
-from t5export import jax_artifacts as jax_artifacts_lib
-from t5export import jax_module
-from t5export import options as options_lib
-from t5export import paths
-from t5export import serving
-from t5export import serving_compat
-from t5export import snapshot as snapshot_lib
-from t5export import staged_check
-from t5export import train_state
-from t5export import verify
-from t5export import versions as versions_lib
-from t5export import writer as writer_lib
+from t5export._src import jax_artifacts as jax_artifacts_lib
+from t5export._src import jax_module
+from t5export._src import options as options_lib
+from t5export._src import paths
+from t5export._src import serving
+from t5export._src import serving_compat
+from t5export._src import snapshot as snapshot_lib
+from t5export._src import staged_check
+from t5export._src import train_state
+from t5export._src import verify
+from t5export._src import versions as versions_lib
+from t5export._src import writer as writer_lib
 
 
 @gin.configurable('SavedModelExporter', module='t5export')

@@ -28,12 +28,12 @@ from absl import logging
 import jax
 import numpy as np
 
-from t5export import checkpoint_layout
+from t5export._src import checkpoint_layout
 from t5export import errors
-from t5export import host_buffers
-from t5export import msgpack_checkpoints
-from t5export import orbax_checkpoints
-from t5export import paths
+from t5export._src import host_buffers
+from t5export._src import msgpack_checkpoints
+from t5export._src import orbax_checkpoints
+from t5export._src import paths
 
 
 @dataclasses.dataclass(frozen=True)

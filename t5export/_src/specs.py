@@ -43,7 +43,7 @@ import numpy as np
 import tensorflow as tf
 
 from t5export import errors
-from t5export import paths
+from t5export._src import paths
 
 _IDENTIFIER = re.compile(r'^[A-Za-z_][A-Za-z0-9_]*$')
 _INPUT_SEPARATOR = '__'

@@ -32,13 +32,13 @@ from typing import Any
 from absl import logging
 import jax
 
-from t5export import async_export as async_lib
-from t5export import distributed
+from t5export._src import async_export as async_lib
+from t5export._src import distributed
 from t5export import errors
-from t5export import exporter as exporter_lib
-from t5export import outcomes as outcomes_lib
-from t5export import snapshot as snapshot_lib
-from t5export import versions
+from t5export._src import exporter as exporter_lib
+from t5export._src import outcomes as outcomes_lib
+from t5export._src import snapshot as snapshot_lib
+from t5export._src import versions
 
 
 class Publisher:

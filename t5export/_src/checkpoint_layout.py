@@ -33,8 +33,8 @@ import re
 from typing import Any
 
 from t5export import errors
-from t5export import msgpack_checkpoints
-from t5export import orbax_checkpoints
+from t5export._src import msgpack_checkpoints
+from t5export._src import orbax_checkpoints
 
 ORBAX = 'orbax'
 T5X = 't5x'

@@ -32,10 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from t5export import errors
-from t5export import jax_artifacts
-from t5export import paths
-from t5export import tensor_bundle
-from t5export import versions
+from t5export._src import jax_artifacts
+from t5export._src import paths
+from t5export._src import tensor_bundle
+from t5export._src import versions
 
 # Layout of a published version (defined in the light `versions` module).
 ASSETS_EXTRA = versions.ASSETS_EXTRA

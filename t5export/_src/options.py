@@ -29,8 +29,8 @@ from typing import Any
 
 import gin
 
-from t5export import serving_compat
-from t5export import versions
+from t5export._src import serving_compat
+from t5export._src import versions
 
 _FLAGS = ('validate', 'warmup', 'overwrite', 'allow_non_finite', 'trainable',
           'jit_compile', 'cast_bfloat16', 'reuse_graph', 'jax_artifacts')
@@ -75,10 +75,10 @@ class ExportOptions:
       for every version.
     serving_tf_version: the oldest TensorFlow / TF Serving release that
       must load the versions, e.g. '2.20'; None: the oldest this JAX can
-      target (see `t5export.serving_compat`).
+      target (see `t5export._src.serving_compat`).
     jax_artifacts: also write each signature's JAX method as a `jax.export`
       artifact under `assets.extra/` (read back without TensorFlow by
-      `t5export.verify.load_function`).
+      `t5export._src.verify.load_function`).
     serving_target: what `serving_tf_version` resolved to (derived, not an
       argument).
   """

@@ -49,10 +49,10 @@ import numpy as np
 import tensorflow as tf
 
 from t5export import errors
-from t5export import host_buffers
-from t5export import jax_artifacts
-from t5export import paths
-from t5export import serving_compat
+from t5export._src import host_buffers
+from t5export._src import jax_artifacts
+from t5export._src import paths
+from t5export._src import serving_compat
 
 # Platforms jax2tf can lower for (`native_serialization_platforms`).
 KNOWN_PLATFORMS = ('cpu', 'cuda', 'rocm', 'tpu')
@@ -210,7 +210,7 @@ class JaxModule(tf.Module):
         Never True for views of live JAX arrays or arrays the caller keeps
         using.
       serving_target: the oldest TensorFlow the methods must run on (see
-        `t5export.serving_compat`), applied to each conversion on the
+        `t5export._src.serving_compat`), applied to each conversion on the
         tracing thread only. None: JAX's own defaults.
       name: the tf.Module name.
 
@@ -360,7 +360,7 @@ class JaxModule(tf.Module):
     """The method as jax2tf converts it, serialized with `jax.export`.
 
     Same function of (variables as stored, inputs), polymorphic shapes,
-    platforms and serving target; traced again (`t5export.jax_artifacts`).
+    platforms and serving target; traced again (`t5export._src.jax_artifacts`).
 
     Args:
       method_name: one of `methods`.

@@ -48,13 +48,13 @@ from absl import logging
 import gin
 import jax
 
-from t5export import async_export as async_lib
-from t5export import distributed
+from t5export._src import async_export as async_lib
+from t5export._src import distributed
 from t5export import errors
-from t5export import exporter as exporter_lib
-from t5export import publisher as publisher_lib
-from t5export import triggering
-from t5export import versions
+from t5export._src import exporter as exporter_lib
+from t5export._src import publisher as publisher_lib
+from t5export._src import triggering
+from t5export._src import versions
 
 _ON_ERROR_CHOICES = ('raise', 'log')
 

@@ -22,7 +22,7 @@ import numpy as np
 import optax
 
 from t5export import errors
-from t5export import state_axes
+from t5export._src import state_axes
 
 _INJECT_STATES = (optax.InjectHyperparamsState,
                   optax.InjectStatefulHyperparamsState)

@@ -1,0 +1,1 @@
+"""t5export's implementation; its public names are re-exported by `t5export`."""
