@@ -26,27 +26,24 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = '0.1.0'
 
-# Public name -> (module under t5export._src, attribute there).
-_EXPORTS = {
-    'TrainState': ('train_state', 'TrainState'),
-    'FlaxOptimTrainState': ('train_state', 'FlaxOptimTrainState'),
-    'InferenceState': ('train_state', 'InferenceState'),
-    'standard_logical_axis_rules': ('partitioning',
-                                    'standard_logical_axis_rules'),
-    'shard_state': ('partitioning', 'shard_state'),
-    'JaxModule': ('jax_module', 'JaxModule'),
-    'Signature': ('serving', 'Signature'),
-    't5x_signatures': ('t5x_models', 'signatures'),
-    'ExportOptions': ('options', 'ExportOptions'),
-    'SavedModelExporter': ('exporter', 'SavedModelExporter'),
-    'ExportCallback': ('callbacks', 'ExportCallback'),
-    'load_params': ('verify', 'load_params'),
-    'load_function': ('verify', 'load_function'),
-    'read_metadata': ('versions', 'read_metadata'),
-    'OfflineOptions': ('offline_export', 'OfflineOptions'),
-    'export_checkpoint': ('offline_export', 'export_checkpoint'),
-    'read_params': ('checkpoints', 'read_params'),
+# Module under t5export._src -> the public names it defines.
+_BY_MODULE = {
+    'train_state': 'TrainState FlaxOptimTrainState InferenceState',
+    'partitioning': 'standard_logical_axis_rules shard_state',
+    'jax_module': 'JaxModule',
+    'serving': 'Signature',
+    'options': 'ExportOptions',
+    'exporter': 'SavedModelExporter',
+    'callbacks': 'ExportCallback',
+    'verify': 'load_params load_function',
+    'versions': 'read_metadata',
+    'offline_export': 'OfflineOptions export_checkpoint',
+    'checkpoints': 'read_params',
 }
+# Public name -> (module under t5export._src, attribute there).
+_EXPORTS = {name: (module, name) for module, names in _BY_MODULE.items()
+            for name in names.split()}
+_EXPORTS['t5x_signatures'] = ('t5x_models', 'signatures')
 _SUBMODULES = ('errors',)
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES) + ['__version__']
