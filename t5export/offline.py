@@ -94,18 +94,8 @@ _SERVING_TF_VERSION = flags.DEFINE_string(
 
 
 def rewrite_args(argv: Sequence[str]) -> list[str]:
-  """Rewrites `--gin.NAME=VALUE` and `--no_<flag>` before absl parses argv.
-
-  Args:
-    argv: the command line.
-
-  Returns:
-    argv with `--gin.NAME=VALUE` as `--gin_bindings=NAME = VALUE` (T5X's
-    shorthand) and `--no_validate` / `--no_overwrite` as absl's
-    `--novalidate` / `--nooverwrite`.
-
-  Raises:
-    ValueError: a `--gin.` argument without '='.
+  """argv with T5X's `--gin.NAME=VALUE` as `--gin_bindings=NAME = VALUE`,
+  and `--no_validate` / `--no_overwrite` in absl's spelling `--novalidate`.
   """
   out = []
   for arg in argv:
@@ -121,16 +111,9 @@ def rewrite_args(argv: Sequence[str]) -> list[str]:
   return out
 
 
-def parse_gin(files: Sequence[str], bindings: Sequence[str],
-              search_paths: Sequence[str]) -> None:
-  """Parses gin files and bindings as T5X does (search paths first).
-
-  Args:
-    files: gin files, relative to a search path or absolute.
-    bindings: gin bindings applied after the files.
-    search_paths: directories for files and includes (t5export's own gin
-      files resolve by package path, `t5export/gin/offline.gin`).
-  """
+def _parse_gin(files: Sequence[str], bindings: Sequence[str],
+               search_paths: Sequence[str]) -> None:
+  """Parses gin files and bindings as T5X does (search paths first)."""
   # Register every t5export configurable first: a locked config takes none.
   from t5export._src import exporter  # pylint: disable=g-import-not-at-top,unused-import
   from t5export._src import serving  # pylint: disable=g-import-not-at-top,unused-import
@@ -174,19 +157,9 @@ _MMAP_THRESHOLD_BYTES = 128 * 1024
 
 
 def release_freed_memory() -> bool:
-  """Makes large allocations go back to the OS when freed (glibc only).
+  """Fixes glibc's mmap threshold so freed leaf buffers go back to the OS.
 
-  glibc serves a large allocation with its own mmap, but after the first
-  such block is freed it raises that threshold (up to 32 MiB on 64-bit), so
-  later leaf-sized buffers come from the heap and stay in the process after
-  they are freed. An offline export reads, aligns, converts and saves
-  leaf after leaf; with the threshold fixed at glibc's default of 128 KiB,
-  its peak memory stays near the params' size. The CLI calls this first; it
-  changes the allocator for the whole process, so a library caller decides
-  for itself.
-
-  Returns:
-    True if the allocator accepted the setting.
+  True if the allocator accepted it. Why: docs/internals.md, Offline.
   """
   try:
     libc = ctypes.CDLL('libc.so.6')
@@ -211,7 +184,7 @@ def main(argv: Sequence[str]) -> None:
                if flag.value is not None}
 
   def load_options() -> offline_export.OfflineOptions:
-    parse_gin(_GIN_FILE.value, _GIN_BINDINGS.value, _GIN_SEARCH_PATHS.value)
+    _parse_gin(_GIN_FILE.value, _GIN_BINDINGS.value, _GIN_SEARCH_PATHS.value)
     options = offline_export.make_options()
     options.export_options = dataclasses.replace(options.export_options,
                                                  **overrides)

@@ -1,27 +1,8 @@
 """Where a checkpoint is, in which format, and which subtrees are params.
 
-Formats (`detect_format` names them):
-
-- 'orbax': a PyTree checkpoint written by orbax (`ocp.CheckpointManager`
-  with standard or composite items such as 'default' or 'state',
-  `PyTreeCheckpointer`, `StandardCheckpointer`), including T5X's orbax layout
-  `checkpoint_<step>/state`.
-- 't5x': T5X's legacy layout (version 3): a msgpack `checkpoint` file whose
-  large leaves are TensorStore arrays beside it.
-- 'flax_msgpack': a file written with `flax.serialization.msgpack_serialize`
-  / `to_bytes`, or flax's legacy `checkpoints.save_checkpoint`.
-
-`path` may be a manager / model directory (the latest step, or `step`), one
-step's directory, an orbax item directory, T5X's `checkpoint_<step>`
-directory or its `checkpoint` file, or a msgpack file (`locate`).
-
-What counts as params (`select`): the 'target' subtree (T5X / t5export
-`FlaxOptimTrainState.state_dict()` layout, with 'flax_mutables' beside it),
-else the 'params' subtree (flax variables or `flax.training` TrainState; the
-other top-level collections such as 'batch_stats' are the mutables), else the
-whole tree when it holds no optimizer keys (a bare params tree).
-
-Light module: reads names, `_METADATA` and msgpack headers, never arrays.
+Formats: 'orbax' (PyTree checkpoints, T5X's `checkpoint_<step>/state` too),
+'t5x' (the legacy msgpack `checkpoint` file with TensorStore arrays) and
+'flax_msgpack'. Light module: reads names, `_METADATA` and msgpack headers.
 """
 
 from __future__ import annotations
@@ -39,12 +20,11 @@ from t5export._src import orbax_checkpoints
 ORBAX = 'orbax'
 T5X = 't5x'
 FLAX_MSGPACK = 'flax_msgpack'
-FORMATS = (ORBAX, T5X, FLAX_MSGPACK)
 
-# Keys of a train-state dict that are never variables.
-_NON_VARIABLE_KEYS = frozenset({
-    'step', 'state', 'opt_state', 'param_states', 'optimizer', 'target',
-    'flax_mutables', 'rng', 'rngs', 'dropout_rng', 'metrics', 'tx',
+# Top-level keys of a checkpoint's tree that are never mutable collections.
+_NON_MUTABLE_KEYS = frozenset({
+    'params', 'step', 'state', 'opt_state', 'param_states', 'optimizer',
+    'target', 'flax_mutables', 'rng', 'rngs', 'dropout_rng', 'metrics', 'tx',
     'apply_fn', 'version'})
 # Preferred orbax item names in a composite step, most likely first.
 _ITEM_PREFERENCE = ('state', 'default', 'train_state', 'params', 'model')
@@ -65,24 +45,15 @@ class Located:
   step: int | None
 
 
-# --- locating ---------------------------------------------------------------
-
-
 def _is_orbax_item(path: str) -> bool:
   return os.path.isfile(os.path.join(path, orbax_checkpoints.METADATA))
 
 
 def _step_of_name(name: str, *, strict: bool = False) -> int | None:
-  """The step a directory or file name stands for, or None.
+  """The step a name ('20', 'checkpoint_20', 'ckpt_20') stands for, or None.
 
-  Args:
-    name: a base name such as '20', 'checkpoint_20' or 'ckpt_20'.
-    strict: accept only '<N>' and 'checkpoint_<N>' (used for a path given
-      directly, whose name may be unrelated to a step); otherwise any
-      '<prefix>_<N>' (used when listing the steps of a manager directory).
-
-  Returns:
-    The step, or None (also for orbax / T5X temporary directories).
+  `strict` (for a path given directly, whose name may be unrelated to a step)
+  accepts only '<N>' and 'checkpoint_<N>'. Temporary directories: None.
   """
   if 'tmp' in name:
     return None
@@ -95,14 +66,15 @@ def _step_of_name(name: str, *, strict: bool = False) -> int | None:
 
 
 def _orbax_items(path: str) -> list[str]:
-  """Orbax PyTree item directories directly under a step directory."""
+  """Orbax PyTree item directories under a step directory, likeliest first."""
   try:
-    names = sorted(os.listdir(path))
+    names = os.listdir(path)
   except OSError:
     return []
-  items = [n for n in names if _is_orbax_item(os.path.join(path, n))]
   rank = {n: i for i, n in enumerate(_ITEM_PREFERENCE)}
-  return sorted(items, key=lambda n: (rank.get(n, len(rank)), n))
+  items = [n for n in names if _is_orbax_item(os.path.join(path, n))]
+  items.sort(key=lambda n: (rank.get(n, len(rank)), n))
+  return [os.path.join(path, n) for n in items]
 
 
 def _locate_single(path: str) -> Located | None:
@@ -118,17 +90,15 @@ def _locate_single(path: str) -> Located | None:
       return Located(FLAX_MSGPACK, path, name_step)
     return None
   if _is_orbax_item(path):
-    step = name_step
+    # An item of a CheckpointManager step: the step directory has the step.
     in_step_dir = not os.path.isfile(
         os.path.join(path, _ORBAX_STEP_METADATA)) and os.path.isfile(
             os.path.join(os.path.dirname(path), _ORBAX_STEP_METADATA))
-    if in_step_dir:  # An item of a CheckpointManager step.
-      step = parent_step
-    return Located(ORBAX, path, step)
+    return Located(ORBAX, path, parent_step if in_step_dir else name_step)
   t5x_file = os.path.join(path, msgpack_checkpoints.T5X_FILE)
   if os.path.isfile(t5x_file) and msgpack_checkpoints.is_t5x_file(t5x_file):
     return Located(T5X, t5x_file, name_step)
-  items = [os.path.join(path, n) for n in _orbax_items(path)]
+  items = _orbax_items(path)
   if items:
     with_params = [i for i in items if _has_params(i)]
     return Located(ORBAX, (with_params or items)[0], name_step)
@@ -160,19 +130,7 @@ def _steps_under(path: str) -> dict[int, Located]:
 
 
 def locate(path: str | os.PathLike[str], step: int | None) -> Located:
-  """Finds the checkpoint to read at `path` (and `step`).
-
-  Args:
-    path: a checkpoint file or directory, or a directory of steps.
-    step: the step wanted, or None (a directory of steps: the latest).
-
-  Returns:
-    The checkpoint's format, concrete path and step.
-
-  Raises:
-    CheckpointNotFoundError: `path` does not exist, or has no such `step`.
-    UnknownCheckpointFormatError: `path` holds none of the formats.
-  """
+  """The checkpoint at `path`, or of `step` (default: the latest) under it."""
   path = os.fspath(path)
   if not os.path.exists(path):
     raise errors.CheckpointNotFoundError(
@@ -187,87 +145,54 @@ def locate(path: str | os.PathLike[str], step: int | None) -> Located:
     if step is not None and located.step is None:
       located = dataclasses.replace(located, step=step)
     return located
-  if os.path.isdir(path):
-    steps = _steps_under(path)
-    if steps:
-      if step is None:
-        return steps[max(steps)]
-      if step not in steps:
-        raise errors.CheckpointNotFoundError(
-            f'No checkpoint of step {step} in {path!r}; steps found: '
-            f'{sorted(steps)}.')
-      return steps[step]
-  raise errors.UnknownCheckpointFormatError(
-      f'{path!r} is not a checkpoint t5export can read. Looked for '
-      f'{LOOKED_FOR}.')
+  steps = _steps_under(path) if os.path.isdir(path) else {}
+  if not steps:
+    raise errors.UnknownCheckpointFormatError(
+        f'{path!r} is not a checkpoint t5export can read. Looked for '
+        f'{LOOKED_FOR}.')
+  if step is None:
+    step = max(steps)
+  if step not in steps:
+    raise errors.CheckpointNotFoundError(
+        f'No checkpoint of step {step} in {path!r}; steps found: '
+        f'{sorted(steps)}.')
+  return steps[step]
 
 
 def detect_format(path: str | os.PathLike[str]) -> str:
-  """Names the format of the checkpoint at `path`.
-
-  Args:
-    path: a checkpoint file or directory (see the module docstring).
-
-  Returns:
-    One of 'orbax', 't5x', 'flax_msgpack'.
-
-  Raises:
-    CheckpointNotFoundError: `path` does not exist.
-    UnknownCheckpointFormatError: `path` holds none of the formats.
-  """
+  """'orbax', 't5x' or 'flax_msgpack': the checkpoint's format."""
   return locate(path, None).format
 
 
 def available_steps(path: str | os.PathLike[str]) -> list[int]:
-  """The steps of the checkpoints in a manager / model directory.
-
-  Args:
-    path: a directory of numbered checkpoints.
-
-  Returns:
-    Ascending steps; [] when `path` is one checkpoint or holds none.
-  """
+  """The steps in a manager / model directory, ascending ([] if none)."""
   path = os.fspath(path)
   if not os.path.isdir(path) or _locate_single(path) is not None:
     return []
   return sorted(_steps_under(path))
 
 
-# --- selecting params from a tree ---------------------------------------------
-
-
 def select(keys: Mapping[str, Any], source: str) -> dict[str, Any]:
-  """Chooses the subtrees to read from a top-level dict (or its metadata).
+  """Key paths of the params, mutables and step in a checkpoint's tree.
 
-  Args:
-    keys: the checkpoint's top-level dict (values may be metadata).
-    source: the checkpoint path, for messages.
-
-  Returns:
-    {'params': key path tuple (() for the whole tree), 'mutables':
-    {collection: key path tuple}, 'step': key path tuple or None}.
-
-  Raises:
-    NoParamsInCheckpointError: no params in the tree.
+  {'params': (() for the whole tree), 'mutables': {collection: path},
+  'step': path or None}. The rules are in docs/internals.md.
   """
+  flax_mutables = keys.get('flax_mutables')
+  mutables = ({k: ('flax_mutables', k) for k in flax_mutables}
+              if isinstance(flax_mutables, Mapping) else {})
   if 'target' in keys:
-    mutables = {}
-    if isinstance(keys.get('flax_mutables'), Mapping):
-      mutables = {k: ('flax_mutables', k) for k in keys['flax_mutables']}
     state = keys.get('state')
-    step = (('state', 'step') if isinstance(state, Mapping)
-            and 'step' in state else None)
-    return {'params': ('target',), 'mutables': mutables, 'step': step}
+    has_step = isinstance(state, Mapping) and 'step' in state
+    return {'params': ('target',), 'mutables': mutables,
+            'step': ('state', 'step') if has_step else None}
   if 'params' in keys:
-    if isinstance(keys.get('flax_mutables'), Mapping):
-      mutables = {k: ('flax_mutables', k) for k in keys['flax_mutables']}
-    else:
+    if not isinstance(flax_mutables, Mapping):
       mutables = {k: (k,) for k, v in keys.items()
-                  if k != 'params' and k not in _NON_VARIABLE_KEYS
-                  and isinstance(v, Mapping)}
+                  if k not in _NON_MUTABLE_KEYS and isinstance(v, Mapping)}
     return {'params': ('params',), 'mutables': mutables,
             'step': ('step',) if 'step' in keys else None}
-  if keys and not (set(keys) & _NON_VARIABLE_KEYS):
+  if keys and not set(keys) & _NON_MUTABLE_KEYS:
     return {'params': (), 'mutables': {}, 'step': None}
   raise errors.NoParamsInCheckpointError(
       f'Checkpoint {source!r} holds no params: no \'target\' (T5X / '

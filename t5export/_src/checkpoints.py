@@ -1,20 +1,7 @@
 """Reads only the params (and flax mutables) out of a training checkpoint.
 
-`checkpoint_layout` finds the checkpoint, its format and step, and chooses
-the subtrees that hold the params, the mutables and the step; this module
-reads those subtrees alone:
-
-- 'orbax': the orbax metadata gives the tree, and a partial restore never
-  opens the optimizer-state arrays (`orbax_checkpoints`).
-- 't5x': `param_states` is never decoded and the optimizer-state arrays are
-  never opened (`msgpack_checkpoints`).
-- 'flax_msgpack': read sequentially, optimizer subtrees skipped without
-  being decoded (`msgpack_checkpoints`).
-
-`check_params_match` compares what was read with the model's params.
-
-Light module: never imports TensorFlow. orbax and tensorstore are imported
-only when a checkpoint of theirs is read.
+`checkpoint_layout` finds the checkpoint and chooses its subtrees; the format
+modules read those alone. Light module: never imports TensorFlow.
 """
 
 from __future__ import annotations
@@ -28,8 +15,8 @@ from absl import logging
 import jax
 import numpy as np
 
-from t5export._src import checkpoint_layout
 from t5export import errors
+from t5export._src import checkpoint_layout as layout
 from t5export._src import host_buffers
 from t5export._src import msgpack_checkpoints
 from t5export._src import orbax_checkpoints
@@ -43,7 +30,7 @@ class CheckpointContents:
   Attributes:
     path: the concrete location read (orbax item directory, T5X `checkpoint`
       file or msgpack file).
-    format: one of `checkpoint_layout.FORMATS`.
+    format: 'orbax', 't5x' or 'flax_msgpack'.
     step: the checkpoint's step (directory name, else the stored step), or
       None when the checkpoint does not say.
     params: nested dict of numpy arrays.
@@ -66,98 +53,57 @@ class CheckpointContents:
     return {'params': self.params, **self.flax_mutables}
 
 
-def _get(tree: Mapping[str, Any], keypath: tuple[str, ...]) -> Any:
-  for key in keypath:
+def _get(tree: Mapping[str, Any], keypath: tuple[str, ...] | None) -> Any:
+  for key in keypath or ():
     tree = tree[key]
   return tree
 
 
-def _to_numpy(tree: Any) -> Any:
-  return jax.tree_util.tree_map(np.asarray, tree)
+def _numpy(tree: Any) -> Any:
+  """Nested Mappings as plain dicts (orbax/flax give others), numpy leaves."""
+  def plain(node: Any) -> Any:
+    if isinstance(node, Mapping):
+      return {str(k): plain(v) for k, v in node.items()}
+    return node
+  return jax.tree_util.tree_map(np.asarray, plain(tree))
 
 
-def _plain(tree: Any) -> Any:
-  """Nested Mappings as plain dicts (orbax/flax may give other Mappings)."""
-  if isinstance(tree, Mapping):
-    return {str(k): _plain(v) for k, v in tree.items()}
-  return tree
-
-
-def _contents(located: checkpoint_layout.Located, tree: Mapping[str, Any],
-              selection: Mapping[str, Any], bytes_read: int | None,
-              ) -> CheckpointContents:
-  params = _plain(_get(tree, selection['params']))
-  if not isinstance(params, dict) or not jax.tree_util.tree_leaves(params):
+def _read(located: layout.Located) -> tuple[dict[str, Any], int | None]:
+  """The params, mutables and step subtrees alone, and the bytes read."""
+  path, fmt = located.path, located.format
+  if fmt == layout.ORBAX:
+    tree = orbax_checkpoints.structure(path)
+  else:
+    tree = msgpack_checkpoints.read_tree(path, looked_for=layout.LOOKED_FOR)
+    bytes_read = os.path.getsize(path)
+  if not isinstance(tree, Mapping):
+    raise errors.UnknownCheckpointFormatError(
+        f'{fmt} checkpoint {path!r} holds a {type(tree).__name__}, not a '
+        'dict of params or a train state dict.')
+  if fmt == layout.T5X and tree.get('version') and 'optimizer' in tree:
+    tree = tree['optimizer']
+    if not isinstance(tree, Mapping):
+      raise errors.NoParamsInCheckpointError(
+          f"T5X checkpoint {path!r} has no 'optimizer' dict.")
+  selection = layout.select(tree, path)
+  if fmt == layout.ORBAX:
+    keypaths = [selection['params'], *selection['mutables'].values()]
+    if selection['step'] is not None:
+      keypaths.append(selection['step'])
+    tree, bytes_read = orbax_checkpoints.restore(path, tree, keypaths)
+  parts = {'params': _get(tree, selection['params']),
+           'mutables': {name: _get(tree, keypath) for name, keypath
+                        in selection['mutables'].items()},
+           'step': _get(tree, selection['step']) if selection['step'] else None}
+  if fmt == layout.T5X:  # Its params' arrays are TensorStores beside it.
+    parts, more = msgpack_checkpoints.read_tensorstore_leaves(parts, path)
+    bytes_read += more
+  if not isinstance(parts['params'], Mapping) or not jax.tree_util.tree_leaves(
+      parts['params']):
     raise errors.NoParamsInCheckpointError(
-        f'Checkpoint {located.path!r} has an empty params tree at '
+        f'Checkpoint {path!r} has an empty params tree at '
         f"{'/'.join(selection['params']) or '<root>'!r}.")
-  mutables = {name: _plain(_get(tree, kp))
-              for name, kp in selection['mutables'].items()}
-  params, mutables = _to_numpy(params), _to_numpy(mutables)
-  step = located.step
-  if step is None and selection['step'] is not None:
-    stored = _get(tree, selection['step'])
-    if stored is not None and np.size(stored) == 1:
-      step = int(np.asarray(stored))
-  return CheckpointContents(
-      path=located.path, format=located.format, step=step, params=params,
-      flax_mutables=mutables,
-      nbytes=host_buffers.tree_nbytes((params, mutables)),
-      bytes_read=bytes_read)
-
-
-# --- orbax --------------------------------------------------------------------
-
-
-def _read_orbax(located: checkpoint_layout.Located) -> CheckpointContents:
-  structure = orbax_checkpoints.structure(located.path)
-  if not isinstance(structure, Mapping):
-    raise errors.UnknownCheckpointFormatError(
-        f'Orbax checkpoint {located.path!r} holds a '
-        f'{type(structure).__name__}, not a dict of params or a train state '
-        'dict.')
-  selection = checkpoint_layout.select(structure, located.path)
-  keypaths = [selection['params'], *selection['mutables'].values()]
-  if selection['step'] is not None:
-    keypaths.append(selection['step'])
-  restored, bytes_read = orbax_checkpoints.restore(
-      located.path, structure, keypaths)
-  return _contents(located, _plain(restored), selection, bytes_read)
-
-
-# --- msgpack (flax and T5X) ---------------------------------------------------
-
-
-def _read_flax_msgpack(located: checkpoint_layout.Located
-                       ) -> CheckpointContents:
-  tree = msgpack_checkpoints.read_tree(
-      located.path, looked_for=checkpoint_layout.LOOKED_FOR)
-  if not isinstance(tree, dict):
-    raise errors.UnknownCheckpointFormatError(
-        f'Flax msgpack file {located.path!r} holds a {type(tree).__name__}, '
-        'not a dict of params or a train state dict.')
-  selection = checkpoint_layout.select(tree, located.path)
-  return _contents(located, tree, selection, os.path.getsize(located.path))
-
-
-def _read_t5x(located: checkpoint_layout.Located) -> CheckpointContents:
-  state = msgpack_checkpoints.t5x_state(
-      msgpack_checkpoints.read_tree(
-          located.path, looked_for=checkpoint_layout.LOOKED_FOR),
-      located.path)
-  selection = checkpoint_layout.select(state, located.path)
-  subtrees = [_get(state, keypath) for keypath in (
-      selection['params'], *selection['mutables'].values())]
-  bytes_read = os.path.getsize(located.path) + (
-      msgpack_checkpoints.read_tensorstore_leaves(subtrees, located.path))
-  return _contents(located, state, selection, bytes_read)
-
-
-# --- public -------------------------------------------------------------------
-
-_READERS = {checkpoint_layout.ORBAX: _read_orbax,
-            checkpoint_layout.T5X: _read_t5x,
-            checkpoint_layout.FLAX_MSGPACK: _read_flax_msgpack}
+  return parts, bytes_read
 
 
 def read_params(path: str | os.PathLike[str], *,
@@ -185,57 +131,57 @@ def read_params(path: str | os.PathLike[str], *,
   if step is not None and (isinstance(step, bool) or int(step) != step
                            or step < 0):
     raise ValueError(f'step must be a non-negative int or None, got {step!r}.')
-  located = checkpoint_layout.locate(path,
-                                     None if step is None else int(step))
+  located = layout.locate(path, None if step is None else int(step))
   logging.info('Reading params of %s checkpoint %s (step %s).',
                located.format, located.path, located.step)
-  contents = _READERS[located.format](located)
+  parts, bytes_read = _read(located)
+  params, mutables = _numpy(parts['params']), _numpy(parts['mutables'])
+  step = located.step
+  if step is None and parts['step'] is not None and np.size(
+      parts['step']) == 1:
+    step = int(np.asarray(parts['step']))
   # The arrays are owned (read for this call alone): make them adoptable.
-  moved = host_buffers.make_adoptable(
-      contents.params) + host_buffers.make_adoptable(contents.flax_mutables)
+  moved = host_buffers.make_adoptable(params) + host_buffers.make_adoptable(
+      mutables)
   if moved:
     logging.info('Moved %d array(s) to %d-byte aligned memory (so the export '
                  'can give them to TensorFlow without a copy).', moved,
                  host_buffers.HOST_ALIGNMENT)
-  return contents
+  return CheckpointContents(
+      path=located.path, format=located.format, step=step, params=params,
+      flax_mutables=mutables,
+      nbytes=host_buffers.tree_nbytes((params, mutables)),
+      bytes_read=bytes_read)
 
 
-def _expected_leaf(x: Any) -> bool:
+def _shape_leaf(x: Any) -> bool:
   return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
 
 
-def _describe(leaf: Any, *, with_dtype: bool) -> tuple[tuple[int, ...], str]:
-  if _expected_leaf(leaf):
+def _describe(leaf: Any, with_dtype: bool) -> tuple[tuple[int, ...], str]:
+  """Shape and (if asked and known) dtype of an array, struct or shape."""
+  if _shape_leaf(leaf):
     return tuple(leaf), ''
   shape = tuple(int(d) for d in np.shape(leaf))
-  dtype = str(np.dtype(leaf.dtype)) if with_dtype and hasattr(
-      leaf, 'dtype') else ''
-  return shape, dtype
+  known = with_dtype and hasattr(leaf, 'dtype')
+  return shape, str(np.dtype(leaf.dtype)) if known else ''
 
 
 def _flat(tree: Any) -> dict[str, Any]:
   if isinstance(tree, Mapping) and tree and not any(
       isinstance(v, Mapping) for v in tree.values()):
     return {str(k): v for k, v in tree.items()}  # Already {path: leaf}.
-  return paths.flatten(tree, is_leaf=_expected_leaf)
+  return paths.flatten(tree, is_leaf=_shape_leaf)
 
 
 def check_params_match(expected: Any, params: Any, *,
                        check_dtype: bool = False,
                        source: str = 'checkpoint params') -> None:
-  """Checks that `params` has exactly the model's params and shapes.
+  """Raises ParamsMismatchError unless `params` are the model's `expected`.
 
-  Args:
-    expected: the model's params: a nested dict whose leaves are arrays,
-      `jax.ShapeDtypeStruct`s or shape tuples, or a flat {'a/b/c': leaf}
-      mapping.
-    params: the params read (nested dict of arrays, or flat by path).
-    check_dtype: also compare dtypes (when `expected` leaves have one).
-    source: what `params` are, for the message.
-
-  Raises:
-    ParamsMismatchError: listing every missing, unexpected and wrongly
-      shaped (or typed) param by '/' path.
+  The error lists every missing, unexpected and wrongly shaped (or typed)
+  param by path. Either tree may be flat {path: leaf}; `expected` leaves
+  may be arrays, ShapeDtypeStructs or shape tuples.
   """
   want, got = _flat(expected), _flat(params)
   missing = [p for p in want if p not in got]
@@ -243,8 +189,8 @@ def check_params_match(expected: Any, params: Any, *,
   wrong = []
   for p in want:
     if p in got:
-      want_shape, want_dtype = _describe(want[p], with_dtype=check_dtype)
-      got_shape, got_dtype = _describe(got[p], with_dtype=check_dtype)
+      (want_shape, want_dtype), (got_shape, got_dtype) = (
+          _describe(want[p], check_dtype), _describe(got[p], check_dtype))
       if want_shape != got_shape or (want_dtype and got_dtype
                                      and want_dtype != got_dtype):
         wrong.append((p, f'{want_shape} {want_dtype}'.strip(),
