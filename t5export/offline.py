@@ -29,9 +29,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 import ctypes
 import dataclasses
+import functools
 import os
 import shutil
 import sys
+from typing import Any
 
 from absl import app
 from absl import flags
@@ -111,28 +113,35 @@ def rewrite_args(argv: Sequence[str]) -> list[str]:
   return out
 
 
-def _parse_gin(files: Sequence[str], bindings: Sequence[str],
-               search_paths: Sequence[str]) -> None:
-  """Parses gin files and bindings as T5X does (search paths first)."""
+def _load_options(overrides: dict[str, Any]) -> offline_export.OfflineOptions:
+  """Parses the gin config as T5X does, then applies the flags' overrides."""
   # Register every t5export configurable first: a locked config takes none.
   from t5export._src import exporter  # pylint: disable=g-import-not-at-top,unused-import
   from t5export._src import serving  # pylint: disable=g-import-not-at-top,unused-import
-  for path in search_paths:
+  files, bindings = list(_GIN_FILE.value), list(_GIN_BINDINGS.value)
+  for path in _GIN_SEARCH_PATHS.value:
     if os.path.isdir(path):
       gin.add_config_file_search_path(path)
+  parsed = False
   try:
-    gin.parse_config_files_and_bindings(list(files), list(bindings))
+    gin.parse_config_files_and_bindings(files, bindings)
+    parsed = True
+    options = offline_export.OfflineOptions()
   except errors.T5ExportError:
     raise
   except Exception as e:  # gin raises many types (syntax, import, binding).
-    hint = ("Set SIGNATURES = [@t5export.Signature()] after include "
-            "'t5export/gin/offline.gin'. " if 'REQUIRED' in str(e) else '')
+    hint = ('Set SIGNATURES = [@t5export.Signature()] (and INIT_FN) after '
+            "include 't5export/gin/offline.gin'. " if parsed
+            or 'REQUIRED' in str(e) else '')
     raise errors.GinConfigError(
-        f'The gin config (--gin_file {list(files)}, --gin_bindings '
-        f'{list(bindings)}) is not usable: {type(e).__name__}: '
-        f'{str(e).rstrip(".")}. {hint}--gin_search_paths '
-        f'{list(search_paths)} are searched for your files; t5export\'s own '
-        "are included by package path (include 't5export/gin/offline.gin').") from e
+        f'The gin config (--gin_file {files}, --gin_bindings {bindings}) is '
+        f'not usable: {type(e).__name__}: {str(e).rstrip(".")}. {hint}'
+        f'--gin_search_paths {_GIN_SEARCH_PATHS.value} are searched for your '
+        "files; t5export's own are included by package path (include "
+        "'t5export/gin/offline.gin').") from e
+  options.export_options = dataclasses.replace(options.export_options,
+                                               **overrides)
+  return options
 
 
 def _cleanup(export_dir: str, existed: bool, before: set[str]) -> None:
@@ -183,19 +192,12 @@ def main(argv: Sequence[str]) -> None:
       ('validate', _VALIDATE), ('serving_tf_version', _SERVING_TF_VERSION))
                if flag.value is not None}
 
-  def load_options() -> offline_export.OfflineOptions:
-    _parse_gin(_GIN_FILE.value, _GIN_BINDINGS.value, _GIN_SEARCH_PATHS.value)
-    options = offline_export.make_options()
-    options.export_options = dataclasses.replace(options.export_options,
-                                                 **overrides)
-    return options
-
   try:
     # The flags' values fail here, before the checkpoint is read.
     options_lib.ExportOptions(**overrides)
     offline_export.export_checkpoint(
         _CKPT.value, export_dir, step=_STEP.value, dtype=_DTYPE.value,
-        options=load_options)
+        options=functools.partial(_load_options, overrides))
   except (errors.T5ExportError, ValueError, TypeError, OSError, KeyError,
           RuntimeError) as e:
     _cleanup(export_dir, existed, before)

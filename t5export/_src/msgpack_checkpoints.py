@@ -23,29 +23,25 @@ _OPTIMIZER_KEYS = frozenset({'opt_state', 'param_states'})
 _MSGPACK_LIMIT = 2**31 - 1
 
 
-def is_msgpack_map_file(path: str) -> bool:
-  """Whether the file's first byte opens a msgpack map (False if unreadable)."""
+def file_format(path: str) -> str | None:
+  """'t5x' for T5X's {'version': ..., 'optimizer': ...} file, 'flax_msgpack'
+  for another file opening a msgpack map, else None. Reads the first key.
+  """
   try:
     with open(path, 'rb') as f:
-      head = f.read(1)
+      unpacker = msgpack.Unpacker(f, raw=False, read_size=4096,
+                                  max_buffer_size=_MSGPACK_LIMIT)
+      try:
+        size = unpacker.read_map_header()
+      except (ValueError, msgpack.exceptions.UnpackException):
+        return None
+      try:
+        t5x = size > 0 and unpacker.unpack() in ('version', 'optimizer')
+      except (ValueError, msgpack.exceptions.UnpackException):
+        t5x = False
   except OSError:
-    return False
-  return bool(head) and (0x80 <= head[0] <= 0x8f or head[0] in (0xde, 0xdf))
-
-
-def is_t5x_file(path: str) -> bool:
-  """Whether the file is T5X's msgpack {'version': ..., 'optimizer': ...}."""
-  if not is_msgpack_map_file(path):
-    return False
-  with open(path, 'rb') as f:
-    # A small read_size: only the first key is looked at.
-    unpacker = msgpack.Unpacker(f, raw=False, read_size=4096,
-                                max_buffer_size=_MSGPACK_LIMIT)
-    try:
-      return (unpacker.read_map_header() > 0
-              and unpacker.unpack() in ('version', 'optimizer'))
-    except (ValueError, msgpack.exceptions.UnpackException):
-      return False
+    return None
+  return 't5x' if t5x else 'flax_msgpack'
 
 
 def _decode_ndarray(data: bytes) -> np.ndarray:

@@ -74,20 +74,6 @@ def _mib(nbytes: int | None) -> str:
   return 'unknown' if nbytes is None else f'{nbytes / 2**20:.2f} MiB'
 
 
-def make_options() -> OfflineOptions:
-  """`OfflineOptions()` from the parsed gin config, or a GinConfigError."""
-  try:
-    return OfflineOptions()
-  except errors.T5ExportError:
-    raise
-  except Exception as e:  # gin wraps failures of the referenced callables.
-    raise errors.GinConfigError(
-        f'The gin config does not give usable offline options: '
-        f'{type(e).__name__}: {str(e).rstrip(".")}. Set SIGNATURES = '
-        "[@t5export.Signature()] (and INIT_FN) after include "
-        "'t5export/gin/offline.gin'.") from e
-
-
 def _call_init(init_fn: Callable[..., Any], rng: jax.Array) -> Any:
   try:
     params = inspect.signature(init_fn).parameters
@@ -160,7 +146,6 @@ def export_checkpoint(
   Raises:
     CheckpointNotFoundError, UnknownCheckpointFormatError,
     NoParamsInCheckpointError: from reading.
-    GinConfigError: the gin config gives no usable `OfflineOptions`.
     ParamsMismatchError: the params do not match the model.
     VersionExistsError: the version exists and the options' `overwrite` is
       False (checked before the params are converted).
@@ -180,7 +165,7 @@ def export_checkpoint(
         f'Checkpoint {contents.path!r} does not record its step; pass --step '
         'N to give the version number to publish.')
   if not isinstance(options, OfflineOptions):
-    options = (options or make_options)()
+    options = (options or OfflineOptions)()
   final = os.path.join(os.path.abspath(export_dir), str(version))
   if os.path.exists(final) and not options.export_options.overwrite:
     raise errors.VersionExistsError(final, version)
