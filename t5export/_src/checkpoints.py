@@ -204,8 +204,8 @@ class CheckpointContents:
   bytes_read: int | None
 
 
-def _get(tree: Mapping[str, Any], keypath: tuple[str, ...] | None) -> Any:
-  for key in keypath or ():
+def _get(tree: Mapping[str, Any], keypath: tuple[str, ...]) -> Any:
+  for key in keypath:
     tree = tree[key]
   return tree
 
