@@ -95,8 +95,9 @@ _SERVING_TF_VERSION = flags.DEFINE_string(
 
 
 def rewrite_args(argv: Sequence[str]) -> list[str]:
-  """argv with T5X's `--gin.NAME=VALUE` as `--gin_bindings=NAME = VALUE`,
-  and `--no_validate` / `--no_overwrite` in absl's spelling `--novalidate`.
+  """Rewrites T5X's `--gin.NAME=VALUE` and `--no_<flag>` for absl.
+
+  They become `--gin_bindings=NAME = VALUE` and `--novalidate` (absl's).
   """
   out = []
   for arg in argv:
