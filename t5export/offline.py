@@ -6,22 +6,21 @@ r"""Exports a checkpoint as a SavedModel version: `python -m t5export.offline`.
       [--overwrite] [--dtype bfloat16] [--platforms cpu,cuda] [--no_validate] \
       [--serving_tf_version 2.20]
 
-The command line around `offline_export.export_checkpoint` (read, convert,
-write/check/publish; see there). The gin files supply what the callback is
-given in training: the signatures (`SIGNATURES = [@t5export.Signature()]`),
-the `ExportOptions` (`KEEP`, `LOGICAL_AXIS_RULES`, ...) and optionally the
-model's `init_fn`. The user's gin file says
-`include 't5export/gin/offline.gin'` (which documents the macros); that
-package path resolves wherever t5export is installed, and
-`--gin_search_paths` only locates the user's own files. The flags
+Reads the checkpoint's params (never its optimizer state), checks them
+against the model and publishes them as `<export_dir>/<step>/`, as the
+training callback would. The gin files supply what the callback is given
+in training: the signatures (`SIGNATURES = [@t5export.Signature()]`), the
+`ExportOptions` (`KEEP`, `LOGICAL_AXIS_RULES`, ...) and optionally the
+model's `INIT_FN`. Your gin file says `include 't5export/gin/offline.gin'`
+(which documents the macros); that path resolves wherever t5export is
+installed, and `--gin_search_paths` only locates your own files. The flags
 --overwrite, --platforms, --no_validate and --serving_tf_version, when
-given, override the gin config's `ExportOptions` (`dataclasses.replace`).
+given, override the gin config's `ExportOptions`.
 
 Errors (missing checkpoint, unknown format, no params, params not matching
 the model, an existing version without `--overwrite`, a failed check) print
 one line `t5export.offline: error: ...` on stderr and exit with status 1;
-the export directory is left as it was (staging directories are removed, an
-export directory this run created is removed again).
+the export directory is left as it was.
 """
 
 from __future__ import annotations
@@ -29,9 +28,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 import ctypes
 import dataclasses
+import functools
 import os
 import shutil
 import sys
+from typing import Any
 
 from absl import app
 from absl import flags
@@ -94,18 +95,9 @@ _SERVING_TF_VERSION = flags.DEFINE_string(
 
 
 def rewrite_args(argv: Sequence[str]) -> list[str]:
-  """Rewrites `--gin.NAME=VALUE` and `--no_<flag>` before absl parses argv.
+  """Rewrites T5X's `--gin.NAME=VALUE` and `--no_<flag>` for absl.
 
-  Args:
-    argv: the command line.
-
-  Returns:
-    argv with `--gin.NAME=VALUE` as `--gin_bindings=NAME = VALUE` (T5X's
-    shorthand) and `--no_validate` / `--no_overwrite` as absl's
-    `--novalidate` / `--nooverwrite`.
-
-  Raises:
-    ValueError: a `--gin.` argument without '='.
+  They become `--gin_bindings=NAME = VALUE` and `--novalidate` (absl's).
   """
   out = []
   for arg in argv:
@@ -121,35 +113,35 @@ def rewrite_args(argv: Sequence[str]) -> list[str]:
   return out
 
 
-def parse_gin(files: Sequence[str], bindings: Sequence[str],
-              search_paths: Sequence[str]) -> None:
-  """Parses gin files and bindings as T5X does (search paths first).
-
-  Args:
-    files: gin files, relative to a search path or absolute.
-    bindings: gin bindings applied after the files.
-    search_paths: directories for files and includes (t5export's own gin
-      files resolve by package path, `t5export/gin/offline.gin`).
-  """
+def _load_options(overrides: dict[str, Any]) -> offline_export.OfflineOptions:
+  """Parses the gin config as T5X does, then applies the flags' overrides."""
   # Register every t5export configurable first: a locked config takes none.
   from t5export._src import exporter  # pylint: disable=g-import-not-at-top,unused-import
   from t5export._src import serving  # pylint: disable=g-import-not-at-top,unused-import
-  for path in search_paths:
+  files, bindings = list(_GIN_FILE.value), list(_GIN_BINDINGS.value)
+  for path in _GIN_SEARCH_PATHS.value:
     if os.path.isdir(path):
       gin.add_config_file_search_path(path)
+  parsed = False
   try:
-    gin.parse_config_files_and_bindings(list(files), list(bindings))
+    gin.parse_config_files_and_bindings(files, bindings)
+    parsed = True
+    options = offline_export.OfflineOptions()
   except errors.T5ExportError:
     raise
   except Exception as e:  # gin raises many types (syntax, import, binding).
-    hint = ("Set SIGNATURES = [@t5export.Signature()] after include "
-            "'t5export/gin/offline.gin'. " if 'REQUIRED' in str(e) else '')
+    hint = ('Set SIGNATURES = [@t5export.Signature()] (and INIT_FN) after '
+            "include 't5export/gin/offline.gin'. " if parsed
+            or 'REQUIRED' in str(e) else '')
     raise errors.GinConfigError(
-        f'The gin config (--gin_file {list(files)}, --gin_bindings '
-        f'{list(bindings)}) is not usable: {type(e).__name__}: '
-        f'{str(e).rstrip(".")}. {hint}--gin_search_paths '
-        f'{list(search_paths)} are searched for your files; t5export\'s own '
-        "are included by package path (include 't5export/gin/offline.gin').") from e
+        f'The gin config (--gin_file {files}, --gin_bindings {bindings}) is '
+        f'not usable: {type(e).__name__}: {str(e).rstrip(".")}. {hint}'
+        f'--gin_search_paths {_GIN_SEARCH_PATHS.value} are searched for your '
+        "files; t5export's own are included by package path (include "
+        "'t5export/gin/offline.gin').") from e
+  options.export_options = dataclasses.replace(options.export_options,
+                                               **overrides)
+  return options
 
 
 def _cleanup(export_dir: str, existed: bool, before: set[str]) -> None:
@@ -174,19 +166,9 @@ _MMAP_THRESHOLD_BYTES = 128 * 1024
 
 
 def release_freed_memory() -> bool:
-  """Makes large allocations go back to the OS when freed (glibc only).
+  """Fixes glibc's mmap threshold so freed leaf buffers go back to the OS.
 
-  glibc serves a large allocation with its own mmap, but after the first
-  such block is freed it raises that threshold (up to 32 MiB on 64-bit), so
-  later leaf-sized buffers come from the heap and stay in the process after
-  they are freed. An offline export reads, aligns, converts and saves
-  leaf after leaf; with the threshold fixed at glibc's default of 128 KiB,
-  its peak memory stays near the params' size. The CLI calls this first; it
-  changes the allocator for the whole process, so a library caller decides
-  for itself.
-
-  Returns:
-    True if the allocator accepted the setting.
+  True if the allocator accepted it. Why: docs/internals.md, Offline.
   """
   try:
     libc = ctypes.CDLL('libc.so.6')
@@ -210,19 +192,12 @@ def main(argv: Sequence[str]) -> None:
       ('validate', _VALIDATE), ('serving_tf_version', _SERVING_TF_VERSION))
                if flag.value is not None}
 
-  def load_options() -> offline_export.OfflineOptions:
-    parse_gin(_GIN_FILE.value, _GIN_BINDINGS.value, _GIN_SEARCH_PATHS.value)
-    options = offline_export.make_options()
-    options.export_options = dataclasses.replace(options.export_options,
-                                                 **overrides)
-    return options
-
   try:
     # The flags' values fail here, before the checkpoint is read.
     options_lib.ExportOptions(**overrides)
     offline_export.export_checkpoint(
         _CKPT.value, export_dir, step=_STEP.value, dtype=_DTYPE.value,
-        options=load_options)
+        options=functools.partial(_load_options, overrides))
   except (errors.T5ExportError, ValueError, TypeError, OSError, KeyError,
           RuntimeError) as e:
     _cleanup(export_dir, existed, before)

@@ -21,7 +21,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 LIGHT_MODULES = ('paths', 'train_state', 'state_axes',
                  'optax_state', 'partitioning', 'host_buffers', 'snapshot',
                  'async_export', 'worker_thread', 'distributed', 'versions',
-                 'checkpoint_layout', 'checkpoints', 'orbax_checkpoints',
+                 'checkpoints', 'orbax_checkpoints',
                  'msgpack_checkpoints', 'triggering', 'outcomes',
                  'serving_compat', 'tensor_bundle', 'jax_artifacts', 'verify',
                  'staged_check', 'options')

@@ -1,20 +1,8 @@
 """Reads only the params (and flax mutables) out of a training checkpoint.
 
-`checkpoint_layout` finds the checkpoint, its format and step, and chooses
-the subtrees that hold the params, the mutables and the step; this module
-reads those subtrees alone:
-
-- 'orbax': the orbax metadata gives the tree, and a partial restore never
-  opens the optimizer-state arrays (`orbax_checkpoints`).
-- 't5x': `param_states` is never decoded and the optimizer-state arrays are
-  never opened (`msgpack_checkpoints`).
-- 'flax_msgpack': read sequentially, optimizer subtrees skipped without
-  being decoded (`msgpack_checkpoints`).
-
-`check_params_match` compares what was read with the model's params.
-
-Light module: never imports TensorFlow. orbax and tensorstore are imported
-only when a checkpoint of theirs is read.
+Finds the checkpoint (orbax, T5X's legacy msgpack + TensorStore layout, or
+flax msgpack) and its step, chooses the params, mutables and step subtrees,
+and has the format's module read those alone. Light module: no TensorFlow.
 """
 
 from __future__ import annotations
@@ -22,36 +10,191 @@ from __future__ import annotations
 from collections.abc import Mapping
 import dataclasses
 import os
+import re
 from typing import Any
 
 from absl import logging
 import jax
 import numpy as np
 
-from t5export._src import checkpoint_layout
 from t5export import errors
 from t5export._src import host_buffers
 from t5export._src import msgpack_checkpoints
 from t5export._src import orbax_checkpoints
 from t5export._src import paths
 
+ORBAX = 'orbax'
+T5X = 't5x'
+FLAX_MSGPACK = 'flax_msgpack'  # T5X and this: msgpack_checkpoints' names.
+
+# Top-level keys of a checkpoint's tree that are never mutable collections.
+_NON_MUTABLE_KEYS = frozenset({
+    'params', 'step', 'state', 'opt_state', 'param_states', 'optimizer',
+    'target', 'flax_mutables', 'rng', 'rngs', 'dropout_rng', 'metrics', 'tx',
+    'apply_fn', 'version'})
+# Preferred orbax item names in a composite step, most likely first.
+_ITEM_PREFERENCE = ('state', 'default', 'train_state', 'params', 'model')
+_STEP_NAME = re.compile(r'^(?:(?P<prefix>[A-Za-z][\w.-]*?)_)?(?P<step>\d+)$')
+_ORBAX_STEP_METADATA = '_CHECKPOINT_METADATA'
+_LOOKED_FOR = (
+    'an orbax PyTree checkpoint (a directory with _METADATA, or a step '
+    'directory / CheckpointManager directory holding such items), a T5X '
+    "checkpoint (a 'checkpoint' msgpack file with {'version', 'optimizer'}, "
+    'in checkpoint_<step>/), or a flax msgpack file')
+
+
+@dataclasses.dataclass(frozen=True)
+class Located:
+  """One checkpoint found: its format, concrete path and step (or None)."""
+  format: str
+  path: str
+  step: int | None
+
+
+def _is_orbax_item(path: str) -> bool:
+  return os.path.isfile(os.path.join(path, orbax_checkpoints.METADATA))
+
+
+def _step_of_name(name: str, *, strict: bool = False) -> int | None:
+  """The step a name ('20', 'checkpoint_20', 'ckpt_20') stands for, or None.
+
+  `strict` (for a path given directly, whose name may be unrelated to a step)
+  accepts only '<N>' and 'checkpoint_<N>'. Temporary directories: None.
+  """
+  if 'tmp' in name:
+    return None
+  match = _STEP_NAME.match(name)
+  if not match:
+    return None
+  if strict and match.group('prefix') not in (None, 'checkpoint'):
+    return None
+  return int(match.group('step'))
+
+
+def _orbax_items(path: str) -> list[str]:
+  """Orbax PyTree item directories under a step directory, likeliest first."""
+  try:
+    names = os.listdir(path)
+  except OSError:
+    return []
+  rank = {n: i for i, n in enumerate(_ITEM_PREFERENCE)}
+  items = [n for n in names if _is_orbax_item(os.path.join(path, n))]
+  items.sort(key=lambda n: (rank.get(n, len(rank)), n))
+  return [os.path.join(path, n) for n in items]
+
+
+def _locate_single(path: str) -> Located | None:
+  """Identifies one checkpoint (not a directory of steps), or None."""
+  path = os.path.abspath(path)
+  name_step = _step_of_name(os.path.basename(path), strict=True)
+  parent_step = _step_of_name(os.path.basename(os.path.dirname(path)),
+                              strict=True)
+  if os.path.isfile(path):
+    fmt = msgpack_checkpoints.file_format(path)
+    step = parent_step if fmt == T5X else name_step
+    return None if fmt is None else Located(fmt, path, step)
+  if _is_orbax_item(path):
+    # An item of a CheckpointManager step: the step directory has the step.
+    in_step_dir = not os.path.isfile(
+        os.path.join(path, _ORBAX_STEP_METADATA)) and os.path.isfile(
+            os.path.join(os.path.dirname(path), _ORBAX_STEP_METADATA))
+    return Located(ORBAX, path, parent_step if in_step_dir else name_step)
+  t5x_file = os.path.join(path, msgpack_checkpoints.T5X_FILE)
+  if msgpack_checkpoints.file_format(t5x_file) == T5X:
+    return Located(T5X, t5x_file, name_step)
+  items = _orbax_items(path)
+  if items:
+    with_params = [i for i in items if _has_params(i)]
+    return Located(ORBAX, (with_params or items)[0], name_step)
+  return None
+
+
+def _has_params(item_dir: str) -> bool:
+  """Whether an orbax item's tree holds params (by its `_METADATA`)."""
+  try:
+    structure = orbax_checkpoints.structure(item_dir)
+    _select(structure, item_dir)
+  except (errors.T5ExportError, OSError, ValueError, KeyError, TypeError,
+          AttributeError):
+    return False
+  return True
+
+
+def _steps_under(path: str) -> dict[int, Located]:
+  """Checkpoints in the numbered entries of a manager / model directory."""
+  found = {}
+  for name in os.listdir(path):
+    step = _step_of_name(name)
+    if step is None:
+      continue
+    located = _locate_single(os.path.join(path, name))
+    if located is not None:
+      found[step] = dataclasses.replace(located, step=step)
+  return found
+
+
+def _locate(path: str | os.PathLike[str], step: int | None) -> Located:
+  """The checkpoint at `path`, or of `step` (default: the latest) under it."""
+  path = os.fspath(path)
+  if not os.path.exists(path):
+    raise errors.CheckpointNotFoundError(
+        f'Checkpoint path {path!r} does not exist. Pass the checkpoint '
+        'directory or file (--ckpt).')
+  located = _locate_single(path)
+  if located is not None:
+    if step is not None and located.step is not None and located.step != step:
+      raise errors.CheckpointNotFoundError(
+          f'{path!r} is the checkpoint of step {located.step}, not step '
+          f'{step}. Pass the directory holding all steps, or drop the step.')
+    if step is not None and located.step is None:
+      located = dataclasses.replace(located, step=step)
+    return located
+  steps = _steps_under(path) if os.path.isdir(path) else {}
+  if not steps:
+    raise errors.UnknownCheckpointFormatError(
+        f'{path!r} is not a checkpoint t5export can read. Looked for '
+        f'{_LOOKED_FOR}.')
+  if step is None:
+    step = max(steps)
+  if step not in steps:
+    raise errors.CheckpointNotFoundError(
+        f'No checkpoint of step {step} in {path!r}; steps found: '
+        f'{sorted(steps)}.')
+  return steps[step]
+
+
+def _select(keys: Mapping[str, Any], source: str) -> dict[str, Any]:
+  """Key paths of the params, mutables and step in a checkpoint's tree.
+
+  {'params': (() for the whole tree), 'mutables': {collection: path},
+  'step': path or None}. The rules are in docs/internals.md.
+  """
+  flax_mutables = keys.get('flax_mutables')
+  mutables = ({k: ('flax_mutables', k) for k in flax_mutables}
+              if isinstance(flax_mutables, Mapping) else {})
+  if 'target' in keys:
+    state = keys.get('state')
+    has_step = isinstance(state, Mapping) and 'step' in state
+    return {'params': ('target',), 'mutables': mutables,
+            'step': ('state', 'step') if has_step else None}
+  if 'params' in keys:
+    if not isinstance(flax_mutables, Mapping):
+      mutables = {k: (k,) for k, v in keys.items()
+                  if k not in _NON_MUTABLE_KEYS and isinstance(v, Mapping)}
+    return {'params': ('params',), 'mutables': mutables,
+            'step': ('step',) if 'step' in keys else None}
+  if keys and not set(keys) & _NON_MUTABLE_KEYS:
+    return {'params': (), 'mutables': {}, 'step': None}
+  raise errors.NoParamsInCheckpointError(
+      f'Checkpoint {source!r} holds no params: no \'target\' (T5X / '
+      f"FlaxOptimTrainState layout) or 'params' entry, and it is not a bare "
+      f'params tree (top-level keys: {sorted(map(str, keys))}). Point --ckpt '
+      'at a checkpoint that saved the model parameters.')
+
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointContents:
-  """What `read_params` found.
-
-  Attributes:
-    path: the concrete location read (orbax item directory, T5X `checkpoint`
-      file or msgpack file).
-    format: one of `checkpoint_layout.FORMATS`.
-    step: the checkpoint's step (directory name, else the stored step), or
-      None when the checkpoint does not say.
-    params: nested dict of numpy arrays.
-    flax_mutables: nested dict of numpy arrays per collection (may be {}).
-    nbytes: size of the params and mutables arrays in memory.
-    bytes_read: bytes read from storage, when known (orbax: the process's
-      read counter around the restore, so approximate).
-  """
+  """What `read_params` found (its Returns section describes the fields)."""
   path: str
   format: str
   step: int | None
@@ -60,11 +203,6 @@ class CheckpointContents:
   nbytes: int
   bytes_read: int | None
 
-  @property
-  def variables(self) -> dict[str, Any]:
-    """`{'params': params, **flax_mutables}`, what a serve method receives."""
-    return {'params': self.params, **self.flax_mutables}
-
 
 def _get(tree: Mapping[str, Any], keypath: tuple[str, ...]) -> Any:
   for key in keypath:
@@ -72,92 +210,51 @@ def _get(tree: Mapping[str, Any], keypath: tuple[str, ...]) -> Any:
   return tree
 
 
-def _to_numpy(tree: Any) -> Any:
-  return jax.tree_util.tree_map(np.asarray, tree)
+def _numpy(tree: Any) -> Any:
+  """Nested Mappings as plain dicts (orbax/flax give others), numpy leaves."""
+  def plain(node: Any) -> Any:
+    if isinstance(node, Mapping):
+      return {str(k): plain(v) for k, v in node.items()}
+    return node
+  return jax.tree_util.tree_map(np.asarray, plain(tree))
 
 
-def _plain(tree: Any) -> Any:
-  """Nested Mappings as plain dicts (orbax/flax may give other Mappings)."""
-  if isinstance(tree, Mapping):
-    return {str(k): _plain(v) for k, v in tree.items()}
-  return tree
-
-
-def _contents(located: checkpoint_layout.Located, tree: Mapping[str, Any],
-              selection: Mapping[str, Any], bytes_read: int | None,
-              ) -> CheckpointContents:
-  params = _plain(_get(tree, selection['params']))
-  if not isinstance(params, dict) or not jax.tree_util.tree_leaves(params):
+def _read(located: Located) -> tuple[dict[str, Any], int | None]:
+  """The params, mutables and step subtrees alone, and the bytes read."""
+  path, fmt = located.path, located.format
+  if fmt == ORBAX:
+    tree = orbax_checkpoints.structure(path)
+  else:
+    tree = msgpack_checkpoints.read_tree(path, looked_for=_LOOKED_FOR)
+    bytes_read = os.path.getsize(path)
+  if not isinstance(tree, Mapping):
+    raise errors.UnknownCheckpointFormatError(
+        f'{fmt} checkpoint {path!r} holds a {type(tree).__name__}, not a '
+        'dict of params or a train state dict.')
+  if fmt == T5X and tree.get('version') and 'optimizer' in tree:
+    tree = tree['optimizer']
+    if not isinstance(tree, Mapping):
+      raise errors.NoParamsInCheckpointError(
+          f"T5X checkpoint {path!r} has no 'optimizer' dict.")
+  selection = _select(tree, path)
+  if fmt == ORBAX:
+    keypaths = [selection['params'], *selection['mutables'].values()]
+    if selection['step'] is not None:
+      keypaths.append(selection['step'])
+    tree, bytes_read = orbax_checkpoints.restore(path, tree, keypaths)
+  parts = {'params': _get(tree, selection['params']),
+           'mutables': {name: _get(tree, keypath) for name, keypath
+                        in selection['mutables'].items()},
+           'step': _get(tree, selection['step']) if selection['step'] else None}
+  if fmt == T5X:  # Its params' arrays are TensorStores beside it.
+    parts, more = msgpack_checkpoints.read_tensorstore_leaves(parts, path)
+    bytes_read += more
+  if not isinstance(parts['params'], Mapping) or not jax.tree_util.tree_leaves(
+      parts['params']):
     raise errors.NoParamsInCheckpointError(
-        f'Checkpoint {located.path!r} has an empty params tree at '
+        f'Checkpoint {path!r} has an empty params tree at '
         f"{'/'.join(selection['params']) or '<root>'!r}.")
-  mutables = {name: _plain(_get(tree, kp))
-              for name, kp in selection['mutables'].items()}
-  params, mutables = _to_numpy(params), _to_numpy(mutables)
-  step = located.step
-  if step is None and selection['step'] is not None:
-    stored = _get(tree, selection['step'])
-    if stored is not None and np.size(stored) == 1:
-      step = int(np.asarray(stored))
-  return CheckpointContents(
-      path=located.path, format=located.format, step=step, params=params,
-      flax_mutables=mutables,
-      nbytes=host_buffers.tree_nbytes((params, mutables)),
-      bytes_read=bytes_read)
-
-
-# --- orbax --------------------------------------------------------------------
-
-
-def _read_orbax(located: checkpoint_layout.Located) -> CheckpointContents:
-  structure = orbax_checkpoints.structure(located.path)
-  if not isinstance(structure, Mapping):
-    raise errors.UnknownCheckpointFormatError(
-        f'Orbax checkpoint {located.path!r} holds a '
-        f'{type(structure).__name__}, not a dict of params or a train state '
-        'dict.')
-  selection = checkpoint_layout.select(structure, located.path)
-  keypaths = [selection['params'], *selection['mutables'].values()]
-  if selection['step'] is not None:
-    keypaths.append(selection['step'])
-  restored, bytes_read = orbax_checkpoints.restore(
-      located.path, structure, keypaths)
-  return _contents(located, _plain(restored), selection, bytes_read)
-
-
-# --- msgpack (flax and T5X) ---------------------------------------------------
-
-
-def _read_flax_msgpack(located: checkpoint_layout.Located
-                       ) -> CheckpointContents:
-  tree = msgpack_checkpoints.read_tree(
-      located.path, looked_for=checkpoint_layout.LOOKED_FOR)
-  if not isinstance(tree, dict):
-    raise errors.UnknownCheckpointFormatError(
-        f'Flax msgpack file {located.path!r} holds a {type(tree).__name__}, '
-        'not a dict of params or a train state dict.')
-  selection = checkpoint_layout.select(tree, located.path)
-  return _contents(located, tree, selection, os.path.getsize(located.path))
-
-
-def _read_t5x(located: checkpoint_layout.Located) -> CheckpointContents:
-  state = msgpack_checkpoints.t5x_state(
-      msgpack_checkpoints.read_tree(
-          located.path, looked_for=checkpoint_layout.LOOKED_FOR),
-      located.path)
-  selection = checkpoint_layout.select(state, located.path)
-  subtrees = [_get(state, keypath) for keypath in (
-      selection['params'], *selection['mutables'].values())]
-  bytes_read = os.path.getsize(located.path) + (
-      msgpack_checkpoints.read_tensorstore_leaves(subtrees, located.path))
-  return _contents(located, state, selection, bytes_read)
-
-
-# --- public -------------------------------------------------------------------
-
-_READERS = {checkpoint_layout.ORBAX: _read_orbax,
-            checkpoint_layout.T5X: _read_t5x,
-            checkpoint_layout.FLAX_MSGPACK: _read_flax_msgpack}
+  return parts, bytes_read
 
 
 def read_params(path: str | os.PathLike[str], *,
@@ -173,8 +270,12 @@ def read_params(path: str | os.PathLike[str], *,
       latest). For a single checkpoint it must match its step, if known.
 
   Returns:
-    The params as a nested dict of numpy arrays, with the mutables, step,
-    format and sizes.
+    A `CheckpointContents`: `params` and `flax_mutables` (nested dicts of
+    numpy arrays, the latter per collection, maybe {}); `step` (the
+    directory's, else the stored one, else None); `format` ('orbax', 't5x'
+    or 'flax_msgpack'); `path`, the concrete item directory or file read;
+    `nbytes` in memory; `bytes_read` from storage, where known (orbax: the
+    process's read counter around the restore, so approximate).
 
   Raises:
     CheckpointNotFoundError: `path` does not exist, or has no such `step`.
@@ -185,69 +286,59 @@ def read_params(path: str | os.PathLike[str], *,
   if step is not None and (isinstance(step, bool) or int(step) != step
                            or step < 0):
     raise ValueError(f'step must be a non-negative int or None, got {step!r}.')
-  located = checkpoint_layout.locate(path,
-                                     None if step is None else int(step))
+  located = _locate(path, None if step is None else int(step))
   logging.info('Reading params of %s checkpoint %s (step %s).',
                located.format, located.path, located.step)
-  contents = _READERS[located.format](located)
+  parts, bytes_read = _read(located)
+  params, mutables = _numpy(parts['params']), _numpy(parts['mutables'])
+  step = located.step
+  if step is None and parts['step'] is not None and np.size(
+      parts['step']) == 1:
+    step = int(np.asarray(parts['step']))
   # The arrays are owned (read for this call alone): make them adoptable.
-  moved = host_buffers.make_adoptable(
-      contents.params) + host_buffers.make_adoptable(contents.flax_mutables)
+  moved = host_buffers.make_adoptable(params) + host_buffers.make_adoptable(
+      mutables)
   if moved:
     logging.info('Moved %d array(s) to %d-byte aligned memory (so the export '
                  'can give them to TensorFlow without a copy).', moved,
                  host_buffers.HOST_ALIGNMENT)
-  return contents
+  return CheckpointContents(
+      path=located.path, format=located.format, step=step, params=params,
+      flax_mutables=mutables,
+      nbytes=host_buffers.tree_nbytes((params, mutables)),
+      bytes_read=bytes_read)
 
 
-def _expected_leaf(x: Any) -> bool:
+def _shape_leaf(x: Any) -> bool:
   return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
 
 
-def _describe(leaf: Any, *, with_dtype: bool) -> tuple[tuple[int, ...], str]:
-  if _expected_leaf(leaf):
-    return tuple(leaf), ''
-  shape = tuple(int(d) for d in np.shape(leaf))
-  dtype = str(np.dtype(leaf.dtype)) if with_dtype and hasattr(
-      leaf, 'dtype') else ''
-  return shape, dtype
+def _shape(leaf: Any) -> tuple[int, ...]:
+  """The shape of an array, ShapeDtypeStruct or shape tuple."""
+  if _shape_leaf(leaf):
+    return tuple(leaf)
+  return tuple(int(d) for d in np.shape(leaf))
 
 
 def _flat(tree: Any) -> dict[str, Any]:
   if isinstance(tree, Mapping) and tree and not any(
       isinstance(v, Mapping) for v in tree.values()):
     return {str(k): v for k, v in tree.items()}  # Already {path: leaf}.
-  return paths.flatten(tree, is_leaf=_expected_leaf)
+  return paths.flatten(tree, is_leaf=_shape_leaf)
 
 
 def check_params_match(expected: Any, params: Any, *,
-                       check_dtype: bool = False,
                        source: str = 'checkpoint params') -> None:
-  """Checks that `params` has exactly the model's params and shapes.
+  """Raises ParamsMismatchError unless `params` are the model's `expected`.
 
-  Args:
-    expected: the model's params: a nested dict whose leaves are arrays,
-      `jax.ShapeDtypeStruct`s or shape tuples, or a flat {'a/b/c': leaf}
-      mapping.
-    params: the params read (nested dict of arrays, or flat by path).
-    check_dtype: also compare dtypes (when `expected` leaves have one).
-    source: what `params` are, for the message.
-
-  Raises:
-    ParamsMismatchError: listing every missing, unexpected and wrongly
-      shaped (or typed) param by '/' path.
+  The error lists every missing, unexpected and wrongly shaped param by
+  path. Either tree may be flat {path: leaf}; `expected` leaves may be
+  arrays, ShapeDtypeStructs or shape tuples.
   """
   want, got = _flat(expected), _flat(params)
   missing = [p for p in want if p not in got]
   unexpected = [p for p in got if p not in want]
-  wrong = []
-  for p in want:
-    if p in got:
-      want_shape, want_dtype = _describe(want[p], with_dtype=check_dtype)
-      got_shape, got_dtype = _describe(got[p], with_dtype=check_dtype)
-      if want_shape != got_shape or (want_dtype and got_dtype
-                                     and want_dtype != got_dtype):
-        wrong.append((p, f'{want_shape} {want_dtype}'.strip(),
-                      f'{got_shape} {got_dtype}'.strip()))
+  shapes = {p: (_shape(want[p]), _shape(got[p])) for p in want if p in got}
+  wrong = [(p, str(w), str(g)) for p, (w, g) in shapes.items() if w != g]
   if missing or unexpected or wrong:
     raise errors.ParamsMismatchError(missing, unexpected, wrong, source=source)

@@ -1,31 +1,15 @@
 """A checkpoint exported as a servable version, the library side of the CLI.
 
-`export_checkpoint` is what `python -m t5export.offline` runs after parsing
-its flags and gin files, in three phases, each logged with its duration and
-bytes:
-
-1. read: `checkpoints.read_params` (orbax, T5X or flax msgpack; the format
-   is detected, the latest step unless `step`); params and flax mutables
-   only, never the optimizer state where the format allows;
-2. convert: optional `dtype` cast of floating params, the check against
-   the model's params (when the options give `init_fn` or
-   `expected_params`: missing, unexpected and wrongly shaped params are all
-   listed), and an `InferenceState` (with the model's logical axes when
-   `init_fn` is given);
-3. write, check, publish: the same `SavedModelExporter` the training
-   callback uses (`exporter.export(state)`): staging directory, SavedModel,
-   check against JAX on the signatures' sample inputs, metadata, warm-up
-   requests, atomic rename to `<export_dir>/<step>/`.
-
-`OfflineOptions` holds what the gin config supplies in place of the
-callback's arguments in training.
-
-TensorFlow is imported only in phase 3, with the exporter.
+Three phases, each logged with its duration and size: read the params alone
+(`checkpoints.read_params`), convert (cast, check against the model, an
+`InferenceState`), then write, check and publish with the training
+callback's `SavedModelExporter`. TensorFlow is imported by the last alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import dataclasses
 import inspect
 import os
 import time
@@ -35,10 +19,9 @@ from absl import logging
 import gin
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from t5export._src import checkpoints
 from t5export import errors
+from t5export._src import checkpoints
 from t5export._src import host_buffers
 from t5export._src import options as options_lib
 from t5export._src import paths
@@ -49,10 +32,11 @@ DTYPES = ('float32', 'bfloat16', 'float16')
 
 
 @gin.configurable(module='t5export')
+@dataclasses.dataclass(kw_only=True)
 class OfflineOptions:
   """What the gin config supplies to an offline export.
 
-  Attributes:
+  Args:
     signatures: the `t5export.Signature`s to serve (required; checked by the
       exporter).
     init_fn: `init_fn(rng) -> variables` of the model (e.g. a partial of
@@ -61,65 +45,33 @@ class OfflineOptions:
     expected_params: the model's params tree (arrays, ShapeDtypeStructs or
       shape tuples), when there is no `init_fn`.
     export_options: how the version is written, checked and kept (the same
-      `ExportOptions` as in training; the CLI's flags override fields).
+      `ExportOptions` as in training; the CLI's flags override fields);
+      default `ExportOptions()`.
+
+  Raises:
+    TypeError: `init_fn` is not callable, or `export_options` is not an
+      `ExportOptions`.
   """
+  signatures: Sequence[Any] = gin.REQUIRED
+  init_fn: Callable[..., Any] | None = None
+  expected_params: Any = None
+  export_options: options_lib.ExportOptions | None = None
 
-  def __init__(self, *, signatures: Sequence[Any] = gin.REQUIRED,
-               init_fn: Callable[..., Any] | None = None,
-               expected_params: Any = None,
-               export_options: options_lib.ExportOptions | None = None):
-    """Checks the offline-specific options.
-
-    Args:
-      signatures: see the class.
-      init_fn: see the class.
-      expected_params: see the class.
-      export_options: see the class; default `ExportOptions()`.
-
-    Raises:
-      TypeError: `init_fn` is not callable, or `export_options` is not an
-        `ExportOptions`.
-    """
-    if init_fn is not None and not callable(init_fn):
+  def __post_init__(self) -> None:
+    if self.init_fn is not None and not callable(self.init_fn):
       raise TypeError(f'init_fn must be callable(rng) -> variables, got '
-                      f'{init_fn!r}.')
-    if export_options is None:
-      export_options = options_lib.ExportOptions()
-    if not isinstance(export_options, options_lib.ExportOptions):
+                      f'{self.init_fn!r}.')
+    if self.export_options is None:
+      self.export_options = options_lib.ExportOptions()
+    if not isinstance(self.export_options, options_lib.ExportOptions):
       raise TypeError(
           f'export_options must be a t5export.ExportOptions, got '
-          f'{export_options!r}. In gin: OfflineOptions.export_options = '
+          f'{self.export_options!r}. In gin: OfflineOptions.export_options = '
           '@t5export.ExportOptions().')
-    self.signatures = signatures
-    self.init_fn = init_fn
-    self.expected_params = expected_params
-    self.export_options = export_options
 
 
 def _mib(nbytes: int | None) -> str:
   return 'unknown' if nbytes is None else f'{nbytes / 2**20:.2f} MiB'
-
-
-def make_options() -> OfflineOptions:
-  """`OfflineOptions()` from the parsed gin config.
-
-  Returns:
-    The options.
-
-  Raises:
-    GinConfigError: a required macro (SIGNATURES) is unset, or a gin
-      reference fails to evaluate.
-  """
-  try:
-    return OfflineOptions()
-  except errors.T5ExportError:
-    raise
-  except Exception as e:  # gin wraps failures of the referenced callables.
-    raise errors.GinConfigError(
-        f'The gin config does not give usable offline options: '
-        f'{type(e).__name__}: {str(e).rstrip(".")}. Set SIGNATURES = '
-        "[@t5export.Signature()] (and INIT_FN) after include "
-        "'t5export/gin/offline.gin'.") from e
 
 
 def _call_init(init_fn: Callable[..., Any], rng: jax.Array) -> Any:
@@ -134,20 +86,12 @@ def _call_init(init_fn: Callable[..., Any], rng: jax.Array) -> Any:
 
 
 def cast_params(params: Any, dtype: str | None) -> Any:
-  """Casts the floating-point leaves of `params` to `dtype` (None: as is).
-
-  Args:
-    params: nested dict of numpy arrays.
-    dtype: one of 'float32', 'bfloat16', 'float16', or None.
-
-  Returns:
-    The params with floating leaves cast (other leaves unchanged).
-  """
+  """The params with floating-point leaves cast to `dtype` (None: as is)."""
   if dtype is None:
     return params
   target = jnp.dtype(dtype)
 
-  def cast(x: np.ndarray) -> np.ndarray:
+  def cast(x: Any) -> Any:
     if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != target:
       # Aligned, so the export can hand the result to TensorFlow uncopied.
       return host_buffers.aligned_copy(x, target)
@@ -156,40 +100,27 @@ def cast_params(params: Any, dtype: str | None) -> Any:
   return jax.tree_util.tree_map(cast, params)
 
 
-def build_state(contents: checkpoints.CheckpointContents, step: int,
-                options: OfflineOptions, *, dtype: str | None = None,
-                ) -> train_state.InferenceState:
-  """The InferenceState to export: the checkpoint's variables, checked.
+def _build_state(contents: checkpoints.CheckpointContents, step: int,
+                 options: OfflineOptions, dtype: str | None,
+                 ) -> train_state.InferenceState:
+  """The checkpoint's variables at `step`, checked against the model.
 
-  Args:
-    contents: what `checkpoints.read_params` returned.
-    step: the version to publish.
-    options: the gin-configured options (`init_fn` / `expected_params`).
-    dtype: optional cast of the floating params.
-
-  Returns:
-    An InferenceState at `step` holding the checkpoint's params and
-    mutables, with the model's logical axes when `options.init_fn` is set.
-
-  Raises:
-    ParamsMismatchError: the checkpoint's variables differ from the model's.
+  With `init_fn` the state has the model's logical axes.
   """
   params = cast_params(contents.params, dtype)
-  variables = {'params': params, **contents.flax_mutables}
-  step_array = jnp.asarray(step, jnp.int32)
+  mutables = dict(contents.flax_mutables)
   if options.init_fn is not None:
-    abstract = jax.eval_shape(
-        lambda: _call_init(options.init_fn, jax.random.PRNGKey(0)))
-    template = train_state.InferenceState.create(abstract)
-    expected = {'params': template.params, **template.flax_mutables}
-    checkpoints.check_params_match(expected, variables,
-                                   source='checkpoint variables')
-    return template.replace(step=step_array, params=params,
-                            flax_mutables=dict(contents.flax_mutables))
-  if options.expected_params is not None:
-    checkpoints.check_params_match(options.expected_params, params)
-  state = train_state.InferenceState.create(variables)
-  return state.replace(step=step_array)
+    state = train_state.InferenceState.create(jax.eval_shape(
+        lambda: _call_init(options.init_fn, jax.random.PRNGKey(0))))
+    checkpoints.check_params_match(
+        {'params': state.params, **state.flax_mutables},
+        {'params': params, **mutables}, source='checkpoint variables')
+    state = state.replace(params=params, flax_mutables=mutables)
+  else:
+    if options.expected_params is not None:
+      checkpoints.check_params_match(options.expected_params, params)
+    state = train_state.InferenceState.create({'params': params, **mutables})
+  return state.replace(step=jnp.asarray(step, jnp.int32))
 
 
 def export_checkpoint(
@@ -207,7 +138,7 @@ def export_checkpoint(
     options: the options (signatures, model, `ExportOptions`), or a
       function returning them, called once the checkpoint was read (the CLI
       parses its gin files and applies its flags there); default
-      `make_options()`, from the parsed gin config.
+      `OfflineOptions()` from the parsed gin config.
 
   Returns:
     The published version directory.
@@ -220,8 +151,7 @@ def export_checkpoint(
       False (checked before the params are converted).
     ExportCheckError: the SavedModel differs from JAX (nothing published).
   """
-  total = time.monotonic()
-  start = time.monotonic()
+  total = start = time.monotonic()
   contents = checkpoints.read_params(ckpt, step=step)
   logging.info(
       'offline [read]: %s checkpoint %s, step %s: %d params and %d mutable '
@@ -235,17 +165,17 @@ def export_checkpoint(
         f'Checkpoint {contents.path!r} does not record its step; pass --step '
         'N to give the version number to publish.')
   if not isinstance(options, OfflineOptions):
-    options = (options or make_options)()
+    options = (options or OfflineOptions)()
   final = os.path.join(os.path.abspath(export_dir), str(version))
   if os.path.exists(final) and not options.export_options.overwrite:
     raise errors.VersionExistsError(final, version)
 
   start = time.monotonic()
-  state = build_state(contents, version, options, dtype=dtype)
+  state = _build_state(contents, version, options, dtype)
+  checked = options.init_fn or options.expected_params is not None
   logging.info(
       'offline [convert]: InferenceState at step %d (%s%s, %s) in %.2fs.',
-      version, 'params checked against the model, ' if (
-          options.init_fn or options.expected_params is not None) else '',
+      version, 'params checked against the model, ' if checked else '',
       f'cast to {dtype}' if dtype else 'dtype as stored',
       _mib(host_buffers.tree_nbytes((state.params, state.flax_mutables))),
       time.monotonic() - start)
@@ -255,9 +185,8 @@ def export_checkpoint(
   start = time.monotonic()
   exporter = exporter_lib.SavedModelExporter(
       export_dir, options.signatures, options=options.export_options)
-  # The params were read for this export alone, so they are owned:
-  # TensorFlow may take their memory instead of copying it (peak memory ~1x
-  # the params, not 3x).
+  # Read for this export alone, the params are owned: TensorFlow may take
+  # their memory instead of copying it (peak memory ~1x the params, not 3x).
   path = exporter.export(state, owned=True)
   del contents, state
   logging.info(

@@ -1,21 +1,14 @@
-"""Reads subtrees of an orbax PyTree checkpoint without its optimizer state.
+"""Reads chosen subtrees of an orbax PyTree checkpoint, never its optimizer.
 
-An orbax PyTree checkpoint (written by `ocp.CheckpointManager` with standard
-or composite items, `PyTreeCheckpointer` or `StandardCheckpointer`) is a
-directory with a `_METADATA` file describing its tree. `structure` reads
-that tree from `_METADATA` alone; `restore` restores only the subtrees asked
-for with `PyTreeRestore(item=subset, partial_restore=True)`, so the
-optimizer-state arrays are never opened.
-
-`checkpoints` locates the item directory and chooses the subtrees (params,
-mutables, step) from `structure`; this module only talks to orbax.
-
-Light module: never imports TensorFlow; orbax is imported only by `restore`.
+The tree comes from the `_METADATA` file alone, and a partial restore asks
+orbax for the chosen subtrees only. Light module: orbax is imported only by
+`restore`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+import dataclasses
 import json
 import os
 from typing import Any
@@ -28,85 +21,57 @@ from t5export import errors
 METADATA = '_METADATA'
 
 
-class OrbaxLeaf:
-  """One leaf of an orbax tree, as described by its `_METADATA` file.
-
-  Attributes:
-    value_type: orbax's name of the leaf's type ('jax.Array', 'np.ndarray',
-      'scalar', ...).
-  """
-
-  def __init__(self, value_type: str):
-    self.value_type = value_type
-
-  def __repr__(self) -> str:
-    return f'OrbaxLeaf({self.value_type!r})'
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+  """A leaf as `_METADATA` describes it (a class: not a pytree node)."""
+  value_type: str
 
 
 def read_counter() -> int | None:
-  """This process's bytes-read counter (Linux), or None.
-
-  Returns:
-    The `rchar` count of /proc/self/io, or None where there is none.
-  """
+  """This process's bytes read so far (`rchar` of /proc/self/io), or None."""
   try:
     with open('/proc/self/io') as f:
-      for line in f:
-        if line.startswith('rchar:'):
-          return int(line.split()[1])
-  except OSError:
-    pass
-  return None
+      return next(int(line.split()[1]) for line in f
+                  if line.startswith('rchar:'))
+  except (OSError, StopIteration):
+    return None
 
 
 def structure(item_dir: str) -> Any:
-  """The checkpoint's tree, read from `_METADATA` without opening arrays.
+  """The checkpoint's tree (dicts, lists, `_Leaf`s) read from `_METADATA`.
 
-  `PyTreeCheckpointer.metadata` would open every array (optimizer state
-  included) to report shapes; the key structure is all that is needed.
-
-  Args:
-    item_dir: an orbax PyTree checkpoint directory.
-
-  Returns:
-    Nested dicts (lists for sequences) with `OrbaxLeaf` leaves.
-
-  Raises:
-    UnknownCheckpointFormatError: `_METADATA` has no 'tree_metadata'.
+  orbax's own `metadata()` would open every array, optimizer state included.
   """
   with open(os.path.join(item_dir, METADATA)) as f:
     metadata = json.load(f)
-  entries = metadata.get('tree_metadata') if isinstance(metadata, dict) else None
+  entries = metadata.get('tree_metadata') if isinstance(metadata,
+                                                        dict) else None
   if not isinstance(entries, dict):
     raise errors.UnknownCheckpointFormatError(
         f'Orbax checkpoint {item_dir!r} has a {METADATA} file without '
         "'tree_metadata'; it was not written by a PyTree / Standard "
         'checkpoint handler.')
   root: dict[Any, Any] = {}
-  sequences = set()
   for entry in entries.values():
-    keys = entry['key_metadata']
+    # key_type 1 is a sequence index: an int name, so `rebuild` makes lists.
+    names = [int(k['key']) if k.get('key_type') == 1 else k['key']
+             for k in entry['key_metadata']]
     value = entry.get('value_metadata', {})
     node = root
-    for depth, key in enumerate(keys):
-      name = key['key']
-      if key.get('key_type') == 1:  # A sequence index.
-        name = int(name)
-        sequences.add(id(node))
-      if depth == len(keys) - 1:
-        if value.get('skip_deserialize') and value.get('value_type') in (
-            'Dict', 'List', 'Tuple', 'None'):
-          node[name] = {} if value['value_type'] == 'Dict' else None
-        else:
-          node[name] = OrbaxLeaf(value.get('value_type', ''))
-      else:
-        node = node.setdefault(name, {})
+    for name in names[:-1]:
+      node = node.setdefault(name, {})
+    value_type = value.get('value_type', '')
+    if value.get('skip_deserialize') and value_type in ('Dict', 'List',
+                                                        'Tuple', 'None'):
+      node[names[-1]] = {} if value_type == 'Dict' else None
+    else:
+      node[names[-1]] = _Leaf(value_type)
 
   def rebuild(node: Any) -> Any:
     if not isinstance(node, dict):
       return node
     children = {k: rebuild(v) for k, v in node.items()}
-    if id(node) in sequences:
+    if children and all(isinstance(k, int) for k in children):
       return [children[i] for i in sorted(children)]
     return children
 
@@ -115,16 +80,10 @@ def structure(item_dir: str) -> Any:
 
 def restore(item_dir: str, tree: Mapping[str, Any],
             keypaths: Sequence[tuple[str, ...]]) -> tuple[Any, int | None]:
-  """Restores only the subtrees of `tree` at `keypaths`.
+  """Restores the subtrees of `tree` (its `structure`) at `keypaths` alone.
 
-  Args:
-    item_dir: an orbax PyTree checkpoint directory.
-    tree: its `structure`.
-    keypaths: key paths of the subtrees to restore (() for the whole tree).
-
-  Returns:
-    The restored subset (numpy leaves) and the bytes the process read
-    meanwhile (approximate; None where unknown).
+  Returns the restored subset (numpy leaves) and the bytes this process read
+  meanwhile (approximate; None where unknown).
   """
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
@@ -138,7 +97,7 @@ def restore(item_dir: str, tree: Mapping[str, Any],
         node, source = node.setdefault(key, {}), source[key]
       node[keypath[-1]] = source[keypath[-1]]
 
-  def restore_args(leaf: OrbaxLeaf) -> Any:
+  def restore_args(leaf: _Leaf) -> Any:
     if leaf.value_type in ('jax.Array', 'np.ndarray'):
       return ocp.RestoreArgs(restore_type=np.ndarray)
     return ocp.RestoreArgs()
