@@ -8,6 +8,7 @@ leaf (so weights live in variables/, never in the graph) and one
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+import contextlib
 import dataclasses
 import re
 from typing import Any
@@ -226,9 +227,8 @@ class JaxModule(tf.Module):
         native_serialization_platforms=meta.platforms)
 
     def bound(inputs):
-      if meta.serving_target is None:
-        return converted(self._variable_tree(), inputs)
-      with serving_compat.targeting(meta.serving_target):
+      with (contextlib.nullcontext() if meta.serving_target is None else
+            serving_compat.targeting(meta.serving_target)):
         return converted(self._variable_tree(), inputs)
 
     return tf.function(bound,
@@ -319,23 +319,18 @@ class JaxModule(tf.Module):
     """
     meta = self._meta
     flat = paths.flatten(variables)
-    if tuple(flat) != meta.paths:
-      detail = [f'{what} {names}' for what, names in (
+    treedef = jax.tree_util.tree_structure(variables)
+    if tuple(flat) != meta.paths or treedef != meta.treedef:
+      detail = '; '.join(f'{what} {names}' for what, names in (
           ('missing', [p for p in meta.paths if p not in flat]),
           ('unexpected', [p for p in flat if p not in set(meta.paths)]))
-                if names]
-      detail = '; '.join(detail) or (
-          'same leaves in a different order or container type')
+                         if names) or (
+          f'same leaf paths, different pytree structure: got {treedef}, '
+          f'expected {meta.treedef}')
       raise errors.VariableMismatchError(
           'update_variables: the variables do not have the structure the '
           f'module was built with ({detail}). Pass the same tree as at '
           'construction, or build a new JaxModule for a new model.')
-    if jax.tree_util.tree_structure(variables) != meta.treedef:
-      raise errors.VariableMismatchError(
-          'update_variables: the variables have the same leaf paths but a '
-          'different pytree structure (container types) than the module '
-          f'was built with: got {jax.tree_util.tree_structure(variables)}, '
-          f'expected {meta.treedef}.')
     wrong = []
     for path, shape, dtype in zip(meta.paths, meta.shapes, meta.dtypes):
       leaf = flat[path]
