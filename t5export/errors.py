@@ -144,8 +144,7 @@ class VariableMismatchError(T5ExportError, ValueError):
 
 _SAME_NAMES = ("Both sides must return the same output names: check the "
                "signature's postprocessor (traced in the SavedModel, run "
-               'eagerly for JAX) or, with verify.compare_with_jax, what '
-               'jax_fn returns.')
+               'eagerly for JAX).')
 
 
 class ExportCheckError(T5ExportError, AssertionError):
