@@ -99,14 +99,7 @@ class JaxModule(tf.Module):
   """JAX variables as tf.Variables and JAX methods as tf.functions.
 
   Attributes:
-    param_vars: the tf.Variables (tracked), in `paths.flatten` order.
-    param_paths: the leaf paths, same order.
-    methods: name -> `tf.function(inputs) -> outputs`, the converted methods.
-    jax_methods: name -> `callable(inputs) -> outputs`, the original JAX
-      method (jitted) on the variables' current values, for checks.
-    trace_count: how many times jax2tf traced a method; saves and
-      `update_variables` do not change it.
-    platforms: the lowering platforms of the converted methods.
+    param_vars: the tf.Variables (tracked), in `param_paths` order.
   """
 
   def __init__(self, variables: Any,
@@ -256,12 +249,12 @@ class JaxModule(tf.Module):
 
   @property
   def trace_count(self) -> int:
-    """How many times jax2tf traced a method of this module."""
+    """How many times jax2tf traced a method (saves do not trace again)."""
     return self._trace_count
 
   @property
   def jax_methods(self) -> dict[str, Callable[[Any], Any]]:
-    """Method name -> jitted JAX callable(inputs) on the current variables."""
+    """Name -> jitted JAX method(inputs) on the current variables (checks)."""
     def bind(jitted):
       return lambda inputs: jitted(self.jax_variables(), inputs)
     return {k: bind(f) for k, f in self._meta.jitted_methods.items()}

@@ -144,15 +144,13 @@ def name_outputs(outputs: Any) -> dict[str, Any]:
 
 def parse_tree(tree: Any, *, where: str, arg: str) -> Any:
   """The input_specs tree with `InputSpec` leaves; SignatureError if empty."""
-  if tree is None or (isinstance(tree, (Mapping, list, tuple)) and
-                      not is_spec_leaf(tree) and
-                      not jax.tree_util.tree_leaves(
-                          tree, is_leaf=is_spec_leaf)):
+  flat = paths.flatten(tree, is_leaf=is_spec_leaf)
+  if not flat:
     raise errors.SignatureError(
         f'{where}: {arg} is empty; give at least one input, e.g. '
         "{'x': ('b, 16', 'float32')}.")
   parsed = []
-  for path, leaf in paths.flatten(tree, is_leaf=is_spec_leaf).items():
+  for path, leaf in flat.items():
     leaf_where = f'{where}, {arg}[{path!r}]'
     if not is_spec_leaf(leaf):
       raise errors.SignatureError(
