@@ -1,13 +1,8 @@
-"""Error classes users of t5export meet.
+"""The errors t5export raises on purpose, one class per thing to act on.
 
-Every error a user can act on has its own class here, so callers can catch
-exactly what they handle and tests can assert on type and message. Each class
-derives from `T5ExportError` and from the builtin that best describes it
-(`ValueError`, `TypeError`, `FileNotFoundError`, ...), so existing
-`except ValueError:` code keeps working.
-
-Messages name the offending thing (parameter path, argument, file) and say
-what to do about it.
+Each derives from `T5ExportError` and from the builtin that best describes
+it (`except ValueError:` keeps working). Messages name the offending
+thing and the fix; docs/errors.md lists every case.
 """
 
 from __future__ import annotations
@@ -28,11 +23,10 @@ def _listing(items: Iterable[str], limit: int = 50) -> str:
   return shown
 
 
-# --- state and logical axes -------------------------------------------------
-
-
 class MissingAxesError(T5ExportError, ValueError):
   """Parameters (or mutable variables) have no logical axis names.
+
+  Raised when a state is created; declare axes for each path listed.
 
   Attributes:
     paths: every path ('params/encoder/...') that lacks axis names.
@@ -50,7 +44,7 @@ class MissingAxesError(T5ExportError, ValueError):
 
 
 class AxisRankMismatchError(T5ExportError, ValueError):
-  """A parameter's logical axis names do not match its rank."""
+  """Axis names do not match a parameter's rank: give one per dimension."""
 
   def __init__(self, path: str, shape: Sequence[int], names: Sequence[str]):
     self.path, self.shape, self.names = path, tuple(shape), tuple(names)
@@ -61,7 +55,7 @@ class AxisRankMismatchError(T5ExportError, ValueError):
 
 
 class UnmappedLogicalAxisError(T5ExportError, ValueError):
-  """A logical axis name has no rule mapping it to a mesh axis."""
+  """A logical axis name has no rule: add one, e.g. `(name, None)`."""
 
   def __init__(self, path: str, name: str, known: Sequence[str] = ()):
     self.path, self.name = path, name
@@ -75,6 +69,8 @@ class UnmappedLogicalAxisError(T5ExportError, ValueError):
 
 class AxesTreeMismatchError(T5ExportError, ValueError):
   """A state's axes tree (`params_axes`, ...) does not mirror its values.
+
+  Build the state with `create(...)` or `from_train_state(...)`.
 
   Attributes:
     what: 'params' or 'flax_mutables'.
@@ -111,29 +107,44 @@ class AxesTreeMismatchError(T5ExportError, ValueError):
 class NoOptimizerStateError(T5ExportError, NotImplementedError):
   """An optimizer-only operation was asked of an InferenceState.
 
-  A NotImplementedError (as in T5X), not an AttributeError: `hasattr` and
-  runtime Protocol checks must still see `param_states`, so an
-  InferenceState is a `TrainState`.
+  Use the training state for it. A NotImplementedError (as in T5X): an
+  InferenceState must still look like a `TrainState` to `hasattr`.
   """
 
 
 class HyperparamNotInjectedError(T5ExportError, ValueError):
-  """`apply_gradient(learning_rate=...)` on an optimizer that can't take it."""
+  """`apply_gradient(learning_rate=...)` without `optax.inject_hyperparams`.
 
-
-# --- export engine ----------------------------------------------------------
+  Wrap the optimizer in `optax.inject_hyperparams` to set it per step.
+  """
 
 
 class SignatureError(T5ExportError, ValueError):
-  """A Signature's name, input specs or sample inputs are invalid."""
+  """A Signature's name, specs, method or sample inputs are invalid.
+
+  Raised by `Signature(...)`, or at the first export when the method does
+  not accept its input specs; the message names the signature and the fix.
+  """
 
 
 class T5XModelError(T5ExportError, TypeError):
-  """A T5X signature helper got no T5X model or unusable lengths/options."""
+  """A T5X signature helper got no T5X model or unusable lengths/options.
+
+  Pass a T5X `BaseTransformerModel` and positive `task_feature_lengths`.
+  """
 
 
 class VariableMismatchError(T5ExportError, ValueError):
-  """New params do not match the structure, shape or dtype of the module's."""
+  """New params differ in structure, shape or dtype from the first export's.
+
+  Raised before anything is written; cast the values, or use a new
+  exporter for a new model.
+  """
+
+
+_SAME_NAMES = ("Both sides must return the same output names: check the "
+               "signature's postprocessor (traced in the SavedModel, run "
+               'eagerly for JAX).')
 
 
 class ExportCheckError(T5ExportError, AssertionError):
@@ -160,14 +171,8 @@ class ExportCheckError(T5ExportError, AssertionError):
                 'processors and the method for nondeterminism.',
       'strings': "Strings are compared exactly (atol/rtol do not apply): "
                  "check the signature's postprocessor that builds them.",
-      'missing_output': 'Both sides must return the same output names: '
-                        "check the signature's postprocessor (traced in the "
-                        'SavedModel, run eagerly for JAX) or, with '
-                        'verify.compare_with_jax, what jax_fn returns.',
-      'extra_output': 'Both sides must return the same output names: check '
-                      "the signature's postprocessor (traced in the "
-                      'SavedModel, run eagerly for JAX) or, with '
-                      'verify.compare_with_jax, what jax_fn returns.',
+      'missing_output': _SAME_NAMES,
+      'extra_output': _SAME_NAMES,
       'shape': 'atol/rtol do not apply to shapes: check the signature\'s '
                'input_specs (a dimension fixed or polymorphic by mistake) '
                'and any reshape in its method or postprocessor.',
@@ -203,7 +208,7 @@ class ExportCheckError(T5ExportError, AssertionError):
 
 
 class VersionExistsError(T5ExportError, FileExistsError):
-  """The version directory for this step is already published."""
+  """The step is already published: `ExportOptions(overwrite=True)` replaces."""
 
   def __init__(self, path: str, step: int):
     self.path, self.step = path, step
@@ -214,7 +219,7 @@ class VersionExistsError(T5ExportError, FileExistsError):
 
 
 class NonFiniteParamsError(T5ExportError, ValueError):
-  """Params hold NaN or Inf; the export was refused."""
+  """Params hold NaN/Inf: fix the run, or pass `allow_non_finite=True`."""
 
   def __init__(self, path: str, n_bad: int, size: int):
     self.path, self.n_bad = path, n_bad
@@ -225,34 +230,40 @@ class NonFiniteParamsError(T5ExportError, ValueError):
 
 
 class MetricNotNumericError(T5ExportError, TypeError):
-  """The `keep_best` metric of an export is not a number."""
+  """The `keep_best` metric of an export is not a number: pass a number."""
 
 
 class ExportDirError(T5ExportError, OSError):
-  """The export directory is unusable (a file, or not writable)."""
+  """`export_dir` is a file or not writable: pass a directory you can write."""
 
 
 class ExportFailedError(T5ExportError, RuntimeError):
-  """A background export failed; raised on the next call or on close()."""
+  """A background export failed; raised on the next call or on close().
+
+  Its cause is chained (`__cause__`); `on_error='log'` logs it instead.
+  """
 
 
 class WriterFailedError(T5ExportError, RuntimeError):
-  """In a multi-process run, the writing process (0) reported a failure."""
+  """In a multi-process run, process 0 (the writer) failed or went silent.
 
-
-# --- checkpoints and offline export ----------------------------------------
+  Raised on the other processes; process 0's log holds the cause.
+  """
 
 
 class CheckpointNotFoundError(T5ExportError, FileNotFoundError):
-  """The checkpoint path does not exist or holds no checkpoint step."""
+  """The checkpoint path does not exist or holds no checkpoint step.
+
+  Pass the checkpoint directory or file (offline: `--ckpt`, and `--step`).
+  """
 
 
 class UnknownCheckpointFormatError(T5ExportError, ValueError):
-  """The path exists but is not an orbax, T5X or flax msgpack checkpoint."""
+  """The path is not an orbax, T5X or flax msgpack checkpoint: fix it."""
 
 
 class NoParamsInCheckpointError(T5ExportError, KeyError):
-  """The checkpoint holds no params (no 'target' / 'params' entry)."""
+  """The checkpoint holds no 'target'/'params': pass a training one."""
 
   def __str__(self) -> str:  # KeyError would repr() the message.
     return str(self.args[0]) if self.args else ''
@@ -260,6 +271,8 @@ class NoParamsInCheckpointError(T5ExportError, KeyError):
 
 class ParamsMismatchError(T5ExportError, ValueError):
   """A params tree does not match the model's expected params.
+
+  Raised before exporting; the message lists the paths to fix.
 
   Attributes:
     missing: paths the model needs that the params lack.
@@ -287,35 +300,31 @@ class ParamsMismatchError(T5ExportError, ValueError):
     super().__init__('\n'.join(parts))
 
 
-# --- published versions (exporter, verify) ----------------------------------
-
-
 class VersionNotFoundError(T5ExportError, FileNotFoundError):
-  """A directory is not a published t5export version (no metadata)."""
+  """Not a published t5export version: pass `<export_dir>/<step>`."""
 
 
 class VariablesFormatError(T5ExportError, ValueError):
   """A version's variables checkpoint is damaged or cannot be read.
 
-  Raised by the TensorFlow-free reader (`t5export._src.tensor_bundle`): a
-  missing or truncated file, a failed checksum, or a form it does not read
-  (compressed index, partitioned variables).
+  Raised by `load_params` / `load_function` (a missing or truncated file, a
+  failed checksum, a form they do not read); export the version again.
   """
 
 
 class NoJaxArtifactError(T5ExportError, FileNotFoundError):
   """A version has no `jax.export` artifact for a signature.
 
-  Versions written before t5export wrote them, or with
-  `jax_artifacts=False`, can only be run through TensorFlow.
+  Written before t5export wrote them, or with `jax_artifacts=False`:
+  export it again with `jax_artifacts=True`, or run it in TensorFlow.
   """
 
 
-# --- sharding (partitioning) ------------------------------------------------
-
-
 class IndivisibleShardingError(T5ExportError, ValueError):
-  """A parameter dimension is not divisible by the mesh axes sharding it."""
+  """A parameter dimension is not divisible by the mesh axes sharding it.
+
+  Change the mesh, the model size or the rules (e.g. map that name to None).
+  """
 
   def __init__(self, path: str, shape: Sequence[int], spec: object,
                dim: int, parts: int):

@@ -154,7 +154,7 @@ def test_decode_needs_an_encoder_decoder_model():
 def test_t5export_never_imports_t5x():
   package = TESTS.parent / 't5export'
   offenders = []
-  for source in sorted(package.glob('*.py')):
+  for source in sorted(package.rglob('*.py')):
     for node in ast.walk(ast.parse(source.read_text())):
       if isinstance(node, ast.Import):
         names = [alias.name for alias in node.names]

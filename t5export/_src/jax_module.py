@@ -1,42 +1,14 @@
 """JaxModule: JAX variables as tf.Variables plus jax2tf-converted methods.
 
-A `JaxModule` is the `tf.Module` that `tf.saved_model.save` writes. It holds
-
-- one `tf.Variable` per leaf of `variables` (`{'params': ..., **mutables}`),
-  created on the host CPU and named after the leaf's path
-  ('params/encoder/layers_0/mlp/wi/kernel'), so the weights land in the
-  SavedModel's variables/ files and never in the graph as constants (a model
-  with more than 2 GiB of weights exports);
-- one `tf.function` per method: the JAX method `fn(variables, inputs)`
-  converted with `jax.experimental.jax2tf` (native serialization, i.e. a
-  StableHLO module in an `XlaCallModule` op) and bound to those variables.
-  The functions read the variables at run time, so assigning new values
-  (`update_variables`) changes what the next save writes without tracing
-  again.
-
-bfloat16 leaves are kept as bfloat16 variables by default. With
-`cast_bfloat16=True` they are stored as float32 variables (for TensorFlow
-consumers that cannot read bfloat16) and cast back to bfloat16 inside the
-converted JAX function, so the method sees exactly the dtypes it was written
-for and the numerics match the bfloat16 model (the bfloat16 -> float32 ->
-bfloat16 round trip is exact). Either way the SavedModel runs in CPU
-TensorFlow.
-
-Variables are built and updated leaf by leaf: at any time at most one extra
-leaf-sized buffer exists besides the caller's arrays and the variables.
-A new variable holds one copy of its leaf, made by us in 64-byte aligned
-memory that TensorFlow then adopts (`tf.Variable(ndarray)` would briefly
-hold a second copy of the leaf); `assign(ndarray)` copies. With `owned=True`
-(host arrays nobody else references, such as an owned snapshot) the
-variables take the arrays' memory instead, through DLPack, with no copy;
-arrays TensorFlow cannot adopt (`host_buffers.adoptable`: read-only, not
-C-contiguous, not 64-byte aligned as TensorFlow's kernels require, or of a
-dtype DLPack lacks) are copied as before.
+The `tf.Module` that `tf.saved_model.save` writes: one host-CPU variable per
+leaf (so weights live in variables/, never in the graph) and one
+`tf.function` per method, bound to those variables (docs/internals.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+import contextlib
 import dataclasses
 import re
 from typing import Any
@@ -61,22 +33,9 @@ _INVALID_NAME_CHARS = re.compile(r'[^A-Za-z0-9_.\-/]')
 
 
 def tf_variable_name(path: str) -> str:
-  """Returns a name TensorFlow accepts for the variable of leaf `path`.
-
-  TensorFlow op names match `[A-Za-z0-9.][A-Za-z0-9_.\\-/]*`; every other
-  character becomes '_' (e.g. haiku's '~'), and a name that starts with
-  anything else gets a leading 'v'.
-
-  Args:
-    path: the leaf path from `paths.flatten`.
-
-  Returns:
-    The sanitized name.
-  """
+  """`path` with the characters TF op names reject replaced by '_'."""
   name = _INVALID_NAME_CHARS.sub('_', path) or 'v'
-  if not re.match(r'[A-Za-z0-9.]', name):
-    name = 'v' + name
-  return name
+  return name if re.match(r'[A-Za-z0-9.]', name) else 'v' + name
 
 
 def default_platforms() -> tuple[str, ...]:
@@ -89,12 +48,7 @@ def default_platforms() -> tuple[str, ...]:
 
 
 def _host_array(leaf: Any) -> np.ndarray:
-  """The leaf as a numpy array of JAX's canonical dtype.
-
-  A JAX array on CPU converts without a copy (a read-only view); arrays on
-  accelerators or spread over devices are copied to the host once. Python
-  scalars become float32 unless x64 is enabled.
-  """
+  """The leaf as a numpy array of JAX's canonical dtype (no copy on CPU)."""
   array = np.asarray(leaf)
   dtype = jax.dtypes.canonicalize_dtype(array.dtype)
   return array if array.dtype == dtype else array.astype(dtype)
@@ -104,42 +58,23 @@ def _tf_value(array: np.ndarray, *, cast: bool, owned: bool,
               own_copy: bool = False) -> Any:
   """The value to build or assign a variable from.
 
-  Args:
-    array: the host array (the caller's dtype).
-    cast: store as float32 (a bfloat16 leaf under `cast_bfloat16`).
-    owned: nobody else references `array`: an adoptable one becomes a
-      tf.Tensor sharing its memory (DLPack), so the variable takes the
-      buffer instead of copying it.
-    own_copy: when `array` is not adopted, copy it into aligned memory of
-      our own and hand that to TensorFlow (a new variable then holds exactly
-      one copy; `tf.Variable(ndarray)` briefly holds two of the leaf).
-
-  Returns:
-    A numpy array (TensorFlow copies it) or a tf.Tensor owning no copy.
+  An owned, adoptable array becomes a tf.Tensor sharing its memory; with
+  `own_copy` anything else is first copied into aligned memory TF adopts.
   """
   if cast or (own_copy and not (owned and host_buffers.adoptable(array))):
-    # The float32 version, or our own copy, is ours in any case: build it
-    # where TF can adopt it.
     array = host_buffers.aligned_copy(array, np.float32 if cast else None)
     owned = True
   if not (owned and host_buffers.adoptable(array)):
     return array
   if array.dtype == jnp.bfloat16:
-    # DLPack has no bfloat16 in numpy's exporter: share the bits as uint16
-    # and reinterpret them in TF (a bitcast aliases, it does not copy).
-    bits = tf.experimental.dlpack.from_dlpack(array.view(np.uint16).__dlpack__())
-    return tf.bitcast(bits, tf.bfloat16)
+    # numpy's DLPack has no bfloat16: share the bits as uint16, bitcast.
+    bits = array.view(np.uint16).__dlpack__()
+    return tf.bitcast(tf.experimental.dlpack.from_dlpack(bits), tf.bfloat16)
   return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
 
 
 def _check_options() -> dict[str, str] | None:
-  """XLA options of `jax_methods` (run for checks): on CPU, less memory.
-
-  XLA's default CPU schedule converts every bfloat16 kernel to float32
-  before the first dot (temporaries twice the bfloat16 weights); the
-  memory-optimized one converts each just before its dot: the same
-  operations in another order, so the same output bits.
-  """
+  """XLA options of `jax_methods`: on CPU, the memory-optimized schedule."""
   return ({'xla_cpu_scheduler_type': 'CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED'}
           if jax.default_backend() == 'cpu' else None)
 
@@ -164,15 +99,7 @@ class JaxModule(tf.Module):
   """JAX variables as tf.Variables and JAX methods as tf.functions.
 
   Attributes:
-    param_vars: the tf.Variables (tracked), in `paths.flatten(variables)`
-      order.
-    param_paths: the leaf paths, same order (untracked tuple).
-    methods: name -> `tf.function(inputs) -> outputs`, the converted methods.
-    jax_methods: name -> `callable(inputs) -> outputs` running the original
-      JAX method (jitted) on the current values of the variables.
-    trace_count: how many times jax2tf traced a method; it stays the same
-      across `update_variables` and saves.
-    platforms: the lowering platforms of the converted methods.
+    param_vars: the tf.Variables (tracked), in `param_paths` order.
   """
 
   def __init__(self, variables: Any,
@@ -186,38 +113,32 @@ class JaxModule(tf.Module):
                owned: bool = False,
                serving_target: serving_compat.ServingTarget | None = None,
                name: str | None = None):
-    """Creates the variables and converts the methods.
+    """Creates the variables (leaf by leaf) and converts the methods.
 
     Args:
       variables: `{'params': ..., **flax_mutables}` with numpy or JAX array
-        leaves (any pytree works; leaf paths name the variables).
-      methods: name -> `fn(variables, inputs) -> outputs`, pure JAX
-        functions; `inputs` and `outputs` may be nested dicts/tuples.
+        leaves; leaf paths name the variables.
+      methods: name -> `fn(variables, inputs) -> outputs`, pure JAX.
       input_signatures: name -> pytree of `tf.TensorSpec` (None for
         polymorphic dimensions), the structure of that method's `inputs`.
       polymorphic_shapes: name -> pytree of jax2tf shape strings such as
-        '(b, 16)' (a prefix of the inputs' structure; None = static).
-      trainable: whether the variables are trainable (then the methods are
-        converted with gradients).
-      jit_compile: wrap each method in `tf.function(jit_compile=...)`.
-      platforms: lowering platforms for jax2tf native serialization, e.g.
-        ('cpu', 'cuda'); default: the current JAX backend.
-      cast_bfloat16: store bfloat16 leaves as float32 variables (cast back to
-        bfloat16 inside the converted function).
+        '(b, 16)' (None = static).
+      trainable: make the variables trainable (methods get gradients).
+      jit_compile: `tf.function(jit_compile=...)` of each method.
+      platforms: jax2tf lowering platforms, e.g. ('cpu', 'cuda'); default:
+        the current JAX backend.
+      cast_bfloat16: store bfloat16 leaves as float32 variables, cast back
+        to bfloat16 inside the converted function (exact).
       owned: nobody else references the numpy arrays of `variables`: the
-        variables take their memory without a copy, and the arrays then
-        alias the variables, so the caller must not change or reuse them.
-        Never True for views of live JAX arrays or arrays the caller keeps
-        using.
-      serving_target: the oldest TensorFlow the methods must run on (see
-        `t5export._src.serving_compat`), applied to each conversion on the
-        tracing thread only. None: JAX's own defaults.
+        variables take their memory without a copy, so the caller must not
+        change or reuse them. Never for views of live JAX arrays.
+      serving_target: the oldest TensorFlow the methods must run on
+        (applied on the tracing thread only); None: JAX's defaults.
       name: the tf.Module name.
 
     Raises:
-      ValueError: if `methods`, `input_signatures` and `polymorphic_shapes`
-        do not have the same names, or `platforms` holds an unknown
-        platform.
+      ValueError: `methods`, `input_signatures` and `polymorphic_shapes`
+        have different names, or `platforms` holds an unknown platform.
     """
     super().__init__(name=name)
     if not methods:
@@ -249,19 +170,8 @@ class JaxModule(tf.Module):
         tf_vars.append(tf.Variable(
             _tf_value(array, cast=cast, owned=owned, own_copy=True),
             trainable=trainable, name=tf_variable_name(path)))
-        del array  # The variable holds the value (copied or adopted).
+        del array  # At most one extra leaf-sized buffer at a time.
     self.param_vars = tf_vars
-
-    self._trace_count = 0
-    tf_methods = {}
-    for method_name, fn in methods.items():
-      tf_methods[method_name] = self._convert(
-          method_name, fn, input_signatures[method_name],
-          polymorphic_shapes[method_name], with_gradient=trainable,
-          jit_compile=jit_compile, platforms=platforms,
-          serving_target=serving_target)
-    # Tracked: `tf.saved_model.save` keeps them as functions of the module.
-    self._tf_methods = tf_methods
     self._meta = _Meta(
         treedef=treedef, paths=tuple(leaf_paths), shapes=tuple(shapes),
         dtypes=tuple(dtypes), cast_to_f32=tuple(casts),
@@ -271,10 +181,14 @@ class JaxModule(tf.Module):
         platforms=platforms, input_signatures=dict(input_signatures),
         polymorphic_shapes=dict(polymorphic_shapes),
         serving_target=serving_target)
+    self._trace_count = 0
+    # Tracked: `tf.saved_model.save` keeps them as functions of the module.
+    self._tf_methods = {
+        k: self._convert(k, fn, with_gradient=trainable,
+                         jit_compile=jit_compile)
+        for k, fn in methods.items()}
     logging.info('JaxModule: %d variables, methods %s, platforms %s.',
                  len(tf_vars), sorted(methods), platforms)
-
-  # --- conversion ---------------------------------------------------------
 
   def _to_jax_dtypes(self, variables: Any) -> Any:
     """Casts the float32-stored bfloat16 leaves back (inside JAX)."""
@@ -285,17 +199,14 @@ class JaxModule(tf.Module):
               for leaf, cast in zip(leaves, self._meta.cast_to_f32)]
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
-  def _convert(self, method_name: str, fn: Callable[[Any, Any], Any],
-               input_signature: Any, polymorphic_shape: Any, *,
-               with_gradient: bool, jit_compile: bool,
-               platforms: tuple[str, ...],
-               serving_target: serving_compat.ServingTarget | None) -> Any:
+  def _convert(self, method_name: str, fn: Callable[[Any, Any], Any], *,
+               with_gradient: bool, jit_compile: bool) -> Any:
     """jax2tf-converts one method and binds it to the variables.
 
-    jax2tf lowers the method whenever TensorFlow traces the function (a
-    save, a concrete function), on whichever thread does it; the
-    serving target applies around that call alone.
+    jax2tf lowers whenever TF traces (a save, a concrete function), on any
+    thread; the serving target applies around that call alone.
     """
+    meta = self._meta
 
     def counted(variables, inputs):
       # Runs once per jax2tf trace, never when the saved function runs.
@@ -303,26 +214,23 @@ class JaxModule(tf.Module):
       logging.info('JaxModule: tracing method %r with jax2tf.', method_name)
       return fn(self._to_jax_dtypes(variables), inputs)
 
+    shapes = meta.polymorphic_shapes[method_name]
     converted = jax2tf.convert(
-        counted, polymorphic_shapes=[None, polymorphic_shape],
-        with_gradient=with_gradient,
-        native_serialization_platforms=platforms)
+        counted, polymorphic_shapes=[None, shapes], with_gradient=with_gradient,
+        native_serialization_platforms=meta.platforms)
 
     def bound(inputs):
-      if serving_target is None:
-        return converted(self._variable_tree(), inputs)
-      with serving_compat.targeting(serving_target):
+      with (contextlib.nullcontext() if meta.serving_target is None else
+            serving_compat.targeting(meta.serving_target)):
         return converted(self._variable_tree(), inputs)
 
-    return tf.function(bound, input_signature=[input_signature],
+    return tf.function(bound,
+                       input_signature=[meta.input_signatures[method_name]],
                        jit_compile=jit_compile, autograph=False)
 
   def _variable_tree(self) -> Any:
-    """The tf.Variables in the structure of the original variables."""
     return jax.tree_util.tree_unflatten(self._meta.treedef,
                                         list(self.param_vars))
-
-  # --- public API ---------------------------------------------------------
 
   @property
   def param_paths(self) -> tuple[str, ...]:
@@ -341,17 +249,12 @@ class JaxModule(tf.Module):
 
   @property
   def trace_count(self) -> int:
-    """How many times jax2tf traced a method of this module."""
+    """How many times jax2tf traced a method (saves do not trace again)."""
     return self._trace_count
 
   @property
   def jax_methods(self) -> dict[str, Callable[[Any], Any]]:
-    """Method name -> JAX callable(inputs) on the current variable values.
-
-    Each call reads the variables (so it always sees the latest
-    `update_variables`) and runs the jitted original JAX method; meant for
-    checks, not for serving.
-    """
+    """Name -> jitted JAX method(inputs) on the current variables (checks)."""
     def bind(jitted):
       return lambda inputs: jitted(self.jax_variables(), inputs)
     return {k: bind(f) for k, f in self._meta.jitted_methods.items()}
@@ -359,8 +262,7 @@ class JaxModule(tf.Module):
   def serialize_method(self, method_name: str) -> bytes:
     """The method as jax2tf converts it, serialized with `jax.export`.
 
-    Same function of (variables as stored, inputs), polymorphic shapes,
-    platforms and serving target; traced again (`t5export._src.jax_artifacts`).
+    Traced again, with the same polymorphic shapes, platforms and target.
 
     Args:
       method_name: one of `methods`.
@@ -378,11 +280,9 @@ class JaxModule(tf.Module):
   def jax_variables(self) -> Any:
     """The current variable values as a pytree of JAX arrays.
 
-    bfloat16 leaves stored as float32 come back as bfloat16; the structure
-    is the one passed to the constructor. On a CPU JAX backend the arrays
-    share the variables' memory (DLPack) instead of copying it: a later
-    `update_variables` gives the variables new buffers and leaves these
-    arrays as they were. Do not donate them to a jitted function.
+    bfloat16 leaves stored as float32 come back as bfloat16. On a CPU
+    backend the arrays share the variables' memory (DLPack): a later
+    `update_variables` leaves them as they were. Do not donate them.
 
     Returns:
       A pytree like the constructor's `variables`.
@@ -398,46 +298,32 @@ class JaxModule(tf.Module):
     return jax.tree_util.tree_unflatten(self._meta.treedef, leaves)
 
   def update_variables(self, variables: Any, *, owned: bool = False) -> None:
-    """Assigns new values into the existing variables, leaf by leaf.
-
-    Nothing is traced again and no second full set of variables is built:
-    every leaf is checked first, then each is assigned in turn.
+    """Assigns new values into the variables, leaf by leaf, without tracing.
 
     Args:
-      variables: a pytree with the same structure, leaf shapes and dtypes as
-        the one given to the constructor (numpy or JAX arrays).
-      owned: nobody else references the numpy arrays, as in the
-        constructor: each variable takes its new array's memory instead of
-        copying it (and the array then aliases the variable).
+      variables: a pytree with the constructor's structure, leaf shapes and
+        dtypes (numpy or JAX arrays).
+      owned: as in the constructor: each variable takes its new array's
+        memory instead of copying it.
 
     Raises:
-      errors.VariableMismatchError: if the structure, a shape or a dtype
-        differs; the message names the leaf paths, and the expected and
-        given shape/dtype. No variable is changed then.
+      errors.VariableMismatchError: the structure, a shape or a dtype
+        differs (the message names the leaves); no variable is changed.
     """
     meta = self._meta
     flat = paths.flatten(variables)
-    given = tuple(flat)
-    if given != meta.paths:
-      missing = [p for p in meta.paths if p not in flat]
-      unexpected = [p for p in given if p not in set(meta.paths)]
-      detail = []
-      if missing:
-        detail.append(f'missing {missing}')
-      if unexpected:
-        detail.append(f'unexpected {unexpected}')
-      if not detail:
-        detail.append('same leaves in a different order or container type')
+    treedef = jax.tree_util.tree_structure(variables)
+    if tuple(flat) != meta.paths or treedef != meta.treedef:
+      detail = '; '.join(f'{what} {names}' for what, names in (
+          ('missing', [p for p in meta.paths if p not in flat]),
+          ('unexpected', [p for p in flat if p not in set(meta.paths)]))
+                         if names) or (
+          f'same leaf paths, different pytree structure: got {treedef}, '
+          f'expected {meta.treedef}')
       raise errors.VariableMismatchError(
           'update_variables: the variables do not have the structure the '
-          f'module was built with ({"; ".join(detail)}). Pass the same tree '
-          'as at construction, or build a new JaxModule for a new model.')
-    if jax.tree_util.tree_structure(variables) != meta.treedef:
-      raise errors.VariableMismatchError(
-          'update_variables: the variables have the same leaf paths but a '
-          'different pytree structure (container types) than the module '
-          f'was built with: got {jax.tree_util.tree_structure(variables)}, '
-          f'expected {meta.treedef}.')
+          f'module was built with ({detail}). Pass the same tree as at '
+          'construction, or build a new JaxModule for a new model.')
     wrong = []
     for path, shape, dtype in zip(meta.paths, meta.shapes, meta.dtypes):
       leaf = flat[path]
@@ -456,6 +342,4 @@ class JaxModule(tf.Module):
     with tf.device('/CPU:0'):
       for var, path, cast in zip(self.param_vars, meta.paths,
                                  meta.cast_to_f32):
-        array = _host_array(flat[path])
-        var.assign(_tf_value(array, cast=cast, owned=owned))
-        del array
+        var.assign(_tf_value(_host_array(flat[path]), cast=cast, owned=owned))

@@ -1,24 +1,8 @@
 """ExportOptions: how a SavedModelExporter writes, checks and keeps versions.
 
-One frozen, keyword-only dataclass holds every option of an export, so the
-training callback, `SavedModelExporter` and the offline CLI share one set
-of names, defaults and checks:
-
-  options = t5export.ExportOptions(keep=3, platforms=('cpu', 'cuda'))
-  exporter = t5export.SavedModelExporter(export_dir, [sig], options=options)
-  callback = t5export.ExportCallback(exporter, export_every_steps=1000)
-
-Each value is checked once, when the options are created (a
-`dataclasses.replace` creates new options and checks again), so a bad value
-fails before any directory is touched or anything is traced. What the model
-serves (its signatures) and where versions go (`export_dir`) are the
-exporter's own arguments, not options: see docs/internals.md.
-
-Gin: registered as `t5export.ExportOptions`, e.g.
-`SavedModelExporter.options = @t5export.ExportOptions()` and
-`ExportOptions.keep = %KEEP` (t5export/gin files bind it so).
-
-Light: this module never imports TensorFlow.
+One frozen, keyword-only dataclass shared by the exporter, the callback
+and the offline CLI; each value is checked once, when the options are
+created. Light: never imports TensorFlow.
 """
 
 from __future__ import annotations
@@ -41,17 +25,19 @@ _FLAGS = ('validate', 'warmup', 'overwrite', 'allow_non_finite', 'trainable',
 class ExportOptions:
   """How an exporter writes, checks and keeps versions (all optional).
 
+  Each value is checked when the options are created, also by
+  `dataclasses.replace`. Gin: `SavedModelExporter.options =
+  @t5export.ExportOptions()`.
+
   Example:
     options = ExportOptions(keep=3, keep_best=(1, 'eval/accuracy', 'max'))
     SavedModelExporter('/models/t5', [sig], options=options)
-    dataclasses.replace(options, overwrite=True)   # checked again
 
   Attributes:
     keep: how many newest versions to keep (>= 1); None keeps all.
     keep_best: also keep the best versions by a metric: `(n, metric,
-      'max'|'min')` or a `versions.KeepBest` (stored as a `KeepBest`). The
-      metric must be a number at each export (CLU values such as
-      `clu.values.Scalar` and 0-d arrays count).
+      'max'|'min')` (stored as a `KeepBest`); the metric must be a number
+      at each export (CLU values and 0-d arrays count).
     validate: check each staged SavedModel against JAX on the signatures'
       sample inputs before publishing.
     atol: absolute tolerance of the check.
@@ -75,10 +61,9 @@ class ExportOptions:
       for every version.
     serving_tf_version: the oldest TensorFlow / TF Serving release that
       must load the versions, e.g. '2.20'; None: the oldest this JAX can
-      target (see `t5export._src.serving_compat`).
+      target.
     jax_artifacts: also write each signature's JAX method as a `jax.export`
-      artifact under `assets.extra/` (read back without TensorFlow by
-      `t5export._src.verify.load_function`).
+      artifact (read back without TensorFlow by `t5export.load_function`).
     serving_target: what `serving_tf_version` resolved to (derived, not an
       argument).
   """
@@ -102,7 +87,7 @@ class ExportOptions:
       init=False, repr=False, compare=False)
 
   def __post_init__(self) -> None:
-    """Checks every option and normalizes the sequences to tuples.
+    """Checks every option; sequences become tuples.
 
     Raises:
       ValueError: `keep`, `atol`, `rtol` or `keep_best` has a bad value.
@@ -153,5 +138,3 @@ def _tuple_of(name: str, value: Any, item_type: type,
                     f'{item_type.__name__}, {example}; got {value!r}.')
   return items
 
-
-__all__ = ['ExportOptions']

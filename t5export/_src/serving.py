@@ -1,35 +1,8 @@
 """Signature: one serving entry point of an exported SavedModel.
 
-A `Signature` ties a name ('serving_default') to a JAX method
-`method(variables, inputs) -> outputs` and describes its inputs in a
-gin-friendly way:
-
-  t5export.Signature(
-      name='serving_default', method=serve,
-      input_specs={'x': ('b, 16', 'float32')})
-
-Input specs. `input_specs` is a pytree (usually a flat dict) whose leaves are
-either `(shape, dtype)` pairs of strings ('b, 16', 'float32') or
-`tf.TensorSpec`s; a named dimension is polymorphic and shared by the inputs
-that name it. How specs, serving inputs and outputs are parsed, named and
-checked against sample inputs is `t5export._src.specs`; this module builds.
-
-Pre/post-processing. `preprocessor(inputs) -> method_inputs` and
-`postprocessor(outputs) -> outputs` are TensorFlow functions run in the
-serving graph around the converted JAX method (e.g. strings -> token ids ->
-strings). The JAX method's own input specs are `method_input_specs` when
-given (same format); otherwise they are derived by tracing the preprocessor
-on the serving specs: static dimensions stay, an unknown leading dimension
-becomes the serving inputs' leading name (when they have one, e.g. 'b'), and
-any other unknown dimension gets its own name '<path>_<axis>'. When two
-preprocessor outputs share an unknown dimension that the method relies on
-(tokens and mask of the same length), pass `method_input_specs`. A
-preprocessor or postprocessor that owns TF resources (lookup tables) should
-be a `tf.Module` or a method of one: it is attached to the exported module
-so the resources are saved with it.
-
-Signature names must match `[A-Za-z_][A-Za-z0-9_.-]*` (a SignatureDef key
-that is also usable in URLs and file names).
+A `Signature` ties a name to a JAX method and its input specs (parsed by
+`specs`), with optional TF pre/post-processors; `make_module` builds the
+JaxModule for a list of them (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -59,11 +32,16 @@ def _is_parsed(x: Any) -> bool:
 class Signature:
   """A named serving entry point: a JAX method plus its input description.
 
+  Example:
+    t5export.Signature(name='serving_default', method=serve,
+                       input_specs={'x': ('b, 16', 'float32')})
+
   Attributes:
     name: the SignatureDef key.
     method: `method(variables, inputs) -> outputs`, pure JAX.
     input_specs: the serving input specs as given.
-    preprocessor / postprocessor: optional TF functions (see module doc).
+    preprocessor: TF function run before the method, or None.
+    postprocessor: TF function run after the method, or None.
     input_names: the serving argument names, in flat order.
     inputs: input name -> parsed `InputSpec` (serving side).
     method_inputs: the JAX method's input tree with `InputSpec` leaves.
@@ -76,77 +54,77 @@ class Signature:
                postprocessor: Callable[[Any], Any] | None = None,
                sample_inputs: Mapping[str, Any] | None = None,
                method_input_specs: Any = None):
-    """Parses and checks the specs (the method is checked by `check_method`).
+    """Parses and checks the specs (the method is checked at export).
 
     Args:
-      name: the signature key, e.g. 'serving_default'.
+      name: the signature key, e.g. 'serving_default': letters, digits,
+        '_', '.' and '-', starting with a letter or '_'.
       method: `method(variables, inputs) -> outputs`; `variables` is
         `{'params': ..., **flax_mutables}`.
-      input_specs: pytree of `(shape, dtype)` string pairs or
-        `tf.TensorSpec`s: the serving inputs.
-      preprocessor: TF function `serving inputs tree -> method inputs tree`.
+      input_specs: pytree whose leaves are `(shape, dtype)` string pairs
+        such as `('b, 16', 'float32')` or `tf.TensorSpec`s; a named
+        dimension is polymorphic and shared by the inputs that name it.
+      preprocessor: TF function `serving inputs -> method inputs` run in
+        the serving graph (e.g. strings -> token ids); a `tf.Module` (or
+        its method) if it owns resources such as lookup tables.
       postprocessor: TF function `method outputs -> serving outputs`.
       sample_inputs: input name -> array (or list) for the export check and
         warm-up requests.
       method_input_specs: the method's input specs when a preprocessor
-        changes them (default: traced from the preprocessor).
+        changes them (default: traced from the preprocessor; pass them when
+        two of its outputs share an unknown dimension).
 
     Raises:
-      errors.SignatureError: for an invalid name, shape, dtype, input name,
-        string input without a preprocessor, failing preprocessor or
+      errors.SignatureError: an invalid name, shape, dtype or input name, a
+        string input without a preprocessor, a failing preprocessor or
         mismatching sample inputs.
     """
+    where = f'Signature {name!r}'
     if not isinstance(name, str) or not _SIGNATURE_NAME.match(name):
       raise errors.SignatureError(
           f'Signature name {name!r} is invalid: use letters, digits, '
           "'_', '.' and '-', starting with a letter or '_' (e.g. "
           "'serving_default').")
-    if not callable(method):
-      raise errors.SignatureError(
-          f'Signature {name!r}: method must be callable(variables, inputs); '
-          f'got {method!r}.')
-    for arg, fn in (('preprocessor', preprocessor),
+    for arg, fn in (('method', method), ('preprocessor', preprocessor),
                     ('postprocessor', postprocessor)):
-      if fn is not None and not callable(fn):
+      if not callable(fn) and (fn is not None or arg == 'method'):
+        what = ('callable(variables, inputs)' if arg == 'method' else
+                'a callable TF function or None')
         raise errors.SignatureError(
-            f'Signature {name!r}: {arg} must be a callable TF function or '
-            f'None; got {fn!r}.')
+            f'{where}: {arg} must be {what}; got {fn!r}.')
     self.name = name
     self.method = method
     self.input_specs = input_specs
     self.preprocessor = preprocessor
     self.postprocessor = postprocessor
 
-    where = f'Signature {name!r}'
     self._serving_tree = specs.parse_tree(input_specs, where=where,
                                           arg='input_specs')
     self.input_names = tuple(specs.flat_input_names(input_specs))
     for input_name in self.input_names:
       if not specs.is_identifier(input_name):
         raise errors.SignatureError(
-            f'Signature {name!r}: input name {input_name!r} (from '
-            'input_specs keys) is not a valid TF argument name; use '
-            'identifiers (letters, digits and _, not starting with a '
-            'digit).')
+            f'{where}: input name {input_name!r} (from input_specs keys) is '
+            'not a valid TF argument name; use identifiers (letters, digits '
+            'and _, not starting with a digit).')
     if len(set(self.input_names)) != len(self.input_names):
       raise errors.SignatureError(
-          f'Signature {name!r}: input names {self.input_names} collide after '
-          "joining nested keys with '__'; rename the keys.")
-    self.inputs = dict(zip(
-        self.input_names, jax.tree_util.tree_leaves(
-            self._serving_tree, is_leaf=_is_parsed)))
+          f'{where}: input names {self.input_names} collide after joining '
+          "nested keys with '__'; rename the keys.")
+    self.inputs = dict(zip(self.input_names, jax.tree_util.tree_leaves(
+        self._serving_tree, is_leaf=_is_parsed)))
 
     if preprocessor is None:
       if method_input_specs is not None:
         raise errors.SignatureError(
-            f'Signature {name!r}: method_input_specs is only used with a '
+            f'{where}: method_input_specs is only used with a '
             'preprocessor; without one the method takes input_specs.')
       strings = [n for n, s in self.inputs.items() if s.dtype == tf.string]
       if strings:
         raise errors.SignatureError(
-            f'Signature {name!r}: input(s) {strings} have dtype string, which '
-            'a JAX method cannot take. Add a preprocessor that turns them '
-            'into numbers (e.g. token ids).')
+            f'{where}: input(s) {strings} have dtype string, which a JAX '
+            'method cannot take. Add a preprocessor that turns them into '
+            'numbers (e.g. token ids).')
       self.method_inputs = self._serving_tree
     elif method_input_specs is not None:
       self.method_inputs = specs.parse_tree(
@@ -158,10 +136,8 @@ class Signature:
                               sample_inputs, self.inputs,
                               where=f'{where}: sample_inputs'))
 
-  # --- specs ---------------------------------------------------------------
-
   def _trace_preprocessor(self) -> Any:
-    """Derives the method's input specs from the preprocessor's outputs."""
+    """The method's input specs from the preprocessor's traced outputs."""
     leading = {s.dims[0] for s in self.inputs.values()
                if s.dims and isinstance(s.dims[0], str)}
     batch = sorted(leading)[0] if len(leading) == 1 else None
@@ -210,12 +186,7 @@ class Signature:
     return {n: s.describe() for n, s in self.inputs.items()}
 
   def describe(self) -> dict[str, Any]:
-    """A JSON-friendly description (for export metadata).
-
-    Returns:
-      {'name', 'inputs': {name: {'shape', 'dtype'}}, 'method_inputs':
-      {path: {'shape', 'dtype'}}, 'preprocessor', 'postprocessor'}.
-    """
+    """JSON-friendly: name, inputs, method_inputs, pre/postprocessor."""
     return {
         'name': self.name,
         'inputs': self._describe_inputs(),
@@ -226,25 +197,10 @@ class Signature:
         'postprocessor': _callable_name(self.postprocessor),
     }
 
-  # --- the method ----------------------------------------------------------
-
   def check_method(self, variables: Any) -> Any:
-    """Traces the method on abstract inputs matching the method specs.
-
-    Uses `jax.eval_shape` with symbolic dimensions (the same ones jax2tf
-    will use), so a method that needs a dimension to be static or two
-    differently named dimensions to be equal fails here, before export.
-
-    Args:
-      variables: `{'params': ..., **mutables}`; arrays or anything with
-        shape and dtype.
-
-    Returns:
-      The method's output tree of `jax.ShapeDtypeStruct`.
-
-    Raises:
-      errors.SignatureError: naming the signature, with the method's error.
-    """
+    """The method's output tree of `jax.ShapeDtypeStruct`, traced by
+    `jax.eval_shape` on symbolic inputs matching its specs (the ones jax2tf
+    uses); a method that rejects them is a SignatureError."""
     var_specs = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), variables)
     try:
@@ -261,36 +217,13 @@ class Signature:
           f'matching its specs {self.describe()["method_inputs"]}: '
           f'{type(e).__name__}: {e}') from e
 
-  def attach_processors(self, module: tf.Module) -> None:
-    """Makes `module` track the pre/post-processors' TF resources.
-
-    Args:
-      module: the module that will be saved.
-    """
-    for kind, fn in (('pre', self.preprocessor), ('post', self.postprocessor)):
-      owner = getattr(fn, '__self__', fn)
-      if isinstance(owner, tf.Module):
-        safe = re.sub(r'[^A-Za-z0-9_]', '_', self.name)
-        setattr(module, f'_{kind}processor_{safe}', owner)
-
   def make_serving_fn(self, module: jax_module.JaxModule) -> Any:
-    """Builds the serving `tf.function` around `module.methods[name]`.
+    """The serving `tf.function` around `module.methods[self.name]`.
 
-    Flat keyword inputs named `input_names` -> preprocessor -> converted
-    method -> postprocessor -> flat named outputs (`name_outputs`). Pass
-    it in `tf.saved_model.save(..., signatures={sig.name: fn})`. Building it
-    again for the next save is cheap: the converted method is not traced
-    again.
-
-    Args:
-      module: a JaxModule with a method named like this signature (see
-        `make_module`).
-
-    Returns:
-      A `tf.function` with a flat input signature.
-
-    Raises:
-      errors.SignatureError: if the module has no method of this name.
+    Flat keyword inputs -> preprocessor -> converted method ->
+    postprocessor -> flat named outputs. Cheap to build again: the
+    method is not traced again. The processors' TF resources are attached
+    to `module` so they are saved with it.
     """
     methods = module.methods
     if self.name not in methods:
@@ -298,7 +231,11 @@ class Signature:
           f'Signature {self.name!r}: the module has no method of that name '
           f'(it has {sorted(methods)}); build it with serving.make_module.')
     method = methods[self.name]
-    self.attach_processors(module)
+    for kind, fn in (('pre', self.preprocessor), ('post', self.postprocessor)):
+      owner = getattr(fn, '__self__', fn)
+      if isinstance(owner, tf.Module):
+        safe = re.sub(r'[^A-Za-z0-9_]', '_', self.name)
+        setattr(module, f'_{kind}processor_{safe}', owner)
 
     def serve(*args):
       inputs = self._to_serving_tree(args)
@@ -314,18 +251,8 @@ class Signature:
 
   def reference_outputs(self, module: jax_module.JaxModule,
                         inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """What the signature should return: the method run in JAX.
-
-    The pre/post-processors run eagerly in TensorFlow, the method itself is
-    the original JAX function on the module's current variables.
-
-    Args:
-      module: the JaxModule built for this signature.
-      inputs: input name -> array (like `sample_inputs`).
-
-    Returns:
-      Output name -> numpy array, named like the serving outputs.
-    """
+    """What the signature should return for `inputs`: the JAX method on the
+    module's variables, the processors run eagerly in TensorFlow."""
     tree = self._to_serving_tree([inputs[n] for n in self.input_names])
     if self.preprocessor is not None:
       tree = jax.tree_util.tree_map(
@@ -341,7 +268,7 @@ class Signature:
   def __repr__(self) -> str:
     return (f'Signature(name={self.name!r}, method='
             f'{_callable_name(self.method)}, inputs='
-            f'{self.describe()["inputs"]})')
+            f'{self._describe_inputs()})')
 
 
 def _callable_name(fn: Any) -> str | None:
@@ -351,18 +278,8 @@ def _callable_name(fn: Any) -> str | None:
 
 
 def check_signatures(signatures: Any) -> list[Signature]:
-  """The one check of a list of signatures, wherever it is given.
-
-  Args:
-    signatures: what the caller passed as `signatures`.
-
-  Returns:
-    The signatures as a list (a generator is read once).
-
-  Raises:
-    errors.SignatureError: the list is empty or names repeat.
-    TypeError: not a list of `Signature`.
-  """
+  """`signatures` as a list, checked once wherever it is given: a non-empty
+  list of Signatures with distinct names (TypeError / SignatureError)."""
   if isinstance(signatures, (str, bytes, Mapping)) or not isinstance(
       signatures, Iterable):
     raise TypeError(f'signatures must be a list of t5export.Signature, got '
@@ -385,28 +302,10 @@ def check_signatures(signatures: Any) -> list[Signature]:
   return signatures
 
 
-def make_module(variables: Any, signatures: Sequence[Signature], *,
-                trainable: bool = False, jit_compile: bool = True,
-                platforms: Sequence[str] | None = None,
-                cast_bfloat16: bool = False,
-                owned: bool = False,
-                serving_target: Any = None,
-                name: str | None = None) -> jax_module.JaxModule:
-  """Checks the signatures and builds a JaxModule with one method each.
-
-  Args:
-    variables: `{'params': ..., **flax_mutables}` (numpy or JAX arrays).
-    signatures: the signatures; names must be unique.
-    trainable, jit_compile, platforms, cast_bfloat16, owned,
-      serving_target, name: as in `jax_module.JaxModule`.
-
-  Returns:
-    The module; `module.methods[sig.name]` is each signature's method.
-
-  Raises:
-    errors.SignatureError: no signatures, duplicate names, or a method that
-      does not accept its input specs.
-  """
+def make_module(variables: Any, signatures: Sequence[Signature],
+                **module_options: Any) -> jax_module.JaxModule:
+  """Checks the signatures and their methods, then builds a JaxModule with
+  one method per signature; `module_options` are JaxModule's."""
   signatures = check_signatures(signatures)
   for sig in signatures:
     sig.check_method(variables)
@@ -415,20 +314,10 @@ def make_module(variables: Any, signatures: Sequence[Signature], *,
       input_signatures={s.name: s.method_input_signature for s in signatures},
       polymorphic_shapes={
           s.name: s.method_polymorphic_shapes for s in signatures},
-      trainable=trainable, jit_compile=jit_compile, platforms=platforms,
-      cast_bfloat16=cast_bfloat16, owned=owned,
-      serving_target=serving_target, name=name)
+      **module_options)
 
 
 def serving_functions(module: jax_module.JaxModule,
                       signatures: Sequence[Signature]) -> dict[str, Any]:
-  """{name: serving tf.function} for `tf.saved_model.save(signatures=...)`.
-
-  Args:
-    module: the module from `make_module`.
-    signatures: the same signatures.
-
-  Returns:
-    Signature name -> serving function.
-  """
+  """{name: serving tf.function} for `tf.saved_model.save(signatures=...)`."""
   return {s.name: s.make_serving_fn(module) for s in signatures}

@@ -1,47 +1,9 @@
 """Which TensorFlow (Serving) versions can load an export: the target.
 
-A jax2tf export holds each method as a serialized StableHLO module inside
-an `XlaCallModule` op, and two versions decide which TensorFlow can run it:
-
-- the op's *calling-convention version* (`jax.export`): TensorFlow refuses a
-  newer one than it was built for (`XlaCallModuleOp with version 10 is not
-  supported by this build. Must be <= 9`);
-- the *StableHLO version* the module is serialized for: a TensorFlow built
-  with an older StableHLO cannot read ops or attributes added since
-  (`Cannot deserialize computation`; e.g. `tanh` gained an attribute after
-  StableHLO 1.9). JAX serializes for the StableHLO of about four weeks
-  before its own release, newer than any TensorFlow release it ships
-  beside.
-
-TF Serving releases trail TensorFlow's, so an export made with JAX's
-defaults would not load on the servers people run. `serving_tf_version`
-names the OLDEST TensorFlow / TF Serving release that must load a version;
-one table, `TF_TARGETS`, gives what each release reads (measured with
-`tensorflow-cpu`: its `XlaCallModule` kernel and its
-`tensorflow.compiler.mlir.stablehlo.get_current_version()`):
-
-  TensorFlow (Serving)   calling convention   StableHLO
-  2.19                   9                    1.9.1
-  2.20                   10                   1.12.1
-  2.21                   10                   1.13.7
-
-A release newer than the last row reads everything that row does (StableHLO
-keeps backward compatibility), so such a target uses the last row. Releases
-before the first row are not reachable with JAX 0.10 (TensorFlow 2.18
-cannot parse its StableHLO: `unknown attribute code: 22`), nor is a row
-whose calling-convention version this JAX no longer writes
-(`jax.export.minimum_supported_calling_convention_version`). A model using a
-StableHLO feature newer than the target cannot be serialized for it: JAX's
-serializer fails, and the fix is a newer target.
-
-The default target is the oldest reachable release. The choice is scoped
-to the converting thread (`targeting`): JAX's calling-convention option is
-set with its thread-local context manager, and the StableHLO version is
-chosen by a hook around JAX's serializer that applies only on a thread
-inside `targeting` (JAX offers no option for it: it fixes the version in
-`jax._src.export._export._module_to_bytecode`, which the hook wraps). The
-user's own code, on other threads or after the export, keeps JAX's
-behaviour.
+`resolve` maps the oldest release that must load a version to the
+calling-convention and StableHLO versions it reads (`TF_TARGETS`);
+`targeting` makes jax2tf / jax.export on this thread write them. Why and
+how: docs/internals.md, "Serving target". Light: no TensorFlow.
 """
 
 from __future__ import annotations
@@ -76,26 +38,13 @@ _VERSION_RE = re.compile(r'^\s*(\d+)\.(\d+)(?:\.\d+)?\s*$')
 
 @dataclasses.dataclass(frozen=True)
 class ServingTarget:
-  """The oldest TensorFlow that must load an export, resolved.
-
-  Attributes:
-    tf_version: the target as 'MAJOR.MINOR', e.g. '2.19'.
-    calling_convention_version: the XlaCallModule / jax.export version the
-      export is written with.
-    stablehlo_version: the StableHLO version the modules are serialized
-      for.
-  """
+  """The oldest TensorFlow that must load an export, resolved."""
   tf_version: str
   calling_convention_version: int
   stablehlo_version: str
 
   def describe(self) -> dict[str, object]:
-    """The target as recorded in a version's metadata.
-
-    Returns:
-      `{'serving_tf_version', 'calling_convention_version',
-      'loads_on'}`, the last a human-readable range.
-    """
+    """The target as recorded in a version's metadata."""
     return {
         'serving_tf_version': self.tf_version,
         'calling_convention_version': self.calling_convention_version,
@@ -121,15 +70,7 @@ def _name(tf: tuple[int, int]) -> str:
 
 
 def oldest_supported() -> str:
-  """The oldest TensorFlow release an export of this JAX can target.
-
-  Returns:
-    'MAJOR.MINOR', e.g. '2.19'.
-
-  Raises:
-    errors.ServingTargetError: this JAX writes no version any release in
-      the table loads (a JAX newer than this t5export knows).
-  """
+  """The oldest release ('MAJOR.MINOR') an export of this JAX can target."""
   rows = _reachable()
   if not rows:
     low, high = _jax_range()
@@ -141,21 +82,7 @@ def oldest_supported() -> str:
 
 
 def resolve(serving_tf_version: str | None = None) -> ServingTarget:
-  """Resolves a target release to the calling-convention version to write.
-
-  Args:
-    serving_tf_version: the oldest TensorFlow / TF Serving release that must
-      load the export, 'MAJOR.MINOR' (a patch part such as '2.19.1' is
-      accepted and ignored). None: the oldest reachable release.
-
-  Returns:
-    The resolved `ServingTarget`.
-
-  Raises:
-    errors.ServingTargetError: the string is not a version, or the release
-      is older than the oldest one this JAX can target (the message names
-      it).
-  """
+  """The target for 'MAJOR.MINOR[.PATCH]' (None: the oldest reachable)."""
   oldest = oldest_supported()
   if serving_tf_version is None:
     serving_tf_version = oldest
@@ -191,9 +118,10 @@ _HOOK_LOCK = threading.Lock()
 
 
 def _install_serializer_hook() -> None:
-  """Wraps JAX's module serializer once, per-thread StableHLO version."""
+  """Wraps JAX's module serializer once (it has no StableHLO option)."""
+  # pylint: disable=protected-access
   with _HOOK_LOCK:
-    jax_serialize = jax_export_impl._module_to_bytecode  # pylint: disable=protected-access
+    jax_serialize = jax_export_impl._module_to_bytecode
     if getattr(jax_serialize, 't5export_hook', False):
       return
 
@@ -205,21 +133,12 @@ def _install_serializer_hook() -> None:
           module, version, xla_bridge.get_backend().serialize_with_sdy)
 
     module_to_bytecode.t5export_hook = True
-    jax_export_impl._module_to_bytecode = module_to_bytecode  # pylint: disable=protected-access
+    jax_export_impl._module_to_bytecode = module_to_bytecode
 
 
 @contextlib.contextmanager
 def targeting(target: ServingTarget) -> Iterator[None]:
-  """Exports on this thread (only) are written for `target`.
-
-  Args:
-    target: from `resolve`.
-
-  Yields:
-    Nothing; inside the block, jax2tf / jax.export on this thread write the
-    target's calling-convention version and serialize StableHLO for its
-    version.
-  """
+  """Inside, jax2tf / jax.export on this thread (only) write `target`."""
   _install_serializer_hook()
   outer = getattr(_THREAD, 'stablehlo_version', None)
   _THREAD.stablehlo_version = target.stablehlo_version
