@@ -76,7 +76,7 @@ class _Shared:
     self.last_result: Any = None
     self.submitted = self.completed = self.replaced = self.failed = 0
     self.waits = self.waiting = 0  # waiting: callers blocked for room now.
-    self.waited_secs = self.busy_secs = 0.0
+    self.waited_secs = 0.0
     self.thread = threading.Thread(target=self.run, name=name, daemon=False)
 
   def run(self) -> None:
@@ -91,7 +91,6 @@ class _Shared:
           self.queued = None
           self.running = True
           self.cv.notify_all()  # Room in the queue: wake a waiting submit.
-        start = time.perf_counter()
         try:
           result = self.fn(item)
         except Exception as e:  # pylint: disable=broad-except
@@ -104,7 +103,6 @@ class _Shared:
           del item  # Free the snapshot before waiting for the next one.
           with self.cv:
             self.running = False
-            self.busy_secs += time.perf_counter() - start
             self.cv.notify_all()
     finally:
       with self.cv:
@@ -262,8 +260,8 @@ class AsyncWorker:
     """A copy of the counters (see docs/internals.md)."""
     s = self._shared
     keys = ('submitted', 'completed', 'replaced', 'failed', 'last_error',
-            'last_result', 'running', 'busy_secs', 'waits', 'waiting',
-            'waited_secs', 'when_busy')
+            'last_result', 'running', 'waits', 'waiting', 'waited_secs',
+            'when_busy')
     with s.cv:
       return {'queued': int(s.queued is not None),
               **{k: getattr(s, k) for k in keys}}

@@ -25,31 +25,6 @@ from t5export._src import triggering
 from t5export._src import versions
 
 
-def _check_args(*, exporter: Any, export_every_steps: Any, every_secs: Any,
-                on_steps: Any, num_train_steps: Any,
-                export_on_final_step: bool, on_error: Any,
-                when_busy: Any) -> list[int]:
-  """Validates the callback's own options; returns on_steps as a list."""
-  if not isinstance(exporter, exporter_lib.SavedModelExporter):
-    raise TypeError(
-        f'ExportCallback: exporter must be a t5export.SavedModelExporter, got '
-        f'{exporter!r}. Pass ExportCallback(SavedModelExporter(export_dir, '
-        'signatures), ...); in gin: ExportCallback.exporter = '
-        '@t5export.SavedModelExporter().')
-  steps = triggering.check_options(every_steps=export_every_steps,
-                                   every_secs=every_secs, on_steps=on_steps)
-  triggering.check_positive_int('num_train_steps', num_train_steps)
-  async_lib.check_policies('ExportCallback', on_error=on_error,
-                           when_busy=when_busy)
-  if (export_every_steps is None and every_secs is None and not steps and
-      not (export_on_final_step and num_train_steps is not None)):
-    raise ValueError(
-        'ExportCallback: no trigger is set, so it would never export. Set '
-        'export_every_steps (gin: EXPORT_EVERY_STEPS), every_secs or '
-        'on_steps, or num_train_steps with export_on_final_step=True.')
-  return steps
-
-
 def _outcomes_view(get: Callable[[outcomes_lib.Outcomes], Any],
                    doc: str) -> property:
   """A read-only property computed from the callback's `Outcomes`."""
@@ -142,14 +117,24 @@ class ExportCallback:
       errors.ExportDirError: `export_dir` is unusable (process 0;
         `errors.WriterFailedError` on the others).
     """
-    steps = _check_args(
-        exporter=exporter, export_every_steps=export_every_steps,
-        every_secs=every_secs, on_steps=on_steps,
-        num_train_steps=num_train_steps,
-        export_on_final_step=export_on_final_step, on_error=on_error,
-        when_busy=when_busy)
+    if not isinstance(exporter, exporter_lib.SavedModelExporter):
+      raise TypeError(
+          f'ExportCallback: exporter must be a t5export.SavedModelExporter, '
+          f'got {exporter!r}. Pass ExportCallback(SavedModelExporter('
+          'export_dir, signatures), ...); in gin: ExportCallback.exporter = '
+          '@t5export.SavedModelExporter().')
+    steps = triggering.check_options(every_steps=export_every_steps,
+                                     every_secs=every_secs, on_steps=on_steps)
+    triggering.check_positive_int('num_train_steps', num_train_steps)
+    async_lib.check_policies('ExportCallback', on_error=on_error,
+                             when_busy=when_busy)
     if export_on_final_step and num_train_steps is not None:
       steps.append(num_train_steps)
+    if export_every_steps is None and every_secs is None and not steps:
+      raise ValueError(
+          'ExportCallback: no trigger is set, so it would never export. Set '
+          'export_every_steps (gin: EXPORT_EVERY_STEPS), every_secs or '
+          'on_steps, or num_train_steps with export_on_final_step=True.')
     self._trigger = triggering.Trigger(
         every_steps=export_every_steps, every_secs=every_secs, on_steps=steps)
     self.exporter = exporter
