@@ -8,9 +8,9 @@ object graph to the checkpoint key of each `JaxModule.param_vars[i]`.
 from __future__ import annotations
 
 from collections.abc import Iterator
-import dataclasses
 import functools
 import os
+from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -34,8 +34,7 @@ _DTYPES = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class Entry:
+class Entry(NamedTuple):
   """A decoded `BundleEntryProto`: one tensor's dtype enum, shape, place."""
   dtype: int  # TensorFlow's DataType enum (1 float32, 14 bfloat16, ...).
   shape: tuple[int, ...]
