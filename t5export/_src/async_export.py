@@ -192,9 +192,8 @@ class AsyncWorker:
     self._check_not_worker_thread('submit')
     self.check()
     shared = self._shared
-    with shared.cv:  # Reentrant: the helpers below take it again.
-      self._check_open()
-      room = self._make_room_locked()
+    with shared.cv:  # Reentrant: make_room and check take it again.
+      room = self.make_room()
       self._check_open()
       self.check()  # It may have failed while we waited.
       shared.queued = (item,)
@@ -205,9 +204,31 @@ class AsyncWorker:
   def make_room(self) -> Room:
     """Frees the queue slot by the `when_busy` policy, queuing nothing."""
     self._check_not_worker_thread('make_room')
-    with self._shared.cv:
+    shared = self._shared
+    with shared.cv:
       self._check_open()
-      return self._make_room_locked()
+      if shared.queued is None:
+        return Room(0.0, None)
+      if shared.when_busy == 'skip':
+        (dropped,) = shared.queued
+        shared.queued = None
+        shared.replaced += 1
+        logging.info('%s: a newer item replaces the queued one (%d replaced '
+                     "so far, when_busy='skip'); the previous item is still "
+                     'running.', self.name, shared.replaced)
+        return Room(0.0, dropped)
+      start = time.perf_counter()
+      shared.waiting += 1
+      try:
+        while (shared.queued is not None and not shared.stopping and
+               self._thread.is_alive()):
+          shared.cv.wait()
+      finally:
+        shared.waiting -= 1
+      waited = time.perf_counter() - start
+      shared.waits += 1
+      shared.waited_secs += waited
+      return Room(waited, None)
 
   def wait(self) -> None:
     """Blocks until nothing is running or queued; raises a pending failure."""
@@ -271,31 +292,6 @@ class AsyncWorker:
       raise RuntimeError(
           f'AsyncWorker {self.name!r} is closed (or its thread ended); '
           'create a new one to submit more work.')
-
-  def _make_room_locked(self) -> Room:
-    shared = self._shared
-    if shared.queued is None:
-      return Room(0.0, None)
-    if shared.when_busy == 'skip':
-      (dropped,) = shared.queued
-      shared.queued = None
-      shared.replaced += 1
-      logging.info('%s: a newer item replaces the queued one (%d replaced '
-                   "so far, when_busy='skip'); the previous item is still "
-                   'running.', self.name, shared.replaced)
-      return Room(0.0, dropped)
-    start = time.perf_counter()
-    shared.waiting += 1
-    try:
-      while (shared.queued is not None and not shared.stopping and
-             self._thread.is_alive()):
-        shared.cv.wait()
-    finally:
-      shared.waiting -= 1
-    waited = time.perf_counter() - start
-    shared.waits += 1
-    shared.waited_secs += waited
-    return Room(waited, None)
 
   def check(self) -> None:
     """Raises (once) a failure recorded since the last call, without waiting."""
