@@ -329,10 +329,8 @@ def test_is_light_no_tensorflow_or_jax_import():
 
 
 @pytest.mark.parametrize('kwargs, error, match', [
-    (dict(fn=None), TypeError, 'fn must be callable'),
     (dict(fn=print, on_error='ignore'), ValueError,
      r"on_error must be one of \('raise', 'log'\), got 'ignore'"),
-    (dict(fn=print, name=''), TypeError, 'name must be a non-empty str'),
     (dict(fn=print, when_busy='drop'), ValueError,
      r"when_busy must be one of \('wait', 'skip'\), got 'drop'"),
 ])

@@ -20,7 +20,7 @@ import t5export
 REPO = pathlib.Path(__file__).resolve().parents[1]
 LIGHT_MODULES = ('paths', 'train_state', 'state_axes',
                  'optax_state', 'partitioning', 'host_buffers', 'snapshot',
-                 'async_export', 'worker_thread', 'distributed', 'versions',
+                 'async_export', 'distributed', 'versions',
                  'checkpoints', 'orbax_checkpoints',
                  'msgpack_checkpoints', 'triggering', 'outcomes',
                  'serving_compat', 'tensor_bundle', 'jax_artifacts', 'verify',

@@ -1,28 +1,9 @@
-"""One background worker with a bounded queue: one running, one queued.
+"""One background worker with a bounded queue: one item running, one queued.
 
-The training thread hands host snapshots to an `AsyncWorker`; the worker
-writes, checks and publishes them one at a time. Memory stays bounded: at
-most one item is running and one is queued. An item arriving while both
-are taken meets the `when_busy` policy: 'wait' (the default) makes the
-submitter wait until the queued item starts (nothing dropped; counted in
-`stats['waits']`, `stats['waited_secs']`); 'skip' replaces the queued item
-(latest wins; counted in `stats['replaced']`, the item handed back).
-`make_room()` applies the policy without queuing, so a caller can free the
-slot before building its next item (at most two alive at once).
-
-Errors raised by the worker function do not disappear:
-
-* `on_error='raise'`: the first error is kept and comes back as
-  `errors.ExportFailedError` (chaining the original) on the next `submit`,
-  on `wait` and on `close`. It is raised once, then cleared.
-* `on_error='log'`: each error is logged through absl with its traceback and
-  counted in `stats['failed']`; training is never interrupted.
-
-The thread is not a daemon, so an item in flight is never cut off halfway.
-`close` stops and joins it; a worker never closed is still shut down
-cleanly (`worker_thread`).
-
-This module is light: it never imports TensorFlow or JAX.
+A third item meets `when_busy`: 'wait' (default) blocks the submitter until
+the queued one starts, 'skip' replaces it (latest wins). With
+on_error='raise' the first failure comes back as `errors.ExportFailedError`
+on the next submit/check/wait/close; 'log' logs each. Light: no TF or JAX.
 """
 
 from __future__ import annotations
@@ -30,63 +11,43 @@ from __future__ import annotations
 from collections.abc import Callable
 import threading
 import time
+import traceback
 from typing import Any, NamedTuple
 import weakref
 
 from absl import logging
 
 from t5export import errors
-from t5export._src import worker_thread
 
-_ON_ERROR_CHOICES = ('raise', 'log')
+ON_ERROR_CHOICES = ('raise', 'log')
 WHEN_BUSY_CHOICES = ('wait', 'skip')
 
 
 class Room(NamedTuple):
-  """What making room for one item took.
-
-  Attributes:
-    waited_secs: how long the caller waited (when_busy='wait'), else 0.
-    dropped: the queued item removed (when_busy='skip'), or None.
-  """
+  """What `make_room` took: seconds waited, and the item dropped or None."""
   waited_secs: float
   dropped: Any
 
 
-def check_when_busy(when_busy: Any, *, owner: str) -> None:
-  """Validates a `when_busy` option.
-
-  Args:
-    when_busy: the value given.
-    owner: who takes it, for the message (e.g. 'ExportCallback').
-
-  Raises:
-    ValueError: it is not 'wait' or 'skip'.
-  """
-  if isinstance(when_busy, str) and when_busy in WHEN_BUSY_CHOICES:
-    return
-  raise ValueError(
-      f'{owner}: when_busy must be one of {WHEN_BUSY_CHOICES}, got '
-      f"{when_busy!r}. 'wait' makes the training thread wait for room when "
-      "an export is running and another is queued (no version is dropped); "
-      "'skip' lets the newest due version replace the queued one.")
+def check_policies(owner: str, *, on_error: Any, when_busy: Any) -> None:
+  """Raises ValueError naming `owner` if either option is not a choice."""
+  for name, value, choices, hint in (
+      ('on_error', on_error, ON_ERROR_CHOICES,
+       "'raise' stops training on a failed export, 'log' logs it and "
+       'continues.'),
+      ('when_busy', when_busy, WHEN_BUSY_CHOICES,
+       "'wait' makes the training thread wait for room when an export is "
+       "running and another is queued (no version is dropped); 'skip' lets "
+       'the newest due version replace the queued one.')):
+    if not isinstance(value, str) or value not in choices:
+      raise ValueError(f'{owner}: {name} must be one of {choices}, got '
+                       f'{value!r}. {hint}')
 
 
 def close_on_exit(close: Callable[[], None], exc_type: type | None, *,
                   name: str,
                   errors_to_log: tuple[type[BaseException], ...]) -> None:
-  """The body of a context manager's `__exit__` that closes its object.
-
-  Without an exception in flight, `close()` runs and its errors propagate.
-  With one, an error of `errors_to_log` from `close()` is logged instead of
-  raised, so it does not mask the exception already on its way out.
-
-  Args:
-    close: the object's `close`.
-    exc_type: `__exit__`'s exception type (None when the block succeeded).
-    name: who is closing, for the log line.
-    errors_to_log: the `close()` errors to log rather than raise.
-  """
+  """`__exit__`: close; with an exception in flight, log close's errors."""
   if exc_type is None:
     close()
     return
@@ -96,149 +57,193 @@ def close_on_exit(close: Callable[[], None], exc_type: type | None, *,
     logging.error('%s: %s (while handling %s)', name, e, exc_type.__name__)
 
 
+class _Shared:
+  """What a worker shares with its thread (all under `cv`), and the loop.
+
+  Apart from `AsyncWorker` so the thread holds no reference to the worker:
+  a worker never closed is collected and its finalizer stops the thread.
+  """
+
+  def __init__(self, fn: Callable[[Any], Any], on_error: str, when_busy: str,
+               name: str):
+    self.fn, self.on_error, self.when_busy, self.name = (
+        fn, on_error, when_busy, name)
+    self.cv = threading.Condition()
+    self.queued: tuple[Any] | None = None  # (item,) when an item waits.
+    self.running = self.stopping = False
+    self.pending_error: BaseException | None = None
+    self.last_error: BaseException | None = None
+    self.last_result: Any = None
+    self.submitted = self.completed = self.replaced = self.failed = 0
+    self.waits = self.waiting = 0  # waiting: callers blocked for room now.
+    self.waited_secs = 0.0
+    self.thread = threading.Thread(target=self.run, name=name, daemon=False)
+
+  def run(self) -> None:
+    try:
+      while True:
+        with self.cv:
+          while self.queued is None and not self.stopping:
+            self.cv.wait()
+          if self.queued is None:  # Stopping and drained.
+            return
+          (item,) = self.queued
+          self.queued = None
+          self.running = True
+          self.cv.notify_all()  # Room in the queue: wake a waiting submit.
+        try:
+          result = self.fn(item)
+        except Exception as e:  # pylint: disable=broad-except
+          self._record_failure(e)
+        else:
+          with self.cv:
+            self.completed += 1
+            self.last_result = result
+        finally:
+          del item  # Free the snapshot before waiting for the next one.
+          with self.cv:
+            self.running = False
+            self.cv.notify_all()
+    finally:
+      with self.cv:
+        self.running = False
+        self.cv.notify_all()
+      _LIVE.discard(self)
+
+  def _record_failure(self, e: Exception) -> None:
+    log = self.on_error == 'log'
+    with self.cv:
+      self.failed += 1
+      self.last_error = e
+      if not log and self.pending_error is None:
+        self.pending_error = e
+      elif not log:  # Keep the first; the later one is only logged.
+        logging.error('%s: another background failure while one is '
+                      'pending: %s: %s', self.name, type(e).__name__, e)
+    if log:
+      logging.error('%s: background work failed (on_error=\'log\', failure '
+                    '#%d; training continues): %s: %s', self.name,
+                    self.failed, type(e).__name__, e,
+                    exc_info=(type(e), e, e.__traceback__))
+    # The kept error must not keep the failed item (a whole snapshot)
+    # alive through its traceback's frames.
+    traceback.clear_frames(e.__traceback__)
+
+  def request_stop(self) -> None:
+    """Tells the thread to finish the queued item and exit (no join)."""
+    with self.cv:
+      self.stopping = True
+      self.cv.notify_all()
+
+
+# Threads still running, stopped at interpreter exit before Python joins
+# non-daemon threads (a plain atexit handler would run after that join).
+_LIVE: set[_Shared] = set()
+
+
+def _shutdown_all_at_exit() -> None:
+  live = list(_LIVE)
+  for shared in live:
+    if shared.queued is not None or shared.running:
+      logging.info('%s: interpreter exit; finishing the queued work.',
+                   shared.name)
+    shared.request_stop()
+  for shared in live:
+    shared.thread.join()
+    e = shared.pending_error
+    if e is not None:
+      logging.error('%s: background work failed and the worker was never '
+                    'closed: %s: %s', shared.name, type(e).__name__, e,
+                    exc_info=(type(e), e, e.__traceback__))
+
+
+# Runs before non-daemon threads are joined (concurrent.futures uses it).
+# pylint: disable-next=protected-access
+threading._register_atexit(_shutdown_all_at_exit)
+
+
 class AsyncWorker:
   """Runs `fn(item)` on one background thread; one running, one queued.
-
-  When an item is running and one is queued, `submit` waits for room
-  (when_busy='wait') or replaces the queued item (when_busy='skip').
 
   Example:
     worker = AsyncWorker(exporter.export_snapshot, on_error='raise')
     worker.submit(snapshot)   # returns once the item is queued
-    ...
     worker.close()            # waits for the last item, stops the thread
-
-  Attributes:
-    name: the thread's name.
-    on_error: 'raise' or 'log'.
-    when_busy: 'wait' or 'skip'.
   """
 
   def __init__(self, fn: Callable[[Any], Any], *, on_error: str = 'raise',
                when_busy: str = 'wait', name: str = 't5export-export'):
-    """Starts the background thread.
-
-    Args:
-      fn: called as `fn(item)` on the worker thread for each item run.
-      on_error: 'raise' to re-raise a worker failure (as
-        `errors.ExportFailedError`) on the next `submit`/`wait`/`close`;
-        'log' to log it with its traceback, count it and carry on.
-      when_busy: with one item running and one queued, 'wait' makes
-        `submit` wait until the queued one starts; 'skip' replaces it.
-      name: the thread's name (shows in logs and thread dumps).
-
-    Raises:
-      TypeError: `fn` is not callable or `name` is not a string.
-      ValueError: `on_error` is not 'raise' or 'log', or `when_busy` is not
-        'wait' or 'skip'.
-    """
-    if not callable(fn):
-      raise TypeError(f'AsyncWorker: fn must be callable, got {fn!r}.')
-    if on_error not in _ON_ERROR_CHOICES:
-      raise ValueError(
-          f'AsyncWorker: on_error must be one of {_ON_ERROR_CHOICES}, got '
-          f'{on_error!r}. Use \'raise\' to stop on a failed export or '
-          '\'log\' to log it and continue.')
-    check_when_busy(when_busy, owner='AsyncWorker')
-    if not isinstance(name, str) or not name:
-      raise TypeError(f'AsyncWorker: name must be a non-empty str, got '
-                      f'{name!r}.')
-    self.name = name
-    self.on_error = on_error
-    self.when_busy = when_busy
-    self._shared = worker_thread.WorkerState(fn, on_error, when_busy, name)
+    check_policies('AsyncWorker', on_error=on_error, when_busy=when_busy)
+    self.name, self.on_error, self.when_busy = name, on_error, when_busy
+    self._shared = _Shared(fn, on_error, when_busy, name)
+    self._thread = self._shared.thread
     self._closed = False
-    self._thread = threading.Thread(
-        target=self._shared.run, name=name, daemon=False)
-    self._shared.thread = self._thread
-    worker_thread.track(self._shared)
+    _LIVE.add(self._shared)
     self._thread.start()
     # Forgotten workers: stop the thread when this object is collected.
     self._finalizer = weakref.finalize(self, self._shared.request_stop)
 
-  # --- submitting and waiting ---------------------------------------------
-
   def submit(self, item: Any) -> Any:
-    """Queues `item`, first making room by the `when_busy` policy.
+    """Queues `item` after making room; returns the item it replaced or None.
 
-    If the worker failed since the last call (or while this call waited)
-    and `on_error='raise'`, the failure is raised and `item` NOT queued.
-
-    Args:
-      item: passed to `fn` on the worker thread. The caller must not mutate
-        it afterwards (hand over copies).
-
-    Returns:
-      The queued item that `item` replaced (when_busy='skip'), else None.
-
-    Raises:
-      errors.ExportFailedError: an earlier item failed (on_error='raise').
-      RuntimeError: the worker is closed, or was closed while this waited.
+    A failure recorded before (or while waiting) is raised (on_error='raise')
+    and `item` is not queued. Callers must not mutate `item` afterwards.
     """
     self._check_not_worker_thread('submit')
-    self._raise_pending()
+    self.check()
     shared = self._shared
-    with shared.cv:  # A reentrant lock: the helpers below take it again.
+    with shared.cv:  # Reentrant: make_room and check take it again.
+      room = self.make_room()
       self._check_open()
-      room = self._make_room_locked()
-      self._check_open()
-      self._raise_pending()  # It may have failed while we waited.
+      self.check()  # It may have failed while we waited.
       shared.queued = (item,)
       shared.submitted += 1
       shared.cv.notify_all()
     return room.dropped
 
   def make_room(self) -> Room:
-    """Frees the queue slot by the `when_busy` policy, queuing nothing.
-
-    With an item queued, waits until the worker takes it (when_busy=
-    'wait'), or removes and returns it (when_busy='skip', counted as
-    replaced). Failures are not raised here (`submit` raises them).
-
-    Returns:
-      A `Room`: the seconds waited and the item dropped (or None).
-
-    Raises:
-      RuntimeError: the worker is closed, or called from its own thread.
-    """
+    """Frees the queue slot by the `when_busy` policy, queuing nothing."""
     self._check_not_worker_thread('make_room')
-    with self._shared.cv:
+    shared = self._shared
+    with shared.cv:
       self._check_open()
-      return self._make_room_locked()
-
-  def check(self) -> None:
-    """Raises a failure recorded since the last call, without waiting.
-
-    Raises:
-      errors.ExportFailedError: an item failed (on_error='raise').
-    """
-    self._raise_pending()
+      if shared.queued is None:
+        return Room(0.0, None)
+      if shared.when_busy == 'skip':
+        (dropped,) = shared.queued
+        shared.queued = None
+        shared.replaced += 1
+        logging.info('%s: a newer item replaces the queued one (%d replaced '
+                     "so far, when_busy='skip'); the previous item is still "
+                     'running.', self.name, shared.replaced)
+        return Room(0.0, dropped)
+      start = time.perf_counter()
+      shared.waiting += 1
+      try:
+        while (shared.queued is not None and not shared.stopping and
+               self._thread.is_alive()):
+          shared.cv.wait()
+      finally:
+        shared.waiting -= 1
+      waited = time.perf_counter() - start
+      shared.waits += 1
+      shared.waited_secs += waited
+      return Room(waited, None)
 
   def wait(self) -> None:
-    """Blocks until nothing is running or queued.
-
-    Raises:
-      errors.ExportFailedError: an item failed (on_error='raise').
-      RuntimeError: called from the worker thread itself (would deadlock).
-    """
+    """Blocks until nothing is running or queued; raises a pending failure."""
     self._check_not_worker_thread('wait')
     shared = self._shared
     with shared.cv:
       while ((shared.queued is not None or shared.running) and
              self._thread.is_alive()):
         shared.cv.wait()
-    self._raise_pending()
+    self.check()
 
   def close(self) -> None:
-    """Waits for the running and queued items, then stops the thread.
+    """Finishes the queued items, joins the thread, raises a pending failure.
 
-    Idempotent: later calls do nothing. The thread is joined even when a
-    pending failure is then raised.
-
-    Raises:
-      errors.ExportFailedError: an item failed (on_error='raise'); raised
-        once, after the thread stopped.
-      RuntimeError: called from the worker thread itself (would deadlock).
+    Idempotent.
     """
     self._check_not_worker_thread('close')
     if self._closed:
@@ -246,9 +251,9 @@ class AsyncWorker:
     self._closed = True
     self._shared.request_stop()
     self._thread.join()
-    worker_thread.untrack(self._shared)
+    _LIVE.discard(self._shared)
     self._finalizer.detach()
-    self._raise_pending()
+    self.check()
 
   def __enter__(self) -> AsyncWorker:
     return self
@@ -257,16 +262,12 @@ class AsyncWorker:
     close_on_exit(self.close, exc_type, name=self.name,
                   errors_to_log=(errors.ExportFailedError,))
 
-  # --- introspection --------------------------------------------------------
-
   @property
   def closed(self) -> bool:
-    """Whether `close` was called."""
     return self._closed
 
   @property
   def is_alive(self) -> bool:
-    """Whether the background thread is running."""
     return self._thread.is_alive()
 
   @property
@@ -277,33 +278,14 @@ class AsyncWorker:
 
   @property
   def stats(self) -> dict[str, Any]:
-    """A copy of the counters.
-
-    Keys: submitted, completed, replaced, failed, waits (ints), last_error
-    (the last exception or None), last_result (what `fn` last returned),
-    queued (0 or 1), running (bool), busy_secs (total time spent in `fn`),
-    waiting (callers blocked for room now), waited_secs (total time callers
-    waited for room, when_busy='wait'), when_busy.
-    """
+    """A copy of the counters (see docs/internals.md)."""
     s = self._shared
+    keys = ('submitted', 'completed', 'replaced', 'failed', 'last_error',
+            'last_result', 'running', 'waits', 'waiting', 'waited_secs',
+            'when_busy')
     with s.cv:
-      return {
-          'submitted': s.submitted,
-          'completed': s.completed,
-          'replaced': s.replaced,
-          'failed': s.failed,
-          'last_error': s.last_error,
-          'last_result': s.last_result,
-          'queued': 0 if s.queued is None else 1,
-          'running': s.running,
-          'busy_secs': s.busy_secs,
-          'waits': s.waits,
-          'waiting': s.waiting,
-          'waited_secs': s.waited_secs,
-          'when_busy': s.when_busy,
-      }
-
-  # --- helpers --------------------------------------------------------------
+      return {'queued': int(s.queued is not None),
+              **{k: getattr(s, k) for k in keys}}
 
   def _check_open(self) -> None:
     if self._closed or self._shared.stopping or not self._thread.is_alive():
@@ -311,42 +293,16 @@ class AsyncWorker:
           f'AsyncWorker {self.name!r} is closed (or its thread ended); '
           'create a new one to submit more work.')
 
-  def _make_room_locked(self) -> Room:
-    """`make_room` with `shared.cv` held."""
-    shared = self._shared
-    if shared.queued is None:
-      return Room(0.0, None)
-    if shared.when_busy == 'skip':
-      (dropped,) = shared.queued
-      shared.queued = None
-      shared.replaced += 1
-      logging.info('%s: a newer item replaces the queued one (%d replaced '
-                   "so far, when_busy='skip'); the previous item is still "
-                   'running.', self.name, shared.replaced)
-      return Room(0.0, dropped)
-    start = time.perf_counter()
-    shared.waiting += 1
-    try:
-      while (shared.queued is not None and not shared.stopping and
-             self._thread.is_alive()):
-        shared.cv.wait()
-    finally:
-      shared.waiting -= 1
-    waited = time.perf_counter() - start
-    shared.waits += 1
-    shared.waited_secs += waited
-    return Room(waited, None)
-
-  def _raise_pending(self) -> None:
+  def check(self) -> None:
+    """Raises (once) a failure recorded since the last call, without waiting."""
     shared = self._shared
     with shared.cv:
-      e = shared.pending_error
-      shared.pending_error = None
+      e, shared.pending_error = shared.pending_error, None
     if e is not None:
       raise errors.ExportFailedError(
           f'Background work in {self.name!r} failed: {type(e).__name__}: '
-          f'{str(e).rstrip(".")}. ({shared.failed} failure(s) so far; pass on_error=\'log\' '
-          'to log failures and keep training.)') from e
+          f'{str(e).rstrip(".")}. ({shared.failed} failure(s) so far; pass '
+          "on_error='log' to log failures and keep training.)") from e
 
   def _check_not_worker_thread(self, what: str) -> None:
     if threading.current_thread() is self._thread:

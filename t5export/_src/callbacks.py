@@ -1,46 +1,13 @@
 """ExportCallback: publish a SavedModel every N steps during training.
 
-The callback decides *when* (`triggering.Trigger`: a multiple of
-`export_every_steps` or an `on_steps` entry reached since the previous call,
-or `every_secs` elapsed); the `SavedModelExporter` it is given decides
-*how* (its `ExportOptions`), as CLU's `PeriodicCallback(every_steps,
-callback_fn)` keeps the trigger and the work apart. One object serves three kinds of
-training loop with that one rule:
-
-* CLU and plain loops: `cb(step, t=None, train_state=ts)`, CLU's
-  `PeriodicAction` call contract (not a subclass). Calls may skip steps,
-  e.g. one per T5X `trainer.train` chunk: steps 3, 7, 12 with
-  `export_every_steps=5` export at 7 and 12 (named after
-  `train_state.step`).
-* T5X actions: `cb.run(train_state, metrics_by_task)` (returns False, so it
-  never stops training); the metrics feed `keep_best`.
-* Any: `cb.export_now(ts)` exports at once; `cb.close()` (or a `with`
-  block) waits for the last export.
-
-A `publisher.Publisher` carries each due export out: it makes room in the
-queue (`when_busy='wait'`, the default, holds the training thread while one
-export runs and one is queued; 'skip' drops the queued one, latest wins),
-snapshots the params to host on the training thread and hands the snapshot
-to a background worker (or writes inline with `async_export=False`). Each
-due export ends as one `outcomes.KINDS` entry (published, skipped,
-replaced, failed): counted, logged, written to the metric writer, reported
-by `close()`.
-
-Multi-process (`jax.distributed`): every process creates the exporter and
-the callback and calls at the same steps; all join the gather, only process
-0 touches `export_dir` and writes, and a `distributed.ExportCoordinator`
-makes the others follow its outcome within `multiprocess_timeout_secs`.
-Each export first settles the previous one (nothing is replaced), and an
-`every_secs` decision is process 0's. See docs/multiprocess.md.
-
-Gin: registered as `t5export.ExportCallback`; `include
-'t5export/gin/export.gin'` binds it and its exporter to macros (EXPORT_DIR,
-SIGNATURES, EXPORT_EVERY_STEPS, KEEP, SERVING_TF_VERSION).
+The callback decides *when* (`triggering.Trigger`); the `SavedModelExporter`
+it is given decides *how*; a `publisher.Publisher` carries each due export
+out. Calling conventions and multi-process rules: docs/internals.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 import time
 from typing import Any
 
@@ -52,55 +19,29 @@ from t5export._src import async_export as async_lib
 from t5export._src import distributed
 from t5export import errors
 from t5export._src import exporter as exporter_lib
+from t5export._src import outcomes as outcomes_lib
 from t5export._src import publisher as publisher_lib
 from t5export._src import triggering
 from t5export._src import versions
 
-_ON_ERROR_CHOICES = ('raise', 'log')
 
-
-def _check_args(*, exporter: Any, export_every_steps: Any, every_secs: Any,
-                on_steps: Any, num_train_steps: Any,
-                export_on_final_step: bool, on_error: Any,
-                when_busy: Any) -> list[int]:
-  """Validates the callback's own options; returns on_steps as a list."""
-  if not isinstance(exporter, exporter_lib.SavedModelExporter):
-    raise TypeError(
-        f'ExportCallback: exporter must be a t5export.SavedModelExporter, got '
-        f'{exporter!r}. Pass ExportCallback(SavedModelExporter(export_dir, '
-        'signatures), ...); in gin: ExportCallback.exporter = '
-        '@t5export.SavedModelExporter().')
-  steps = triggering.check_options(every_steps=export_every_steps,
-                                   every_secs=every_secs, on_steps=on_steps)
-  triggering.check_positive_int('num_train_steps', num_train_steps)
-  if on_error not in _ON_ERROR_CHOICES:
-    raise ValueError(
-        f'ExportCallback: on_error must be one of {_ON_ERROR_CHOICES}, got '
-        f'{on_error!r}. \'raise\' stops training on a failed export, \'log\' '
-        'logs it and continues.')
-  async_lib.check_when_busy(when_busy, owner='ExportCallback')
-  if (export_every_steps is None and every_secs is None and not steps and
-      not (export_on_final_step and num_train_steps is not None)):
-    raise ValueError(
-        'ExportCallback: no trigger is set, so it would never export. Set '
-        'export_every_steps (gin: EXPORT_EVERY_STEPS), every_secs or '
-        'on_steps, or num_train_steps with export_on_final_step=True.')
-  return steps
-
-
-def _outcome_count(kind: str, doc: str) -> property:
-  """A read-only count of the due exports that ended as `kind`."""
-
-  def count(self: ExportCallback) -> int:
-    return self._outcomes.counts()[kind]  # pylint: disable=protected-access
-
-  count.__doc__ = doc
-  return property(count)
+def _outcomes_view(get: Callable[[outcomes_lib.Outcomes], Any],
+                   doc: str) -> property:
+  """A read-only property computed from the callback's `Outcomes`."""
+  # pylint: disable-next=protected-access
+  return property(lambda cb: get(cb._outcomes), doc=doc)
 
 
 @gin.configurable(module='t5export', denylist=['metric_writer'])
 class ExportCallback:
   """Runs an exporter every N steps of training, in the background.
+
+  Three calling conventions share one trigger rule: `cb(step, t=None,
+  train_state=ts)` (CLU's `PeriodicAction` contract, plain loops; calls may
+  skip steps), `cb.run(train_state, metrics_by_task)` (a T5X action) and
+  `cb.export_now(ts)`. `close()` (or a `with` block) waits for the last
+  export. Under `jax.distributed` every process creates the callback and
+  calls it at the same steps; only process 0 writes.
 
   Example (a plain or CLU loop):
     exporter = t5export.SavedModelExporter(
@@ -116,6 +57,11 @@ class ExportCallback:
     exporter: the `SavedModelExporter` (on every process; only process 0
       writes with it).
     worker: the background worker (None if not async or not process 0).
+    export_every_steps: the step period, or None.
+    every_secs: the time period in seconds, or None.
+    on_steps: the extra export steps (sorted), incl. the final step when
+      enabled.
+    when_busy: 'wait' or 'skip' (see the constructor).
   """
 
   def __init__(self, exporter: exporter_lib.SavedModelExporter, *,
@@ -135,7 +81,8 @@ class ExportCallback:
     Args:
       exporter: what each export runs; its `ExportOptions` say how versions
         are written, checked and kept (`keep`, `keep_best`, `validate`,
-        `logical_axis_rules`, ...).
+        `logical_axis_rules`, ...). Gin: `ExportCallback.exporter =
+        @t5export.SavedModelExporter()`.
       export_every_steps: export when a multiple of this is reached (calls
         may skip steps: reaching one since the previous call is enough).
       every_secs: export when this many seconds passed since the last one.
@@ -158,7 +105,7 @@ class ExportCallback:
         't5export/bytes_written' and the running counts
         't5export/exports_{published,skipped,replaced,failed}' as scalars.
         Metrics for `keep_best` come from `run(..., metrics_by_task)` as
-        'task/metric', or from `cb(..., metrics=...)`.
+        'task/metric', or from `cb(..., metrics=...)`. Not bindable in gin.
       multiprocess_timeout_secs: under `jax.distributed`, how long the other
         processes wait for process 0 to report an export (and for each
         other at its barrier) before raising `errors.WriterTimeoutError`
@@ -170,17 +117,31 @@ class ExportCallback:
       errors.ExportDirError: `export_dir` is unusable (process 0;
         `errors.WriterFailedError` on the others).
     """
-    steps = _check_args(
-        exporter=exporter, export_every_steps=export_every_steps,
-        every_secs=every_secs, on_steps=on_steps,
-        num_train_steps=num_train_steps,
-        export_on_final_step=export_on_final_step, on_error=on_error,
-        when_busy=when_busy)
+    if not isinstance(exporter, exporter_lib.SavedModelExporter):
+      raise TypeError(
+          f'ExportCallback: exporter must be a t5export.SavedModelExporter, '
+          f'got {exporter!r}. Pass ExportCallback(SavedModelExporter('
+          'export_dir, signatures), ...); in gin: ExportCallback.exporter = '
+          '@t5export.SavedModelExporter().')
+    steps = triggering.check_options(every_steps=export_every_steps,
+                                     every_secs=every_secs, on_steps=on_steps)
+    triggering.check_positive_int('num_train_steps', num_train_steps)
+    async_lib.check_policies('ExportCallback', on_error=on_error,
+                             when_busy=when_busy)
     if export_on_final_step and num_train_steps is not None:
       steps.append(num_train_steps)
+    if export_every_steps is None and every_secs is None and not steps:
+      raise ValueError(
+          'ExportCallback: no trigger is set, so it would never export. Set '
+          'export_every_steps (gin: EXPORT_EVERY_STEPS), every_secs or '
+          'on_steps, or num_train_steps with export_on_final_step=True.')
     self._trigger = triggering.Trigger(
         every_steps=export_every_steps, every_secs=every_secs, on_steps=steps)
     self.exporter = exporter
+    self.export_every_steps = export_every_steps
+    self.every_secs = every_secs
+    self.on_steps = list(self._trigger.on_steps)
+    self.when_busy = when_busy
     self._publisher = publisher_lib.Publisher(
         exporter, async_export=bool(async_export), on_error=on_error,
         when_busy=when_busy, metric_writer=metric_writer,
@@ -192,12 +153,9 @@ class ExportCallback:
     logging.info(
         't5export: ExportCallback on %s (every_steps=%s, every_secs=%s, '
         'on_steps=%s, async=%s, when_busy=%s, on_error=%s, process %d%s).',
-        exporter.export_dir, export_every_steps, every_secs,
-        self._trigger.on_steps, async_export, when_busy, on_error,
-        jax.process_index(),
+        exporter.export_dir, export_every_steps, every_secs, self.on_steps,
+        async_export, when_busy, on_error, jax.process_index(),
         '' if self._publisher.is_writer else ', not the writer')
-
-  # --- the three calling conventions --------------------------------------
 
   def __call__(self, step: int, t: float | None = None, *,
                train_state: Any = None,
@@ -205,22 +163,20 @@ class ExportCallback:
     """CLU / plain-loop hook: call after every step, or after each chunk.
 
     Args:
-      step: the step just finished. Steps may skip: an export is due when a
-        multiple of `export_every_steps` (or an `on_steps` entry) was
-        reached since the previous call.
+      step: the step just finished; an export is due when a multiple of
+        `export_every_steps` (or an `on_steps` entry) was reached since the
+        previous call.
       t: a timestamp for `every_secs` (default `time.monotonic()`).
       train_state: the current train state (required when an export is
         due; pass it on every call). The version is named after its step.
-      metrics: optional `{name: value}` stored with the version (for
-        `keep_best`).
+      metrics: optional `{name: value}` stored with the version.
 
     Returns:
       True if an export was triggered at this call.
 
     Raises:
       ValueError: an export is due but no train_state was given.
-      errors.ExportFailedError: an earlier background export failed
-        (on_error='raise').
+      errors.ExportFailedError: an earlier export failed (on_error='raise').
     """
     self._before_call()
     t = time.monotonic() if t is None else t
@@ -238,10 +194,8 @@ class ExportCallback:
           metrics_by_task: Mapping[str, Any] | None = None) -> bool:
     """T5X action hook: exports if one is due at `train_state.step`.
 
-    Calls need not come at every step (T5X runs actions after each eval):
-    the same rule as `__call__` applies. T5X never closes its actions, so
-    at `num_train_steps` this waits until the export is published (or its
-    failure raised) before returning.
+    At `num_train_steps` this waits until the export is published (T5X
+    never closes its actions).
 
     Args:
       train_state: the current train state.
@@ -252,8 +206,7 @@ class ExportCallback:
 
     Raises:
       TypeError: `metrics_by_task` is not a mapping.
-      errors.ExportFailedError: an earlier background export failed
-        (on_error='raise').
+      errors.ExportFailedError: an earlier export failed (on_error='raise').
     """
     self._before_call()
     if metrics_by_task is not None and not isinstance(metrics_by_task,
@@ -266,15 +219,14 @@ class ExportCallback:
       self._publisher.export(train_state, step,
                              versions.flatten_metrics(metrics_by_task))
     if self._num_train_steps is not None and step >= self._num_train_steps:
-      self.wait()  # T5X never closes its actions: the last one must land.
+      self.wait()
     return False
 
   def export_now(self, train_state: Any,
                  metrics: Mapping[str, Any] | None = None) -> str | None:
-    """Exports `train_state` now and waits until it is published.
+    """Exports `train_state` now (queued exports first) and waits for it.
 
-    Background exports still queued are finished first (in order). If this
-    step is already published, nothing is written. The periodic triggers
+    A step already published is not written again. The periodic triggers
     count from this export.
 
     Args:
@@ -282,12 +234,12 @@ class ExportCallback:
       metrics: optional `{name: value}` stored with the version.
 
     Returns:
-      The version directory, or None on processes other than 0.
+      The version directory, or None on processes other than 0 (and with
+      on_error='log' when it failed).
 
     Raises:
       errors.ExportFailedError: this or an earlier export failed
-        (on_error='raise'; with 'log' the failure is logged and None
-        returned).
+        (on_error='raise').
     """
     self._before_call()
     step = int(train_state.step)
@@ -300,12 +252,8 @@ class ExportCallback:
       raise RuntimeError('ExportCallback is closed; create a new one.')
     self._publisher.check()
 
-  # --- lifecycle ------------------------------------------------------------
-
   def wait(self) -> None:
-    """Waits until the queued export (if any) is published.
-
-    Under `jax.distributed` every process must call it at the same point.
+    """Waits until the queued export is published (all processes call it).
 
     Raises:
       errors.ExportFailedError: an export failed (on_error='raise').
@@ -315,10 +263,9 @@ class ExportCallback:
     self._publisher.wait()
 
   def close(self) -> None:
-    """Waits for the last export and stops the worker; idempotent.
+    """Waits for the last export, stops the worker, logs `summary()`.
 
-    Logs one line with the outcome of every due export (also when a
-    failure is raised).
+    Idempotent.
 
     Raises:
       errors.ExportFailedError: an export failed (on_error='raise').
@@ -338,8 +285,8 @@ class ExportCallback:
 
     Returns:
       E.g. "6 due: 4 published, 1 skipped (already published), 0 replaced
-      (when_busy='wait'), 1 failed; waited 2.31s for room", or, on
-      processes other than 0, the due count (process 0 counts outcomes).
+      (when_busy='wait'), 1 failed; waited 2.31s for room"; on processes
+      other than 0, the due count.
     """
     if not self._publisher.is_writer:
       return (f'{self.exports_due} due on process {jax.process_index()}; '
@@ -356,58 +303,30 @@ class ExportCallback:
 
   # --- introspection --------------------------------------------------------
 
-  exports_due = _outcome_count(
-      'due', 'Exports that became due (including `export_now`).')
-  exports_done = _outcome_count(
-      'published', 'Due exports this callback published.')
-  exports_skipped = _outcome_count(
-      'skipped',
+  exports_due = _outcomes_view(
+      lambda o: o.counts()['due'],
+      'Exports that became due (including `export_now`).')
+  exports_done = _outcomes_view(
+      lambda o: o.counts()['published'], 'Due exports published.')
+  exports_skipped = _outcomes_view(
+      lambda o: o.counts()['skipped'],
       'Due exports skipped: the version was already published (resume).')
-  exports_replaced = _outcome_count(
-      'replaced',
+  exports_replaced = _outcomes_view(
+      lambda o: o.counts()['replaced'],
       "Due exports dropped from the queue for a newer one ('skip' only).")
-  exports_failed = _outcome_count(
-      'failed', 'Due exports that failed (logged, or raised).')
-
-  @property
-  def published(self) -> list[str]:
-    """The paths published, in order."""
-    return list(self._outcomes.published)
-
-  @property
-  def bytes_written(self) -> int:
-    """Total bytes of the versions published."""
-    return self._outcomes.bytes_written
-
-  @property
-  def blocking_secs(self) -> list[float]:
-    """Per export, seconds the training thread was held (incl. waiting)."""
-    return list(self._outcomes.blocking_secs)
-
-  @property
-  def wait_secs(self) -> list[float]:
-    """Per export, seconds the training thread waited for queue room."""
-    return list(self._outcomes.wait_secs)
-
-  @property
-  def export_every_steps(self) -> int | None:
-    """The step period, or None."""
-    return self._trigger.every_steps
-
-  @property
-  def every_secs(self) -> float | None:
-    """The time period in seconds, or None."""
-    return self._trigger.every_secs
-
-  @property
-  def on_steps(self) -> list[int]:
-    """Extra export steps, including the final step when enabled."""
-    return list(self._trigger.on_steps)
-
-  @property
-  def when_busy(self) -> str:
-    """'wait' or 'skip' (see the constructor)."""
-    return self._publisher.when_busy
+  exports_failed = _outcomes_view(
+      lambda o: o.counts()['failed'],
+      'Due exports that failed (logged, or raised).')
+  published = _outcomes_view(lambda o: list(o.published),
+                             'The paths published, in order.')
+  bytes_written = _outcomes_view(lambda o: o.bytes_written,
+                                 'Total bytes of the versions published.')
+  blocking_secs = _outcomes_view(
+      lambda o: list(o.blocking_secs),
+      'Per export, seconds the training thread was held (incl. waiting).')
+  wait_secs = _outcomes_view(
+      lambda o: list(o.wait_secs),
+      'Per export, seconds the training thread waited for queue room.')
 
   @property
   def stats(self) -> dict[str, Any]:
@@ -416,10 +335,9 @@ class ExportCallback:
     Keys: exports_due, exports_done (published), exports_skipped,
     exports_replaced, exports_failed, bytes_written, blocking_secs_last,
     blocking_secs_max, wait_secs_total, export_secs_total, when_busy and,
-    when async, 'worker' (the `AsyncWorker.stats`: submitted, completed,
-    replaced, failed, waits, ...). On process 0, once `close()` returned,
-    exports_due == exports_done + exports_skipped + exports_replaced +
-    exports_failed.
+    when async, 'worker' (submitted, completed, replaced, failed, waits,
+    ...). On process 0, once `close()` returned, exports_due ==
+    exports_done + exports_skipped + exports_replaced + exports_failed.
     """
     out = {**self._outcomes.stats(), 'when_busy': self.when_busy}
     if self.worker is not None:

@@ -1,25 +1,9 @@
 """One due export, from the training thread to a published version.
 
-`ExportCallback` decides when an export is due (`triggering`); a
-`Publisher` carries it out, the same way for every calling convention:
-
-1. make room: with one export running and one queued, `when_busy='wait'`
-   holds the training thread until the queued one starts, 'skip' drops the
-   queued one (counted as replaced). Room comes before the snapshot, so at
-   most two snapshots are alive at once;
-2. snapshot on the training thread (`snapshot.take_snapshot`: strip, resolve
-   axes with the exporter's `logical_axis_rules`, gather to host; safe
-   across a donating train step);
-3. publish on process 0: a step already published (or being written) is
-   skipped; otherwise the snapshot is handed to an `async_export.AsyncWorker`
-   that runs `SavedModelExporter.export_snapshot`, or written inline;
-4. account: every due export ends as one `outcomes.KINDS` entry, and the
-   scalars queued for it are written to the metric writer from the
-   training thread.
-
-Under `jax.distributed` a `distributed.ExportCoordinator` wraps steps 3 and
-the directory preparation: process 0 alone touches `export_dir`, the others
-follow its outcome, and each export first settles the previous one.
+Make room (`when_busy`), snapshot on the training thread, then on process 0
+skip a step already published or hand the snapshot to the worker (or write
+inline), and account for the outcome; under `jax.distributed` all through a
+`distributed.ExportCoordinator`. Steps: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -42,34 +26,13 @@ from t5export._src import versions
 
 
 class Publisher:
-  """Carries out due exports for `ExportCallback` (see the module docstring).
-
-  Attributes:
-    exporter: the `SavedModelExporter` every export runs.
-    worker: the background worker (None if not async or not process 0).
-    outcomes: the counts, ledger and numbers of every due export.
-    coordinator: the multi-process coordinator (inactive in one process).
-  """
+  """Carries out due exports for `ExportCallback` (options checked there)."""
 
   def __init__(self, exporter: exporter_lib.SavedModelExporter, *,
                async_export: bool, on_error: str, when_busy: str,
                metric_writer: Any, timeout_secs: float):
-    """Prepares `export_dir` on process 0 and starts the worker there.
-
-    Args:
-      exporter: what each export runs.
-      async_export: write on a background thread.
-      on_error: 'raise' or 'log' (as checked by `ExportCallback`).
-      when_busy: 'wait' or 'skip' (as checked by `ExportCallback`).
-      metric_writer: a CLU `MetricWriter`, or None.
-      timeout_secs: the coordinator's timeout (`jax.distributed`).
-
-    Raises:
-      errors.ExportDirError: `export_dir` is unusable (process 0;
-        `errors.WriterFailedError` on the others).
-    """
+    """Prepares `export_dir` on process 0 and starts the worker there."""
     self.exporter = exporter
-    self.when_busy = when_busy
     self._on_error = on_error
     self._metric_writer = metric_writer
     self.is_writer = jax.process_index() == 0
@@ -89,21 +52,11 @@ class Publisher:
   def export(self, train_state: Any, step: int,
              metrics: Mapping[str, Any] | None, *,
              now: bool = False) -> str | None:
-    """Runs one due export on every process (steps 1-4).
+    """Runs one due export on every process.
 
-    Args:
-      train_state: the state to export; the version is its `step`.
-      step: the step the loop reported (for messages).
-      metrics: `{name: value}` stored with the version.
-      now: settle queued exports first and write this one before returning.
-
-    Returns:
-      The version directory when written before returning on process 0,
-      else None.
-
-    Raises:
-      errors.ExportFailedError: this (when written now) or an earlier
-        export failed (on_error='raise').
+    `now` settles queued exports first and writes this one before returning.
+    Returns the version directory when written before returning on process
+    0, else None.
     """
     start = time.perf_counter()
     sync = now or self._sync
@@ -111,10 +64,18 @@ class Publisher:
       self.coordinator.settle(self._drain)
     else:
       self._waited = self._make_room(step)
-    # In the background the train loop runs on (and may donate the state's
-    # buffers) while the export reads the snapshot: owned=None copies only
-    # where a view or transfer would not survive that.
-    snap = self._snapshot(train_state, step, owned=False if sync else None)
+    self.outcomes.add_due()
+    try:
+      # In the background the loop runs on (and may donate the state's
+      # buffers) while the export reads the snapshot: owned=None copies
+      # only where a view or transfer would not survive that.
+      snap = snapshot_lib.take_snapshot(
+          train_state, rules=self.exporter.options.logical_axis_rules,
+          owned=False if sync else None, shapes_only=not self.is_writer)
+    except Exception as e:
+      self.outcomes.record('failed', step, f'the snapshot failed: '
+                           f'{type(e).__name__}: {e}')
+      raise
     if snap.step != step and not self._step_mismatch_warned:
       self._step_mismatch_warned = True
       logging.warning(
@@ -128,24 +89,11 @@ class Publisher:
     self.flush_scalars()
     return path
 
-  def _snapshot(self, train_state: Any, step: int, *,
-                owned: bool | None) -> snapshot_lib.HostSnapshot:
-    """Counts the due export and takes its snapshot (a failure counts)."""
-    self.outcomes.add_due()
-    try:
-      return snapshot_lib.take_snapshot(
-          train_state, rules=self.exporter.options.logical_axis_rules,
-          owned=owned, shapes_only=not self.is_writer)
-    except Exception as e:
-      self.outcomes.record('failed', step, f'the snapshot failed: '
-                           f'{type(e).__name__}: {e}')
-      raise
-
   def _make_room(self, step: int) -> float:
     """Frees the queue slot before the snapshot; returns the seconds waited.
 
-    Under jax.distributed the coordinator instead settles the previous
-    export before the next one (`_drain` counts that wait).
+    Under jax.distributed the coordinator settles the previous export
+    instead (`_drain` counts that wait).
     """
     if self.worker is None or self.coordinator.active:
       return 0.0
@@ -174,10 +122,7 @@ class Publisher:
   def _publish_local(self, snap: snapshot_lib.HostSnapshot,
                      metrics: Mapping[str, Any] | None, *,
                      sync: bool) -> str | None:
-    """Process 0's part: skip if published, else hand off (or write now).
-
-    Returns the published path when `sync`, else None.
-    """
+    """Process 0: skip if published, else hand off (or write, if `sync`)."""
     if not self.is_writer:
       return None
     step = snap.step
@@ -225,8 +170,7 @@ class Publisher:
   def flush_scalars(self) -> None:
     """Writes the queued scalars from the training thread.
 
-    Metric writers are not promised to be thread-safe, so the worker only
-    queues its scalars and this thread writes them.
+    Metric writers are not promised to be thread-safe: the worker queues.
     """
     pending = self.outcomes.take_scalars()
     if self._metric_writer is None:
@@ -237,20 +181,14 @@ class Publisher:
   def check(self) -> None:
     """Before each call: writes queued scalars, raises a pending failure.
 
-    Under jax.distributed a failure surfaces at the next export, `wait()`
-    or `close()` on every process at once, never on process 0 alone
-    between two training steps.
-
-    Raises:
-      errors.ExportFailedError: a background export failed
-        (on_error='raise').
+    Under jax.distributed a failure surfaces at the next export, `wait()` or
+    `close()` on every process at once, never on process 0 alone.
     """
     self.flush_scalars()
     if self.worker is not None and not self.coordinator.active:
       self.worker.check()
 
   def wait(self) -> None:
-    """Settles the queued export on every process (see `ExportCallback`)."""
     self.coordinator.settle(self._drain)
     self.flush_scalars()
 
@@ -263,6 +201,3 @@ class Publisher:
       self.flush_scalars()
       if self._metric_writer is not None:
         self._metric_writer.flush()
-
-
-__all__ = ['Publisher']

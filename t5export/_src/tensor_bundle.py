@@ -1,40 +1,16 @@
-"""Reads TensorFlow checkpoints (tensor bundles) without TensorFlow.
+"""Reads TensorFlow checkpoints (tensor bundles) with numpy, without TF.
 
-A SavedModel keeps its variables in TensorFlow's "tensor bundle" format:
-`variables/variables.index` plus data shards
-`variables/variables.data-0000i-of-0000N`. This module reads it with numpy
-alone, so a process where TensorFlow cannot be imported gets the weights
-back bit for bit (`verify.load_params`, `verify.load_function`).
-
-The index is an SSTable (LevelDB's table format): a 48-byte footer holds
-the block handles (varint offset and size) of the metaindex and index
-blocks and a magic number; the index block maps keys to data blocks; a
-block is a run of prefix-compressed entries (varints: shared key bytes,
-unshared key bytes, value size; the key suffix; the value), then uint32
-restart offsets and their count, followed by a 5-byte trailer: compression
-type and masked CRC-32C of block + type byte. TensorFlow writes bundle
-indexes uncompressed (type 0), the only kind read here.
-
-Values are protobufs decoded by hand: under the empty key a
-`BundleHeaderProto` (num_shards, endianness: little only), under each
-tensor's key a `BundleEntryProto` (dtype, shape, shard_id, offset, size,
-crc32c, slices). A tensor is `size` bytes at `offset` of its data shard,
-row-major; numeric tensors are checked against their masked CRC-32C
-(`crc32c`, vectorized with numpy). A string tensor holds a varint length
-per element, a 4-byte checksum of the lengths, then the bytes; its sizes
-are checked. Partitioned (sliced) variables are not read (t5export never
-writes them).
-
-`param_checkpoint_keys` decodes a SavedModel's object graph to find the
-checkpoint key of each `JaxModule.param_vars[i]`; the writer uses it too.
+The `.index` SSTable, its protobufs and the CRC-32C are decoded by hand;
+formats: docs/internals.md. `param_checkpoint_keys` maps a SavedModel's
+object graph to the checkpoint key of each `JaxModule.param_vars[i]`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-import dataclasses
 import functools
 import os
+from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -58,8 +34,7 @@ _DTYPES = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class Entry:
+class Entry(NamedTuple):
   """A decoded `BundleEntryProto`: one tensor's dtype enum, shape, place."""
   dtype: int  # TensorFlow's DataType enum (1 float32, 14 bfloat16, ...).
   shape: tuple[int, ...]
@@ -87,10 +62,7 @@ def _varint(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
 
 
 def _fields(buf: bytes | memoryview) -> Iterator[tuple[int, int | bytes]]:
-  """(field number, value) of each field of a serialized protobuf message.
-
-  Varint and fixed-width fields give ints, length-delimited ones bytes.
-  """
+  """(field number, int or bytes value) of each field of a protobuf."""
   pos, end = 0, len(buf)
   while pos < end:
     tag, pos = _varint(buf, pos)
@@ -154,19 +126,13 @@ def _position_tables() -> np.ndarray:
 
 
 def crc32c(data: bytes | memoryview | np.ndarray) -> int:
-  """The CRC-32C (Castagnoli) of `data`, as TensorFlow and LevelDB use it.
+  """The CRC-32C of `data` (TensorFlow's and LevelDB's), vectorized.
 
   Past a head done byte by byte, numpy computes the registers of all rows
-  of `_CRC_ROW` bytes at once (`_position_tables`: a gather, an XOR-reduce)
-  and folds each into the running register: carrying a register over a
-  row is the tables' first four rows indexed by its four bytes (a reflected
-  CRC's register acts like the next four input bytes). ~100 MB/s a core.
-
-  Args:
-    data: the bytes.
-
-  Returns:
-    The CRC as an unsigned 32-bit int.
+  of `_CRC_ROW` bytes at once (a gather, an XOR-reduce) and folds each into
+  the running register: carrying a register over a row is the tables' first
+  four rows indexed by its four bytes (a reflected CRC's register acts like
+  the next four input bytes). ~100 MB/s a core.
   """
   buf = (data.reshape(-1).view(np.uint8) if isinstance(data, np.ndarray)
          else np.frombuffer(data, np.uint8))
@@ -268,18 +234,11 @@ class BundleReader:
   Example:
     reader = BundleReader('/models/t5/1000/variables/variables')
     kernel = reader.read('param_vars/0/.ATTRIBUTES/VARIABLE_VALUE')
+
+  Damage or an unsupported form is `errors.VariablesFormatError`.
   """
 
   def __init__(self, prefix: str | os.PathLike[str]):
-    """Reads and checks the index `<prefix>.index`.
-
-    Args:
-      prefix: the checkpoint prefix, e.g. `<version>/variables/variables`.
-
-    Raises:
-      errors.VariablesFormatError: the index is missing, damaged or in a
-        form this reader does not handle (the message says which).
-    """
     self.prefix = os.fspath(prefix)
     index = self.prefix + '.index'
     self._entries: dict[str, Entry | None] = {}  # None: sliced.
@@ -337,18 +296,7 @@ class BundleReader:
     return entry, raw
 
   def read(self, key: str) -> np.ndarray:
-    """Numeric tensor `key` as a numpy array (bfloat16: `ml_dtypes`).
-
-    Args:
-      key: a checkpoint key.
-
-    Returns:
-      A new array with the stored dtype, shape and bytes.
-
-    Raises:
-      errors.VariablesFormatError: the key is missing or not numeric, or
-        its bytes are truncated or fail their checksum.
-    """
+    """Numeric tensor `key` as a new numpy array (bfloat16: ml_dtypes)."""
     entry, raw = self._raw(key, 'numeric')
     dtype = np.dtype(_DTYPES[entry.dtype])
     nbytes = int(np.prod(entry.shape, dtype=np.int64)) * dtype.itemsize
@@ -363,18 +311,7 @@ class BundleReader:
     return raw.view(dtype).reshape(entry.shape)
 
   def read_strings(self, key: str) -> list[bytes]:
-    """String tensor `key`, flattened, as a list of bytes.
-
-    Args:
-      key: a checkpoint key of a string tensor.
-
-    Returns:
-      The elements in row-major order.
-
-    Raises:
-      errors.VariablesFormatError: the key is missing or not a string
-        tensor, or its sizes do not add up.
-    """
+    """String tensor `key`, flattened, as a list of bytes."""
     entry, raw = self._raw(key, 'string')
     data = raw.tobytes()
     lengths, pos = [], 0
@@ -399,24 +336,12 @@ class BundleReader:
 
 def param_checkpoint_keys(object_graph: bytes, *, attribute: str = 'param_vars',
                           count: int | None = None) -> list[str] | None:
-  """Checkpoint keys of the variables in a root attribute's list.
+  """Checkpoint keys of the variables in the root's list `attribute`.
 
-  Each variable's key comes from its path in the object graph
-  ('param_vars/3/.ATTRIBUTES/VARIABLE_VALUE'), a `TrackableObjectGraph`
-  decoded by hand: nodes = 1; a node's children = 1 {node_id = 1,
-  local_name = 2}, attributes = 2 {name = 1, checkpoint_key = 3}.
-
-  Args:
-    object_graph: the checkpoint's `OBJECT_GRAPH_KEY` string.
-    attribute: the root object's list attribute (JaxModule's `param_vars`).
-    count: the list's length (default: as long as the graph's).
-
-  Returns:
-    The keys in list order, or None if the graph has no complete list
-    under `attribute` (not a t5export module).
-
-  Raises:
-    errors.VariablesFormatError: the graph cannot be decoded.
+  In list order (`count` long, default the graph's), or None if the graph
+  has no complete list there. `TrackableObjectGraph` fields: nodes = 1; a
+  node's children = 1 {node_id = 1, local_name = 2}, attributes = 2
+  {name = 1, checkpoint_key = 3}.
   """
   try:
     nodes = [value for number, value in _fields(object_graph) if number == 1]

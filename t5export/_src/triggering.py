@@ -1,35 +1,9 @@
 """When an export is due: one rule for every way the callback is called.
 
-`ExportCallback` is called after every step (CLU loops, plain loops), after
-each chunk of steps (T5X hands the train state out per `trainer.train`
-chunk, so `cb(step, ...)` sees steps that skip), or as a T5X action
-(`run(train_state, ...)`, after each eval). A `Trigger` decides for all of
-them with one rule. A call at `step`, the previous call having been at
-`previous`, is due when
-
-* `every_steps` is set and a multiple of it lies in `(previous, step]`;
-* a step of `on_steps` (the final step included) lies in `(previous, step]`;
-* `every_secs` is set, nothing above fired, and more than `every_secs`
-  seconds passed since the last export (or since the first call).
-
-Calls at every step make this exactly CLU's `PeriodicAction` rule (a
-multiple of `every_steps`, or a step in `on_steps`); skipped steps are not
-an error. The first call (and a call whose step went back, e.g. a restart
-from an earlier checkpoint in the same process) has no previous step: it is
-due when the step itself is a multiple of `every_steps` or in `on_steps`,
-and it starts the `every_secs` clock. A repeated step is never due twice.
-`record_export` books an export made outside the rule (`export_now`): the
-clock restarts and the steps up to it count as seen.
-
-Multi-process runs must decide identically on every process. The step part
-is deterministic (every process calls at the same steps); the time part is
-not (clocks differ), so `due` takes an `agree` function that turns this
-process's time-based decision into the decision of process 0 (the
-callback passes `distributed.ExportCoordinator.agree`). It is called only
-when the step part did not fire and `every_secs` is set, which, being
-decided by steps alone, happens at the same calls on every process.
-
-Light: this module imports neither TensorFlow nor JAX.
+A call at `step` (the previous call at `previous`) is due when a multiple of
+`every_steps` or an `on_steps` entry lies in (previous, step], or else when
+`every_secs` passed since the last export. The rule and its multi-process
+`agree` hook: docs/internals.md. Light: no TensorFlow or JAX.
 """
 
 from __future__ import annotations
@@ -41,16 +15,7 @@ from absl import logging
 
 
 def check_positive_int(name: str, value: Any) -> None:
-  """Checks an `ExportCallback` option that is a positive int or None.
-
-  Args:
-    name: the option's name, for the message.
-    value: its value.
-
-  Raises:
-    TypeError: not an int (bool excluded) or None.
-    ValueError: not > 0.
-  """
+  """Checks an `ExportCallback` option that is a positive int or None."""
   if value is None:
     return
   if isinstance(value, bool) or not isinstance(value, int):
@@ -68,17 +33,7 @@ def check_options(*, every_steps: Any, every_secs: Any,
                   on_steps: Any) -> list[int]:
   """Validates the trigger options (as `ExportCallback` names them).
 
-  Args:
-    every_steps: `export_every_steps`: a positive int or None.
-    every_secs: a positive number of seconds or None.
-    on_steps: an iterable of ints >= 0, or None.
-
-  Returns:
-    `on_steps` as a list.
-
-  Raises:
-    TypeError: an option has the wrong type (the message names it).
-    ValueError: an option has a bad value.
+  Returns `on_steps` as a list.
   """
   check_positive_int('export_every_steps', every_steps)
   if every_secs is not None:
@@ -103,28 +58,16 @@ def check_options(*, every_steps: Any, every_secs: Any,
 
 
 class Trigger:
-  """Decides at which calls an export is due (see the module docstring).
+  """Decides at which calls an export is due (options as checked above).
 
   Example:
     trigger = Trigger(every_steps=5)
     [s for s in (3, 7, 12, 13) if trigger.due(s, t=0.0)]   # [7, 12]
-
-  Attributes:
-    every_steps: the step period, or None.
-    every_secs: the time period in seconds, or None.
-    on_steps: the extra steps (sorted).
   """
 
   def __init__(self, *, every_steps: int | None = None,
                every_secs: float | None = None,
                on_steps: Iterable[int] | None = None):
-    """Creates the rule; options as validated by `check_options`.
-
-    Args:
-      every_steps: export when a multiple of this is reached.
-      every_secs: export when this many seconds passed since the last one.
-      on_steps: also export when one of these steps is reached.
-    """
     self.every_steps = every_steps
     self.every_secs = every_secs
     self.on_steps = sorted(set(on_steps or ()))
@@ -135,14 +78,7 @@ class Trigger:
           agree: Callable[[bool], bool] | None = None) -> bool:
     """Whether the call at `step` (time `t`) is due; records the call.
 
-    Args:
-      step: the training step of this call.
-      t: a timestamp in seconds (any clock, the same on every call).
-      agree: makes the time-based decision common to all processes; None
-        in a single process.
-
-    Returns:
-      True if an export is due now.
+    `agree` turns this process's time-based decision into process 0's.
     """
     previous = self._previous_step
     if previous is not None and step < previous:
@@ -150,8 +86,8 @@ class Trigger:
                    'from an earlier checkpoint?); triggering starts over.',
                    previous, step)
       previous = None
-    if previous is None:
-      due = self._hit(step)
+    if previous is None:  # The first call: the step itself must be one.
+      due = self._crossed(step - 1, step)
       if self._last_time is None:
         self._last_time = t
     elif step == previous:
@@ -168,21 +104,10 @@ class Trigger:
     return due
 
   def record_export(self, step: int, t: float) -> None:
-    """Books an export made outside the rule (e.g. `export_now`).
-
-    Args:
-      step: the exported step; steps up to it count as seen.
-      t: when it was exported (restarts the `every_secs` clock).
-    """
+    """Books an export made outside the rule (`export_now`) at `step`, `t`."""
     if self._previous_step is None or step > self._previous_step:
       self._previous_step = step
     self._last_time = t
-
-  def _hit(self, step: int) -> bool:
-    """Whether `step` itself is a trigger step."""
-    if self.every_steps is not None and step % self.every_steps == 0:
-      return True
-    return step in self.on_steps
 
   def _crossed(self, previous: int, step: int) -> bool:
     """Whether a trigger step lies in (previous, step]."""
@@ -190,6 +115,3 @@ class Trigger:
         step // self.every_steps > previous // self.every_steps):
       return True
     return any(previous < s <= step for s in self.on_steps)
-
-
-__all__ = ['Trigger', 'check_options', 'check_positive_int']

@@ -1,33 +1,9 @@
 """Writes the SavedModel files of one version: in full, or only the weights.
 
-The first version of an export directory is written by
-`tf.saved_model.save`: the graph, the signatures, the object graph, assets
-and the variables. Between versions only the variables change (the
-`JaxModule` is updated in place, nothing is traced again), yet
-`tf.saved_model.save` rebuilds and serializes the whole object graph and
-writes the weights through one single-threaded saver every time; on a
-100M-param model that is most of a re-export.
-
-`SavedModelWriter` therefore keeps the first version's files that do not
-depend on the weights (`saved_model.pb`, `assets/`) and writes every later
-version as those files plus a fresh variables checkpoint:
-
-* the checkpoint keys come from the first version's object graph, so the
-  new checkpoint restores into the same graph (TF Serving's session
-  loader and `tf.saved_model.load` alike);
-* the weights are written as several shards in parallel threads
-  (`SaveV2` per shard, then `MergeV2Checkpoints`: the sharded layout
-  `variables.data-0000i-of-0000N` + one `variables.index` that TensorFlow
-  writes for multi-device models);
-* each shard's data file is fsync-ed by the thread that wrote it, as soon
-  as it is written, so flushing the weights to disk overlaps the other
-  shards' writes (the exporter's later `fsync_tree` then finds them clean);
-* `fingerprint.pb` is computed again for the new files.
-
-If the first checkpoint holds anything besides the module's variables (a
-preprocessor with variables of its own, say), every version is written in
-full, as before. The exporter's check then loads each staged version and
-runs it against JAX, whichever way it was written.
+The first version is `tf.saved_model.save`; later ones reuse its
+weight-independent files (`saved_model.pb`, `assets/`) and write a fresh
+variables checkpoint in parallel shards, each fsync-ed by its thread. Why
+and how: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -55,7 +31,7 @@ _REWRITTEN = (VARIABLES_DIR, 'fingerprint.pb')
 
 
 def default_shards() -> int:
-  """Parallel shards for the weights: one per CPU, at most 8."""
+  """Parallel weight shards: one per CPU, at most 8."""
   return max(1, min(8, os.cpu_count() or 1))
 
 
@@ -82,24 +58,8 @@ class SavedModelWriter:
 
   def __init__(self, module: jax_module.JaxModule,
                signatures: Mapping[str, Any], *,
-               reuse_graph: bool = True, shards: int | None = None,
-               fsync: bool = True):
-    """Binds the writer to a module and its serving functions.
-
-    Args:
-      module: the module every version saves.
-      signatures: name -> serving tf.function (`tf.saved_model.save`'s
-        `signatures`).
-      reuse_graph: write later versions from the first one's graph plus
-        the variables; False writes every version in full.
-      shards: how many weight shards to write in parallel (default: one per
-        CPU, at most 8; 1 writes a single data file).
-      fsync: fsync each weight shard right after writing it (later
-        versions only).
-
-    Raises:
-      ValueError: if `shards` is not a positive int.
-    """
+               reuse_graph: bool = True, shards: int | None = None):
+    """reuse_graph=False writes every version in full."""
     if shards is not None and (not isinstance(shards, int) or
                                isinstance(shards, bool) or shards < 1):
       raise ValueError(f'shards must be an int >= 1 or None, got {shards!r}.')
@@ -107,11 +67,9 @@ class SavedModelWriter:
     self._signatures = dict(signatures)
     self._reuse_graph = reuse_graph
     self._shards = shards or default_shards()
-    self._fsync = fsync
     self._template: dict[str, bytes] | None = None
     self._keys: list[str] | None = None
     self._object_graph: bytes | None = None
-    self._why_full = '' if reuse_graph else 'reuse_graph=False'
 
   @property
   def reuses_graph(self) -> bool:
@@ -119,25 +77,16 @@ class SavedModelWriter:
     return self._template is not None
 
   def write(self, directory: str) -> str:
-    """Writes the module's current state as a SavedModel into `directory`.
-
-    Args:
-      directory: a directory that does not exist yet (the staging dir).
-
-    Returns:
-      'full' (tf.saved_model.save) or 'variables' (first version's graph
-      plus freshly written variables).
-    """
+    """Writes the module into the new `directory`: 'full' or 'variables'."""
     if self._template is None:
       tf.saved_model.save(self._module, directory,
                           signatures=self._signatures)
-      if self._reuse_graph and not self._why_full:
+      if self._reuse_graph:
         self._capture(directory)
+        self._reuse_graph = False  # Captured, or never possible.
       return 'full'
     self._write_from_template(directory)
     return 'variables'
-
-  # --- first version ------------------------------------------------------
 
   def _capture(self, directory: str) -> None:
     """Keeps what later versions reuse, or records why they cannot."""
@@ -149,12 +98,11 @@ class SavedModelWriter:
     stored = set(reader.keys()) - {tensor_bundle.OBJECT_GRAPH_KEY}
     if keys is None or set(keys) != stored:
       extra = sorted(stored - set(keys or ()))
-      self._why_full = (
-          'the checkpoint holds more than the module variables '
+      logging.info(
+          't5export: every version is saved in full: %s.',
+          f'the checkpoint holds more than the module variables '
           f'({extra[:3]}...)' if extra else
           'the module variables were not found in the object graph')
-      logging.info('t5export: every version is saved in full: %s.',
-                   self._why_full)
       return
     template = {}
     for root, dirs, files in os.walk(directory):
@@ -178,8 +126,6 @@ class SavedModelWriter:
                  sum(not k.endswith(os.sep) for k in template),
                  sum(len(v) for v in template.values()) / 1024, len(keys),
                  min(self._shards, len(keys)))
-
-  # --- later versions -----------------------------------------------------
 
   def _write_from_template(self, directory: str) -> None:
     start = time.monotonic()
@@ -247,30 +193,24 @@ class SavedModelWriter:
     with tf.device('/CPU:0'):
       tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names,
                         shape_and_slices=[''] * len(names), tensors=tensors)
-    if self._fsync:
-      data = prefix + '.data-00000-of-00001'
-      fd = os.open(data, os.O_RDONLY)
-      try:
-        os.fsync(fd)
-      except OSError as e:
-        raise OSError(e.errno, e.strerror, data) from e
-      finally:
-        os.close(fd)
+    # fsync here, so flushing overlaps the other shards' writes.
+    data = prefix + '.data-00000-of-00001'
+    fd = os.open(data, os.O_RDONLY)
+    try:
+      os.fsync(fd)
+    except OSError as e:
+      raise OSError(e.errno, e.strerror, data) from e
+    finally:
+      os.close(fd)
 
 
 def write_warmup_requests(
     path: str, model_name: str,
     requests: Sequence[tuple[str, Mapping[str, Any], Mapping[str, Any]]]
 ) -> int:
-  """Writes TF Serving warm-up requests (one PredictRequest each).
+  """Writes TF Serving warm-up requests; returns how many (none: no file).
 
-  Args:
-    path: the file, `assets.extra/tf_serving_warmup_requests` of a version.
-    model_name: the model name the requests carry.
-    requests: `(signature_name, {input: array}, {input: tf dtype})` each.
-
-  Returns:
-    How many were written; with none, no file is left.
+  Each request is `(signature_name, {input: array}, {input: tf dtype})`.
   """
   with tf.io.TFRecordWriter(path) as records:
     for name, inputs, dtypes in requests:
