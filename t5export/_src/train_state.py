@@ -1,16 +1,7 @@
-"""The train state family: `TrainState`, `FlaxOptimTrainState`, `InferenceState`.
+"""The train states: `TrainState`, `FlaxOptimTrainState`, `InferenceState`.
 
-Rebuilt on optax after T5X's `train_state` (which sits on a legacy flax.optim
-fork). The exporter needs two things from a state: a way to drop the
-optimizer state without touching its bytes (`InferenceState.from_train_state`,
-which also takes T5X's own states as they are) and the logical axis names of
-every array leaf (`as_logical_axes()`). `TrainState` lists what is read.
-
-`params` and `flax_mutables` are plain nested dicts of arrays (FrozenDict
-input is converted; the array leaves are kept, not copied); boxed params
-(`nn.Partitioned`, `nn.LogicallyPartitioned`) are unboxed at `create`. How
-the axis names are stored, read and turned into specs is `state_axes`.
-
+T5X's train state API rebuilt on optax. How the axis names are stored, read
+and turned into logical specs is `state_axes` (docs/internals.md, "State").
 Light module: never imports tensorflow.
 """
 
@@ -34,8 +25,8 @@ from typing_extensions import runtime_checkable
 from typing_extensions import Self
 
 from t5export import errors
-from t5export._src import optax_state
 from t5export._src import state_axes
+
 
 class _Keep:
   """Default of `apply_gradient(flax_mutables=...)`: keep the current ones."""
@@ -45,6 +36,8 @@ class _Keep:
 
 
 KEEP = _Keep()
+_INJECT_STATES = (optax.InjectHyperparamsState,
+                  optax.InjectStatefulHyperparamsState)
 
 
 @runtime_checkable
@@ -54,14 +47,14 @@ class TrainState(Protocol):
   t5export itself reads much less from a state it is handed (T5X's own
   `FlaxOptimTrainState` / `InferenceState`, or any other object):
 
-  * to export it (`take_snapshot`, `SavedModelExporter.export`,
-    `ExportCallback`): `step` and `params`, and when present
-    `flax_mutables`, `params_axes` and `flax_mutables_axes` (axes trees of
-    `AxisMetadata`, mirroring the values or in T5X's layout with `_axes`
-    key suffixes); the optimizer state is never touched;
-  * to resolve its mesh axes (`get_mesh_axes`, `shard_state`): a pytree
-    with `as_logical_axes()`, whose logical specs may be `None` for
-    replicated leaves (as T5X's are).
+  * to export it (`SavedModelExporter.export`, `ExportCallback`): `step` and
+    `params`, and when present `flax_mutables`, `params_axes` and
+    `flax_mutables_axes` (axes trees of `AxisMetadata`, mirroring the values
+    or in T5X's layout with `_axes` key suffixes); the optimizer state is
+    never touched;
+  * to resolve its mesh axes (`shard_state`): a pytree with
+    `as_logical_axes()`, whose logical specs may be `None` for replicated
+    leaves (as T5X's are).
 
   Nothing else (`param_states`, `state_dict`, `replace_*`,
   `apply_gradient`) is read, so the protocol check is not needed to export.
@@ -130,13 +123,31 @@ def _check_state_dict(state_dict: Any, *, need_param_states: bool) -> None:
         'a dict produced by state_dict() (or a restored copy of one).')
 
 
-def _restore_mutables(current: Any, state_dict: Mapping[str, Any]) -> Any:
-  if 'flax_mutables' not in state_dict:
-    return {}
-  if current:
-    return state_axes.plain(flax.serialization.from_state_dict(
-        current, state_axes.plain(state_dict['flax_mutables'])))
-  return state_axes.plain(state_dict['flax_mutables'])
+def _set_learning_rate(opt_state: Any, learning_rate: Any) -> Any:
+  """Sets the 'learning_rate' of every `optax.inject_hyperparams` state."""
+  found = []
+
+  def visit(x: Any) -> Any:
+    if isinstance(x, _INJECT_STATES) and 'learning_rate' in x.hyperparams:
+      old = x.hyperparams['learning_rate']
+      found.append(x)
+      return x._replace(hyperparams={
+          **x.hyperparams, 'learning_rate': jnp.asarray(
+              learning_rate, dtype=getattr(old, 'dtype', None))})
+    return x
+
+  new_state = jax.tree.map(
+      visit, opt_state, is_leaf=lambda x: isinstance(x, _INJECT_STATES))
+  if not found:
+    raise errors.HyperparamNotInjectedError(
+        f'apply_gradient(learning_rate={learning_rate!r}) needs the '
+        "optimizer to hold 'learning_rate' in its state, and this optax "
+        'state has no optax.inject_hyperparams state with a learning_rate. '
+        'Wrap the optimizer in optax.inject_hyperparams, e.g. '
+        'optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3), or call '
+        'apply_gradient without learning_rate to use the optimizer\'s own '
+        'schedule.')
+  return new_state
 
 
 class _StateMethods:
@@ -152,14 +163,22 @@ class _StateMethods:
                 param_states: bool) -> dict[str, Any]:
     """The fields of a checked `state_dict` (`param_states` if asked)."""
     _check_state_dict(state_dict, need_param_states=param_states)
+
+    def restore(current, saved):
+      return flax.serialization.from_state_dict(current,
+                                                state_axes.plain(saved))
+
     state = state_dict['state']
     out = dict(step=jnp.asarray(state['step'], jnp.int32),
-               params=state_axes.plain(flax.serialization.from_state_dict(
-                   self.params, state_axes.plain(state_dict['target']))))
+               params=state_axes.plain(restore(self.params,
+                                               state_dict['target'])),
+               flax_mutables={})
     if param_states:
-      out['param_states'] = flax.serialization.from_state_dict(
-          self.param_states, state_axes.plain(state['param_states']))
-    out['flax_mutables'] = _restore_mutables(self.flax_mutables, state_dict)
+      out['param_states'] = restore(self.param_states, state['param_states'])
+    if 'flax_mutables' in state_dict:
+      saved = state_dict['flax_mutables']
+      out['flax_mutables'] = state_axes.plain(
+          restore(self.flax_mutables, saved) if self.flax_mutables else saved)
     return out
 
   def _logical_axes(self, **others: Any) -> Self:
@@ -287,7 +306,7 @@ class FlaxOptimTrainState(_StateMethods, flax.struct.PyTreeNode):
     """
     opt_state = self.param_states
     if learning_rate is not None:
-      opt_state = optax_state.set_learning_rate(opt_state, learning_rate)
+      opt_state = _set_learning_rate(opt_state, learning_rate)
     updates, opt_state = self.tx.update(state_axes.plain(grads), opt_state,
                                         self.params)
     new = self.replace(step=self.step + 1,
@@ -302,9 +321,10 @@ class FlaxOptimTrainState(_StateMethods, flax.struct.PyTreeNode):
 
     Params get their declared names; optimizer leaves in params-shaped
     subtrees (found with `optax.tree_map_params`) get the param's names
-    (adafactor's factored moments: see `optax_state`); counts and other
-    optimizer leaves, mutables without axes and step are replicated. States
-    optax can't map (init fails on its placeholder) are replicated whole.
+    (adafactor's factored moments: the param's names without the dropped
+    dimension); counts and other optimizer leaves, mutables without axes
+    and step are replicated. States optax can't map (init fails on its
+    placeholder) are replicated whole.
 
     Returns:
       A FlaxOptimTrainState of PartitionSpecs.
@@ -312,7 +332,7 @@ class FlaxOptimTrainState(_StateMethods, flax.struct.PyTreeNode):
     Raises:
       MissingAxesError: if the params have no axis names, naming each.
     """
-    return self._logical_axes(param_states=optax_state.logical_specs(
+    return self._logical_axes(param_states=state_axes.optimizer_specs(
         self.tx, self.param_states, self.params,
         state_axes.param_specs(self.params, self.params_axes)))
 
@@ -358,7 +378,7 @@ class InferenceState(_StateMethods, flax.struct.PyTreeNode):
     No optimizer leaf is read, copied or flattened; the result shares the
     param and mutable buffers with `train_state`. T5X's states work as they
     are: FrozenDicts become plain dicts, their `*_axes` key layout the
-    mirror layout (`state_axes.foreign_axes`).
+    mirror layout.
 
     Args:
       train_state: a FlaxOptimTrainState, an InferenceState (returned as is)
@@ -378,8 +398,9 @@ class InferenceState(_StateMethods, flax.struct.PyTreeNode):
       return train_state
     if not (hasattr(train_state, 'step') and hasattr(train_state, 'params')):
       raise TypeError(
-          'train_state must be a TrainState (with step and params), e.g. '
-          f'FlaxOptimTrainState; got {type(train_state).__name__}.')
+          'train_state must be a TrainState: t5export needs a train state '
+          "with step and params (t5export's or T5X's FlaxOptimTrainState or "
+          f'InferenceState); got {type(train_state).__name__}.')
     if isinstance(train_state, FlaxOptimTrainState):  # Already plain dicts.
       return cls(step=train_state.step, params=train_state.params,
                  params_axes=train_state.params_axes,
