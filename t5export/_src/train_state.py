@@ -44,20 +44,10 @@ _INJECT_STATES = (optax.InjectHyperparamsState,
 class TrainState(Protocol):
   """T5X's TrainState interface, which t5export's states implement.
 
-  t5export itself reads much less from a state it is handed (T5X's own
-  `FlaxOptimTrainState` / `InferenceState`, or any other object):
-
-  * to export it (`SavedModelExporter.export`, `ExportCallback`): `step` and
-    `params`, and when present `flax_mutables`, `params_axes` and
-    `flax_mutables_axes` (axes trees of `AxisMetadata`, mirroring the values
-    or in T5X's layout with `_axes` key suffixes); the optimizer state is
-    never touched;
-  * to resolve its mesh axes (`shard_state`): a pytree with
-    `as_logical_axes()`, whose logical specs may be `None` for replicated
-    leaves (as T5X's are).
-
-  Nothing else (`param_states`, `state_dict`, `replace_*`,
-  `apply_gradient`) is read, so the protocol check is not needed to export.
+  An export reads only `step`, `params` and, when present, `flax_mutables`,
+  `params_axes` and `flax_mutables_axes` (T5X's own states work as they
+  are); `shard_state` reads `as_logical_axes()`. Nothing else is read, so
+  the protocol check is not needed to export.
   """
 
   @property
@@ -107,22 +97,6 @@ class TrainState(Protocol):
     ...
 
 
-def _check_state_dict(state_dict: Any, *, need_param_states: bool) -> None:
-  if not isinstance(state_dict, Mapping) or 'target' not in state_dict:
-    raise ValueError(
-        "state_dict must be a mapping with 'target' (the params) and "
-        "'state' ({'step', 'param_states'}), as state_dict() returns; got "
-        f'{type(state_dict).__name__} with keys '
-        f'{sorted(state_dict) if isinstance(state_dict, Mapping) else None}.')
-  state = state_dict.get('state')
-  need = ['step'] + (['param_states'] if need_param_states else [])
-  if not isinstance(state, Mapping) or any(k not in state for k in need):
-    raise ValueError(
-        f"state_dict['state'] must hold {need}; got "
-        f'{sorted(state) if isinstance(state, Mapping) else state!r}. Pass '
-        'a dict produced by state_dict() (or a restored copy of one).')
-
-
 def _set_learning_rate(opt_state: Any, learning_rate: Any) -> Any:
   """Sets the 'learning_rate' of every `optax.inject_hyperparams` state."""
   found = []
@@ -140,13 +114,11 @@ def _set_learning_rate(opt_state: Any, learning_rate: Any) -> Any:
       visit, opt_state, is_leaf=lambda x: isinstance(x, _INJECT_STATES))
   if not found:
     raise errors.HyperparamNotInjectedError(
-        f'apply_gradient(learning_rate={learning_rate!r}) needs the '
-        "optimizer to hold 'learning_rate' in its state, and this optax "
-        'state has no optax.inject_hyperparams state with a learning_rate. '
-        'Wrap the optimizer in optax.inject_hyperparams, e.g. '
-        'optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3), or call '
-        'apply_gradient without learning_rate to use the optimizer\'s own '
-        'schedule.')
+        f'apply_gradient(learning_rate={learning_rate!r}): the optax state '
+        'has no optax.inject_hyperparams state with a learning_rate. Wrap '
+        'the optimizer in optax.inject_hyperparams, e.g. optax.'
+        'inject_hyperparams(optax.adamw)(learning_rate=1e-3), or call '
+        'apply_gradient without learning_rate.')
   return new_state
 
 
@@ -162,13 +134,24 @@ class _StateMethods:
   def _restored(self, state_dict: Mapping[str, Any], *,
                 param_states: bool) -> dict[str, Any]:
     """The fields of a checked `state_dict` (`param_states` if asked)."""
-    _check_state_dict(state_dict, need_param_states=param_states)
+    if not isinstance(state_dict, Mapping) or 'target' not in state_dict:
+      raise ValueError(
+          "state_dict must be a mapping with 'target' (the params) and "
+          "'state' ({'step', 'param_states'}), as state_dict() returns; got "
+          f'{type(state_dict).__name__} with keys '
+          f'{sorted(state_dict) if isinstance(state_dict, Mapping) else None}.')
+    state = state_dict.get('state')
+    need = ['step'] + (['param_states'] if param_states else [])
+    if not isinstance(state, Mapping) or any(k not in state for k in need):
+      raise ValueError(
+          f"state_dict['state'] must hold {need}; got "
+          f'{sorted(state) if isinstance(state, Mapping) else state!r}. Pass '
+          'a dict produced by state_dict() (or a restored copy of one).')
 
     def restore(current, saved):
       return flax.serialization.from_state_dict(current,
                                                 state_axes.plain(saved))
 
-    state = state_dict['state']
     out = dict(step=jnp.asarray(state['step'], jnp.int32),
                params=state_axes.plain(restore(self.params,
                                                state_dict['target'])),
@@ -319,12 +302,8 @@ class FlaxOptimTrainState(_StateMethods, flax.struct.PyTreeNode):
   def as_logical_axes(self) -> FlaxOptimTrainState:
     """The same structure with logical `PartitionSpec`s in place of arrays.
 
-    Params get their declared names; optimizer leaves in params-shaped
-    subtrees (found with `optax.tree_map_params`) get the param's names
-    (adafactor's factored moments: the param's names without the dropped
-    dimension); counts and other optimizer leaves, mutables without axes
-    and step are replicated. States optax can't map (init fails on its
-    placeholder) are replicated whole.
+    Optimizer leaves shaped like their param (or factored, as adafactor's
+    moments) follow the param; everything else without axes is replicated.
 
     Returns:
       A FlaxOptimTrainState of PartitionSpecs.
@@ -375,10 +354,8 @@ class InferenceState(_StateMethods, flax.struct.PyTreeNode):
   def from_train_state(cls, train_state: Any) -> InferenceState:
     """The strip: keeps step, params, mutables and axes; drops the optimizer.
 
-    No optimizer leaf is read, copied or flattened; the result shares the
-    param and mutable buffers with `train_state`. T5X's states work as they
-    are: FrozenDicts become plain dicts, their `*_axes` key layout the
-    mirror layout.
+    No optimizer leaf is read; the result shares the param and mutable
+    buffers with `train_state`. T5X's states work as they are.
 
     Args:
       train_state: a FlaxOptimTrainState, an InferenceState (returned as is)
