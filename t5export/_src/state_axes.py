@@ -54,13 +54,15 @@ def _unbox(tree: Any) -> tuple[Any, dict[str, tuple[Any, ...]]]:
   return unboxed, names
 
 
-def _axis_names(axes: Any, known: set[str]
+def _axis_names(axes: Any, values: Any, what: str
                 ) -> tuple[dict[str, tuple[Any, ...]], list[str]]:
   """({value path: names}, unknown axes paths) of an axes tree or None.
 
   The one reader of T5X's layout: an entry sits at its value's own path or
   at that path plus the `_axes` suffix (`{'kernel_axes': AxisMetadata}`).
+  Unknown entries are logged and ignored.
   """
+  known = set(paths.flatten(values))
   names, unknown = {}, []
   flat = {} if axes is None else paths.flatten(plain(axes),
                                                is_leaf=_is_axis_md)
@@ -76,6 +78,9 @@ def _axis_names(axes: Any, known: set[str]
       names[base] = tuple(md.names)
     else:
       unknown.append(path)
+  if unknown:
+    logging.warning('Axes for %d unknown %s variable(s) ignored: %s',
+                    len(unknown), what, sorted(unknown)[:10])
   return names, unknown
 
 
@@ -100,12 +105,6 @@ def _params_axes(params: Any, names: Mapping[str, tuple[Any, ...]]) -> Any:
         'every parameter axis names (param_with_axes(..., axes=...) or '
         'nn.with_logical_partitioning), or none.')
   return _axes_tree(params, names)
-
-
-def _warn_unknown(unknown: list[str], what: str) -> None:
-  if unknown:
-    logging.warning('Axes for %d unknown %s variable(s) ignored: %s',
-                    len(unknown), what, sorted(unknown)[:10])
 
 
 def split_variables(model_variables: Mapping[str, Any]) -> dict[str, Any]:
@@ -134,8 +133,7 @@ def split_variables(model_variables: Mapping[str, Any]) -> dict[str, Any]:
   values, names = {}, {}
   for name, tree in collections.items():
     values[name], boxed = _unbox(tree)
-    merged, extra = _axis_names(sown.get(name), set(paths.flatten(
-        values[name])))
+    merged, _ = _axis_names(sown.get(name), values[name], name)
     for path, box_names in boxed.items():
       if path in merged and tuple(merged[path]) != box_names:
         raise ValueError(
@@ -143,7 +141,6 @@ def split_variables(model_variables: Mapping[str, Any]) -> dict[str, Any]:
             f'{merged[path]} from {name}_axes and {box_names} from its '
             'partitioning box. Declare them once.')
       merged[path] = box_names
-    _warn_unknown(extra, name)
     names[name] = merged
 
   params = values.pop('params')
@@ -157,17 +154,15 @@ def split_variables(model_variables: Mapping[str, Any]) -> dict[str, Any]:
 def foreign_axes(params: Any, params_axes: Any, flax_mutables: Any,
                  flax_mutables_axes: Any) -> tuple[Any, Any]:
   """Another state's axes trees, in either layout, as mirrors of its values."""
-  names, unknown = _axis_names(params_axes, set(paths.flatten(params)))
+  names, unknown = _axis_names(params_axes, params, 'params')
   if unknown and not names:
     raise ValueError(
         f'params_axes names none of the params: {sorted(unknown)[:10]} '
         f'vs params {sorted(paths.flatten(params))[:10]}. Each entry must '
         "be at its param's own path, or at that path with the suffix "
         "'_axes' (T5X's layout).")
-  _warn_unknown(unknown, 'params')
-  mutable_names, unknown = _axis_names(flax_mutables_axes,
-                                       set(paths.flatten(flax_mutables)))
-  _warn_unknown(unknown, 'flax_mutables')
+  mutable_names, _ = _axis_names(flax_mutables_axes, flax_mutables,
+                                 'flax_mutables')
   return _params_axes(params, names), (
       _axes_tree(flax_mutables, mutable_names) if mutable_names else None)
 
