@@ -125,15 +125,40 @@ def _set_learning_rate(opt_state: Any, learning_rate: Any) -> Any:
 class _StateMethods:
   """What both states do alike; `self.replace` is flax.struct's."""
 
-  def _state_dict(self, state: dict[str, Any]) -> dict[str, Any]:
+  def state_dict(self) -> dict[str, Any]:
+    """T5X's checkpoint layout.
+
+    Returns:
+      `{'target': params, 'state': {'step': step, 'param_states':
+      flax.serialization.to_state_dict(opt_state)}, 'flax_mutables': ...}`;
+      'param_states' only for a FlaxOptimTrainState, 'flax_mutables' only
+      when there are any.
+    """
+    state = {'step': self.step}
+    if isinstance(self, FlaxOptimTrainState):
+      state['param_states'] = flax.serialization.to_state_dict(
+          self.param_states)
     out = {'target': state_axes.plain(self.params), 'state': state}
     if self.flax_mutables:
       out['flax_mutables'] = state_axes.plain(self.flax_mutables)
     return out
 
-  def _restored(self, state_dict: Mapping[str, Any], *,
-                param_states: bool) -> dict[str, Any]:
-    """The fields of a checked `state_dict` (`param_states` if asked)."""
+  def restore_state(self, state_dict: Mapping[str, Any]) -> Self:
+    """The inverse of `state_dict()`, checked against this state's structure.
+
+    Args:
+      state_dict: as `state_dict()` returns, possibly after a msgpack or
+        orbax round trip. An InferenceState also takes a
+        FlaxOptimTrainState's and never reads its 'param_states'.
+
+    Returns:
+      A new state with the step, params, mutables and (FlaxOptimTrainState)
+      optimizer state of `state_dict`; tx and axes from this one.
+
+    Raises:
+      ValueError: if keys are missing or the trees do not match.
+    """
+    optimizer = isinstance(self, FlaxOptimTrainState)
     if not isinstance(state_dict, Mapping) or 'target' not in state_dict:
       raise ValueError(
           "state_dict must be a mapping with 'target' (the params) and "
@@ -141,7 +166,7 @@ class _StateMethods:
           f'{type(state_dict).__name__} with keys '
           f'{sorted(state_dict) if isinstance(state_dict, Mapping) else None}.')
     state = state_dict.get('state')
-    need = ['step'] + (['param_states'] if param_states else [])
+    need = ['step'] + (['param_states'] if optimizer else [])
     if not isinstance(state, Mapping) or any(k not in state for k in need):
       raise ValueError(
           f"state_dict['state'] must hold {need}; got "
@@ -156,22 +181,35 @@ class _StateMethods:
                params=state_axes.plain(restore(self.params,
                                                state_dict['target'])),
                flax_mutables={})
-    if param_states:
+    if optimizer:
       out['param_states'] = restore(self.param_states, state['param_states'])
     if 'flax_mutables' in state_dict:
       saved = state_dict['flax_mutables']
       out['flax_mutables'] = state_axes.plain(
           restore(self.flax_mutables, saved) if self.flax_mutables else saved)
-    return out
+    return self.replace(**out)
 
-  def _logical_axes(self, **others: Any) -> Self:
-    """`as_logical_axes()` of step, params and mutables, plus `others`."""
-    return self.replace(
-        step=PartitionSpec(),
-        params=state_axes.param_specs(self.params, self.params_axes),
-        flax_mutables=state_axes.mutable_specs(self.flax_mutables,
-                                               self.flax_mutables_axes),
-        **others)
+  def as_logical_axes(self) -> Self:
+    """The same structure with logical `PartitionSpec`s in place of arrays.
+
+    Params get their declared names. Optimizer leaves shaped like their
+    param (or factored, as adafactor's moments) follow the param; the step
+    and everything else without axes is replicated.
+
+    Returns:
+      A state of the same class holding PartitionSpecs.
+
+    Raises:
+      MissingAxesError: if the params have no axis names, naming each.
+    """
+    specs = dict(step=PartitionSpec(),
+                 params=state_axes.param_specs(self.params, self.params_axes),
+                 flax_mutables=state_axes.mutable_specs(
+                     self.flax_mutables, self.flax_mutables_axes))
+    if isinstance(self, FlaxOptimTrainState):
+      specs['param_states'] = state_axes.optimizer_specs(
+          self.tx, self.param_states, self.params, specs['params'])
+    return self.replace(**specs)
 
   def replace_params(self, params: Any) -> Self:
     """Returns a new state with `params` (FrozenDict accepted)."""
@@ -239,34 +277,6 @@ class FlaxOptimTrainState(_StateMethods, flax.struct.PyTreeNode):
     return cls(step=jnp.zeros((), jnp.int32),
                param_states=tx.init(parts['params']), tx=tx, **parts)
 
-  def state_dict(self) -> dict[str, Any]:
-    """T5X's checkpoint layout.
-
-    Returns:
-      `{'target': params, 'state': {'step': step, 'param_states':
-      flax.serialization.to_state_dict(opt_state)}, 'flax_mutables': ...}`,
-      'flax_mutables' only when there are any.
-    """
-    return self._state_dict({
-        'step': self.step,
-        'param_states': flax.serialization.to_state_dict(self.param_states)})
-
-  def restore_state(self, state_dict: Mapping[str, Any]) -> FlaxOptimTrainState:
-    """The inverse of `state_dict()`, checked against this state's structure.
-
-    Args:
-      state_dict: as returned by `state_dict()`, possibly after a msgpack or
-        orbax round trip.
-
-    Returns:
-      A new state with the step, params, optimizer state and mutables of
-      `state_dict` (tx and axes from this one).
-
-    Raises:
-      ValueError: if keys are missing or the trees do not match.
-    """
-    return self.replace(**self._restored(state_dict, param_states=True))
-
   def apply_gradient(self, grads: Any, learning_rate: Any = None,
                      flax_mutables: Any = KEEP) -> FlaxOptimTrainState:
     """One optimizer step: `tx.update`, `optax.apply_updates`, step + 1.
@@ -298,23 +308,6 @@ class FlaxOptimTrainState(_StateMethods, flax.struct.PyTreeNode):
     if flax_mutables is not KEEP:
       new = new.replace(flax_mutables=state_axes.plain(flax_mutables))
     return new
-
-  def as_logical_axes(self) -> FlaxOptimTrainState:
-    """The same structure with logical `PartitionSpec`s in place of arrays.
-
-    Optimizer leaves shaped like their param (or factored, as adafactor's
-    moments) follow the param; everything else without axes is replicated.
-
-    Returns:
-      A FlaxOptimTrainState of PartitionSpecs.
-
-    Raises:
-      MissingAxesError: if the params have no axis names, naming each.
-    """
-    return self._logical_axes(param_states=state_axes.optimizer_specs(
-        self.tx, self.param_states, self.params,
-        state_axes.param_specs(self.params, self.params_axes)))
-
 
 class InferenceState(_StateMethods, flax.struct.PyTreeNode):
   """A train state without optimizer state: what gets exported.
@@ -412,30 +405,3 @@ class InferenceState(_StateMethods, flax.struct.PyTreeNode):
         'InferenceState has no optimizer state, so apply_gradient is not '
         'available. Train with a FlaxOptimTrainState and strip it with '
         'InferenceState.from_train_state for export.')
-
-  def state_dict(self) -> dict[str, Any]:
-    """`{'target': params, 'state': {'step'}, 'flax_mutables'?}`."""
-    return self._state_dict({'step': self.step})
-
-  def restore_state(self, state_dict: Mapping[str, Any]) -> InferenceState:
-    """Restores from an inference or a full train state dict.
-
-    Args:
-      state_dict: from `state_dict()` of this class or of a
-        FlaxOptimTrainState; 'param_states' is ignored, never read.
-
-    Returns:
-      A new state with the step, params and mutables of `state_dict`.
-
-    Raises:
-      ValueError: if keys are missing or the trees do not match.
-    """
-    return self.replace(**self._restored(state_dict, param_states=False))
-
-  def as_logical_axes(self) -> InferenceState:
-    """Logical `PartitionSpec`s in place of arrays (step replicated).
-
-    Raises:
-      MissingAxesError: if the params have no axis names, naming each.
-    """
-    return self._logical_axes()
