@@ -17,6 +17,10 @@ from typing import Any, TypeVar
 
 from absl import logging
 import jax
+# Private API: JAX has no public key-value store; the client methods used
+# are the ones jax.experimental.multihost_utils uses.
+from jax._src import distributed as jax_distributed
+from jax.experimental import multihost_utils
 import numpy as np
 
 from t5export import errors
@@ -66,9 +70,6 @@ class ExportCoordinator:
     self._closed = False
     self._client = None
     if self.active:
-      # Private API: JAX has no public key-value store; these methods are
-      # the ones jax.experimental.multihost_utils uses.
-      from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
       self._client = jax_distributed.global_state.client
       if self._client is None:
         raise RuntimeError(
@@ -81,9 +82,8 @@ class ExportCoordinator:
     """Process 0's `flag` on every process (a collective when active)."""
     if not self.active:
       return bool(flag)
-    # A device collective (public API): no key-value cleanup, and ordered
-    # with the training step's own collectives.
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    # A device collective: no key-value cleanup, and ordered with the
+    # training step's own collectives.
     return bool(multihost_utils.broadcast_one_to_all(np.int32(bool(flag))))
 
   def run(self, fn: Callable[[], T], *, what: str) -> T | None:
