@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 import t5export
+from t5export._src import partitioning
 from t5export._src import paths
 from t5export._src import snapshot
 import t5x_setup
@@ -35,7 +36,7 @@ def main(result_path: str) -> None:
   state = t5x_setup.train_state(t5x_setup.tiny_model(), partitioner)
   rules = t5export.standard_logical_axis_rules()
   theirs = partitioner.get_mesh_axes(state)
-  ours = t5export.get_mesh_axes(state, rules)
+  ours = partitioning.get_mesh_axes(state, rules)
   snap = snapshot.take_snapshot(state, rules=rules)
   is_spec = lambda x: x is None or isinstance(x, jax.sharding.PartitionSpec)
   theirs_params = paths.flatten(theirs.params, is_leaf=is_spec)

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 import t5export
+from t5export._src import partitioning
 from t5export._src import paths
 from t5export._src import snapshot
 from t5export._src import verify
@@ -131,7 +132,7 @@ def test_from_train_state_reads_t5x_layout(states, kind):
 @pytest.mark.parametrize('kind', KINDS)
 def test_get_mesh_axes_equals_pjit_partitioner(states, kind):
   _, partitioner, state = states[kind]
-  ours = t5export.get_mesh_axes(state, RULES)
+  ours = partitioning.get_mesh_axes(state, RULES)
   theirs = partitioner.get_mesh_axes(state)
   assert type(ours) is type(state)
   ours_flat = jax.tree_util.tree_flatten_with_path(

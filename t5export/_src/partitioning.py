@@ -1,16 +1,8 @@
 """Logical axis rules, mesh axes for a state, and placement on a mesh.
 
-Data-flow step 2 of an export:
-
-* `standard_logical_axis_rules` gives T5X's rules mapping logical axis names
-  ('embed', 'mlp', 'heads', ...) to the mesh axes 'data' and 'model'.
-* `logical_to_mesh_spec` resolves one parameter's logical names with those
-  rules (flax/T5X semantics); `get_mesh_axes` does it for a whole state.
-* `shardings_for` and `shard_state` place a state on a `jax.sharding.Mesh`.
-
-Bringing arrays back to the host is `host_buffers.gather_to_host`.
-
-Light: this module never imports TensorFlow.
+T5X's rules (`standard_logical_axis_rules`), their resolution for one
+parameter (`logical_to_mesh_spec`) and a whole state (`get_mesh_axes`), and
+placement (`shardings_for`, `shard_state`). Light: never imports TensorFlow.
 """
 
 from __future__ import annotations
@@ -27,50 +19,24 @@ from t5export import errors
 from t5export._src import paths
 
 PartitionSpec = jax.sharding.PartitionSpec
-# A mesh axis in a rule: one axis name, several (sharded over their product),
-# or None (replicated).
+# One mesh axis, several (sharded over their product), or None (replicated).
 MeshAxes = str | tuple[str, ...] | None
 LogicalAxisRules = tuple[tuple[str, MeshAxes], ...]
 
-_SUPPORTED_DIMS = ((1, 1), (2, 1), (1, 2), (2, 2))
-
-
-# --- rules ------------------------------------------------------------------
-
-
-def _base_rules(activation_dims: int,
-                parameter_dims: int) -> list[tuple[str, MeshAxes]]:
-  """T5X's rule list for one (activation, parameter) partitioning variant."""
-  # Names every variant shards the same way. 'joined_kv' is the heads*kv dim
-  # of 2-D attention kernels.
-  common = [
-      ('batch', 'data'),
-      ('vocab', 'model'),
-      ('mlp', 'model'),
-      ('heads', 'model'),
-      ('kv', None),
-      ('joined_kv', 'model'),
-  ]
-  if (activation_dims, parameter_dims) == (1, 1):
-    # 1-D: 'embed' is never sharded; T5X lists it third.
-    return common[:2] + [('embed', None)] + common[2:]
-  if (activation_dims, parameter_dims) == (2, 1):
-    return common + [('embed', 'model')]
-  if (activation_dims, parameter_dims) == (1, 2):
-    return common + [('embed', 'data')]
-  # (2, 2): 'embed' takes 'model' where that is still free, else 'data'.
-  return common + [('embed', 'model'), ('embed', 'data')]
-
-
-# Logical names every variant keeps replicated.
-_REPLICATED_RULES: tuple[tuple[str, None], ...] = (
-    ('relpos_buckets', None),
-    ('abspos_buckets', None),
-    ('length', None),
-    ('layers', None),
-    ('stack', None),
-    ('mlp_activations', None),
-)
+# T5X's rules, in its order: the names every variant shards alike ('embed'
+# goes third in the 1-D/1-D variant), then 'embed' by (activation,
+# parameter) partitioning dims, then the names always replicated.
+_COMMON = (('batch', 'data'), ('vocab', 'model'), ('mlp', 'model'),
+           ('heads', 'model'), ('kv', None), ('joined_kv', 'model'))
+_EMBED = {
+    (1, 1): (('embed', None),),
+    (2, 1): (('embed', 'model'),),
+    (1, 2): (('embed', 'data'),),
+    (2, 2): (('embed', 'model'), ('embed', 'data')),
+}
+_REPLICATED = tuple((name, None) for name in (
+    'relpos_buckets', 'abspos_buckets', 'length', 'layers', 'stack',
+    'mlp_activations'))
 
 
 def _check_rule(rule: Any, index: int) -> tuple[str, MeshAxes]:
@@ -84,10 +50,9 @@ def _check_rule(rule: Any, index: int) -> tuple[str, MeshAxes]:
     raise TypeError(
         f'additional_rules[{index}] = {rule!r}: the logical name must be a '
         f'str, got {type(name).__name__}.')
-  ok_mesh = mesh is None or isinstance(mesh, str) or (
+  if not (mesh is None or isinstance(mesh, str) or (
       isinstance(mesh, (tuple, list)) and
-      all(isinstance(m, str) for m in mesh))
-  if not ok_mesh:
+      all(isinstance(m, str) for m in mesh))):
     raise TypeError(
         f'additional_rules[{index}] = {rule!r}: the mesh axis must be a str, '
         'a tuple of str or None.')
@@ -104,7 +69,10 @@ def standard_logical_axis_rules(
 
   The same lists as T5X's `partitioning.standard_logical_axis_rules`, so a
   model partitioned by T5X resolves to the same mesh axes here. Rules are in
-  priority order (see `logical_to_mesh_spec`).
+  priority order: a rule gives its mesh axes to the dimension with its
+  logical name if that dimension is still unassigned and the mesh axes are
+  unused by the other dimensions (flax's semantics); a name without any
+  rule is an error.
 
   Args:
     activation_partitioning_dims: 1, or 2 to also shard activations' 'embed'
@@ -122,57 +90,35 @@ def standard_logical_axis_rules(
     TypeError: if an additional rule is not a (str, str | tuple | None) pair.
   """
   dims = (activation_partitioning_dims, parameter_partitioning_dims)
-  if dims not in _SUPPORTED_DIMS:
+  if dims not in _EMBED:
     raise ValueError(
         f'activation_partitioning_dims={activation_partitioning_dims!r} with '
         f'parameter_partitioning_dims={parameter_partitioning_dims!r} is not '
         'supported; each must be 1 or 2 (as in T5X).')
   logging.info('Logical axis rules: activation_partitioning_dims=%d, '
                'parameter_partitioning_dims=%d', *dims)
-  rules = _base_rules(*dims) + list(_REPLICATED_RULES)
-  if additional_rules:
-    rules += [_check_rule(r, i) for i, r in enumerate(additional_rules)]
-  return tuple(rules)
-
-
-# --- one parameter ----------------------------------------------------------
+  if dims == (1, 1):
+    rules = _COMMON[:2] + _EMBED[dims] + _COMMON[2:]
+  else:
+    rules = _COMMON + _EMBED[dims]
+  return rules + _REPLICATED + tuple(
+      _check_rule(r, i) for i, r in enumerate(additional_rules or ()))
 
 
 def _mesh_leaves(mesh_axes: MeshAxes) -> set[str]:
   if mesh_axes is None:
     return set()
-  if isinstance(mesh_axes, str):
-    return {mesh_axes}
-  return set(mesh_axes)
+  return {mesh_axes} if isinstance(mesh_axes, str) else set(mesh_axes)
 
 
 def logical_to_mesh_spec(names: Sequence[str | None],
                          rules: Sequence[tuple[str, MeshAxes]], *,
                          path: str,
                          shape: Sequence[int] | None = None) -> PartitionSpec:
-  """Resolves one parameter's logical axis names to mesh axes.
+  """One parameter's mesh axes, by flax's rules walk (see the rules' doc).
 
-  Same semantics as flax's `logical_to_mesh_axes` (what T5X uses): the rules
-  are walked in order; a rule (name, mesh) assigns `mesh` to the dimension
-  called `name` if that dimension is still unassigned and none of `mesh`'s
-  axes is used by another dimension yet. A dimension left unassigned (all of
-  its rules' mesh axes taken) is replicated. Unlike flax, a name with no rule
-  at all is an error rather than silently replicated.
-
-  Args:
-    names: one logical name (or None) per dimension.
-    rules: (logical name, mesh axes) pairs in priority order.
-    path: the parameter's path, for error messages.
-    shape: the parameter's shape; when given, its rank must match `names`.
-
-  Returns:
-    A `PartitionSpec` with one entry (mesh axis, tuple of axes, or None) per
-    dimension.
-
-  Raises:
-    AxisRankMismatchError: if `shape` has a different rank than `names`.
-    UnmappedLogicalAxisError: if a name has no rule.
-    ValueError: if a name appears twice.
+  A dimension whose rules' mesh axes are all taken is replicated; `path`
+  names the parameter in errors, and `shape` (if given) checks the rank.
   """
   names = tuple(names)
   if shape is not None and len(tuple(shape)) != len(names):
@@ -192,8 +138,8 @@ def logical_to_mesh_spec(names: Sequence[str | None],
     if name is not None and name not in known:
       raise errors.UnmappedLogicalAxisError(path, name, sorted(known))
 
-  unassigned = object()
-  result: list[Any] = [unassigned if n is not None else None for n in names]
+  unassigned = object()  # A rule may assign None (replicated) too.
+  result: list[Any] = [unassigned] * len(names)
   used: set[str] = set()
   for rule_name, mesh_axes in rules:
     if rule_name not in names:
@@ -206,49 +152,21 @@ def logical_to_mesh_spec(names: Sequence[str | None],
   return PartitionSpec(*(None if r is unassigned else r for r in result))
 
 
-# --- whole states -----------------------------------------------------------
-
-
 def _is_spec(x: Any) -> bool:
   return isinstance(x, PartitionSpec)
 
 
-def _is_logical_tree(tree: Any) -> bool:
-  """True if every leaf of `tree` is a PartitionSpec (or the tree is empty)."""
-  return all(_is_spec(leaf)
-             for leaf in jax.tree_util.tree_leaves(tree, is_leaf=_is_spec))
-
-
 def get_mesh_axes(state: Any, rules: Sequence[tuple[str, MeshAxes]]) -> Any:
-  """Mesh axes for every array of a state.
+  """Mesh-axis `PartitionSpec`s for a state, its logical axes or a spec tree.
 
-  In a logical-axes tree, `None` (as T5X's `as_logical_axes()` gives for
-  the step and other unpartitioned leaves) and `PartitionSpec()` both mean
-  replicated.
-
-  Args:
-    state: a train state with `as_logical_axes()` (t5export's or T5X's
-      `FlaxOptimTrainState` / `InferenceState`), the logical-axes state it
-      returns, or a plain pytree of logical `PartitionSpec`s.
-    rules: (logical name, mesh axes) pairs, e.g. from
-      `standard_logical_axis_rules()`.
-
-  Returns:
-    The structure of `state.as_logical_axes()` (or of `state` when that is
-    already logical), with a `PartitionSpec` of mesh axes at every array
-    leaf; for a state's array whose logical axes are `None`, that is
-    `PartitionSpec()`. Given a logical tree, its `None` entries stay `None`.
-
-  Raises:
-    MissingAxesError: if the state's params carry no logical axes.
-    AxisRankMismatchError: if a leaf's names don't match its rank (checked
-      when `state` holds arrays; an empty `PartitionSpec()` means
-      replicated at any rank).
-    UnmappedLogicalAxisError: if a logical name has no rule.
-    TypeError: if `state` is neither a state nor a tree of PartitionSpecs.
+  `state` is a state with `as_logical_axes()` (t5export's or T5X's), or a
+  pytree of logical specs; the result has the logical tree's structure. A
+  None logical spec (T5X's replicated) is `PartitionSpec()` at a state's
+  array, and stays None in a spec tree given directly.
   """
   rules = tuple(rules)
-  if _is_logical_tree(state):
+  if all(_is_spec(leaf) for leaf in
+         jax.tree_util.tree_leaves(state, is_leaf=_is_spec)):
     logical, arrays = state, None
   elif callable(getattr(state, 'as_logical_axes', None)):
     logical, arrays = state.as_logical_axes(), state
@@ -256,8 +174,8 @@ def get_mesh_axes(state: Any, rules: Sequence[tuple[str, MeshAxes]]) -> Any:
     raise TypeError(
         f'state must be a train state (with as_logical_axes()) or a pytree '
         f'of PartitionSpec, got {type(state).__name__}.')
-  # The arrays by path: their shapes check ranks, and a None spec at an
-  # array's path is a replicated array (T5X's spelling), not an empty node.
+  # The arrays' shapes check ranks; a None spec at an array's path is a
+  # replicated array (T5X's spelling), not an empty node.
   shapes = {} if arrays is None else {
       paths.path_str(kp): np.shape(leaf)
       for kp, leaf in jax.tree_util.tree_flatten_with_path(arrays)[0]}
@@ -280,22 +198,11 @@ def get_mesh_axes(state: Any, rules: Sequence[tuple[str, MeshAxes]]) -> Any:
 
 
 def shardings_for(mesh: jax.sharding.Mesh, specs: Any) -> Any:
-  """`NamedSharding`s on `mesh` for a tree of mesh-axis `PartitionSpec`s.
-
-  Args:
-    mesh: the device mesh.
-    specs: a pytree (e.g. from `get_mesh_axes`) with `PartitionSpec` leaves.
-
-  Returns:
-    The same structure with a `jax.sharding.NamedSharding` at every leaf.
-
-  Raises:
-    ValueError: if a spec names an axis the mesh does not have.
-  """
+  """`NamedSharding`s on `mesh` for a tree of mesh-axis specs, axes checked."""
   mesh_names = set(mesh.axis_names)
 
   def one(keypath, spec):
-    missing = sorted(_spec_axes(spec) - mesh_names)
+    missing = sorted(set().union(*map(_mesh_leaves, spec)) - mesh_names)
     if missing:
       raise ValueError(
           f'{paths.path_str(keypath)!r} is sharded over mesh axes {missing} '
@@ -307,16 +214,9 @@ def shardings_for(mesh: jax.sharding.Mesh, specs: Any) -> Any:
   return jax.tree_util.tree_map_with_path(one, specs, is_leaf=_is_spec)
 
 
-def _spec_axes(spec: PartitionSpec) -> set[str]:
-  out: set[str] = set()
-  for entry in spec:
-    out |= _mesh_leaves(entry)
-  return out
-
-
 def shard_state(state: Any, mesh: jax.sharding.Mesh,
                 rules: Sequence[tuple[str, MeshAxes]]) -> Any:
-  """Places a state's arrays on `mesh` as `get_mesh_axes` says.
+  """Places a state's arrays on `mesh` as its logical axes and `rules` say.
 
   Works in one process and under `jax.distributed`: when the mesh spans
   other processes, every process must hold the same full values (e.g. the
@@ -324,25 +224,34 @@ def shard_state(state: Any, mesh: jax.sharding.Mesh,
   shards.
 
   Args:
-    state: a t5export state whose arrays are on host or one device.
+    state: a train state with `as_logical_axes()` (t5export's or T5X's)
+      whose arrays are on host or one device.
     mesh: the device mesh, with the axes the rules name ('data', 'model').
-    rules: logical axis rules.
+    rules: logical axis rules, e.g. `standard_logical_axis_rules()`.
 
   Returns:
     The same state with every array a `jax.Array` sharded over `mesh`.
 
   Raises:
+    MissingAxesError: if the state's params carry no logical axes.
+    UnmappedLogicalAxisError: if a logical name has no rule.
+    AxisRankMismatchError: if a leaf's names don't match its rank.
     IndivisibleShardingError: if a dimension is not divisible by the size
       of the mesh axes it is split over.
-    ValueError: if a spec names an axis the mesh lacks (see `shardings_for`),
-      and as `get_mesh_axes`.
+    ValueError: if a spec names an axis the mesh lacks.
   """
   specs = get_mesh_axes(state, rules)
-  jax.tree_util.tree_map_with_path(
-      lambda kp, spec, x: _check_divisible(paths.path_str(kp), np.shape(x),
-                                           spec, mesh),
-      specs, state, is_leaf=_is_spec)
-  shardings = shardings_for(mesh, specs)
+  sizes = dict(mesh.shape)
+
+  def check(keypath, spec, x):
+    shape = np.shape(x)
+    for dim, entry in enumerate(spec):
+      parts = int(np.prod([sizes.get(a, 1) for a in _mesh_leaves(entry)]))
+      if dim < len(shape) and shape[dim] % parts:
+        raise errors.IndivisibleShardingError(
+            paths.path_str(keypath), shape, spec, dim, parts)
+
+  jax.tree_util.tree_map_with_path(check, specs, state, is_leaf=_is_spec)
 
   def place(x, sharding):
     if sharding.is_fully_addressable:
@@ -351,22 +260,4 @@ def shard_state(state: Any, mesh: jax.sharding.Mesh,
     return jax.make_array_from_callback(host.shape, sharding,
                                         lambda index: host[index])
 
-  return jax.tree_util.tree_map(place, state, shardings)
-
-
-def _check_divisible(path: str, shape: Sequence[int], spec: PartitionSpec,
-                     mesh: jax.sharding.Mesh) -> None:
-  """Raises IndivisibleShardingError unless `spec` splits `shape` evenly."""
-  sizes = dict(mesh.shape)
-  for dim, entry in enumerate(spec):
-    parts = 1
-    for axis in _mesh_leaves(entry):
-      parts *= sizes.get(axis, 1)
-    if dim < len(shape) and shape[dim] % parts:
-      raise errors.IndivisibleShardingError(path, shape, spec, dim, parts)
-
-
-__all__ = [
-    'LogicalAxisRules', 'get_mesh_axes', 'logical_to_mesh_spec',
-    'shard_state', 'shardings_for', 'standard_logical_axis_rules',
-]
+  return jax.tree_util.tree_map(place, state, shardings_for(mesh, specs))

@@ -1,20 +1,9 @@
 """A state's axis names: read into one layout, turned into logical specs.
 
-Storage (docs/internals.md, "State"): `params_axes` / `flax_mutables_axes`
-mirror `params` / `flax_mutables` exactly, each leaf position holding a
-`flax.linen.partitioning.AxisMetadata(names=...)` (None for a mutable leaf
-without axes); `None` when nothing declares axes. They hold no arrays, so
-jit, donation and tree_map skip them. Params have axes all or none.
-
-In: `split_variables` reads what `model.init` returns (boxed params,
-`<collection>_axes` collections) and `foreign_axes` another state's axes
-trees (T5X's `_axes` key-suffix layout too); `_axis_names` is the one
-reader of T5X's layout. Out: `param_specs` and `mutable_specs` give the
-logical `PartitionSpec`s of `as_logical_axes()` (the optimizer's:
-`optax_state.logical_specs`).
-Replicated leaves get a rank-matched spec, `PartitionSpec(None, ..., None)`
-(`PartitionSpec()` for scalars), so rank checks downstream always pass.
-
+`split_variables` and `foreign_axes` read axis names (from `model.init`'s
+variables, or another state's axes trees in either layout) into the mirror
+layout of docs/internals.md, "State"; `param_specs`, `mutable_specs` and
+`optimizer_specs` give the logical specs of `as_logical_axes()`.
 Light module: never imports tensorflow.
 """
 
@@ -29,6 +18,7 @@ from flax.linen import partitioning as flax_partitioning
 import jax
 from jax.sharding import PartitionSpec
 import numpy as np
+import optax
 
 from t5export import errors
 from t5export._src import paths
@@ -44,92 +34,81 @@ def plain(tree: Any) -> Any:
   return tree
 
 
-def _is_box(x: Any) -> bool:
-  return isinstance(x, meta.AxisMetadata)
+def _is_axis_md(x: Any) -> bool:
+  return isinstance(x, AxisMetadata)
 
 
 def _unbox(tree: Any) -> tuple[Any, dict[str, tuple[Any, ...]]]:
   """Unboxes flax metadata boxes; returns (plain tree, {path: axis names})."""
-  names: dict[str, tuple[Any, ...]] = {}
+  names = {}
 
   def unbox_leaf(keypath: tuple[Any, ...], leaf: Any) -> Any:
     if isinstance(leaf, meta.Partitioned):
       names[paths.path_str(keypath)] = tuple(leaf.names)
       return leaf.value
-    if _is_box(leaf):
-      return leaf.unbox()
-    return leaf
+    return leaf.unbox() if isinstance(leaf, meta.AxisMetadata) else leaf
 
   unboxed = jax.tree_util.tree_map_with_path(
-      unbox_leaf, plain(tree), is_leaf=_is_box)
+      unbox_leaf, plain(tree),
+      is_leaf=lambda x: isinstance(x, meta.AxisMetadata))
   return unboxed, names
 
 
-def _is_axis_md(x: Any) -> bool:
-  return isinstance(x, AxisMetadata)
-
-
-def _axis_names(axes: Any, known: set[str]
+def _axis_names(axes: Any, values: Any, what: str
                 ) -> tuple[dict[str, tuple[Any, ...]], list[str]]:
-  """Reads an axes tree in either layout: ({value path: names}, unknown).
+  """({value path: names}, unknown axes paths) of an axes tree or None.
 
-  The one place that knows T5X's layout. An entry's path is the value's own
-  path (t5export's mirror layout) or that path plus T5X's `_axes` key
-  suffix (`{'kernel_axes': AxisMetadata}` beside `{'kernel': ...}`, as
-  flax's `param_with_axes` sows it and T5X's states keep it).
-
-  Args:
-    axes: a tree with `AxisMetadata` leaves (None entries: no axes), or
-      None.
-    known: the paths of the values the axes are for.
-
-  Returns:
-    The names by value path, and the axes paths that name no known value.
-
-  Raises:
-    TypeError: if a leaf of `axes` is not an `AxisMetadata`.
+  The one reader of T5X's layout: an entry sits at its value's own path or
+  at that path plus the `_axes` suffix (`{'kernel_axes': AxisMetadata}`).
+  Unknown entries are logged and ignored.
   """
+  known = set(paths.flatten(values))
   names, unknown = {}, []
-  if axes is None:
-    return names, unknown
-  for path, md in paths.flatten(plain(axes), is_leaf=_is_axis_md).items():
+  flat = {} if axes is None else paths.flatten(plain(axes),
+                                               is_leaf=_is_axis_md)
+  for path, md in flat.items():
     if not _is_axis_md(md):
       raise TypeError(
           f'Axes entry {path!r} is {md!r}, not a flax.linen.partitioning.'
           'AxisMetadata(names=...), which axes trees hold.')
+    base = path.removesuffix(_AXES_SUFFIX)
     if path in known:
       names[path] = tuple(md.names)
-    elif (path.endswith(_AXES_SUFFIX) and
-          path[:-len(_AXES_SUFFIX)] in known):
-      names[path[:-len(_AXES_SUFFIX)]] = tuple(md.names)
+    elif path.endswith(_AXES_SUFFIX) and base in known:
+      names[base] = tuple(md.names)
     else:
       unknown.append(path)
+  if unknown:
+    logging.warning('Axes for %d unknown %s variable(s) ignored: %s',
+                    len(unknown), what, sorted(unknown)[:10])
   return names, unknown
 
 
 def _axes_tree(values: Any, names: Mapping[str, tuple[Any, ...]]) -> Any:
   """A tree mirroring `values`: AxisMetadata where named, else None."""
-  return jax.tree_util.tree_map_with_path(
-      lambda kp, _: (AxisMetadata(names=names[paths.path_str(kp)])
-                     if paths.path_str(kp) in names else None), values)
+  def one(keypath, _):
+    path = paths.path_str(keypath)
+    return AxisMetadata(names=names[path]) if path in names else None
+
+  return jax.tree_util.tree_map_with_path(one, values)
+
+
+def _params_axes(params: Any, names: Mapping[str, tuple[Any, ...]]) -> Any:
+  """The params' axes mirror, None without names; all params or none."""
+  if not names:
+    return None
+  missing = [p for p in paths.flatten(params) if p not in names]
+  if missing:
+    raise errors.MissingAxesError(
+        [f'params/{p}' for p in missing],
+        hint='Some params declare logical axes and these do not; give '
+        'every parameter axis names (param_with_axes(..., axes=...) or '
+        'nn.with_logical_partitioning), or none.')
+  return _axes_tree(params, names)
 
 
 def split_variables(model_variables: Mapping[str, Any]) -> dict[str, Any]:
-  """Splits flax variables into params, mutables and their axes.
-
-  Args:
-    model_variables: what `model.init` returns (see
-      `FlaxOptimTrainState.create`).
-
-  Returns:
-    {'params', 'params_axes', 'flax_mutables', 'flax_mutables_axes'}.
-
-  Raises:
-    TypeError: the variables are not a mapping.
-    ValueError: there is no 'params' collection, or a param's names are
-      given twice and differ.
-    MissingAxesError: some params have axis names and others do not.
-  """
+  """`model.init`'s variables as the four state fields, axes unboxed/read."""
   if not isinstance(model_variables, Mapping):
     raise TypeError(
         'model_variables must be a mapping of flax collections such as '
@@ -154,8 +133,7 @@ def split_variables(model_variables: Mapping[str, Any]) -> dict[str, Any]:
   values, names = {}, {}
   for name, tree in collections.items():
     values[name], boxed = _unbox(tree)
-    known = set(paths.flatten(values[name]))
-    merged, extra = _axis_names(sown.get(name), known)
+    merged, _ = _axis_names(sown.get(name), values[name], name)
     for path, box_names in boxed.items():
       if path in merged and tuple(merged[path]) != box_names:
         raise ValueError(
@@ -163,91 +141,42 @@ def split_variables(model_variables: Mapping[str, Any]) -> dict[str, Any]:
             f'{merged[path]} from {name}_axes and {box_names} from its '
             'partitioning box. Declare them once.')
       merged[path] = box_names
-    _warn_unknown(extra, name)
     names[name] = merged
 
   params = values.pop('params')
-  params_axes = _params_axes_tree(params, names.pop('params'))
   mutables_axes = None
-  if any(names.values()):
+  if any(names[c] for c in values):
     mutables_axes = {c: _axes_tree(values[c], names[c]) for c in values}
-  return dict(params=params, params_axes=params_axes, flax_mutables=values,
-              flax_mutables_axes=mutables_axes)
-
-
-def _warn_unknown(unknown: list[str], what: str) -> None:
-  if unknown:
-    logging.warning('Axes for %d unknown %s variable(s) ignored: %s',
-                    len(unknown), what, sorted(unknown)[:10])
-
-
-def _params_axes_tree(params: Any, names: Mapping[str, tuple[Any, ...]]
-                      ) -> Any:
-  """The params' axes mirror, None without names; all params or none."""
-  if not names:
-    return None
-  missing = [p for p in paths.flatten(params) if p not in names]
-  if missing:
-    raise errors.MissingAxesError(
-        [f'params/{p}' for p in missing],
-        hint='Some params declare logical axes and these do not; give '
-        'every parameter axis names (param_with_axes(..., axes=...) or '
-        'nn.with_logical_partitioning), or none.')
-  return _axes_tree(params, names)
+  return dict(params=params, params_axes=_params_axes(params, names['params']),
+              flax_mutables=values, flax_mutables_axes=mutables_axes)
 
 
 def foreign_axes(params: Any, params_axes: Any, flax_mutables: Any,
                  flax_mutables_axes: Any) -> tuple[Any, Any]:
-  """Another state's axes in t5export's mirror layout (see `_axis_names`).
-
-  Args:
-    params, params_axes, flax_mutables, flax_mutables_axes: the state's
-      members (plain dicts; the axes trees in either layout, or None).
-
-  Returns:
-    (params_axes, flax_mutables_axes) mirroring params / flax_mutables.
-
-  Raises:
-    MissingAxesError: if some params have axis names and others do not.
-    ValueError: if the params' axes name none of the params.
-  """
-  names, unknown = _axis_names(params_axes, set(paths.flatten(params)))
+  """Another state's axes trees, in either layout, as mirrors of its values."""
+  names, unknown = _axis_names(params_axes, params, 'params')
   if unknown and not names:
     raise ValueError(
         f'params_axes names none of the params: {sorted(unknown)[:10]} '
         f'vs params {sorted(paths.flatten(params))[:10]}. Each entry must '
         "be at its param's own path, or at that path with the suffix "
         "'_axes' (T5X's layout).")
-  _warn_unknown(unknown, 'params')
-  mutable_names, unknown = _axis_names(flax_mutables_axes,
-                                       set(paths.flatten(flax_mutables)))
-  _warn_unknown(unknown, 'flax_mutables')
-  mutables_axes = (_axes_tree(flax_mutables, mutable_names)
-                   if mutable_names else None)
-  return _params_axes_tree(params, names), mutables_axes
+  mutable_names, _ = _axis_names(flax_mutables_axes, flax_mutables,
+                                 'flax_mutables')
+  return _params_axes(params, names), (
+      _axes_tree(flax_mutables, mutable_names) if mutable_names else None)
 
 
-# --- logical axes -----------------------------------------------------------
+# --- logical specs ----------------------------------------------------------
 
 
 def replicated(x: Any) -> PartitionSpec:
-  """Replicated spec with one None per dimension (PartitionSpec() if 0-d)."""
+  """One None per dimension (PartitionSpec() if 0-d): rank checks pass."""
   return PartitionSpec(*([None] * np.ndim(x)))
 
 
 def param_specs(params: Any, params_axes: Any) -> Any:
-  """The params' logical specs: their declared names.
-
-  Args:
-    params: the params; params_axes: their `AxisMetadata` mirror, or None.
-
-  Returns:
-    `params`' structure with a `PartitionSpec` of logical names per leaf.
-
-  Raises:
-    MissingAxesError: `params_axes` is None, naming every param.
-    AxesTreeMismatchError: the axes do not mirror the params.
-  """
+  """The params' logical specs; MissingAxesError if they declare none."""
   if params_axes is None:
     raise errors.MissingAxesError(
         [f'params/{p}' for p in paths.flatten(params)],
@@ -255,34 +184,22 @@ def param_specs(params: Any, params_axes: Any) -> Any:
         'the model declares none. Declare them with flax.linen.partitioning.'
         'param_with_axes(..., axes=(...)) (T5X style) or '
         'nn.with_logical_partitioning(init_fn, (...)).')
-  return _map_axes(lambda _, md: PartitionSpec(*md.names), params,
-                   params_axes, what='params')
+  return _map_axes(params, params_axes, what='params')
 
 
 def mutable_specs(flax_mutables: Any, flax_mutables_axes: Any) -> Any:
-  """The mutables' logical specs; replicated where they declare none.
-
-  Args:
-    flax_mutables: the collections; flax_mutables_axes: their mirror, or
-      None.
-
-  Returns:
-    `flax_mutables`' structure with a `PartitionSpec` per leaf.
-
-  Raises:
-    AxesTreeMismatchError: the axes do not mirror the mutables.
-  """
+  """The mutables' logical specs; replicated where they declare none."""
   if flax_mutables_axes is None:
     return jax.tree.map(replicated, flax_mutables)
-  return _map_axes(
-      lambda x, md: replicated(x) if md is None else PartitionSpec(*md.names),
-      flax_mutables, flax_mutables_axes, what='flax_mutables')
+  return _map_axes(flax_mutables, flax_mutables_axes, what='flax_mutables')
 
 
-def _map_axes(fn: Any, values: Any, axes: Any, *, what: str) -> Any:
-  """tree_map over values and their axes mirror, naming any difference."""
+def _map_axes(values: Any, axes: Any, *, what: str) -> Any:
+  """Specs from values and their axes mirror, naming any difference."""
   try:
-    return jax.tree.map(fn, values, axes)
+    return jax.tree.map(
+        lambda x, md: replicated(x) if md is None else PartitionSpec(
+            *md.names), values, axes)
   except ValueError as e:
     value_paths = paths.flatten(values)
     axes_paths = paths.flatten(axes,
@@ -292,3 +209,41 @@ def _map_axes(fn: Any, values: Any, axes: Any, *, what: str) -> Any:
     raise errors.AxesTreeMismatchError(
         what, [p for p in value_paths if p not in axes_paths],
         [p for p in axes_paths if p not in value_paths]) from e
+
+
+def _opt_leaf_spec(leaf: Any, param: Any, spec: PartitionSpec) -> Any:
+  """An optimizer leaf's spec from its param's.
+
+  Same shape: the param's spec. One dimension fewer, and which one is
+  unambiguous (adafactor's factored moments): the param's names without it.
+  Anything else (placeholders, a square param's factors): replicated.
+  """
+  if isinstance(leaf, optax.MaskedNode):
+    return leaf
+  shape, pshape, names = np.shape(leaf), np.shape(param), tuple(spec)
+  if shape == pshape:
+    return spec
+  if len(shape) == len(pshape) - 1 and len(names) == len(pshape):
+    dropped = [i for i in range(len(pshape))
+               if pshape[:i] + pshape[i + 1:] == shape]
+    if len(dropped) == 1:
+      i = dropped[0]
+      return PartitionSpec(*(names[:i] + names[i + 1:]))
+  return replicated(leaf)
+
+
+def optimizer_specs(tx: optax.GradientTransformation, opt_state: Any,
+                    params: Any, specs: Any) -> Any:
+  """The optax state's logical specs, by `optax.tree_map_params`."""
+  try:
+    return optax.tree_map_params(
+        tx, _opt_leaf_spec, opt_state, params, specs,
+        transform_non_params=replicated,
+        is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+  except Exception as e:  # pylint: disable=broad-except
+    # Init can't run on optax's placeholder, or the state is not shaped
+    # like params: replicate it rather than fail the export of params.
+    logging.warning(
+        'optax.tree_map_params could not map the state of %r (%s: %s); its '
+        'optimizer state is treated as replicated.', tx, type(e).__name__, e)
+    return jax.tree.map(replicated, opt_state)

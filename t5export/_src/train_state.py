@@ -1,16 +1,7 @@
-"""The train state family: `TrainState`, `FlaxOptimTrainState`, `InferenceState`.
+"""The train states: `TrainState`, `FlaxOptimTrainState`, `InferenceState`.
 
-Rebuilt on optax after T5X's `train_state` (which sits on a legacy flax.optim
-fork). The exporter needs two things from a state: a way to drop the
-optimizer state without touching its bytes (`InferenceState.from_train_state`,
-which also takes T5X's own states as they are) and the logical axis names of
-every array leaf (`as_logical_axes()`). `TrainState` lists what is read.
-
-`params` and `flax_mutables` are plain nested dicts of arrays (FrozenDict
-input is converted; the array leaves are kept, not copied); boxed params
-(`nn.Partitioned`, `nn.LogicallyPartitioned`) are unboxed at `create`. How
-the axis names are stored, read and turned into specs is `state_axes`.
-
+T5X's train state API rebuilt on optax. How the axis names are stored, read
+and turned into logical specs is `state_axes` (docs/internals.md, "State").
 Light module: never imports tensorflow.
 """
 
@@ -34,8 +25,8 @@ from typing_extensions import runtime_checkable
 from typing_extensions import Self
 
 from t5export import errors
-from t5export._src import optax_state
 from t5export._src import state_axes
+
 
 class _Keep:
   """Default of `apply_gradient(flax_mutables=...)`: keep the current ones."""
@@ -45,26 +36,18 @@ class _Keep:
 
 
 KEEP = _Keep()
+_INJECT_STATES = (optax.InjectHyperparamsState,
+                  optax.InjectStatefulHyperparamsState)
 
 
 @runtime_checkable
 class TrainState(Protocol):
   """T5X's TrainState interface, which t5export's states implement.
 
-  t5export itself reads much less from a state it is handed (T5X's own
-  `FlaxOptimTrainState` / `InferenceState`, or any other object):
-
-  * to export it (`take_snapshot`, `SavedModelExporter.export`,
-    `ExportCallback`): `step` and `params`, and when present
-    `flax_mutables`, `params_axes` and `flax_mutables_axes` (axes trees of
-    `AxisMetadata`, mirroring the values or in T5X's layout with `_axes`
-    key suffixes); the optimizer state is never touched;
-  * to resolve its mesh axes (`get_mesh_axes`, `shard_state`): a pytree
-    with `as_logical_axes()`, whose logical specs may be `None` for
-    replicated leaves (as T5X's are).
-
-  Nothing else (`param_states`, `state_dict`, `replace_*`,
-  `apply_gradient`) is read, so the protocol check is not needed to export.
+  An export reads only `step`, `params` and, when present, `flax_mutables`,
+  `params_axes` and `flax_mutables_axes` (T5X's own states work as they
+  are); `shard_state` reads `as_logical_axes()`. Nothing else is read, so
+  the protocol check is not needed to export.
   """
 
   @property
@@ -114,62 +97,119 @@ class TrainState(Protocol):
     ...
 
 
-def _check_state_dict(state_dict: Any, *, need_param_states: bool) -> None:
-  if not isinstance(state_dict, Mapping) or 'target' not in state_dict:
-    raise ValueError(
-        "state_dict must be a mapping with 'target' (the params) and "
-        "'state' ({'step', 'param_states'}), as state_dict() returns; got "
-        f'{type(state_dict).__name__} with keys '
-        f'{sorted(state_dict) if isinstance(state_dict, Mapping) else None}.')
-  state = state_dict.get('state')
-  need = ['step'] + (['param_states'] if need_param_states else [])
-  if not isinstance(state, Mapping) or any(k not in state for k in need):
-    raise ValueError(
-        f"state_dict['state'] must hold {need}; got "
-        f'{sorted(state) if isinstance(state, Mapping) else state!r}. Pass '
-        'a dict produced by state_dict() (or a restored copy of one).')
+def _set_learning_rate(opt_state: Any, learning_rate: Any) -> Any:
+  """Sets the 'learning_rate' of every `optax.inject_hyperparams` state."""
+  found = []
 
+  def visit(x: Any) -> Any:
+    if isinstance(x, _INJECT_STATES) and 'learning_rate' in x.hyperparams:
+      old = x.hyperparams['learning_rate']
+      found.append(x)
+      return x._replace(hyperparams={
+          **x.hyperparams, 'learning_rate': jnp.asarray(
+              learning_rate, dtype=getattr(old, 'dtype', None))})
+    return x
 
-def _restore_mutables(current: Any, state_dict: Mapping[str, Any]) -> Any:
-  if 'flax_mutables' not in state_dict:
-    return {}
-  if current:
-    return state_axes.plain(flax.serialization.from_state_dict(
-        current, state_axes.plain(state_dict['flax_mutables'])))
-  return state_axes.plain(state_dict['flax_mutables'])
+  new_state = jax.tree.map(
+      visit, opt_state, is_leaf=lambda x: isinstance(x, _INJECT_STATES))
+  if not found:
+    raise errors.HyperparamNotInjectedError(
+        f'apply_gradient(learning_rate={learning_rate!r}): the optax state '
+        'has no optax.inject_hyperparams state with a learning_rate. Wrap '
+        'the optimizer in optax.inject_hyperparams, e.g. optax.'
+        'inject_hyperparams(optax.adamw)(learning_rate=1e-3), or call '
+        'apply_gradient without learning_rate.')
+  return new_state
 
 
 class _StateMethods:
   """What both states do alike; `self.replace` is flax.struct's."""
 
-  def _state_dict(self, state: dict[str, Any]) -> dict[str, Any]:
+  def state_dict(self) -> dict[str, Any]:
+    """T5X's checkpoint layout.
+
+    Returns:
+      `{'target': params, 'state': {'step': step, 'param_states':
+      flax.serialization.to_state_dict(opt_state)}, 'flax_mutables': ...}`;
+      'param_states' only for a FlaxOptimTrainState, 'flax_mutables' only
+      when there are any.
+    """
+    state = {'step': self.step}
+    if isinstance(self, FlaxOptimTrainState):
+      state['param_states'] = flax.serialization.to_state_dict(
+          self.param_states)
     out = {'target': state_axes.plain(self.params), 'state': state}
     if self.flax_mutables:
       out['flax_mutables'] = state_axes.plain(self.flax_mutables)
     return out
 
-  def _restored(self, state_dict: Mapping[str, Any], *,
-                param_states: bool) -> dict[str, Any]:
-    """The fields of a checked `state_dict` (`param_states` if asked)."""
-    _check_state_dict(state_dict, need_param_states=param_states)
-    state = state_dict['state']
-    out = dict(step=jnp.asarray(state['step'], jnp.int32),
-               params=state_axes.plain(flax.serialization.from_state_dict(
-                   self.params, state_axes.plain(state_dict['target']))))
-    if param_states:
-      out['param_states'] = flax.serialization.from_state_dict(
-          self.param_states, state_axes.plain(state['param_states']))
-    out['flax_mutables'] = _restore_mutables(self.flax_mutables, state_dict)
-    return out
+  def restore_state(self, state_dict: Mapping[str, Any]) -> Self:
+    """The inverse of `state_dict()`, checked against this state's structure.
 
-  def _logical_axes(self, **others: Any) -> Self:
-    """`as_logical_axes()` of step, params and mutables, plus `others`."""
-    return self.replace(
-        step=PartitionSpec(),
-        params=state_axes.param_specs(self.params, self.params_axes),
-        flax_mutables=state_axes.mutable_specs(self.flax_mutables,
-                                               self.flax_mutables_axes),
-        **others)
+    Args:
+      state_dict: as `state_dict()` returns, possibly after a msgpack or
+        orbax round trip. An InferenceState also takes a
+        FlaxOptimTrainState's and never reads its 'param_states'.
+
+    Returns:
+      A new state with the step, params, mutables and (FlaxOptimTrainState)
+      optimizer state of `state_dict`; tx and axes from this one.
+
+    Raises:
+      ValueError: if keys are missing or the trees do not match.
+    """
+    optimizer = isinstance(self, FlaxOptimTrainState)
+    if not isinstance(state_dict, Mapping) or 'target' not in state_dict:
+      raise ValueError(
+          "state_dict must be a mapping with 'target' (the params) and "
+          "'state' ({'step', 'param_states'}), as state_dict() returns; got "
+          f'{type(state_dict).__name__} with keys '
+          f'{sorted(state_dict) if isinstance(state_dict, Mapping) else None}.')
+    state = state_dict.get('state')
+    need = ['step'] + (['param_states'] if optimizer else [])
+    if not isinstance(state, Mapping) or any(k not in state for k in need):
+      raise ValueError(
+          f"state_dict['state'] must hold {need}; got "
+          f'{sorted(state) if isinstance(state, Mapping) else state!r}. Pass '
+          'a dict produced by state_dict() (or a restored copy of one).')
+
+    def restore(current, saved):
+      return flax.serialization.from_state_dict(current,
+                                                state_axes.plain(saved))
+
+    out = dict(step=jnp.asarray(state['step'], jnp.int32),
+               params=state_axes.plain(restore(self.params,
+                                               state_dict['target'])),
+               flax_mutables={})
+    if optimizer:
+      out['param_states'] = restore(self.param_states, state['param_states'])
+    if 'flax_mutables' in state_dict:
+      saved = state_dict['flax_mutables']
+      out['flax_mutables'] = state_axes.plain(
+          restore(self.flax_mutables, saved) if self.flax_mutables else saved)
+    return self.replace(**out)
+
+  def as_logical_axes(self) -> Self:
+    """The same structure with logical `PartitionSpec`s in place of arrays.
+
+    Params get their declared names. Optimizer leaves shaped like their
+    param (or factored, as adafactor's moments) follow the param; the step
+    and everything else without axes is replicated.
+
+    Returns:
+      A state of the same class holding PartitionSpecs.
+
+    Raises:
+      MissingAxesError: if the params have no axis names, naming each.
+    """
+    specs = dict(step=PartitionSpec(),
+                 params=state_axes.param_specs(self.params, self.params_axes),
+                 flax_mutables=state_axes.mutable_specs(
+                     self.flax_mutables, self.flax_mutables_axes))
+    if isinstance(self, FlaxOptimTrainState):
+      specs['param_states'] = state_axes.optimizer_specs(
+          self.tx, self.param_states, self.params, specs['params'])
+    return self.replace(**specs)
 
   def replace_params(self, params: Any) -> Self:
     """Returns a new state with `params` (FrozenDict accepted)."""
@@ -237,34 +277,6 @@ class FlaxOptimTrainState(_StateMethods, flax.struct.PyTreeNode):
     return cls(step=jnp.zeros((), jnp.int32),
                param_states=tx.init(parts['params']), tx=tx, **parts)
 
-  def state_dict(self) -> dict[str, Any]:
-    """T5X's checkpoint layout.
-
-    Returns:
-      `{'target': params, 'state': {'step': step, 'param_states':
-      flax.serialization.to_state_dict(opt_state)}, 'flax_mutables': ...}`,
-      'flax_mutables' only when there are any.
-    """
-    return self._state_dict({
-        'step': self.step,
-        'param_states': flax.serialization.to_state_dict(self.param_states)})
-
-  def restore_state(self, state_dict: Mapping[str, Any]) -> FlaxOptimTrainState:
-    """The inverse of `state_dict()`, checked against this state's structure.
-
-    Args:
-      state_dict: as returned by `state_dict()`, possibly after a msgpack or
-        orbax round trip.
-
-    Returns:
-      A new state with the step, params, optimizer state and mutables of
-      `state_dict` (tx and axes from this one).
-
-    Raises:
-      ValueError: if keys are missing or the trees do not match.
-    """
-    return self.replace(**self._restored(state_dict, param_states=True))
-
   def apply_gradient(self, grads: Any, learning_rate: Any = None,
                      flax_mutables: Any = KEEP) -> FlaxOptimTrainState:
     """One optimizer step: `tx.update`, `optax.apply_updates`, step + 1.
@@ -287,7 +299,7 @@ class FlaxOptimTrainState(_StateMethods, flax.struct.PyTreeNode):
     """
     opt_state = self.param_states
     if learning_rate is not None:
-      opt_state = optax_state.set_learning_rate(opt_state, learning_rate)
+      opt_state = _set_learning_rate(opt_state, learning_rate)
     updates, opt_state = self.tx.update(state_axes.plain(grads), opt_state,
                                         self.params)
     new = self.replace(step=self.step + 1,
@@ -296,26 +308,6 @@ class FlaxOptimTrainState(_StateMethods, flax.struct.PyTreeNode):
     if flax_mutables is not KEEP:
       new = new.replace(flax_mutables=state_axes.plain(flax_mutables))
     return new
-
-  def as_logical_axes(self) -> FlaxOptimTrainState:
-    """The same structure with logical `PartitionSpec`s in place of arrays.
-
-    Params get their declared names; optimizer leaves in params-shaped
-    subtrees (found with `optax.tree_map_params`) get the param's names
-    (adafactor's factored moments: see `optax_state`); counts and other
-    optimizer leaves, mutables without axes and step are replicated. States
-    optax can't map (init fails on its placeholder) are replicated whole.
-
-    Returns:
-      A FlaxOptimTrainState of PartitionSpecs.
-
-    Raises:
-      MissingAxesError: if the params have no axis names, naming each.
-    """
-    return self._logical_axes(param_states=optax_state.logical_specs(
-        self.tx, self.param_states, self.params,
-        state_axes.param_specs(self.params, self.params_axes)))
-
 
 class InferenceState(_StateMethods, flax.struct.PyTreeNode):
   """A train state without optimizer state: what gets exported.
@@ -355,10 +347,8 @@ class InferenceState(_StateMethods, flax.struct.PyTreeNode):
   def from_train_state(cls, train_state: Any) -> InferenceState:
     """The strip: keeps step, params, mutables and axes; drops the optimizer.
 
-    No optimizer leaf is read, copied or flattened; the result shares the
-    param and mutable buffers with `train_state`. T5X's states work as they
-    are: FrozenDicts become plain dicts, their `*_axes` key layout the
-    mirror layout (`state_axes.foreign_axes`).
+    No optimizer leaf is read; the result shares the param and mutable
+    buffers with `train_state`. T5X's states work as they are.
 
     Args:
       train_state: a FlaxOptimTrainState, an InferenceState (returned as is)
@@ -378,8 +368,9 @@ class InferenceState(_StateMethods, flax.struct.PyTreeNode):
       return train_state
     if not (hasattr(train_state, 'step') and hasattr(train_state, 'params')):
       raise TypeError(
-          'train_state must be a TrainState (with step and params), e.g. '
-          f'FlaxOptimTrainState; got {type(train_state).__name__}.')
+          'train_state must be a TrainState: t5export needs a train state '
+          "with step and params (t5export's or T5X's FlaxOptimTrainState or "
+          f'InferenceState); got {type(train_state).__name__}.')
     if isinstance(train_state, FlaxOptimTrainState):  # Already plain dicts.
       return cls(step=train_state.step, params=train_state.params,
                  params_axes=train_state.params_axes,
@@ -414,30 +405,3 @@ class InferenceState(_StateMethods, flax.struct.PyTreeNode):
         'InferenceState has no optimizer state, so apply_gradient is not '
         'available. Train with a FlaxOptimTrainState and strip it with '
         'InferenceState.from_train_state for export.')
-
-  def state_dict(self) -> dict[str, Any]:
-    """`{'target': params, 'state': {'step'}, 'flax_mutables'?}`."""
-    return self._state_dict({'step': self.step})
-
-  def restore_state(self, state_dict: Mapping[str, Any]) -> InferenceState:
-    """Restores from an inference or a full train state dict.
-
-    Args:
-      state_dict: from `state_dict()` of this class or of a
-        FlaxOptimTrainState; 'param_states' is ignored, never read.
-
-    Returns:
-      A new state with the step, params and mutables of `state_dict`.
-
-    Raises:
-      ValueError: if keys are missing or the trees do not match.
-    """
-    return self.replace(**self._restored(state_dict, param_states=False))
-
-  def as_logical_axes(self) -> InferenceState:
-    """Logical `PartitionSpec`s in place of arrays (step replicated).
-
-    Raises:
-      MissingAxesError: if the params have no axis names, naming each.
-    """
-    return self._logical_axes()
