@@ -42,7 +42,7 @@ _EXPORTS = {
     'ExportCallback': ('callbacks', 'ExportCallback'),
     'load_params': ('verify', 'load_params'),
     'load_function': ('verify', 'load_function'),
-    'read_metadata': ('versions', 'read_metadata'),
+    'read_metadata': ('metadata', 'read_metadata'),
     'OfflineOptions': ('offline_export', 'OfflineOptions'),
     'export_checkpoint': ('offline_export', 'export_checkpoint'),
     'read_params': ('checkpoints', 'read_params'),
@@ -85,4 +85,4 @@ if TYPE_CHECKING:  # Static type checkers see the real names.
   from t5export._src.train_state import TrainState
   from t5export._src.verify import load_function
   from t5export._src.verify import load_params
-  from t5export._src.versions import read_metadata
+  from t5export._src.metadata import read_metadata

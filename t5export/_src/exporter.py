@@ -1,32 +1,10 @@
 """SavedModelExporter: publishes versioned, checked SavedModels atomically.
 
-One export (steps 5-7 of docs/internals.md's "One export, step by step"):
-
-1. refuse early: an existing version (unless `overwrite=True`), non-finite
-   params (unless `allow_non_finite=True`);
-2. build the `JaxModule` on the first export (jax2tf traces once), or assign
-   the new values into its variables afterwards (no re-trace);
-3. write the SavedModel into `<export_dir>/.tmp-<step>-<nonce>/`
-   (`writer`: the first version with `tf.saved_model.save`, later ones as
-   the first one's graph plus the new variables, written in parallel);
-4. the check (`staged_check`, its JAX side started before the write): load
-   the staged SavedModel in TensorFlow, run every signature that has sample
-   inputs and compare with the JAX method (the same TF pre/post-processing
-   around it);
-5. `assets.extra/` (`assets_extra`): `t5export.json` metadata, `config.gin`
-   (when gin is in use), the `jax.export` artifacts,
-   `tf_serving_warmup_requests`;
-6. fsync every file and directory, then publish: rename the staging
-   directory to `<export_dir>/<step>/` in one step (`versions`), so
-   TensorFlow Serving never sees a partial version;
-7. retention: keep the `keep` newest versions plus the `keep_best` best by a
-   metric, never the version just written (`versions`).
-
-The options are one `options.ExportOptions`. On first use (not creation)
-the exporter resumes: it creates `export_dir` if needed, lists the versions
-(and their metrics) and removes `.tmp-*` directories left by a crash. One
-exporter (one process) writes an `export_dir` at a time. The directory layout, atomic publish and retention
-live in `t5export._src.versions`; this module orchestrates one export.
+One export: refuse early (existing version, non-finite params), build or
+update the `JaxModule`, write into a staging directory (`writer`), check it
+against JAX (`staged_check`), write `assets.extra/` (`assets_extra`), fsync,
+publish by one rename and apply retention (`versions`). The steps are in
+docs/internals.md, "One export, step by step".
 """
 
 from __future__ import annotations
@@ -42,10 +20,11 @@ from absl import logging
 import gin
 import jax
 
-from t5export._src import assets_extra
 from t5export import errors
+from t5export._src import assets_extra
 from t5export._src import jax_artifacts as jax_artifacts_lib
 from t5export._src import jax_module
+from t5export._src import metadata
 from t5export._src import options as options_lib
 from t5export._src import paths
 from t5export._src import serving
@@ -53,9 +32,11 @@ from t5export._src import serving_compat
 from t5export._src import snapshot as snapshot_lib
 from t5export._src import staged_check
 from t5export._src import train_state
-from t5export._src import verify
 from t5export._src import versions as versions_lib
 from t5export._src import writer as writer_lib
+
+_NOT_CHECKED = metadata.Check(checked=False,
+                              reason='ExportOptions(validate=False)')
 
 
 @gin.configurable('SavedModelExporter', module='t5export')
@@ -87,6 +68,8 @@ class SavedModelExporter:
 
     Raises:
       SignatureError: `signatures` is empty or has duplicate names.
+      MissingSampleInputsError: `options.validate` is True (the default)
+        and a signature has no `sample_inputs`.
       TypeError: a signature is not a `t5export.Signature`, or `options` is
         not an `ExportOptions`.
       ValueError: a gin macro (EXPORT_DIR, SIGNATURES) was left unset.
@@ -107,6 +90,8 @@ class SavedModelExporter:
           f'options must be a t5export.ExportOptions, got {options!r}. In '
           'gin: SavedModelExporter.options = @t5export.ExportOptions().')
     self._options = options
+    if options.validate:
+      staged_check.require_samples(self._signatures)
     # Signature name -> (serialized jax.export artifact, its metadata entry),
     # made on the first export.
     self._artifacts: dict[str, tuple[bytes, dict[str, Any]]] = {}
@@ -144,24 +129,13 @@ class SavedModelExporter:
 
   @property
   def _dir(self) -> versions_lib.VersionDirectory:
-    """The version directory, prepared and resumed on first use.
-
-    Raises:
-      ExportDirError: `export_dir` is a file, cannot be created or is not
-        writable.
-    """
+    """The version directory, prepared and resumed on first use."""
     if self._dir_state is None:
       o = self._options
       directory = versions_lib.VersionDirectory(
           self._export_dir, keep=o.keep, keep_best=o.keep_best,
           overwrite=o.overwrite)
-      stale = directory.remove_stale_staging()
-      for version in directory.versions():
-        try:
-          meta = verify.read_metadata(directory.version_dir(version))
-        except (errors.VersionNotFoundError, ValueError):
-          meta = {}
-        directory.record_metrics(version, meta.get('metrics') or {})
+      stale = directory.resume()
       logging.info('t5export: export_dir %s holds versions %s; removed %d '
                    'stale staging dir(s).', self._export_dir,
                    directory.versions(), len(stale))
@@ -307,12 +281,12 @@ class SavedModelExporter:
                    versions_lib.dir_nbytes(staging) / 2**20,
                    'first graph + new variables' if written == 'variables'
                    else 'full tf.saved_model.save')
-      check = staged_check.unchecked(atol=o.atol, rtol=o.rtol)
+      check = _NOT_CHECKED
       if pending is not None:
         start = time.monotonic()
         check, pending = pending.finish(staging), None
         logging.info('t5export: step %d: check passed for %s in %.2fs.', step,
-                     sorted(check['signatures']), time.monotonic() - start)
+                     sorted(check.signatures), time.monotonic() - start)
       start = time.monotonic()
       n_warmup = assets_extra.write(
           staging, module=self._module, signatures=self._signatures,
