@@ -164,7 +164,8 @@ def test_dynamic_registration_through_lazy_package_face(tmp_path):
       t5export.standard_logical_axis_rules.activation_partitioning_dims = 2
       """))
   sig = t5export.Signature(name='serving_default', method=tiny_serve,
-                           input_specs={'x': (f'b, {FEATURES}', 'float32')})
+                           input_specs={'x': (f'b, {FEATURES}', 'float32')},
+                           sample_inputs={'x': X_SAMPLE})
   # The callback takes its exporter from gin; the signatures come from here.
   gin.bind_parameter('t5export.SavedModelExporter.signatures', [sig])
   cb = t5export.ExportCallback()
@@ -191,7 +192,8 @@ def test_dynamic_registration_includes_classic_export_gin(tmp_path):
       KEEP = 2
       """))
   sig = t5export.Signature(name='serving_default', method=tiny_serve,
-                           input_specs={'x': (f'b, {FEATURES}', 'float32')})
+                           input_specs={'x': (f'b, {FEATURES}', 'float32')},
+                           sample_inputs={'x': X_SAMPLE})
   gin.bind_parameter('t5export.SavedModelExporter.signatures', [sig])
   with t5export.ExportCallback() as cb:
     assert cb.export_every_steps == 3

@@ -410,7 +410,6 @@ def test_flax_msgpack_cast_to_bfloat16(background, tf_run):
 def test_same_version_as_the_training_callback(background, work):
   """The callback, given the same state and config, publishes the same."""
   import t5export  # pylint: disable=g-import-not-at-top
-  from t5export._src import metadata  # pylint: disable=g-import-not-at-top
   from t5export._src import verify  # pylint: disable=g-import-not-at-top
 
   job = background['manager']
@@ -436,7 +435,7 @@ def test_same_version_as_the_training_callback(background, work):
   for key, value in paths.flatten(want).items():
     np.testing.assert_array_equal(paths.flatten(got)[key], value)
   meta_ours, meta_theirs = (
-      metadata.to_json(_metadata(d)) for d in (ours, theirs))
+      dataclasses.asdict(_metadata(d)) for d in (ours, theirs))
   for meta in (meta_ours, meta_theirs):
     # The artifact's MLIR locations hold the tracing call stack (as the
     # SavedModel's module does), so its size depends on the caller.
@@ -449,7 +448,6 @@ def test_same_version_as_the_training_callback(background, work):
 def test_export_checkpoint_api_overwrites_a_version(background, work):
   """The Python entry point, gin-free, replacing version 7 (overwrite)."""
   import t5export  # pylint: disable=g-import-not-at-top
-  from t5export._src import metadata  # pylint: disable=g-import-not-at-top
   from t5export._src import verify  # pylint: disable=g-import-not-at-top
 
   job = background['pytree']

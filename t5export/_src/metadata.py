@@ -26,12 +26,11 @@ NOT_RECORDED = 'not recorded'
 
 @dataclasses.dataclass(frozen=True)
 class OutputCheck:
-  """How far one output of the SavedModel was from JAX, over all batches.
+  """One output's distance from JAX over the sample batches.
 
   Attributes:
     max_abs_error: max |saved - jax| (0.0 for equal strings).
-    max_rel_error: max |saved - jax| / |jax| over the elements where JAX's
-      value is not 0.
+    max_rel_error: max |saved - jax| / |jax| where JAX's value is not 0.
   """
   max_abs_error: float
   max_rel_error: float
@@ -39,27 +38,21 @@ class OutputCheck:
 
 @dataclasses.dataclass(frozen=True)
 class SignatureCheck:
-  """The check of one signature: how many sample batches, errors per output.
-
-  Attributes:
-    batches: how many sample batches were run and compared.
-    outputs: `{output name: OutputCheck}`.
-  """
+  """One signature's check: `batches` run, `{output: OutputCheck}`."""
   batches: int
   outputs: Mapping[str, OutputCheck]
 
 
 @dataclasses.dataclass(frozen=True)
 class Check:
-  """What the pre-publish check did with the version.
+  """What the pre-publish check did (a failed check publishes nothing).
 
   Attributes:
-    checked: whether the staged version was run and compared with JAX
-      (every signature passed; a failing check publishes nothing).
-    reason: why it was not checked (None when checked).
+    checked: whether the staged version was run and compared with JAX.
+    reason: why not (None when checked).
     atol: the absolute tolerance used (None when not checked).
     rtol: the relative tolerance used (None when not checked).
-    signatures: `{signature name: SignatureCheck}` ({} when not checked).
+    signatures: `{name: SignatureCheck}` ({} when not checked).
   """
   checked: bool
   reason: str | None = None
@@ -84,10 +77,10 @@ class Param:
 
   Attributes:
     shape: its shape.
-    dtype: as stored in the SavedModel (float32 if bfloat16 was cast).
+    dtype: as stored (float32 if bfloat16 was cast).
     source_dtype: as given to the exporter.
     logical_axes: its logical axis names, or None.
-    mesh_axes: its mesh axes (a PartitionSpec as a tuple), or None.
+    mesh_axes: its mesh axes (a PartitionSpec as nested tuples), or None.
   """
   shape: tuple[int, ...]
   dtype: str
@@ -98,19 +91,18 @@ class Param:
 
 @dataclasses.dataclass(frozen=True)
 class Signature:
-  """One serving signature of the version.
+  """One serving signature (shapes and dtypes as `{'shape', 'dtype'}`).
 
   Attributes:
-    inputs: `{input name: {'shape', 'dtype'}}` of the SavedModel signature.
-    outputs: `{output name: {'shape', 'dtype'}}` of its SignatureDef.
-    method_inputs: `{path: {'shape', 'dtype'}}` the JAX method takes.
+    inputs: `{name: spec}` of the SavedModel signature.
+    outputs: `{name: spec}` of its SignatureDef.
+    method_inputs: `{path: spec}` the JAX method takes.
     preprocessor: the TF preprocessor's name, or None.
     postprocessor: the TF postprocessor's name, or None.
-    has_sample_inputs: whether it was given sample inputs.
+    has_sample_inputs: whether it had sample inputs.
     jax_artifact: its `jax.export` artifact (`{'file', 'nbytes',
       'platforms', 'calling_convention_version', 'stablehlo_version'}`),
-      None with `jax_artifacts=False`, `NOT_RECORDED` for a version written
-      before t5export wrote them.
+      None with `jax_artifacts=False`, or `NOT_RECORDED`.
   """
   inputs: Mapping[str, Any]
   outputs: Mapping[str, Any]
@@ -137,7 +129,7 @@ class Metadata:
     nbytes: the parameters' bytes as exported.
     check: what the pre-publish check did.
     metrics: the flat metrics given to the export.
-    format_version: the layout of the file.
+    format_version: the file's layout.
   """
   step: int
   time_utc: str
@@ -153,51 +145,42 @@ class Metadata:
   format_version: int = FORMAT_VERSION
 
 
-def to_json(meta: Metadata) -> dict[str, Any]:
-  """The JSON form of `meta` (what `write` stores)."""
-  return dataclasses.asdict(meta)
-
-
 def write(version_dir: str, meta: Metadata) -> None:
   """Writes `meta` as `<version_dir>/assets.extra/t5export.json`."""
   os.makedirs(os.path.join(version_dir, ASSETS_EXTRA), exist_ok=True)
   with open(os.path.join(version_dir, FILE), 'w', encoding='utf-8') as f:
-    json.dump(to_json(meta), f, indent=2, allow_nan=True)
+    json.dump(dataclasses.asdict(meta), f, indent=2, allow_nan=True)
 
 
-def _tuple(value: Any) -> tuple[Any, ...] | None:
-  if value is None:
-    return None
-  return tuple(_tuple(v) if isinstance(v, list) else v for v in value)
+def _tuple(value: Any) -> Any:
+  """JSON lists back to (nested) tuples."""
+  if isinstance(value, list):
+    return tuple(_tuple(v) for v in value)
+  return value
 
 
-def _check(d: Mapping[str, Any]) -> Check:
-  sigs = {n: SignatureCheck(s['batches'], {
+def _parse(d: Mapping[str, Any]) -> Metadata:
+  check = d['check']
+  sig_checks = {n: SignatureCheck(s['batches'], {
       o: OutputCheck(**e) for o, e in s['outputs'].items()})
-          for n, s in d.get('signatures', {}).items()}
-  return Check(d['checked'], d.get('reason'), d.get('atol'), d.get('rtol'),
-               sigs)
-
-
-def _signature(d: Mapping[str, Any]) -> Signature:
-  return Signature(
-      d['inputs'], d['outputs'], d.get('method_inputs', {}),
-      d.get('preprocessor'), d.get('postprocessor'),
-      d.get('has_sample_inputs', False),
-      d.get('jax_artifact', NOT_RECORDED))
-
-
-def from_json(d: Mapping[str, Any]) -> Metadata:
-  """Builds a `Metadata` from its JSON form (KeyError if a field is missing)."""
-  params = {p: Param(tuple(v['shape']), v['dtype'], v['source_dtype'],
-                     _tuple(v.get('logical_axes')), _tuple(v.get('mesh_axes')))
-            for p, v in d['params'].items()}
+                for n, s in check.get('signatures', {}).items()}
   return Metadata(
       step=d['step'], time_utc=d['time_utc'], versions=d['versions'],
       serving=d.get('serving'), platforms=tuple(d['platforms']),
       options=d['options'],
-      signatures={n: _signature(s) for n, s in d['signatures'].items()},
-      params=params, nbytes=d['nbytes'], check=_check(d['check']),
+      signatures={n: Signature(
+          s['inputs'], s['outputs'], s.get('method_inputs', {}),
+          s.get('preprocessor'), s.get('postprocessor'),
+          s.get('has_sample_inputs', False),
+          s.get('jax_artifact', NOT_RECORDED))
+                  for n, s in d['signatures'].items()},
+      params={p: Param(tuple(v['shape']), v['dtype'], v['source_dtype'],
+                       _tuple(v.get('logical_axes')),
+                       _tuple(v.get('mesh_axes')))
+              for p, v in d['params'].items()},
+      nbytes=d['nbytes'],
+      check=Check(check['checked'], check.get('reason'), check.get('atol'),
+                  check.get('rtol'), sig_checks),
       metrics=d.get('metrics') or {},
       format_version=d.get('format_version', FORMAT_VERSION))
 
@@ -224,8 +207,8 @@ def read_metadata(version_dir: str | os.PathLike[str]) -> Metadata:
         'not the export_dir itself.')
   try:
     with open(path, encoding='utf-8') as f:
-      return from_json(json.load(f))
-  except (ValueError, KeyError, TypeError) as e:
+      return _parse(json.load(f))
+  except (ValueError, KeyError, TypeError, AttributeError) as e:
     raise errors.VersionNotFoundError(
         f'{path!r} is not t5export metadata ({type(e).__name__}: {e}). '
         'Re-export the version or copy it again.') from e

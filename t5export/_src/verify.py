@@ -57,18 +57,15 @@ def _read_variables(version_dir: str,
 def load_params(version_dir: str | os.PathLike[str]) -> dict[str, Any]:
   """Loads the exported variables of a version back as a JAX pytree.
 
-  The values come straight from the SavedModel's variables checkpoint
-  (`variables/variables.*`, read and checksummed by `tensor_bundle`), so
-  they are bit-exact, bfloat16 included; no TensorFlow is needed. The tree
-  is rebuilt from the metadata's `params` (in the SavedModel's order).
+  Read from the SavedModel's variables checkpoint with numpy (checksummed),
+  so bit-exact, bfloat16 included, with no TensorFlow.
 
   Args:
     version_dir: a version directory such as `<export_dir>/1000`.
 
   Returns:
-    Nested dicts of `jax.Array`, e.g. `{'params': {...}, 'batch_stats':
-    {...}}`: what the serve method received (with the dtypes stored in the
-    SavedModel; float32 if the export cast bfloat16).
+    Nested dicts of `jax.Array` (`{'params': ..., **mutables}`), with the
+    dtypes stored (float32 if the export cast bfloat16).
 
   Raises:
     VersionNotFoundError: if the directory is not a t5export version.
@@ -84,30 +81,13 @@ def load_function(version_dir: str | os.PathLike[str],
                   signature_name: str) -> Callable[[Any], Any]:
   """The JAX function a version serves, bound to that version's weights.
 
-  Deserializes the signature's `jax.export` artifact (written by the
-  exporter with `jax_artifacts=True`, the default) and binds it to the
-  version's own variables (read like `load_params`). The result runs the
-  exact StableHLO the SavedModel runs, in JAX, with no TensorFlow, and
-  returns what the JAX method returns on those params, bit for bit; the
-  SavedModel's outputs too, wherever TensorFlow's XLA compiles the module
-  to the same code as JAX's (on CPU: everything but a division by a
-  broadcast value, which jaxlib 0.10's XLA turns into a multiplication by
-  the reciprocal, a last-bit difference). The variables are passed as
-  arguments of a jitted call; inside your own `jax.jit`, call
-  `fn.exported.call(fn.variables, inputs)` with the variables as
-  arguments too: closed over, they become constants XLA may fold, which
-  also changes the last bits.
-
-  It is the JAX part of the signature only: `fn(inputs)` takes what the
-  signature's JAX method takes and returns what the method returns. For a
-  signature without pre/post-processors that is the SavedModel signature
-  itself (same input names; outputs as the method's pytree, which the
-  SavedModel flattens into named outputs). A signature's TensorFlow
-  preprocessor and postprocessor (tokenizers, lookup tables) are not in
-  the artifact and do not run: the inputs are the method inputs recorded
-  in the metadata (`signatures[name].method_inputs`), e.g. token ids
-  instead of text, and the outputs are the method's, before the
-  postprocessor. Every t5export signature has this JAX-only form.
+  Deserializes the signature's `jax.export` artifact and binds it to the
+  version's own variables: the exact StableHLO the SavedModel runs, in JAX,
+  without TensorFlow. It is the JAX method only: TF pre/post-processors do
+  not run, so `fn` takes the metadata's `method_inputs` (e.g. token ids, not
+  text). Inside your own `jax.jit`, call `fn.exported.call(fn.variables,
+  inputs)` with the variables as arguments: closed over, XLA may fold them
+  and change the last bits.
 
   Args:
     version_dir: a version directory such as `<export_dir>/1000`.
@@ -120,8 +100,8 @@ def load_function(version_dir: str | os.PathLike[str],
   Raises:
     VersionNotFoundError: if the directory is not a t5export version.
     SignatureError: if the version has no such signature.
-    NoJaxArtifactError: if the version holds no artifact for it (written
-      before t5export wrote them, or with `jax_artifacts=False`).
+    NoJaxArtifactError: if the version holds no artifact for it
+      (`jax_artifacts=False`, or written before t5export wrote them).
     ParamsMismatchError, VariablesFormatError: as for `load_params`, or
       the artifact and the stored variables do not match.
   """
@@ -256,7 +236,8 @@ def run_signatures_isolated(
         if name not in signature_defs:
           raise errors.SignatureError(
               f'signature_name={name!r} is not in the SavedModel at '
-              f'{version_dir!r}; it has {sorted(signature_defs)}.')
+              f'{version_dir!r}; it has '
+              f'{sorted(n for n in signature_defs if n[:2] != "__")}.')
         sig_def = signature_defs[name]
         unknown = sorted(set(inputs) - set(sig_def.inputs))
         if unknown:
