@@ -542,7 +542,7 @@ def test_validate_without_sample_inputs(published):
                      r'\(validate=True\), the default\) cannot run it\. Give '
                      rf"sample_inputs=\.\.\. to Signature '{model.SIGNATURE}', "
                      r'or pass ExportOptions\(validate=False\) to publish '
-                     r'versions unchecked\.$'):
+                     r'versions unchecked\.'):
     exporter_lib.SavedModelExporter(published.export_dir, [sig])
   _assert_kept(published, before)
 

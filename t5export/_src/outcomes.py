@@ -57,7 +57,8 @@ class Outcomes:
       self.published.append(path)
       self.export_secs.append(secs)
       self.bytes_written += nbytes
-    self._queue(step, {'export_secs': secs, 'bytes_written': float(nbytes)})
+    self.queue_scalars(step, {METRIC_PREFIX + 'export_secs': secs,
+                              METRIC_PREFIX + 'bytes_written': float(nbytes)})
     self.record('published', step,
                 f'({nbytes / 2**20:.1f} MiB) in {secs:.2f}s: {path}')
 
@@ -68,7 +69,8 @@ class Outcomes:
       self.wait_secs.append(waited)
     logging.info('t5export: training thread blocked %.3fs for the export of '
                  'step %d (%.3fs of it waiting for room).', secs, step, waited)
-    self._queue(step, {'blocking_secs': secs, 'wait_secs': waited})
+    self.queue_scalars(step, {METRIC_PREFIX + 'blocking_secs': secs,
+                              METRIC_PREFIX + 'wait_secs': waited})
 
   def add_due(self) -> None:
     with self._lock:
@@ -94,10 +96,10 @@ class Outcomes:
           kind)
     return count
 
-  def _queue(self, step: int, scalars: dict[str, float]) -> None:
+  def queue_scalars(self, step: int, scalars: dict[str, float]) -> None:
+    """Queues `{name: value}` (names with `METRIC_PREFIX`) at `step`."""
     with self._lock:
-      self._scalars.append(
-          (step, {METRIC_PREFIX + k: v for k, v in scalars.items()}))
+      self._scalars.append((step, dict(scalars)))
 
   def take_scalars(self) -> list[tuple[int, dict[str, float]]]:
     """The queued `(step, scalars)`, oldest first; empties the queue."""
