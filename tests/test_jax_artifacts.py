@@ -39,6 +39,7 @@ import t5export
 from t5export import errors
 from t5export._src import jax_artifacts
 from t5export._src import jax_module
+from t5export._src import metadata
 from t5export._src import paths
 from t5export._src import serving_compat
 from t5export._src import verify
