@@ -360,8 +360,8 @@ def test_t5x_fixture(background, t5x_checkpoint_dir, work, tf_run):
   params = paths.unflatten({k: reference[k] for k in reference.files})
   _assert_outputs(tf_run(version_dir, {'tokens': _TOKENS}),
                   _fixture_jax(params))
-  entry = _metadata(version_dir)['params']['params/token_embedder/embedding']
-  assert entry['logical_axes'] == ['vocab', 'embed']  # From INIT_FN.
+  entry = _metadata(version_dir).params['params/token_embedder/embedding']
+  assert entry.logical_axes == ('vocab', 'embed')  # From INIT_FN.
 
   # Publishing the same step again is refused; nothing changes.
   before = _listing(export_dir)
