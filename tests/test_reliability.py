@@ -45,6 +45,7 @@ import _report  # pylint: disable=g-import-not-at-top,wrong-import-position
 import _small_fs  # pylint: disable=g-import-not-at-top,wrong-import-position
 import t5export  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5export import errors  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5export._src import metadata  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5export._src import paths  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5export._src import verify  # pylint: disable=g-import-not-at-top,wrong-import-position
 

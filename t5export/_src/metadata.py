@@ -30,7 +30,8 @@ class OutputCheck:
 
   Attributes:
     max_abs_error: max |saved - jax| (0.0 for equal strings).
-    max_rel_error: max |saved - jax| / |jax| where JAX's value is not 0.
+    max_rel_error: max |saved - jax| / |jax| where JAX's value is finite
+      and not 0.
   """
   max_abs_error: float
   max_rel_error: float

@@ -208,11 +208,19 @@ def compare_outputs(signature_name: str, actual: Mapping[str, Any],
           signature_name, name, kind='values', max_abs_error=max_err,
           detail=f'values differ beyond atol={atol:g}, rtol={rtol:g}: max '
           f'abs error {max_err:.6g} vs JAX')
-    nonzero = e64 != 0
-    rel = diff[nonzero] / np.abs(e64[nonzero])
+    scale = (e64 != 0) & np.isfinite(e64)  # Where |jax| can divide.
+    rel = diff[scale] / np.abs(e64[scale])
     result[name] = metadata.OutputCheck(
         max_err, float(np.max(rel)) if rel.size else 0.0)
   return result
+
+
+def _no_signature(name: str, version_dir: str,
+                  names: Any) -> errors.SignatureError:
+  names = sorted(n for n in names if not n.startswith('__'))  # Init ops.
+  return errors.SignatureError(
+      f'signature_name={name!r} is not in the SavedModel at '
+      f'{version_dir!r}; it has {names}.')
 
 
 def run_signatures_isolated(
@@ -234,10 +242,7 @@ def run_signatures_isolated(
           session, [tf.saved_model.SERVING], version_dir).signature_def
       for name, inputs in requests:
         if name not in signature_defs:
-          raise errors.SignatureError(
-              f'signature_name={name!r} is not in the SavedModel at '
-              f'{version_dir!r}; it has '
-              f'{sorted(n for n in signature_defs if n[:2] != "__")}.')
+          raise _no_signature(name, version_dir, signature_defs)
         sig_def = signature_defs[name]
         unknown = sorted(set(inputs) - set(sig_def.inputs))
         if unknown:
@@ -281,9 +286,7 @@ def call_exported(version_dir: str | os.PathLike[str], signature_name: str,
   version_dir = os.fspath(version_dir)
   loaded = tf.saved_model.load(version_dir)
   if signature_name not in loaded.signatures:
-    raise errors.SignatureError(
-        f'signature_name={signature_name!r} is not in the SavedModel at '
-        f'{version_dir!r}; it has {sorted(loaded.signatures.keys())}.')
+    raise _no_signature(signature_name, version_dir, loaded.signatures)
   tf_sig = loaded.signatures[signature_name]
   spec = tf_sig.structured_input_signature[1]
 
