@@ -39,11 +39,12 @@ from absl import app
 from absl import flags
 from absl import logging
 
+import t5export  # Light: names resolve on first use.
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 # A package path, as the file's own include lines: gin resolves it wherever
 # `examples` is importable (examples/gin/ is a package).
 GIN_FILE = 'examples/gin/tiny_t5.gin'
-METADATA = os.path.join('assets.extra', 't5export.json')
 DEFAULT_REQUESTS = ('hello', 'jax', 'serving', 'abcdefgh')
 
 # Runs in a separate interpreter: TensorFlow only, no JAX, no t5export.
@@ -78,25 +79,20 @@ def published_versions(export_dir: str | os.PathLike[str]
 
   Returns:
     One dict per version: 'path', 'step', 'time_utc', 'check' (the
-    exporter's check record), 'passed' (True/False, None if not validated).
+    exporter's check record, a `Check`), 'checked' (whether the version was
+    checked against JAX before it was published; a failed check publishes
+    nothing).
   """
   out = []
   if not os.path.isdir(export_dir):
     return out
   for name in os.listdir(export_dir):
     path = os.path.join(export_dir, name)
-    meta_path = os.path.join(path, METADATA)
-    if not name.isdigit() or not os.path.isfile(meta_path):
+    if not name.isdigit() or not os.path.isdir(path):
       continue  # Staging dirs and anything else.
-    with open(meta_path, encoding='utf-8') as f:
-      meta = json.load(f)
-    check = meta.get('check') or {}
-    sigs = check.get('signatures') or {}
-    passed = (all(s.get('passed') for s in sigs.values())
-              if check.get('validated') and sigs else None)
-    out.append({'path': path, 'step': int(meta.get('step', name)),
-                'time_utc': meta.get('time_utc'), 'check': check,
-                'passed': passed})
+    meta = t5export.read_metadata(path)
+    out.append({'path': path, 'step': meta.step, 'time_utc': meta.time_utc,
+                'check': meta.check, 'checked': meta.check.checked})
   return sorted(out, key=lambda v: v['step'])
 
 
@@ -178,7 +174,6 @@ def run(*, output_dir: str, num_steps: int | None = None,
         f'{last.get("accuracy", float("nan")):.3f}, exact match '
         f'{last.get("exact_match", float("nan")):.3f}', flush=True)
 
-  import t5export  # pylint: disable=g-import-not-at-top
   (export_cb,) = [cb for cb in result.callbacks
                   if isinstance(cb, t5export.ExportCallback)]
   print(f'== Exports (in the background): {export_cb.summary()}',
@@ -188,12 +183,8 @@ def run(*, output_dir: str, num_steps: int | None = None,
     raise RuntimeError(f'No version was published under {export_dir}.')
   print(f'== Published versions kept in {export_dir} (KEEP newest):')
   for v in versions:
-    status = {True: 'check passed', False: 'check FAILED',
-              None: 'not checked'}[v['passed']]
-    errs = {name: s.get('max_abs_error') for name, s in
-            (v['check'].get('signatures') or {}).items()}
     print(f'   {os.path.basename(v["path"]):>6}  step {v["step"]:>5}  '
-          f'{v["time_utc"]}  {status}  max_abs_error {errs}')
+          f'{v["time_utc"]}  check {v["check"].summary()}')
 
   newest = versions[-1]
   print('== Asking every version from a process that imports only '

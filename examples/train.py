@@ -11,7 +11,7 @@ synthetic task:
   `mutable=['batch_stats']` and carried as the state's `flax_mutables`).
 
 The state is a `t5export.FlaxOptimTrainState`, placed on a ('data', 'model')
-device mesh through the models' logical axes (`t5export._src.partitioning`); the
+device mesh through the models' logical axes (`t5export.shard_state`); the
 jitted train step donates it. Orbax `CheckpointManager` saves
 `state.state_dict()` every `checkpoint_every_steps` (and at the end) and the
 loop resumes from the latest checkpoint in `workdir`. CLU's
@@ -45,7 +45,6 @@ import optax
 import orbax.checkpoint as ocp
 
 import t5export
-from t5export._src import partitioning
 from examples import models
 
 Array = jax.Array
@@ -367,9 +366,9 @@ def train(*,
                       weight_decay=weight_decay, clip_norm=clip_norm)
   variables = jax.jit(task.init_variables)(jax.random.PRNGKey(seed))
   state = t5export.FlaxOptimTrainState.create(tx, variables)
-  state = partitioning.shard_state(state, mesh, rules)
-  state_shardings = partitioning.shardings_for(
-      mesh, partitioning.get_mesh_axes(state, rules))
+  state = t5export.shard_state(state, mesh, rules)
+  # The jitted step keeps each array where shard_state placed it.
+  state_shardings = jax.tree_util.tree_map(lambda x: x.sharding, state)
   batch_sharding = jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec('data'))
 
@@ -384,8 +383,7 @@ def train(*,
     abstract = jax.tree_util.tree_map(
         ocp.utils.to_shape_dtype_struct, state.state_dict())
     restored = manager.restore(latest, args=ocp.args.StandardRestore(abstract))
-    state = partitioning.shard_state(state.restore_state(restored), mesh,
-                                     rules)
+    state = t5export.shard_state(state.restore_state(restored), mesh, rules)
     start_step = int(state.step)
     logging.info('Resumed from checkpoint step %d in %s.', start_step,
                  ckpt_dir)

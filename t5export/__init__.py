@@ -36,7 +36,7 @@ _BY_MODULE = {
     'exporter': 'SavedModelExporter',
     'callbacks': 'ExportCallback',
     'verify': 'load_params load_function',
-    'versions': 'read_metadata',
+    'metadata': 'read_metadata',
     'offline_export': 'OfflineOptions export_checkpoint',
     'checkpoints': 'read_params',
 }
@@ -82,4 +82,4 @@ if TYPE_CHECKING:  # Static type checkers see the real names.
   from t5export._src.train_state import TrainState
   from t5export._src.verify import load_function
   from t5export._src.verify import load_params
-  from t5export._src.versions import read_metadata
+  from t5export._src.metadata import read_metadata

@@ -366,3 +366,24 @@ class BarrierTimeoutError(T5ExportError, TimeoutError):
 
 class GinConfigError(T5ExportError, ValueError):
   """The gin files or bindings given to an offline export are not usable."""
+
+
+# --- the pre-publish check --------------------------------------------------
+
+
+class MissingSampleInputsError(T5ExportError, ValueError):
+  """`validate=True` (the default) but a signature has no sample inputs.
+
+  Raised when the exporter is created, before anything is written: the
+  check runs every signature on its sample inputs, so a signature without
+  them would be published unchecked.
+  """
+
+  def __init__(self, signature_name: str):
+    self.signature_name = signature_name
+    super().__init__(
+        f'Signature {signature_name!r} has no sample_inputs, so the '
+        'pre-publish check (ExportOptions(validate=True), the default) '
+        f'cannot run it. Give sample_inputs=... to Signature '
+        f'{signature_name!r}, or pass ExportOptions(validate=False) to '
+        'publish versions unchecked.')

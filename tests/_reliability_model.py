@@ -92,10 +92,11 @@ def check_version(version_dir: str) -> int:
   """
   import jax  # pylint: disable=g-import-not-at-top
   from t5export._src import paths  # pylint: disable=g-import-not-at-top
+  from t5export._src import metadata  # pylint: disable=g-import-not-at-top
   from t5export._src import verify  # pylint: disable=g-import-not-at-top
   step = int(os.path.basename(version_dir))
-  meta = verify.read_metadata(version_dir)
-  assert meta['step'] == step, (version_dir, meta['step'])
+  meta = metadata.read_metadata(version_dir)
+  assert meta.step == step, (version_dir, meta.step)
   expected = params_for(step)
   stored = paths.flatten(verify.load_params(version_dir))
   want = paths.flatten(expected)

@@ -632,11 +632,11 @@ def test_clu_scalar_metrics_become_numbers_and_drive_keep_best(
   # keep=1 keeps 6; the best by accuracy (4) stays; 2 went to retention.
   assert cb.versions() == [4, 6]
   meta = t5export.read_metadata(str(tmp_path / '4'))
-  assert meta['metrics'] == {'eval/accuracy': pytest.approx(0.9),
+  assert meta.metrics == {'eval/accuracy': pytest.approx(0.9),
                              'eval/note': 'best so far'}
-  assert isinstance(meta['metrics']['eval/accuracy'], float)
+  assert isinstance(meta.metrics['eval/accuracy'], float)
   meta = t5export.read_metadata(str(tmp_path / '6'))
-  assert meta['metrics'] == {'eval/accuracy': pytest.approx(0.7)}
+  assert meta.metrics == {'eval/accuracy': pytest.approx(0.7)}
 
 
 def test_non_numeric_keep_best_metric_fails_that_export_naming_it(
@@ -666,7 +666,7 @@ def test_exporter_export_records_clu_values_as_numbers(trainer, tmp_path):
       'hist': clu_values.Histogram(np.zeros((2, 3), np.float32), 4)})
   recorded = {'acc': 0.25, 'loss': 1.5,
               'hist': '<array of shape (2, 3), float32>'}
-  assert t5export.read_metadata(path)['metrics'] == recorded
+  assert t5export.read_metadata(path).metrics == recorded
   assert exporter.metrics()[1] == recorded
   with pytest.raises(errors.MetricNotNumericError,
                      match="keep_best metric 'acc' of step 2 is not a number: "

@@ -533,6 +533,20 @@ def test_saved_model_differs_from_jax(published, kind, output, what, fix):
   _assert_kept(published, before)
 
 
+def test_validate_without_sample_inputs(published):
+  before = _tree_digest(published.export_dir)
+  sig = model.signature(sample_inputs=None)
+  with pytest.raises(errors.MissingSampleInputsError,
+                     match=rf"^Signature '{model.SIGNATURE}' has no "
+                     r'sample_inputs, so the pre-publish check \(ExportOptions'
+                     r'\(validate=True\), the default\) cannot run it\. Give '
+                     rf"sample_inputs=\.\.\. to Signature '{model.SIGNATURE}', "
+                     r'or pass ExportOptions\(validate=False\) to publish '
+                     r'versions unchecked\.'):
+    exporter_lib.SavedModelExporter(published.export_dir, [sig])
+  _assert_kept(published, before)
+
+
 # --- offline ------------------------------------------------------------------
 
 _OFFLINE_GIN = offline_gin.mlp(np.ones((2, 16)), logical_axis_rules=False)

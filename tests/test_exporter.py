@@ -33,6 +33,7 @@ from t5export._src import exporter as exporter_lib
 from t5export._src import host_buffers
 from t5export._src import paths
 from t5export._src import staged_check
+from t5export._src import metadata
 from t5export._src import verify
 from t5export._src import versions
 from t5export._src import serving_compat
@@ -81,6 +82,7 @@ def _rng_x(batch: int, seed: int, *shape: int) -> np.ndarray:
 
 
 def _mlp_signature(model, **kwargs) -> t5export.Signature:
+  kwargs.setdefault('sample_inputs', {'x': _rng_x(2, 9, 16)})
   return t5export.Signature(
       name='serving_default', method=models.make_mlp_serve_fn(model),
       input_specs={'x': ('b, 16', 'float32')}, **kwargs)
@@ -264,77 +266,78 @@ def test_keras_tfsm_layer_runs(mlp):
 
 
 def test_metadata_content(mlp):
-  meta = verify.read_metadata(mlp['paths'][0])
+  meta = t5export.read_metadata(mlp['paths'][0])
   module = mlp['exporter'].module
-  assert meta['step'] == 100
-  assert meta['time_utc'].endswith('+00:00')
+  assert meta.step == 100
+  assert meta.time_utc.endswith('+00:00')
   import flax  # pylint: disable=g-import-not-at-top
   import jaxlib  # pylint: disable=g-import-not-at-top
-  assert meta['versions'] == {
+  assert meta.versions == {
       'jax': jax.__version__, 'jaxlib': jaxlib.__version__,
       'tensorflow': tf.__version__, 'flax': flax.__version__,
       't5export': t5export.__version__}
   # The default target, not the process's JAX setting (10 in JAX 0.10).
-  assert meta['serving'] == {
+  assert meta.serving == {
       'serving_tf_version': '2.19', 'calling_convention_version': 9,
       'stablehlo_version': '1.9.1',
       'loads_on': 'TensorFlow / TF Serving >= 2.19'}
-  assert meta['platforms'] == ['cpu']
-  sig = meta['signatures']['serving_default']
-  assert sig['inputs'] == {'x': {'shape': 'b, 16', 'dtype': 'float32'}}
-  assert sig['outputs'] == {'logits': {'shape': [None, 4],
-                                       'dtype': 'float32'}}
-  assert meta['parameters'] == list(module.param_paths)
-  kernel = meta['params']['params/dense_0/kernel']
-  assert kernel['shape'] == [16, 32] and kernel['dtype'] == 'float32'
-  assert kernel['logical_axes'] == ['embed', 'mlp']
-  assert kernel['mesh_axes'] == [None, 'model']
-  mean = meta['params']['batch_stats/bn_0/mean']
-  assert mean['shape'] == [32]
-  assert meta['check']['validated'] is True
-  check = meta['check']['signatures']['serving_default']
-  assert check['passed'] is True
-  assert 0.0 <= check['max_abs_error']['logits'] <= 1e-5
-  assert meta['metrics'] == {'eval/accuracy': 0.5}
+  assert meta.platforms == ('cpu',)
+  sig = meta.signatures['serving_default']
+  assert sig.inputs == {'x': {'shape': 'b, 16', 'dtype': 'float32'}}
+  assert sig.outputs == {'logits': {'shape': [None, 4], 'dtype': 'float32'}}
+  assert sig.has_sample_inputs
+  assert list(meta.params) == list(module.param_paths)
+  kernel = meta.params['params/dense_0/kernel']
+  assert kernel.shape == (16, 32) and kernel.dtype == 'float32'
+  assert kernel.logical_axes == ('embed', 'mlp')
+  assert kernel.mesh_axes == (None, 'model')
+  assert meta.params['batch_stats/bn_0/mean'].shape == (32,)
+  check = meta.check
+  assert check.checked and check.reason is None
+  assert (check.atol, check.rtol) == (mlp['exporter'].options.atol,
+                                      mlp['exporter'].options.rtol)
+  logits = check.signatures['serving_default'].outputs['logits']
+  assert check.signatures['serving_default'].batches == 1
+  assert logits.max_abs_error <= 1e-5 and logits.max_rel_error < 1
+  assert meta.metrics == {'eval/accuracy': 0.5}
   assert not os.path.exists(os.path.join(mlp['paths'][0],
-                                         verify.GIN_CONFIG_FILE))
+                                         metadata.GIN_CONFIG_FILE))
 
 
 def test_metadata_of_two_signatures_with_processors(t5):
-  meta = verify.read_metadata(t5['path'])
-  assert set(meta['signatures']) == {'serving_default', 'tokens'}
-  text = meta['signatures']['serving_default']
-  assert text['inputs'] == {'text': {'shape': 'b', 'dtype': 'string'}}
-  assert text['outputs'] == {'text': {'shape': [None], 'dtype': 'string'}}
-  assert text['method_inputs'] == {
+  meta = t5export.read_metadata(t5['path'])
+  assert set(meta.signatures) == {'serving_default', 'tokens'}
+  text = meta.signatures['serving_default']
+  assert text.inputs == {'text': {'shape': 'b', 'dtype': 'string'}}
+  assert text.outputs == {'text': {'shape': [None], 'dtype': 'string'}}
+  assert text.method_inputs == {
       'encoder_tokens': {'shape': 'b, 16', 'dtype': 'int32'}}
-  tokens = meta['signatures']['tokens']
-  assert tokens['inputs'] == {
+  tokens = meta.signatures['tokens']
+  assert tokens.inputs == {
       'encoder_tokens': {'shape': 'b, n', 'dtype': 'int32'}}
-  assert tokens['outputs'] == {
+  assert tokens.outputs == {
       'tokens': {'shape': [None, MAX_DECODE_LEN], 'dtype': 'int32'}}
-  emb = meta['params']['params/token_embedder']
-  assert emb['logical_axes'] == ['vocab', 'embed']
-  assert emb['mesh_axes'] == ['model', None]
+  emb = meta.params['params/token_embedder']
+  assert emb.logical_axes == ('vocab', 'embed')
+  assert emb.mesh_axes == ('model', None)
   for name in ('serving_default', 'tokens'):
-    assert meta['check']['signatures'][name]['passed'] is True
     # Strings and ints compare exactly.
-    assert set(meta['check']['signatures'][name]['max_abs_error'].values()
-               ) == {0.0}
+    assert {o.max_abs_error for o in meta.check.signatures[name].outputs
+            .values()} == {0.0}
 
 
 def test_cuda_and_cpu_lowering_runs_on_cpu(cnn):
-  meta = verify.read_metadata(cnn['path'])
-  assert meta['platforms'] == ['cpu', 'cuda']
-  assert meta['check']['signatures']['classify']['passed'] is True
-  assert meta['params']['params/conv/kernel']['logical_axes'] is None
+  meta = t5export.read_metadata(cnn['path'])
+  assert meta.platforms == ('cpu', 'cuda')
+  assert set(meta.check.signatures) == {'classify'}
+  assert meta.params['params/conv/kernel'].logical_axes is None
 
 
 def test_warmup_records_parse_as_prediction_logs(mlp, t5):
   for path, sigs in ((mlp['paths'][1], [mlp['sig']]),
                      (t5['path'], None)):
     records = list(tf.data.TFRecordDataset(
-        os.path.join(path, verify.WARMUP_FILE)).as_numpy_iterator())
+        os.path.join(path, metadata.WARMUP_FILE)).as_numpy_iterator())
     logs = [prediction_log_pb2.PredictionLog.FromString(r) for r in records]
     assert all(log.WhichOneof('log_type') == 'predict_log' for log in logs)
     names = [log.predict_log.request.model_spec.signature_name
@@ -401,16 +404,16 @@ def test_bfloat16_params_round_trip_bit_exact(tmp_path):
   exporter = t5export.SavedModelExporter(
       str(tmp_path), [sig], options=t5export.ExportOptions(warmup=False))
   path = exporter.export(state)
-  meta = verify.read_metadata(path)
-  kernel = meta['params']['params/dense_0/kernel']
-  assert kernel['dtype'] == kernel['source_dtype'] == 'bfloat16'
-  assert meta['params']['batch_stats/bn_0/mean']['dtype'] == 'float32'
+  meta = t5export.read_metadata(path)
+  kernel = meta.params['params/dense_0/kernel']
+  assert kernel.dtype == kernel.source_dtype == 'bfloat16'
+  assert meta.params['batch_stats/bn_0/mean'].dtype == 'float32'
   got = paths.flatten(verify.load_params(path))
   for name, value in paths.flatten(state.variables).items():
     value = np.asarray(value)
     assert got[name].dtype == value.dtype, name
     assert np.asarray(got[name]).tobytes() == value.tobytes(), name
-  assert not os.path.exists(os.path.join(path, verify.WARMUP_FILE))
+  assert not os.path.exists(os.path.join(path, metadata.WARMUP_FILE))
 
 
 # --- refusals ------------------------------------------------------------------
@@ -455,12 +458,12 @@ def test_allow_non_finite_publishes(tmp_path):
 
 def test_existing_version_is_not_overwritten(mlp):
   path = mlp['paths'][1]
-  before = os.path.getmtime(os.path.join(path, verify.METADATA_FILE))
+  before = os.path.getmtime(os.path.join(path, metadata.FILE))
   with pytest.raises(errors.VersionExistsError,
                      match=r"Version 200 already exists at '.*/200'; it was "
                      r'not changed. Pass ExportOptions\(overwrite=True\)'):
     mlp['exporter'].export(mlp['states'][1])
-  assert os.path.getmtime(os.path.join(path, verify.METADATA_FILE)) == before
+  assert os.path.getmtime(os.path.join(path, metadata.FILE)) == before
 
 
 def test_mismatch_refuses_to_publish(tmp_path):
@@ -536,7 +539,7 @@ def test_retention_keep_best_resume_overwrite(tmp_path, gin_keep_two):
     exporter.export(state.replace_step(step), metrics={'acc': acc})
   # Newest two by gin's keep=2, plus the best by accuracy.
   assert exporter.versions() == [2, 4, 5]
-  config = open(os.path.join(export_dir, '5', verify.GIN_CONFIG_FILE)).read()
+  config = open(os.path.join(export_dir, '5', metadata.GIN_CONFIG_FILE)).read()
   assert 'ExportOptions.keep = 2' in config
 
   # A crash left staging directories; a new exporter resumes.
@@ -553,12 +556,12 @@ def test_retention_keep_best_resume_overwrite(tmp_path, gin_keep_two):
 
   with pytest.raises(errors.VersionExistsError, match=r'Version 6 already'):
     exporter.export(state.replace_step(6), metrics={'acc': 0.2})
-  assert verify.read_metadata(os.path.join(export_dir, '6'))['metrics'] == {
+  assert t5export.read_metadata(os.path.join(export_dir, '6')).metrics == {
       'acc': 0.1}
   replacer = t5export.SavedModelExporter(
       export_dir, [sig], options=dataclasses.replace(options, overwrite=True))
   replacer.export(state.replace_step(6), metrics={'acc': 0.95})
-  assert verify.read_metadata(os.path.join(export_dir, '6'))['metrics'] == {
+  assert t5export.read_metadata(os.path.join(export_dir, '6')).metrics == {
       'acc': 0.95}
   assert replacer.versions() == [5, 6]  # 6 is now also the best.
   assert sorted(os.listdir(export_dir)) == ['5', '6']
@@ -648,6 +651,27 @@ def test_invalid_signatures(tmp_path):
                      match=r"signatures must be t5export.Signature objects; "
                      r"got 'serving_default'"):
     t5export.SavedModelExporter(str(tmp_path), ['serving_default'])
+
+
+def test_validate_needs_sample_inputs(tmp_path):
+  sig = _mlp_signature(models.MlpBn(), sample_inputs=None)
+  with pytest.raises(errors.MissingSampleInputsError,
+                     match=r"Signature 'serving_default' has no sample_inputs"
+                     r'.* Give sample_inputs=\.\.\. to Signature '
+                     r"'serving_default', or pass ExportOptions\(validate="
+                     r'False\)'):
+    t5export.SavedModelExporter(tmp_path / 'm', [sig])
+  assert not (tmp_path / 'm').exists()
+  exporter = t5export.SavedModelExporter(
+      tmp_path / 'm', [sig],
+      options=t5export.ExportOptions(validate=False, warmup=False))
+  model = models.MlpBn()
+  state = t5export.InferenceState.create(
+      models.init_mlp_bn(model, jax.random.PRNGKey(1))).replace_step(4)
+  meta = t5export.read_metadata(exporter.export(state))
+  assert meta.check == metadata.Check(
+      checked=False, reason='ExportOptions(validate=False)')
+  assert not meta.signatures['serving_default'].has_sample_inputs
 
 
 def test_flatten_metrics_and_check_finite():

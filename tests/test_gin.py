@@ -26,7 +26,7 @@ import t5export
 from examples import models
 from t5export._src import callbacks
 from t5export._src import partitioning
-from t5export._src import verify
+from t5export._src import metadata
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # The package paths users include (README); they resolve wherever t5export
@@ -141,12 +141,12 @@ def test_classic_gin_files_configure_a_training_run(tmp_path):
     np.testing.assert_allclose(got['logits'].numpy(), want, rtol=1e-5,
                                atol=1e-6)
   version = export_dir / '3'
-  meta = verify.read_metadata(str(version))
+  meta = t5export.read_metadata(str(version))
   # partitioning.gin's T5X rules resolved the logical axes to mesh axes.
-  kernel = meta['params']['params/dense_0/kernel']
-  assert kernel['logical_axes'] == ['embed', 'mlp']
-  assert kernel['mesh_axes'] == [None, 'model']
-  config = (version / verify.GIN_CONFIG_FILE).read_text()
+  kernel = meta.params['params/dense_0/kernel']
+  assert kernel.logical_axes == ('embed', 'mlp')
+  assert kernel.mesh_axes == (None, 'model')
+  config = (version / metadata.GIN_CONFIG_FILE).read_text()
   assert 'EXPORT_EVERY_STEPS = 2' in config
 
 
@@ -164,7 +164,8 @@ def test_dynamic_registration_through_lazy_package_face(tmp_path):
       t5export.standard_logical_axis_rules.activation_partitioning_dims = 2
       """))
   sig = t5export.Signature(name='serving_default', method=tiny_serve,
-                           input_specs={'x': (f'b, {FEATURES}', 'float32')})
+                           input_specs={'x': (f'b, {FEATURES}', 'float32')},
+                           sample_inputs={'x': X_SAMPLE})
   # The callback takes its exporter from gin; the signatures come from here.
   gin.bind_parameter('t5export.SavedModelExporter.signatures', [sig])
   cb = t5export.ExportCallback()
@@ -191,7 +192,8 @@ def test_dynamic_registration_includes_classic_export_gin(tmp_path):
       KEEP = 2
       """))
   sig = t5export.Signature(name='serving_default', method=tiny_serve,
-                           input_specs={'x': (f'b, {FEATURES}', 'float32')})
+                           input_specs={'x': (f'b, {FEATURES}', 'float32')},
+                           sample_inputs={'x': X_SAMPLE})
   gin.bind_parameter('t5export.SavedModelExporter.signatures', [sig])
   with t5export.ExportCallback() as cb:
     assert cb.export_every_steps == 3

@@ -39,6 +39,7 @@ import t5export
 from t5export import errors
 from t5export._src import jax_artifacts
 from t5export._src import jax_module
+from t5export._src import metadata
 from t5export._src import paths
 from t5export._src import serving_compat
 from t5export._src import verify
@@ -264,8 +265,8 @@ def test_processor_signature_gives_its_jax_part(t5, tmp_path):
                          tmp_path)
   # The function takes the method's inputs (token ids, as the metadata
   # records) and returns its outputs, before the TF postprocessor.
-  meta = verify.read_metadata(t5['path'])['signatures']['serving_default']
-  assert meta['method_inputs'] == {
+  meta = t5export.read_metadata(t5['path']).signatures['serving_default']
+  assert meta.method_inputs == {
       'encoder_tokens': {'shape': 'b, 16', 'dtype': 'int32'}}
   assert set(jax_part) == {'tokens'}
   want = t5['sigs']['serving_default'].method(
@@ -276,24 +277,24 @@ def test_processor_signature_gives_its_jax_part(t5, tmp_path):
 
 def test_metadata_records_the_artifacts(mlp, t5):
   for path in mlp['paths']:
-    meta = verify.read_metadata(path)
-    entry = meta['signatures']['serving_default']['jax_artifact']
+    meta = t5export.read_metadata(path)
+    entry = meta.signatures['serving_default'].jax_artifact
     file = os.path.join(path, entry['file'])
     assert entry['file'] == 'assets.extra/jax_exported/serving_default.bin'
     assert entry['nbytes'] == os.path.getsize(file) > 0
     # The SavedModel's platforms and serving target.
-    assert entry['platforms'] == meta['platforms'] == ['cpu', 'cuda']
-    assert entry['calling_convention_version'] == meta['serving'][
+    assert entry['platforms'] == list(meta.platforms) == ['cpu', 'cuda']
+    assert entry['calling_convention_version'] == meta.serving[
         'calling_convention_version'] == 9
-    assert entry['stablehlo_version'] == meta['serving'][
+    assert entry['stablehlo_version'] == meta.serving[
         'stablehlo_version']
-    assert meta['options']['jax_artifacts'] is True
+    assert meta.options['jax_artifacts'] is True
   first, second = (open(os.path.join(p, jax_artifacts.artifact_file(
       'serving_default')), 'rb').read() for p in mlp['paths'])
   assert first == second  # Traced once; the weights are not in it.
-  meta = verify.read_metadata(t5['path'])
-  assert {name: sig['jax_artifact']['file']
-          for name, sig in meta['signatures'].items()} == {
+  meta = t5export.read_metadata(t5['path'])
+  assert {name: sig.jax_artifact['file']
+          for name, sig in meta.signatures.items()} == {
               name: f'assets.extra/jax_exported/{name}.bin'
               for name in ('logits', 'pooled', 'serving_default')}
 
@@ -333,7 +334,7 @@ def no_artifacts(mlp, tmp_path_factory):
   old = str(tmp_path_factory.mktemp('old') / '1')
   shutil.copytree(mlp['paths'][0], old)
   shutil.rmtree(os.path.join(old, jax_artifacts.ARTIFACT_DIR))
-  meta_file = os.path.join(old, verify.METADATA_FILE)
+  meta_file = os.path.join(old, metadata.FILE)
   with open(meta_file) as f:
     meta = json.load(f)
   del meta['signatures']['serving_default']['jax_artifact']
@@ -351,8 +352,8 @@ def test_versions_without_artifact_give_a_clear_error(no_artifacts, mlp,
                                                       tmp_path):
   assert not os.path.exists(os.path.join(no_artifacts['off'],
                                          jax_artifacts.ARTIFACT_DIR))
-  meta = verify.read_metadata(no_artifacts['off'])
-  assert meta['signatures']['serving_default']['jax_artifact'] is None
+  meta = t5export.read_metadata(no_artifacts['off'])
+  assert meta.signatures['serving_default'].jax_artifact is None
   jobs = [{'dir': no_artifacts[k], 'signature': 'serving_default',
            'inputs': {'x': _x(1, 0)}, 'expect_error': True}
           for k in ('off', 'old', 'gone')]

@@ -285,11 +285,13 @@ def _assert_same_as_reference(version_dir: pathlib.Path, ref_dir: str,
 
 def _assert_mesh_axes_recorded(version_dir: pathlib.Path,
                                specs: dict[str, list[Any]]) -> None:
-  from t5export._src import verify  # pylint: disable=g-import-not-at-top
-  meta = verify.read_metadata(version_dir)['params']
+  import json  # pylint: disable=g-import-not-at-top
+  from t5export._src import metadata  # pylint: disable=g-import-not-at-top
+  meta = metadata.read_metadata(version_dir).params
   assert len(meta) == len(specs)
   for path, spec in specs.items():
-    assert meta['params/' + path]['mesh_axes'] == spec, path
+    assert json.loads(json.dumps(meta['params/' + path].mesh_axes)) == spec, (
+        path)
 
 
 # --- tests --------------------------------------------------------------------

@@ -320,9 +320,9 @@ def tf_run(work):
     yield run
 
 
-def _metadata(version_dir: pathlib.Path) -> dict:
-  return json.loads((version_dir / 'assets.extra' / 't5export.json')
-                    .read_text())
+def _metadata(version_dir: pathlib.Path):
+  import t5export  # pylint: disable=g-import-not-at-top
+  return t5export.read_metadata(version_dir)
 
 
 def _assert_success(proc: subprocess.CompletedProcess,
@@ -337,7 +337,7 @@ def _assert_success(proc: subprocess.CompletedProcess,
   assert ('check passed' in stderr) == validated
   assert sorted(os.listdir(export_dir)) == [str(version)]  # No staging left.
   version_dir = export_dir / str(version)
-  assert _metadata(version_dir)['step'] == version
+  assert _metadata(version_dir).step == version
   assert (version_dir / 'assets.extra' / 'config.gin').is_file()
   return version_dir
 
@@ -360,8 +360,8 @@ def test_t5x_fixture(background, t5x_checkpoint_dir, work, tf_run):
   params = paths.unflatten({k: reference[k] for k in reference.files})
   _assert_outputs(tf_run(version_dir, {'tokens': _TOKENS}),
                   _fixture_jax(params))
-  entry = _metadata(version_dir)['params']['params/token_embedder/embedding']
-  assert entry['logical_axes'] == ['vocab', 'embed']  # From INIT_FN.
+  entry = _metadata(version_dir).params['params/token_embedder/embedding']
+  assert entry.logical_axes == ('vocab', 'embed')  # From INIT_FN.
 
   # Publishing the same step again is refused; nothing changes.
   before = _listing(export_dir)
@@ -377,7 +377,7 @@ def test_orbax_checkpoint_manager(background, tf_run):
   version_dir = _assert_success(job.result(), job.export_dir, 5)
   assert 'offline [read]: orbax checkpoint' in job.result().stderr
   # A gin ExportOptions binding reaches the exporter.
-  assert _metadata(version_dir)['check']['atol'] == 0.001
+  assert _metadata(version_dir).check.atol == 0.001
   variables = {'params': state.params, **state.flax_mutables}
   _assert_outputs(tf_run(version_dir, {'x': _MLP_X}), _mlp_jax(variables))
 
@@ -397,8 +397,8 @@ def test_flax_msgpack_cast_to_bfloat16(background, tf_run):
   version_dir = _assert_success(job.result(), job.export_dir, 12)
   assert 'cast to bfloat16' in job.result().stderr
   meta = _metadata(version_dir)
-  assert {e['dtype'] for e in meta['params'].values()} == {'bfloat16'}
-  assert meta['platforms'] == ['cpu']
+  assert {e.dtype for e in meta.params.values()} == {'bfloat16'}
+  assert meta.platforms == ('cpu',)
   cast = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.bfloat16),
                                 params)
   want = _fixture_jax(cast)
@@ -434,13 +434,14 @@ def test_same_version_as_the_training_callback(background, work):
   assert paths.flatten(got).keys() == paths.flatten(want).keys()
   for key, value in paths.flatten(want).items():
     np.testing.assert_array_equal(paths.flatten(got)[key], value)
-  meta_ours, meta_theirs = (verify.read_metadata(d) for d in (ours, theirs))
+  meta_ours, meta_theirs = (
+      dataclasses.asdict(_metadata(d)) for d in (ours, theirs))
   for meta in (meta_ours, meta_theirs):
     # The artifact's MLIR locations hold the tracing call stack (as the
     # SavedModel's module does), so its size depends on the caller.
     for sig in meta['signatures'].values():
       assert sig['jax_artifact'].pop('nbytes') > 0
-  for key in ('step', 'parameters', 'params', 'signatures', 'platforms'):
+  for key in ('step', 'params', 'signatures', 'platforms'):
     assert meta_ours[key] == meta_theirs[key], key
 
 
@@ -452,7 +453,7 @@ def test_export_checkpoint_api_overwrites_a_version(background, work):
   job = background['pytree']
   assert job.result().returncode == 0, job.result().stderr[-2000:]
   export_dir, state = job.export_dir, job.expected
-  old = verify.read_metadata(export_dir / '7')
+  old = t5export.read_metadata(export_dir / '7')
   sig = t5export.Signature(
       name='renamed', method=models.make_mlp_serve_fn(models.MlpBn()),
       input_specs={'x': ('b, 16', 'float32')},
@@ -469,12 +470,12 @@ def test_export_checkpoint_api_overwrites_a_version(background, work):
                                           step=7, options=options)
   assert path == str(export_dir / '7')
   assert sorted(os.listdir(export_dir)) == ['7']
-  new = verify.read_metadata(path)
-  assert list(new['signatures']) == ['renamed']
-  assert new['signatures']['renamed']['jax_artifact'] is None
-  assert new['options']['jax_artifacts'] is False
-  assert old['signatures']['predict']['jax_artifact'] is not None
-  assert new['time_utc'] != old['time_utc']
+  new = t5export.read_metadata(path)
+  assert list(new.signatures) == ['renamed']
+  assert new.signatures['renamed'].jax_artifact is None
+  assert new.options['jax_artifacts'] is False
+  assert old.signatures['predict'].jax_artifact is not None
+  assert new.time_utc != old.time_utc
   got = verify.load_params(path)
   for key, value in paths.flatten(
       {'params': state.params, **state.flax_mutables}).items():

@@ -24,7 +24,7 @@ LIGHT_MODULES = ('paths', 'train_state', 'state_axes',
                  'checkpoints', 'orbax_checkpoints',
                  'msgpack_checkpoints', 'triggering', 'outcomes',
                  'serving_compat', 'tensor_bundle', 'jax_artifacts', 'verify',
-                 'staged_check', 'options')
+                 'staged_check', 'options', 'metadata')
 TENSORFLOW = ('tensorflow', 'keras', 'tf_keras')  # keras pulls tensorflow in.
 
 
@@ -54,6 +54,12 @@ def _heavy_imports(code: str, tmp_path: pathlib.Path, *,
     f't5export._src.{m}' for m in LIGHT_MODULES))
 def test_light_module_does_not_import_tensorflow(module, tmp_path):
   assert _heavy_imports(f'import {module}', tmp_path) == []
+
+
+def test_metadata_reader_is_standard_library_only(tmp_path):
+  # What tools/inspect_export.py needs on a host without JAX or TensorFlow.
+  assert _heavy_imports('from t5export._src import metadata', tmp_path,
+                        heavy=TENSORFLOW + ('jax', 'jaxlib', 'numpy')) == []
 
 
 def test_heavy_name_resolves_on_first_access(tmp_path):

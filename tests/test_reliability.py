@@ -45,6 +45,7 @@ import _report  # pylint: disable=g-import-not-at-top,wrong-import-position
 import _small_fs  # pylint: disable=g-import-not-at-top,wrong-import-position
 import t5export  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5export import errors  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5export._src import metadata  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5export._src import paths  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5export._src import verify  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -521,8 +522,8 @@ def test_allow_non_finite_publishes_them_as_they_are(nan_exporters, value):
   stored = paths.flatten(verify.load_params(path))
   np.testing.assert_array_equal(np.asarray(stored['params/dense_0/bias']),
                                 bad['params']['dense_0']['bias'])
-  meta = verify.read_metadata(path)
-  assert meta['check']['validated'] is True
+  meta = t5export.read_metadata(path)
+  assert meta.check.checked
 
 
 def test_non_finite_export_in_training_is_logged_and_training_goes_on(
@@ -552,7 +553,7 @@ def test_check_tells_infinity_from_a_number():
   """The check passes equal infinities and fails Inf against a finite value."""
   inf = np.array([1.0, np.inf, -np.inf, np.nan], np.float32)
   assert verify.compare_outputs('s', {'y': inf}, {'y': inf.copy()},
-                                atol=1e-5, rtol=1e-5) == {'y': 0.0}
+                                atol=1e-5, rtol=1e-5) == {'y': metadata.OutputCheck(0.0, 0.0)}
   finite = np.array([1.0, 3.0e38, -np.inf, np.nan], np.float32)
   with pytest.raises(errors.ExportCheckError,
                      match=r"output 'y': values differ beyond atol=1e-05, "
@@ -614,7 +615,7 @@ def test_restarted_training_continues_the_version_sequence(tmp_path):
   assert _digest(os.path.join(export_dir, '10')) == digests[10]
   assert os.stat(os.path.join(export_dir, '10')).st_ino == inodes[10]
   for v in after:
-    assert verify.read_metadata(os.path.join(export_dir, str(v)))['step'] == v
+    assert t5export.read_metadata(os.path.join(export_dir, str(v))).step == v
   # The last version holds the final trained variables, bit for bit.
   final = os.path.join(export_dir, str(RESUME_STEPS))
   stored = paths.flatten(verify.load_params(final))

@@ -8,7 +8,6 @@ errors, and that the choice never leaks into the caller's JAX setting.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import traceback
@@ -93,9 +92,8 @@ def test_the_choice_is_scoped_to_the_converting_thread(tmp_path):
   assert seen['training_thread'] == user_value
   assert jax.config.jax_export_calling_convention_version == user_value
   assert _xla_call_module_versions(cb.published[0]) == {9}
-  with open(os.path.join(cb.published[0], 'assets.extra', 't5export.json'),
-            encoding='utf-8') as f:
-    assert json.load(f)['serving']['calling_convention_version'] == 9
+  meta = t5export.read_metadata(cb.published[0])
+  assert meta.serving['calling_convention_version'] == 9
 
 
 def _xla_call_module_versions(version_dir: str) -> set[int]:

@@ -171,6 +171,7 @@ def _t5x_outputs(model, params, features):
 
 def _check_version(version_dir, params, model, tf_process, mesh_axes):
   """TF-only outputs == T5X's; weights bit-exact; mesh axes == T5X's."""
+  from t5export._src import metadata  # pylint: disable=g-import-not-at-top
   from t5export._src import verify  # pylint: disable=g-import-not-at-top
   # Weights: bit-exact, every leaf, nothing extra.
   exported = _flat(_numpy_tree(verify.load_params(version_dir)['params']))
@@ -180,9 +181,9 @@ def _check_version(version_dir, params, model, tf_process, mesh_axes):
     assert exported[path].dtype == value.dtype, path
     assert np.array_equal(exported[path], value), path
   # Mesh axes in the metadata: PjitPartitioner's, leaf by leaf.
-  meta = verify.read_metadata(version_dir)['params']
+  meta = metadata.read_metadata(version_dir).params
   for path, spec in _flat(mesh_axes).items():
-    assert meta[f'params/{path}']['mesh_axes'] == list(spec), path
+    assert meta[f'params/{path}'].mesh_axes == tuple(spec), path
   # Outputs in a TF-only process == T5X's own model on these params, on
   # inputs other than the sample inputs the export checked itself.
   features = t5x_setup.batch(seed=3)
@@ -216,13 +217,13 @@ def test_train_eval_action_exports_at_first_eval_after_each_multiple(
   action = t5x_run['action']
   assert action.versions() == EXPECTED_VERSIONS
   assert t5x_run['action_versions_before_close'] == EXPECTED_VERSIONS
-  from t5export._src import verify  # pylint: disable=g-import-not-at-top
+  from t5export._src import metadata  # pylint: disable=g-import-not-at-top
   for step in EXPECTED_VERSIONS:
     version_dir = t5x_run['tmp'] / 'action' / str(step)
     _check_version(version_dir, t5x_run['params_at'][step], t5x_run['model'],
                    tf_process, t5x_run['mesh_axes'])
     # T5X's eval metrics (clu.values.Scalar) are numbers in the metadata.
-    stored = verify.read_metadata(version_dir)['metrics']
+    stored = metadata.read_metadata(version_dir).metrics
     for name, value in t5x_run['metrics_at'][step]['tiny'].items():
       want = float(np.asarray(getattr(value, 'value', value)))
       assert stored[f'tiny/{name}'] == pytest.approx(want, rel=1e-6), name

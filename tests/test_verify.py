@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 from t5export import errors
+from t5export._src import metadata
 from t5export._src import verify
 
 _PATHS = ('params/dense/kernel', 'params/dense/bias', 'params/emb/table',
@@ -53,9 +54,19 @@ def _write_saved_model(path: str, values: dict[str, np.ndarray],
   module.numeric = numeric
   tf.saved_model.save(module, path, signatures={'serving_default': serve,
                                                 'numeric': numeric})
-  os.makedirs(os.path.join(path, verify.ASSETS_EXTRA), exist_ok=True)
-  with open(os.path.join(path, verify.METADATA_FILE), 'w') as f:
-    json.dump({'parameters': list(_PATHS)}, f)
+  _write_metadata(path, _PATHS)
+
+
+def _write_metadata(path: str, names) -> metadata.Metadata:
+  """Metadata naming the params `names`, in that order."""
+  meta = metadata.Metadata(
+      step=7, time_utc='2026-01-01T00:00:00+00:00', versions={}, serving=None,
+      platforms=('cpu',), options={}, signatures={},
+      params={n: metadata.Param((1,), 'float32', 'float32') for n in names},
+      nbytes=0, check=metadata.Check(checked=False, reason='test'),
+      metrics={})
+  metadata.write(path, meta)
+  return meta
 
 
 def _jax_serve(values):
@@ -102,9 +113,7 @@ def test_load_params_follows_metadata_order(tmp_path):
   # Reverse the metadata list: names must follow it, not TF's key order.
   path = str(tmp_path / '1')
   _write_saved_model(path, _values(2))
-  meta_path = os.path.join(path, verify.METADATA_FILE)
-  with open(meta_path, 'w') as f:
-    json.dump({'parameters': list(reversed(_PATHS))}, f)
+  _write_metadata(path, reversed(_PATHS))
   params = verify.load_params(path)
   values = _values(2)
   # param_vars[0] holds the kernel, now named by the last path.
@@ -125,9 +134,45 @@ def test_read_metadata_of_export_dir_is_refused(model_dir):
   with pytest.raises(errors.VersionNotFoundError,
                      match=r'is not a t5export version: assets.extra/'
                      r't5export.json is missing. Pass a version directory'):
-    verify.read_metadata(export_dir)
+    metadata.read_metadata(export_dir)
   with pytest.raises(FileNotFoundError):
     verify.load_params(export_dir)
+
+
+def test_metadata_round_trip_and_damaged_file(tmp_path):
+  check = metadata.Check(
+      checked=True, atol=1e-5, rtol=0.0, signatures={'s': metadata.SignatureCheck(
+          2, {'y': metadata.OutputCheck(1e-7, 2e-6)})})
+  written = metadata.Metadata(
+      step=3, time_utc='t', versions={'jax': '0.1'}, serving=None,
+      platforms=('cpu',), options={'trainable': False},
+      signatures={'s': metadata.Signature(
+          inputs={'x': {'shape': [None, 3], 'dtype': 'float32'}},
+          outputs={'y': {'shape': [None, 2], 'dtype': 'float32'}},
+          method_inputs={}, preprocessor=None, postprocessor='post',
+          has_sample_inputs=True, jax_artifact=None)},
+      params={'params/w': metadata.Param((3, 2), 'float32', 'bfloat16',
+                                         ('embed', None),
+                                         (('data', 'model'), None))},
+      nbytes=12, check=check, metrics={'acc': 0.5})
+  metadata.write(str(tmp_path), written)
+  assert metadata.read_metadata(tmp_path) == written
+  assert check.summary() == 'passed (max abs err 1e-07; atol=1e-05, rtol=0)'
+  meta_file = tmp_path / metadata.FILE
+  raw = json.loads(meta_file.read_text())
+  del raw['signatures']['s']['jax_artifact']  # As t5export wrote it before.
+  del raw['check']['checked']
+  meta_file.write_text(json.dumps(raw))
+  with pytest.raises(errors.VersionNotFoundError,
+                     match=r"t5export.json' is not t5export metadata "
+                     r"\(KeyError: 'checked'\)\. Re-export the version"):
+    metadata.read_metadata(tmp_path)
+  raw['check']['checked'] = False
+  raw['check']['reason'] = 'ExportOptions(validate=False)'
+  meta_file.write_text(json.dumps(raw))
+  meta = metadata.read_metadata(tmp_path)
+  assert meta.signatures['s'].jax_artifact == metadata.NOT_RECORDED
+  assert meta.check.summary() == 'not checked (ExportOptions(validate=False))'
 
 
 def test_compare_with_jax_matches(model_dir, inputs):
@@ -135,8 +180,8 @@ def test_compare_with_jax_matches(model_dir, inputs):
                                  _jax_serve(_values(0)), inputs,
                                  atol=1e-5, rtol=1e-5)
   assert set(errs) == {'y', 'greeting'}
-  assert errs['greeting'] == 0.0
-  assert 0.0 <= errs['y'] < 1e-5
+  assert errs['greeting'] == metadata.OutputCheck(0.0, 0.0)
+  assert errs['y'].max_abs_error < 1e-5 and errs['y'].max_rel_error < 1e-5
 
 
 def test_compare_with_jax_names_output_and_error(model_dir, inputs):
@@ -228,3 +273,12 @@ def test_call_exported_eager_and_jit(model_dir):
   np.testing.assert_allclose(
       out, 2 * (x @ values['params/dense/kernel'] +
                 values['params/dense/bias']), rtol=1e-6)
+
+
+def test_compare_outputs_reports_abs_and_rel_error():
+  # The relative error skips JAX zeros (where it has no meaning).
+  errs = verify.compare_outputs(
+      's', {'y': np.array([2.5, 0.05, 8.0], np.float32)},
+      {'y': np.array([2.0, 0.0, 8.0], np.float32)}, atol=0.5, rtol=0)
+  assert errs['y'].max_abs_error == 0.5
+  assert errs['y'].max_rel_error == 0.25

@@ -131,7 +131,7 @@ t5export.Signature:
   name = 'serving_default'
   method = @tiny_model.serve
   input_specs = {'x': ('b, 4', 'float32')}
-'''
+''' + f"  sample_inputs = {{'x': {X[:2].tolist()}}}\n"
 
 # Run by the fresh venv's python: where t5export comes from.
 _PROBE_PY = '''\
@@ -295,9 +295,8 @@ def test_offline_cli_includes_the_packaged_offline_gin(venv, home, root):
               cwd=home, timeout=600)
   assert sorted(os.listdir(export_dir)) == [str(STEP)]
   version_dir = export_dir / str(STEP)
-  metadata = json.loads(
-      (version_dir / 'assets.extra' / 't5export.json').read_text())
-  assert metadata['step'] == STEP
+  from t5export._src import metadata  # pylint: disable=g-import-not-at-top
+  assert metadata.read_metadata(version_dir).step == STEP
   [outputs] = tf_only.run([{'dir': str(version_dir),
                             'signature': 'serving_default',
                             'inputs': {'x': X}}], root)

@@ -100,9 +100,8 @@ def test_every_version_is_bit_exact_and_serves_its_own_weights(
   (session_out,) = verify.run_signatures_isolated(
       path, [('serving_default', {'x': x})])
   np.testing.assert_allclose(session_out['y'], expected, rtol=1e-5, atol=1e-6)
-  with open(os.path.join(path, verify.METADATA_FILE), encoding='utf-8') as f:
-    meta = json.load(f)
-  assert meta['check']['validated'] and meta['options']['reuse_graph']
+  meta = t5export.read_metadata(path)
+  assert meta.check.checked and meta.options['reuse_graph']
 
 
 def test_reuse_graph_false_saves_every_version_in_full(tmp_path):

@@ -738,7 +738,7 @@ def worker_artifact(spec: dict[str, Any]) -> dict[str, Any]:
   spec: n_params, depth, artifacts, workdir.
   """
   import tensorflow  # noqa: F401
-  from t5export._src import verify
+  from t5export._src import metadata
   variables = make_variables(spec['n_params'], spec['depth'])
   width = mlp_width(spec['n_params'], spec['depth'])
   side = OursSide(pathlib.Path(spec['workdir']) / 'ours', width,
@@ -750,8 +750,8 @@ def worker_artifact(spec: dict[str, Any]) -> dict[str, Any]:
          'version_bytes': sum(f.stat().st_size for f in
                               pathlib.Path(path).rglob('*') if f.is_file())}
   if spec['artifacts']:
-    entry = verify.read_metadata(path)['signatures']['serving_default'][
-        'jax_artifact']
+    entry = metadata.read_metadata(path).signatures[
+        'serving_default'].jax_artifact
     # The trace + lowering + serialization the exporter adds, once more.
     t0 = time.perf_counter()
     side.exporter.module.serialize_method('serving_default')

@@ -11,8 +11,8 @@ staging leftovers of an interrupted export. For a version: the library
 versions it was written with, platforms, signatures (inputs and outputs,
 and the `jax.export` artifact's file and size), the check per signature,
 parameter count and bytes, and the extra files.
-It reads `assets.extra/t5export.json` only: no TensorFlow, no JAX, fast on
-a serving host. Exit status 1 with one line on stderr for a path that is
+It reads `assets.extra/t5export.json` only (`t5export.read_metadata`'s
+module, standard library): no TensorFlow, no JAX, fast on a serving host. Exit status 1 with one line on stderr for a path that is
 not an export directory or version.
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+import dataclasses
 import json
 import os
 import sys
@@ -28,6 +29,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from t5export import errors  # pylint: disable=g-import-not-at-top
+from t5export._src import metadata  # pylint: disable=g-import-not-at-top
 from t5export._src import versions  # pylint: disable=g-import-not-at-top
 
 
@@ -35,16 +37,6 @@ def _mib(nbytes: int) -> str:
   if nbytes < 2**20:
     return f'{nbytes / 2**10:.1f} KiB'
   return f'{nbytes / 2**20:.1f} MiB'
-
-
-def _check_summary(check: dict[str, Any]) -> str:
-  if not check.get('validated'):
-    return 'not checked'
-  worst = max((err for sig in check.get('signatures', {}).values()
-               for err in sig.get('max_abs_error', {}).values()), default=0.0)
-  passed = all(sig.get('passed', False)
-               for sig in check.get('signatures', {}).values())
-  return f'{"passed" if passed else "FAILED"} (max abs err {worst:.3g})'
 
 
 def describe_export_dir(export_dir: str) -> dict[str, Any]:
@@ -69,13 +61,12 @@ def describe_export_dir(export_dir: str) -> dict[str, Any]:
     row: dict[str, Any] = {'step': step, 'path': path,
                            'bytes': versions.dir_nbytes(path)}
     try:
-      meta = versions.read_metadata(path)
-    except (errors.VersionNotFoundError, ValueError) as e:
+      meta = metadata.read_metadata(path)
+    except errors.VersionNotFoundError as e:
       row['error'] = str(e).splitlines()[0]
     else:
-      row.update(time_utc=meta.get('time_utc'),
-                 check=_check_summary(meta.get('check', {})),
-                 metrics=meta.get('metrics', {}))
+      row.update(time_utc=meta.time_utc, check=meta.check.summary(),
+                 metrics=dict(meta.metrics))
     rows.append(row)
   staging = sorted(n for n in os.listdir(export_dir)
                    if n.startswith(versions.STAGING_PREFIX))
@@ -97,31 +88,28 @@ def describe_version(version_dir: str, *, params: bool) -> dict[str, Any]:
   Raises:
     errors.VersionNotFoundError: not a t5export version.
   """
-  meta = versions.read_metadata(version_dir)
-  table = meta.get('params', {})
+  meta = metadata.read_metadata(version_dir)
   out = {
       'version_dir': os.path.abspath(version_dir),
-      'step': meta.get('step'), 'time_utc': meta.get('time_utc'),
-      'written_with': meta.get('versions', {}),
-      'platforms': meta.get('platforms'),
-      'serving': meta.get('serving'),
-      'options': meta.get('options', {}),
+      'step': meta.step, 'time_utc': meta.time_utc,
+      'written_with': dict(meta.versions), 'platforms': list(meta.platforms),
+      'serving': meta.serving, 'options': dict(meta.options),
       'signatures': {
-          name: {'inputs': sig.get('inputs'), 'outputs': sig.get('outputs'),
-                 # None: jax_artifacts=False, or written before artifacts.
-                 'jax_artifact': sig.get('jax_artifact')}
-          for name, sig in meta.get('signatures', {}).items()},
-      'check': _check_summary(meta.get('check', {})),
-      'check_detail': meta.get('check', {}),
-      'metrics': meta.get('metrics', {}),
-      'n_params': len(table), 'param_bytes': meta.get('nbytes'),
+          name: {'inputs': sig.inputs, 'outputs': sig.outputs,
+                 'jax_artifact': (None if sig.jax_artifact ==
+                                  metadata.NOT_RECORDED else sig.jax_artifact)}
+          for name, sig in meta.signatures.items()},
+      'check': meta.check.summary(),
+      'check_detail': dataclasses.asdict(meta.check),
+      'metrics': dict(meta.metrics),
+      'n_params': len(meta.params), 'param_bytes': meta.nbytes,
       'bytes_on_disk': versions.dir_nbytes(version_dir),
       'files': {name: os.path.exists(os.path.join(version_dir, rel))
-                for name, rel in (('gin_config', versions.GIN_CONFIG_FILE),
-                                  ('warmup_requests', versions.WARMUP_FILE))},
+                for name, rel in (('gin_config', metadata.GIN_CONFIG_FILE),
+                                  ('warmup_requests', metadata.WARMUP_FILE))},
   }
   if params:
-    out['params'] = table
+    out['params'] = {p: dataclasses.asdict(v) for p, v in meta.params.items()}
   return out
 
 
@@ -170,7 +158,7 @@ def _print_version(info: dict[str, Any]) -> None:
   print('  files: ' + ', '.join(f'{k} {"yes" if v else "no"}'
                                 for k, v in info['files'].items()))
   for path, p in (info.get('params') or {}).items():
-    print(f'  {path}: {p["shape"]} {p["dtype"]} logical={p["logical_axes"]} '
+    print(f'  {path}: {list(p["shape"])} {p["dtype"]} logical={p["logical_axes"]} '
           f'mesh={p["mesh_axes"]}')
 
 
@@ -185,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help='print JSON instead of text')
   args = parser.parse_args(argv)
   try:
-    if os.path.isfile(os.path.join(args.path, versions.METADATA_FILE)):
+    if os.path.isfile(os.path.join(args.path, metadata.FILE)):
       info = describe_version(args.path, params=args.params)
       show = _print_version
     else:

@@ -1,32 +1,10 @@
 """SavedModelExporter: publishes versioned, checked SavedModels atomically.
 
-One export (steps 5-7 of docs/internals.md's "One export, step by step"):
-
-1. refuse early: an existing version (unless `overwrite=True`), non-finite
-   params (unless `allow_non_finite=True`);
-2. build the `JaxModule` on the first export (jax2tf traces once), or assign
-   the new values into its variables afterwards (no re-trace);
-3. write the SavedModel into `<export_dir>/.tmp-<step>-<nonce>/`
-   (`writer`: the first version with `tf.saved_model.save`, later ones as
-   the first one's graph plus the new variables, written in parallel);
-4. the check (`staged_check`, its JAX side started before the write): load
-   the staged SavedModel in TensorFlow, run every signature that has sample
-   inputs and compare with the JAX method (the same TF pre/post-processing
-   around it);
-5. `assets.extra/` (`assets_extra`): `t5export.json` metadata, `config.gin`
-   (when gin is in use), the `jax.export` artifacts,
-   `tf_serving_warmup_requests`;
-6. fsync every file and directory, then publish: rename the staging
-   directory to `<export_dir>/<step>/` in one step (`versions`), so
-   TensorFlow Serving never sees a partial version;
-7. retention: keep the `keep` newest versions plus the `keep_best` best by a
-   metric, never the version just written (`versions`).
-
-The options are one `options.ExportOptions`. On first use (not creation)
-the exporter resumes: it creates `export_dir` if needed, lists the versions
-(and their metrics) and removes `.tmp-*` directories left by a crash. One
-exporter (one process) writes an `export_dir` at a time. The directory layout, atomic publish and retention
-live in `t5export._src.versions`; this module orchestrates one export.
+One export: refuse early (existing version, non-finite params), build or
+update the `JaxModule`, write into a staging directory (`writer`), check it
+against JAX (`staged_check`), write `assets.extra/` (`assets_extra`), fsync,
+publish by one rename and apply retention (`versions`). The steps are in
+docs/internals.md, "One export, step by step".
 """
 
 from __future__ import annotations
@@ -42,20 +20,22 @@ from absl import logging
 import gin
 import jax
 
-from t5export._src import assets_extra
 from t5export import errors
+from t5export._src import assets_extra
 from t5export._src import jax_artifacts as jax_artifacts_lib
 from t5export._src import jax_module
+from t5export._src import metadata
 from t5export._src import options as options_lib
 from t5export._src import paths
 from t5export._src import serving
-from t5export._src import serving_compat
 from t5export._src import snapshot as snapshot_lib
 from t5export._src import staged_check
 from t5export._src import train_state
-from t5export._src import verify
 from t5export._src import versions as versions_lib
 from t5export._src import writer as writer_lib
+
+_NOT_CHECKED = metadata.Check(checked=False,
+                              reason='ExportOptions(validate=False)')
 
 
 @gin.configurable('SavedModelExporter', module='t5export')
@@ -87,6 +67,8 @@ class SavedModelExporter:
 
     Raises:
       SignatureError: `signatures` is empty or has duplicate names.
+      MissingSampleInputsError: `options.validate` is True (the default)
+        and a signature has no `sample_inputs`.
       TypeError: a signature is not a `t5export.Signature`, or `options` is
         not an `ExportOptions`.
       ValueError: a gin macro (EXPORT_DIR, SIGNATURES) was left unset.
@@ -107,15 +89,14 @@ class SavedModelExporter:
           f'options must be a t5export.ExportOptions, got {options!r}. In '
           'gin: SavedModelExporter.options = @t5export.ExportOptions().')
     self._options = options
+    if options.validate:
+      staged_check.require_samples(self._signatures)
     # Signature name -> (serialized jax.export artifact, its metadata entry),
     # made on the first export.
     self._artifacts: dict[str, tuple[bytes, dict[str, Any]]] = {}
     self._module: jax_module.JaxModule | None = None
     self._writer: writer_lib.SavedModelWriter | None = None
-    self._serving_fns: dict[str, Any] | None = None
     self._dir_state: versions_lib.VersionDirectory | None = None
-
-  # --- directory ----------------------------------------------------------
 
   @property
   def options(self) -> options_lib.ExportOptions:
@@ -126,11 +107,6 @@ class SavedModelExporter:
   def signatures(self) -> list[serving.Signature]:
     """The signatures every version serves."""
     return list(self._signatures)
-
-  @property
-  def serving_target(self) -> serving_compat.ServingTarget:
-    """The oldest TF release that loads the versions, and its version."""
-    return self._options.serving_target
 
   @property
   def export_dir(self) -> str:
@@ -144,24 +120,13 @@ class SavedModelExporter:
 
   @property
   def _dir(self) -> versions_lib.VersionDirectory:
-    """The version directory, prepared and resumed on first use.
-
-    Raises:
-      ExportDirError: `export_dir` is a file, cannot be created or is not
-        writable.
-    """
+    """The version directory, prepared and resumed on first use."""
     if self._dir_state is None:
       o = self._options
       directory = versions_lib.VersionDirectory(
           self._export_dir, keep=o.keep, keep_best=o.keep_best,
           overwrite=o.overwrite)
-      stale = directory.remove_stale_staging()
-      for version in directory.versions():
-        try:
-          meta = verify.read_metadata(directory.version_dir(version))
-        except (errors.VersionNotFoundError, ValueError):
-          meta = {}
-        directory.record_metrics(version, meta.get('metrics') or {})
+      stale = directory.resume()
       logging.info('t5export: export_dir %s holds versions %s; removed %d '
                    'stale staging dir(s).', self._export_dir,
                    directory.versions(), len(stale))
@@ -169,16 +134,13 @@ class SavedModelExporter:
     return self._dir_state
 
   def versions(self) -> list[int]:
-    """The published versions (integer subdirectories), ascending.
-
-    The first call (or export) prepares `export_dir` (see the class).
+    """The published versions, ascending (prepares `export_dir` first).
 
     Returns:
       Sorted version numbers.
 
     Raises:
-      ExportDirError: `export_dir` is a file, cannot be created or is not
-        writable.
+      ExportDirError: `export_dir` is a file or not writable.
     """
     return self._dir.versions()
 
@@ -193,42 +155,33 @@ class SavedModelExporter:
     """
     return self._dir.metrics()
 
-  # --- export -------------------------------------------------------------
-
   def export(self, state: Any, metrics: Mapping[str, Any] | None = None, *,
              owned: bool = False) -> str:
     """Exports a train or inference state as version `int(state.step)`.
 
-    Strips the optimizer state, resolves axes (with `logical_axis_rules`),
-    brings the params to the host (`snapshot.take_snapshot`) and then runs
-    `export_snapshot`. The export is synchronous, so the state cannot change
-    before it returns: the params are not copied on the way (on CPU the
-    variables are built or assigned straight from the JAX buffers).
+    Strips the optimizer state, resolves axes, brings the params to the host
+    (no copy on CPU: the export is synchronous) and runs `export_snapshot`.
 
     Args:
       state: a `TrainState`, an `InferenceState` or a `HostSnapshot` (which
         carries its own `owned`).
-      metrics: optional `{name: value}` recorded in the metadata (and used
-        by `keep_best`); see `versions.flatten_metrics` for what becomes a
-        number (e.g. a `clu.values.Scalar`).
-      owned: the state's params and mutables are numpy arrays nobody else
-        references (e.g. just read from a checkpoint): TensorFlow may take
-        their memory instead of copying it, after which they alias the
-        exported variables.
+      metrics: optional `{name: value}` recorded in the metadata and used by
+        `keep_best` (numbers, 0-d arrays and CLU values become numbers).
+      owned: the params and mutables are numpy arrays nobody else references
+        (e.g. read from a checkpoint): TensorFlow may take their memory.
 
     Returns:
       The published version directory `<export_dir>/<step>`.
 
     Raises:
-      ValueError: `owned` is True but a leaf is a `jax.Array`, whose buffer
-        JAX keeps.
+      ValueError: `owned` is True but a leaf is a `jax.Array`.
       VersionExistsError, NonFiniteParamsError, MetricNotNumericError,
         ExportCheckError: see `export_snapshot`.
     """
     if isinstance(state, snapshot_lib.HostSnapshot):
       return self.export_snapshot(state, metrics)
-    start = time.monotonic()
-    snap = snapshot_lib.take_snapshot(state, rules=self._options.logical_axis_rules, owned=False)
+    snap = snapshot_lib.take_snapshot(
+        state, rules=self._options.logical_axis_rules, owned=False)
     if owned:
       # Numpy leaves came through as they were, the caller's to give; a JAX
       # leaf came back as a view of a buffer JAX may reuse.
@@ -240,18 +193,15 @@ class SavedModelExporter:
               f'but {path!r} is a jax.Array, whose buffer JAX keeps. Pass '
               'owned=False, or numpy arrays nobody else references.')
       snap = dataclasses.replace(snap, owned=True)
-    logging.info('t5export: snapshot of step %d: %.1f MiB in %.2fs.',
-                 snap.step, snap.nbytes / 2**20, time.monotonic() - start)
     return self.export_snapshot(snap, metrics)
 
   def export_snapshot(self, snap: snapshot_lib.HostSnapshot,
                       metrics: Mapping[str, Any] | None = None) -> str:
-    """Writes, checks and publishes one host snapshot (steps 5-7).
+    """Writes, checks and publishes one host snapshot.
 
     Args:
       snap: the host snapshot (variables as numpy, axes, step).
-      metrics: optional `{name: value}` recorded in the metadata
-        (`versions.flatten_metrics`).
+      metrics: optional `{name: value}`, as for `export`.
 
     Returns:
       The published version directory `<export_dir>/<step>`.
@@ -259,68 +209,49 @@ class SavedModelExporter:
     Raises:
       ExportDirError: on first use, `export_dir` is unusable.
       VersionExistsError: the version exists and `overwrite` is False.
-      MetricNotNumericError: the `keep_best` metric is given but is not a
-        number (nothing is written).
-      NonFiniteParamsError: a param holds NaN/Inf and `allow_non_finite` is
-        False (names the first such param).
+      MetricNotNumericError: the `keep_best` metric is not a number.
+      NonFiniteParamsError: a param holds NaN/Inf (`allow_non_finite`).
       VariableMismatchError: the params changed structure, shape or dtype
         since the first export.
       ExportCheckError: the staged SavedModel differs from JAX; nothing was
-        published and the staging directory is gone.
+        published.
     """
-    step = int(snap.step)
+    step, o = int(snap.step), self._options
     if step < 0:
       raise ValueError(
           f'The step is {step}; versions are non-negative integers (TF Serving '
           'ignores other directory names). Export a state with step >= 0.')
     final = self._dir.version_dir(step)
-    if os.path.exists(final) and not self._options.overwrite:
+    if os.path.exists(final) and not o.overwrite:
       raise errors.VersionExistsError(final, step)
-    if not self._options.allow_non_finite:
+    if not o.allow_non_finite:
       staged_check.check_finite(snap.variables)
     metrics = versions_lib.flatten_metrics(metrics)
-    keep_best = self._options.keep_best
-    if keep_best is not None and keep_best.score(metrics, step) is None:
+    if o.keep_best is not None and o.keep_best.score(metrics, step) is None:
       logging.warning(
           't5export: step %d has no metric %r (keep_best); it can only be '
           'kept as one of the newest. Metrics given: %s.', step,
-          keep_best.metric, sorted(metrics))
-    total_start = time.monotonic()
-
+          o.keep_best.metric, sorted(metrics))
     start = time.monotonic()
-    first = self._module is None
     self._ensure_module(snap.variables, owned=snap.owned)
-    logging.info('t5export: step %d: %s JaxModule in %.2fs (%.1f MiB).', step,
-                 'built' if first else 'updated', time.monotonic() - start,
-                 snap.nbytes / 2**20)
-
     staging = self._dir.staging_dir(step)
-    o = self._options
     # The check's JAX side runs while the version is written.
     pending = (staged_check.begin(self._signatures, self._module, atol=o.atol,
                                   rtol=o.rtol) if o.validate else None)
     try:
-      start = time.monotonic()
       written = self._writer.write(staging)
-      logging.info('t5export: step %d: saved to %s in %.2fs (%.1f MiB; %s).',
-                   step, staging, time.monotonic() - start,
-                   versions_lib.dir_nbytes(staging) / 2**20,
-                   'first graph + new variables' if written == 'variables'
-                   else 'full tf.saved_model.save')
-      check = staged_check.unchecked(atol=o.atol, rtol=o.rtol)
+      logging.info('t5export: step %d: saved to %s in %.2fs (%s).', step,
+                   staging, time.monotonic() - start,
+                   'new variables' if written == 'variables' else 'full save')
+      check = _NOT_CHECKED
       if pending is not None:
-        start = time.monotonic()
         check, pending = pending.finish(staging), None
-        logging.info('t5export: step %d: check passed for %s in %.2fs.', step,
-                     sorted(check['signatures']), time.monotonic() - start)
-      start = time.monotonic()
-      n_warmup = assets_extra.write(
+        logging.info('t5export: step %d: check %s.', step, check.summary())
+      assets_extra.write(
           staging, module=self._module, signatures=self._signatures,
           artifacts=self._artifacts, snap=snap, check=check, metrics=metrics,
           options=o, model_name=os.path.basename(self._export_dir) or 'model')
       versions_lib.fsync_tree(staging)
-      logging.info('t5export: step %d: metadata, %d warm-up request(s), fsync '
-                   'in %.2fs.', step, n_warmup, time.monotonic() - start)
       self._dir.publish(staging, final)
     except BaseException:
       if pending is not None:
@@ -328,19 +259,15 @@ class SavedModelExporter:
       shutil.rmtree(staging, ignore_errors=True)
       raise
     self._dir.record_metrics(step, metrics)
-    start = time.monotonic()
     removed = self._dir.apply_retention(protect=step)
-    logging.info('t5export: published version %d at %s in %.2fs total (%.1f '
-                 'MiB); retention removed %s.', step, final,
-                 time.monotonic() - total_start,
+    logging.info('t5export: published version %d at %s in %.2fs (%.1f MiB); '
+                 'retention removed %s.', step, final,
+                 time.monotonic() - start,
                  versions_lib.dir_nbytes(final) / 2**20, removed or 'nothing')
     return final
 
   def _ensure_module(self, variables: Any, *, owned: bool) -> None:
-    """Builds the JaxModule on first use; assigns new values afterwards.
-
-    With `owned` arrays the variables take their memory instead of copying.
-    """
+    """Builds the JaxModule on first use; assigns new values afterwards."""
     if self._module is not None:
       self._module.update_variables(variables, owned=owned)
       return
@@ -351,15 +278,11 @@ class SavedModelExporter:
         cast_bfloat16=o.cast_bfloat16, owned=owned,
         serving_target=o.serving_target)
     if o.jax_artifacts:
-      start = time.monotonic()
       for sig in self._signatures:
         data = module.serialize_method(sig.name)
         self._artifacts[sig.name] = (data, jax_artifacts_lib.describe(
             data, sig.name, o.serving_target))
-      logging.info('t5export: jax.export artifacts of %s in %.2fs (%.1f KiB).',
-                   sorted(self._artifacts), time.monotonic() - start,
-                   sum(len(d) for d, _ in self._artifacts.values()) / 1024)
-    self._serving_fns = serving.serving_functions(module, self._signatures)
     self._writer = writer_lib.SavedModelWriter(
-        module, self._serving_fns, reuse_graph=o.reuse_graph)
+        module, serving.serving_functions(module, self._signatures),
+        reuse_graph=o.reuse_graph)
     self._module = module

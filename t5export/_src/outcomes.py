@@ -1,24 +1,10 @@
 """The outcome of every due export: counted, logged, written as metrics.
 
-An export that `ExportCallback` finds due ends as exactly one of:
-
-* published: written, checked and renamed into place;
-* skipped: the version was already published (a resumed run) or is being
-  written;
-* replaced: dropped from the queue for a newer due export before it
-  started (only under `when_busy='skip'`);
-* failed: the snapshot, the write or the check failed (logged, or raised).
-
-`Outcomes` counts them, logs each through absl and queues the running count
-as a `t5export/exports_<outcome>` scalar at the version's step. It also
-keeps the ledger the callback decides by (which steps are published or
-being written: a step is never written twice) and the numbers of each
-export (seconds, bytes, the training thread's blocking and waiting). It is
-thread-safe: the background worker records 'published' and 'failed', the
-training thread everything else and `take_scalars()` (metric writers are
-not promised to be thread-safe, so only the training thread writes them).
-
-Light: this module imports neither TensorFlow nor JAX.
+A due export ends as one of `KINDS`: published, skipped (already published
+or being written), replaced (dropped for a newer one, `when_busy='skip'`)
+or failed. `Outcomes` counts and logs them, queues `t5export/...` scalars
+for the training thread to write, and keeps the ledger of published and
+in-flight steps (a step is never written twice). Thread-safe; light.
 """
 
 from __future__ import annotations
@@ -34,21 +20,9 @@ KINDS = ('published', 'skipped', 'replaced', 'failed')
 
 
 class Outcomes:
-  """Thread-safe tally of due exports and their outcomes.
-
-  Example:
-    outcomes = Outcomes()
-    outcomes.add_due()
-    outcomes.record('published', 1000, 'in 2.1s: /models/m/1000')
-    outcomes.counts()   # {'due': 1, 'published': 1, 'skipped': 0, ...}
-  """
+  """Thread-safe tally of due exports, their outcomes and numbers."""
 
   def __init__(self, *, published_steps: Iterable[int] = ()):
-    """Starts with every count at 0.
-
-    Args:
-      published_steps: versions published before (a resumed run).
-    """
     self._lock = threading.Lock()
     self._counts = dict.fromkeys(('due',) + KINDS, 0)
     self._scalars: list[tuple[int, dict[str, float]]] = []
@@ -61,15 +35,9 @@ class Outcomes:
     self.wait_secs: list[float] = []  # Per export, waiting for room.
 
   def claim(self, step: int) -> bool:
-    """Marks `step` as being written, unless it is published or claimed.
+    """Marks `step` as being written; False if published or claimed already.
 
-    Args:
-      step: the version about to be written.
-
-    Returns:
-      False if the step is already published or being written (then it
-      must not be written again); True if the caller now writes it and
-      must end it with `record` ('published', 'failed' or 'replaced').
+    After True the caller must end it with `record` (or `record_published`).
     """
     with self._lock:
       if step in self._published_steps or step in self._in_flight:
@@ -79,20 +47,11 @@ class Outcomes:
 
   @property
   def in_flight(self) -> int:
-    """How many claimed steps have no outcome yet."""
     with self._lock:
       return len(self._in_flight)
 
   def record_published(self, step: int, path: str, *, secs: float,
                        nbytes: int) -> None:
-    """Records a published version with its numbers (see `record`).
-
-    Args:
-      step: the version.
-      path: its directory.
-      secs: how long the write took.
-      nbytes: its size on disk.
-    """
     with self._lock:
       self._published_steps.add(step)
       self.published.append(path)
@@ -104,13 +63,7 @@ class Outcomes:
                 f'({nbytes / 2**20:.1f} MiB) in {secs:.2f}s: {path}')
 
   def record_blocking(self, step: int, secs: float, waited: float) -> None:
-    """Records how long one export held the training thread.
-
-    Args:
-      step: the version.
-      secs: seconds the training thread was held (including `waited`).
-      waited: seconds of it spent waiting for room in the queue.
-    """
+    """How long one export held the training thread (`waited` for room)."""
     with self._lock:
       self.blocking_secs.append(secs)
       self.wait_secs.append(waited)
@@ -120,24 +73,11 @@ class Outcomes:
                               METRIC_PREFIX + 'wait_secs': waited})
 
   def add_due(self) -> None:
-    """Counts one export that became due."""
     with self._lock:
       self._counts['due'] += 1
 
   def record(self, kind: str, step: int, detail: str) -> int:
-    """Counts, logs and queues the metric of one due export's outcome.
-
-    Args:
-      kind: one of `KINDS`.
-      step: the version (the step it is named after).
-      detail: what happened, for the log line.
-
-    Returns:
-      The count of `kind` so far, this one included.
-
-    Raises:
-      ValueError: `kind` is not one of `KINDS`.
-    """
+    """Counts, logs and queues one outcome; returns the count of `kind`."""
     if kind not in KINDS:
       raise ValueError(f'Outcomes.record: kind must be one of {KINDS}, got '
                        f'{kind!r}.')
@@ -157,43 +97,23 @@ class Outcomes:
     return count
 
   def queue_scalars(self, step: int, scalars: dict[str, float]) -> None:
-    """Queues more scalars for the training thread to write.
-
-    Args:
-      step: the step to write them at.
-      scalars: `{name: value}`, names including `METRIC_PREFIX`.
-    """
+    """Queues `{name: value}` (names with `METRIC_PREFIX`) at `step`."""
     with self._lock:
       self._scalars.append((step, dict(scalars)))
 
   def take_scalars(self) -> list[tuple[int, dict[str, float]]]:
-    """The queued `(step, scalars)` pairs, oldest first; empties the queue.
-
-    Returns:
-      What `record` and `queue_scalars` queued since the last call.
-    """
+    """The queued `(step, scalars)`, oldest first; empties the queue."""
     with self._lock:
       taken, self._scalars = self._scalars, []
     return taken
 
   def counts(self) -> dict[str, int]:
-    """A copy of the counts: 'due' and one per kind in `KINDS`.
-
-    Returns:
-      `{'due': n, 'published': n, 'skipped': n, 'replaced': n,
-      'failed': n}`.
-    """
+    """'due' and one count per kind in `KINDS`."""
     with self._lock:
       return dict(self._counts)
 
   def stats(self) -> dict[str, Any]:
-    """The counts and numbers, as `ExportCallback.stats` reports them.
-
-    Returns:
-      exports_due, exports_done (published), exports_skipped,
-      exports_replaced, exports_failed, bytes_written, blocking_secs_last,
-      blocking_secs_max, wait_secs_total, export_secs_total.
-    """
+    """The counts and numbers `ExportCallback.stats` reports."""
     c = self.counts()
     with self._lock:
       return {
@@ -208,16 +128,7 @@ class Outcomes:
       }
 
   def summary(self, *, when_busy: str) -> str:
-    """One line with every count, e.g. for the closing log line.
-
-    Args:
-      when_busy: the policy in force, named beside the replaced count.
-
-    Returns:
-      E.g. "6 due: 4 published, 1 skipped (already published), 0 replaced
-      (when_busy='wait'), 1 failed; waited 2.31s for room." (with ", 1
-      still being written" while one is).
-    """
+    """One line with every count, e.g. for the closing log line."""
     c = self.counts()
     in_flight = self.in_flight
     with self._lock:
@@ -228,6 +139,3 @@ class Outcomes:
     if in_flight:
       line += f', {in_flight} still being written'
     return line + f'; waited {waited_secs:.2f}s for room.'
-
-
-__all__ = ['KINDS', 'METRIC_PREFIX', 'Outcomes']

@@ -1,24 +1,10 @@
-"""Reads a published SavedModel version back: params, functions, checks.
+"""Reads a published version back: params, the JAX function, comparisons.
 
-The reading side of what `exporter.SavedModelExporter` writes:
-
-- `read_metadata(version_dir)`: the version's `assets.extra/t5export.json`.
-- `load_params(version_dir)`: the exported variables as a JAX pytree,
-  bit-exact (bfloat16 included), read from the SavedModel's variables
-  checkpoint with `tensor_bundle` (no TensorFlow, no graph).
-- `load_function(version_dir, signature_name)`: the signature's JAX method
-  from the version's `jax.export` artifact (`jax_artifacts`), bound to the
-  version's own weights: runs exactly what the SavedModel runs, without
-  TensorFlow.
-- `compare_outputs(...)` / `compare_with_jax(...)`: run a signature and
-  compare every named output with JAX (`staged_check` is the exporter's
-  pre-publish check built on them).
-- `call_exported(version_dir, signature_name)`: a JAX-callable that runs the
-  exported signature in TensorFlow through `jax2tf.call_tf`.
-
-Importing this module does not import TensorFlow: `read_metadata`,
-`load_params` and `load_function` work where TensorFlow cannot be imported;
-the functions that run the SavedModel import it when called.
+`load_params` and `load_function` (public) read the version's variables
+checkpoint (`tensor_bundle`) and `jax.export` artifacts without TensorFlow;
+`compare_outputs` is the check's comparison (`staged_check`);
+`run_signatures_isolated`, `compare_with_jax` and `call_exported` run the
+SavedModel and import TensorFlow when called, never at import.
 """
 
 from __future__ import annotations
@@ -33,31 +19,23 @@ import numpy as np
 
 from t5export import errors
 from t5export._src import jax_artifacts
+from t5export._src import metadata
 from t5export._src import paths
 from t5export._src import tensor_bundle
-from t5export._src import versions
 
-# Layout of a published version (defined in the light `versions` module).
-ASSETS_EXTRA = versions.ASSETS_EXTRA
-METADATA_FILE = versions.METADATA_FILE
-GIN_CONFIG_FILE = versions.GIN_CONFIG_FILE
-WARMUP_FILE = versions.WARMUP_FILE
 # The tracked attribute of JaxModule that holds the params, in order.
 _PARAM_VARS_ATTR = 'param_vars'
 
-read_metadata = versions.read_metadata
-
 
 def _tensorflow() -> Any:
-  """TensorFlow, imported when a SavedModel is run (never at import)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   return tf
 
 
 def _read_variables(version_dir: str,
-                    metadata: Mapping[str, Any]) -> dict[str, np.ndarray]:
-  """{parameter path: stored array}, in the metadata's `parameters` order."""
-  names = list(metadata['parameters'])
+                    meta: metadata.Metadata) -> dict[str, np.ndarray]:
+  """{parameter path: stored array}, in the metadata's order."""
+  names = list(meta.params)
   reader = tensor_bundle.BundleReader(
       os.path.join(version_dir, 'variables', 'variables'))
   keys = tensor_bundle.param_checkpoint_keys(
@@ -79,19 +57,15 @@ def _read_variables(version_dir: str,
 def load_params(version_dir: str | os.PathLike[str]) -> dict[str, Any]:
   """Loads the exported variables of a version back as a JAX pytree.
 
-  The values come straight from the SavedModel's variables checkpoint
-  (`variables/variables.*`, read and checksummed by `tensor_bundle`), so
-  they are bit-exact, bfloat16 included; no TensorFlow is needed. The tree
-  is rebuilt from the metadata's `parameters` list (the
-  `JaxModule.param_paths` order).
+  Read from the SavedModel's variables checkpoint with numpy (checksummed),
+  so bit-exact, bfloat16 included, with no TensorFlow.
 
   Args:
     version_dir: a version directory such as `<export_dir>/1000`.
 
   Returns:
-    Nested dicts of `jax.Array`, e.g. `{'params': {...}, 'batch_stats':
-    {...}}`: what the serve method received (with the dtypes stored in the
-    SavedModel; float32 if the export cast bfloat16).
+    Nested dicts of `jax.Array` (`{'params': ..., **mutables}`), with the
+    dtypes stored (float32 if the export cast bfloat16).
 
   Raises:
     VersionNotFoundError: if the directory is not a t5export version.
@@ -99,7 +73,7 @@ def load_params(version_dir: str | os.PathLike[str]) -> dict[str, Any]:
     VariablesFormatError: if the variables files are damaged.
   """
   version_dir = os.fspath(version_dir)
-  flat = _read_variables(version_dir, read_metadata(version_dir))
+  flat = _read_variables(version_dir, metadata.read_metadata(version_dir))
   return paths.unflatten({k: jnp.asarray(v) for k, v in flat.items()})
 
 
@@ -107,30 +81,13 @@ def load_function(version_dir: str | os.PathLike[str],
                   signature_name: str) -> Callable[[Any], Any]:
   """The JAX function a version serves, bound to that version's weights.
 
-  Deserializes the signature's `jax.export` artifact (written by the
-  exporter with `jax_artifacts=True`, the default) and binds it to the
-  version's own variables (read like `load_params`). The result runs the
-  exact StableHLO the SavedModel runs, in JAX, with no TensorFlow, and
-  returns what the JAX method returns on those params, bit for bit; the
-  SavedModel's outputs too, wherever TensorFlow's XLA compiles the module
-  to the same code as JAX's (on CPU: everything but a division by a
-  broadcast value, which jaxlib 0.10's XLA turns into a multiplication by
-  the reciprocal, a last-bit difference). The variables are passed as
-  arguments of a jitted call; inside your own `jax.jit`, call
-  `fn.exported.call(fn.variables, inputs)` with the variables as
-  arguments too: closed over, they become constants XLA may fold, which
-  also changes the last bits.
-
-  It is the JAX part of the signature only: `fn(inputs)` takes what the
-  signature's JAX method takes and returns what the method returns. For a
-  signature without pre/post-processors that is the SavedModel signature
-  itself (same input names; outputs as the method's pytree, which the
-  SavedModel flattens into named outputs). A signature's TensorFlow
-  preprocessor and postprocessor (tokenizers, lookup tables) are not in
-  the artifact and do not run: the inputs are the method inputs recorded
-  in the metadata (`signatures[name]['method_inputs']`), e.g. token ids
-  instead of text, and the outputs are the method's, before the
-  postprocessor. Every t5export signature has this JAX-only form.
+  Deserializes the signature's `jax.export` artifact and binds it to the
+  version's own variables: the exact StableHLO the SavedModel runs, in JAX,
+  without TensorFlow. It is the JAX method only: TF pre/post-processors do
+  not run, so `fn` takes the metadata's `method_inputs` (e.g. token ids, not
+  text). Inside your own `jax.jit`, call `fn.exported.call(fn.variables,
+  inputs)` with the variables as arguments: closed over, XLA may fold them
+  and change the last bits.
 
   Args:
     version_dir: a version directory such as `<export_dir>/1000`.
@@ -143,15 +100,20 @@ def load_function(version_dir: str | os.PathLike[str],
   Raises:
     VersionNotFoundError: if the directory is not a t5export version.
     SignatureError: if the version has no such signature.
-    NoJaxArtifactError: if the version holds no artifact for it (written
-      before t5export wrote them, or with `jax_artifacts=False`).
+    NoJaxArtifactError: if the version holds no artifact for it
+      (`jax_artifacts=False`, or written before t5export wrote them).
     ParamsMismatchError, VariablesFormatError: as for `load_params`, or
       the artifact and the stored variables do not match.
   """
   version_dir = os.fspath(version_dir)
-  metadata = read_metadata(version_dir)
-  exported = jax_artifacts.read(version_dir, signature_name, metadata)
-  flat = _read_variables(version_dir, metadata)
+  meta = metadata.read_metadata(version_dir)
+  # jax_artifacts.read tells an entry never recorded (no key) from None.
+  entries = {n: {} if s.jax_artifact == metadata.NOT_RECORDED else
+             {jax_artifacts.METADATA_KEY: s.jax_artifact}
+             for n, s in meta.signatures.items()}
+  exported = jax_artifacts.read(version_dir, signature_name,
+                                {'signatures': entries})
+  flat = _read_variables(version_dir, meta)
   # in_tree is that of ((variables, inputs), {}): rebuild the variables in
   # the exported structure, whatever containers the model used.
   variables_tree = exported.in_tree.children()[0].children()[0]
@@ -188,34 +150,22 @@ def _named_outputs(outputs: Any) -> dict[str, Any]:
   return paths.flatten(outputs)
 
 
-def _is_string(array: np.ndarray) -> bool:
-  return array.dtype.kind in ('O', 'S', 'U')
+def _check_error(signature_name: str, name: str, kind: str,
+                 detail: str) -> errors.ExportCheckError:
+  return errors.ExportCheckError(signature_name, name, kind=kind,
+                                 detail=detail)
 
 
 def compare_outputs(signature_name: str, actual: Mapping[str, Any],
                     expected: Any, *, atol: float,
-                    rtol: float) -> dict[str, float]:
-  """Compares a signature's outputs with the expected (JAX) ones.
+                    rtol: float) -> dict[str, metadata.OutputCheck]:
+  """Compares a signature's outputs with JAX's; returns each output's errors.
 
-  Both sides must return the same output names, shapes and dtypes; numeric
-  outputs must agree within `|a - e| <= atol + rtol * |e|`, string outputs
-  exactly.
-
-  Args:
-    signature_name: the signature's name (for the error message).
-    actual: the SavedModel's outputs, `{output_name: tensor}`.
-    expected: the reference outputs: a dict with the same names, or a pytree
-      whose '/'-joined paths are the names.
-    atol: absolute tolerance.
-    rtol: relative tolerance.
-
-  Returns:
-    `{output_name: max abs error}` (0.0 for equal strings).
-
-  Raises:
-    ExportCheckError: for the first output (by name) that is missing on one
-      side, or differs in shape, dtype or value; its `kind` says which, and
-      the message gives that kind's fix.
+  Names, shapes and dtypes must match; numbers must satisfy
+  `|a - e| <= atol + rtol * |e|` (equal infinities and NaN in both agree),
+  strings must be equal. `expected` may be a pytree named by '/'-joined
+  path. Raises ExportCheckError (its `kind` says which) for the first
+  output, by name, that does not match.
   """
   actual = _named_outputs(actual)
   expected = _named_outputs(expected)
@@ -223,36 +173,31 @@ def compare_outputs(signature_name: str, actual: Mapping[str, Any],
     missing = name not in actual
     where = ('missing from the SavedModel' if missing else
              'not returned by JAX')
-    raise errors.ExportCheckError(
-        signature_name, name,
-        kind='missing_output' if missing else 'extra_output',
-        detail=f'{where}; SavedModel outputs {sorted(actual)}, JAX outputs '
+    raise _check_error(
+        signature_name, name, 'missing_output' if missing else 'extra_output',
+        f'{where}; SavedModel outputs {sorted(actual)}, JAX outputs '
         f'{sorted(expected)}')
   result = {}
   for name in sorted(actual):
     a, e = _to_numpy(actual[name]), _to_numpy(expected[name])
     if a.shape != e.shape:
-      raise errors.ExportCheckError(
-          signature_name, name, kind='shape',
-          detail=f'shape mismatch: {a.shape} vs JAX {e.shape}')
-    strings = _is_string(a), _is_string(e)
+      raise _check_error(signature_name, name, 'shape',
+                         f'shape mismatch: {a.shape} vs JAX {e.shape}')
+    strings = a.dtype.kind in 'OSU', e.dtype.kind in 'OSU'
     if strings[0] != strings[1] or (not any(strings) and a.dtype != e.dtype):
-      raise errors.ExportCheckError(
-          signature_name, name, kind='dtype',
-          detail=f'dtype mismatch: {a.dtype} vs JAX {e.dtype}')
+      raise _check_error(signature_name, name, 'dtype',
+                         f'dtype mismatch: {a.dtype} vs JAX {e.dtype}')
     if all(strings):
-      equal = a.astype(object) == e.astype(object)
+      equal = np.asarray(a.astype(object) == e.astype(object))
       if not np.all(equal):
-        first = tuple(int(i) for i in np.argwhere(~np.asarray(equal))[0])
-        raise errors.ExportCheckError(
-            signature_name, name, kind='strings',
-            detail=f'strings differ at index {first}: {a[first]!r} vs JAX '
+        first = tuple(int(i) for i in np.argwhere(~equal)[0])
+        raise _check_error(
+            signature_name, name, 'strings',
+            f'strings differ at index {first}: {a[first]!r} vs JAX '
             f'{e[first]!r}')
-      result[name] = 0.0
+      result[name] = metadata.OutputCheck(0.0, 0.0)
       continue
     a64, e64 = a.astype(np.float64), e.astype(np.float64)
-    # Equal values (same-signed infinities too) and NaN in both agree; any
-    # other non-finite difference (Inf vs a number) does not.
     same = (a64 == e64) | (np.isnan(a64) & np.isnan(e64))
     with np.errstate(invalid='ignore'):
       diff = np.where(same, 0.0, np.abs(a64 - e64))
@@ -263,78 +208,41 @@ def compare_outputs(signature_name: str, actual: Mapping[str, Any],
           signature_name, name, kind='values', max_abs_error=max_err,
           detail=f'values differ beyond atol={atol:g}, rtol={rtol:g}: max '
           f'abs error {max_err:.6g} vs JAX')
-    result[name] = max_err
+    scale = (e64 != 0) & np.isfinite(e64)  # Where |jax| can divide.
+    rel = diff[scale] / np.abs(e64[scale])
+    result[name] = metadata.OutputCheck(
+        max_err, float(np.max(rel)) if rel.size else 0.0)
   return result
 
 
-def _signature(loaded: Any, version_dir: str, signature_name: str) -> Any:
-  if signature_name not in loaded.signatures:
-    raise errors.SignatureError(
-        f'signature_name={signature_name!r} is not in the SavedModel at '
-        f'{version_dir!r}; it has {sorted(loaded.signatures.keys())}.')
-  return loaded.signatures[signature_name]
-
-
-def run_signature(loaded: Any, version_dir: str, signature_name: str,
-                  inputs: Mapping[str, Any]) -> dict[str, Any]:
-  """Runs one serving signature of a loaded SavedModel in TensorFlow.
-
-  Args:
-    loaded: the result of `tf.saved_model.load(version_dir)`.
-    version_dir: its directory (for messages).
-    signature_name: which signature to run.
-    inputs: `{input_name: array}`, the signature's flat keyword inputs.
-
-  Returns:
-    `{output_name: numpy array}`.
-
-  Raises:
-    SignatureError: if the signature does not exist.
-  """
-  tf = _tensorflow()
-  fn = _signature(loaded, version_dir, signature_name)
-  spec = fn.structured_input_signature[1]
-  feed = {}
-  for key, value in inputs.items():
-    dtype = spec[key].dtype if key in spec else None
-    feed[key] = tf.constant(_to_numpy(value), dtype=dtype)
-  return {k: v.numpy() for k, v in fn(**feed).items()}
+def _no_signature(name: str, version_dir: str,
+                  names: Any) -> errors.SignatureError:
+  names = sorted(n for n in names if not n.startswith('__'))  # Init ops.
+  return errors.SignatureError(
+      f'signature_name={name!r} is not in the SavedModel at '
+      f'{version_dir!r}; it has {names}.')
 
 
 def run_signatures_isolated(
     version_dir: str | os.PathLike[str],
     requests: Sequence[tuple[str, Mapping[str, Any]]]) -> list[dict[str, Any]]:
-  """Runs serving signatures of a SavedModel in a throw-away TF graph.
+  """Runs `(signature, inputs)` requests in a throw-away TF graph and session.
 
-  Loads the SavedModel the way TensorFlow Serving does (a graph and session
-  of its own, the SignatureDefs fed by tensor name) and discards both
-  afterwards. Unlike `tf.saved_model.load`, whose functions and XLA
-  compilations stay cached in the process for good, this leaves nothing
-  behind, so a long run of checks (one per export) keeps memory flat.
-
-  Args:
-    version_dir: a version (or any SavedModel) directory.
-    requests: `(signature_name, {input_name: array})` pairs, run in order.
-
-  Returns:
-    One `{output_name: numpy array}` per request.
-
-  Raises:
-    SignatureError: if a signature or one of its inputs does not exist.
+  Loaded as TF Serving loads it (SignatureDefs fed by tensor name); unlike
+  `tf.saved_model.load`, nothing stays cached in the process, so one check
+  per export keeps memory flat. Raises SignatureError for an unknown
+  signature or input.
   """
   version_dir = os.fspath(version_dir)
   tf = _tensorflow()
   results = []
   with tf.Graph().as_default() as graph:
     with tf.compat.v1.Session(graph=graph) as session:
-      meta_graph = tf.compat.v1.saved_model.loader.load(
-          session, [tf.saved_model.SERVING], version_dir)
-      signature_defs = meta_graph.signature_def
+      signature_defs = tf.compat.v1.saved_model.loader.load(
+          session, [tf.saved_model.SERVING], version_dir).signature_def
       for name, inputs in requests:
         if name not in signature_defs:
-          raise errors.SignatureError(
-              f'signature_name={name!r} is not in the SavedModel at '
-              f'{version_dir!r}; it has {sorted(signature_defs)}.')
+          raise _no_signature(name, version_dir, signature_defs)
         sig_def = signature_defs[name]
         unknown = sorted(set(inputs) - set(sig_def.inputs))
         if unknown:
@@ -351,29 +259,12 @@ def run_signatures_isolated(
 def compare_with_jax(version_dir: str | os.PathLike[str], signature_name: str,
                      jax_fn: Callable[[Mapping[str, Any]], Any],
                      inputs: Mapping[str, Any], *, atol: float = 1e-5,
-                     rtol: float = 1e-5) -> dict[str, float]:
-  """Runs a signature of a SavedModel and compares it with a JAX function.
+                     rtol: float = 1e-5) -> dict[str, metadata.OutputCheck]:
+  """Runs a signature of a SavedModel and compares it with `jax_fn(inputs)`.
 
-  Args:
-    version_dir: a version (or any SavedModel) directory.
-    signature_name: the serving signature to run.
-    jax_fn: called as `jax_fn(inputs)`; returns the expected outputs, a dict
-      keyed like the signature's outputs (or a pytree named by path).
-    inputs: `{input_name: array}`, the signature's keyword inputs.
-    atol: absolute tolerance.
-    rtol: relative tolerance.
-
-  Returns:
-    `{output_name: max abs error}`.
-
-  Raises:
-    SignatureError: if the signature does not exist.
-    ExportCheckError: naming the signature, the output and the max abs error
-      when they differ.
+  See `compare_outputs` for what it returns and raises.
   """
-  version_dir = os.fspath(version_dir)
-  loaded = _tensorflow().saved_model.load(version_dir)
-  actual = run_signature(loaded, version_dir, signature_name, inputs)
+  actual, = run_signatures_isolated(version_dir, [(signature_name, inputs)])
   expected = jax.tree_util.tree_map(np.asarray, jax_fn(dict(inputs)))
   return compare_outputs(signature_name, actual, expected, atol=atol,
                          rtol=rtol)
@@ -382,36 +273,21 @@ def compare_with_jax(version_dir: str | os.PathLike[str], signature_name: str,
 def call_exported(version_dir: str | os.PathLike[str], signature_name: str,
                   *, output_shape_dtype: Any = None
                   ) -> Callable[[Mapping[str, Any]], dict[str, jax.Array]]:
-  """Returns a JAX-callable that runs an exported signature.
+  """A JAX-callable running an exported signature in TF (`jax2tf.call_tf`).
 
-  Built on `jax.experimental.jax2tf.call_tf`: the SavedModel runs in
-  TensorFlow, inputs and outputs are JAX arrays. Eagerly it works for any
-  input shape the signature accepts. Under `jax.jit` the outputs' shapes
-  must be static: when they depend on polymorphic input dimensions pass
-  `output_shape_dtype` (a dict of `jax.ShapeDtypeStruct` keyed by output
-  name) for the shapes you call it with.
-
-  Note: the `tf2jax` package cannot load the `XlaCallModule` ops that jax2tf
-  writes under jax 0.10 (as installed here); `call_tf` can, which is why
-  this helper uses it.
-
-  Args:
-    version_dir: a version (or any SavedModel) directory.
-    signature_name: the serving signature to call.
-    output_shape_dtype: optional, passed to `call_tf` (see above).
-
-  Returns:
-    `fn(inputs: dict) -> dict` of output name to `jax.Array`. The loaded
-    SavedModel stays alive as `fn.saved_model`.
-
-  Raises:
-    SignatureError: if the signature does not exist.
+  Under `jax.jit` the outputs' shapes must be static: pass
+  `output_shape_dtype` (`{output: jax.ShapeDtypeStruct}`) when they depend
+  on polymorphic inputs. (`tf2jax` cannot load jax2tf's `XlaCallModule`
+  ops under jax 0.10; `call_tf` can.) The loaded SavedModel stays alive as
+  `fn.saved_model`.
   """
   from jax.experimental import jax2tf  # pylint: disable=g-import-not-at-top
   tf = _tensorflow()
   version_dir = os.fspath(version_dir)
   loaded = tf.saved_model.load(version_dir)
-  tf_sig = _signature(loaded, version_dir, signature_name)
+  if signature_name not in loaded.signatures:
+    raise _no_signature(signature_name, version_dir, loaded.signatures)
+  tf_sig = loaded.signatures[signature_name]
   spec = tf_sig.structured_input_signature[1]
 
   def tf_fn(inputs: Mapping[str, Any]) -> dict[str, Any]:
@@ -419,10 +295,9 @@ def call_exported(version_dir: str | os.PathLike[str], signature_name: str,
             for k, v in inputs.items()}
     return dict(tf_sig(**feed))
 
-  if output_shape_dtype is None:
-    jax_fn = jax2tf.call_tf(tf_fn)
-  else:
-    jax_fn = jax2tf.call_tf(tf_fn, output_shape_dtype=output_shape_dtype)
+  extra = ({} if output_shape_dtype is None else
+           {'output_shape_dtype': output_shape_dtype})
+  jax_fn = jax2tf.call_tf(tf_fn, **extra)
 
   def call(inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
     return jax_fn(dict(inputs))

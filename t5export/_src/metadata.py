@@ -1,0 +1,215 @@
+"""A version's metadata, `assets.extra/t5export.json`, as typed records.
+
+`write` is the one writer (the exporter's `assets_extra`), `read_metadata`
+the one reader (exporter, verify, retention, tools/inspect_export.py).
+Standard library only: it runs on a serving host without JAX or TensorFlow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+import dataclasses
+import json
+import os
+from typing import Any
+
+from t5export import errors
+
+ASSETS_EXTRA = 'assets.extra'
+FILE = os.path.join(ASSETS_EXTRA, 't5export.json')
+GIN_CONFIG_FILE = os.path.join(ASSETS_EXTRA, 'config.gin')
+WARMUP_FILE = os.path.join(ASSETS_EXTRA, 'tf_serving_warmup_requests')
+FORMAT_VERSION = 2
+# `Signature.jax_artifact` of a version written before t5export wrote them.
+NOT_RECORDED = 'not recorded'
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputCheck:
+  """One output's distance from JAX over the sample batches.
+
+  Attributes:
+    max_abs_error: max |saved - jax| (0.0 for equal strings).
+    max_rel_error: max |saved - jax| / |jax| where JAX's value is finite
+      and not 0.
+  """
+  max_abs_error: float
+  max_rel_error: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SignatureCheck:
+  """One signature's check: `batches` run, `{output: OutputCheck}`."""
+  batches: int
+  outputs: Mapping[str, OutputCheck]
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+  """What the pre-publish check did (a failed check publishes nothing).
+
+  Attributes:
+    checked: whether the staged version was run and compared with JAX.
+    reason: why not (None when checked).
+    atol: the absolute tolerance used (None when not checked).
+    rtol: the relative tolerance used (None when not checked).
+    signatures: `{name: SignatureCheck}` ({} when not checked).
+  """
+  checked: bool
+  reason: str | None = None
+  atol: float | None = None
+  rtol: float | None = None
+  signatures: Mapping[str, SignatureCheck] = dataclasses.field(
+      default_factory=dict)
+
+  def summary(self) -> str:
+    """'not checked (why)' or 'passed (max abs err ...)', one line."""
+    if not self.checked:
+      return f'not checked ({self.reason})'
+    worst = max((o.max_abs_error for s in self.signatures.values()
+                 for o in s.outputs.values()), default=0.0)
+    return (f'passed (max abs err {worst:.3g}; atol={self.atol:g}, '
+            f'rtol={self.rtol:g})')
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+  """One exported parameter.
+
+  Attributes:
+    shape: its shape.
+    dtype: as stored (float32 if bfloat16 was cast).
+    source_dtype: as given to the exporter.
+    logical_axes: its logical axis names, or None.
+    mesh_axes: its mesh axes (a PartitionSpec as nested tuples), or None.
+  """
+  shape: tuple[int, ...]
+  dtype: str
+  source_dtype: str
+  logical_axes: tuple[str | None, ...] | None = None
+  mesh_axes: tuple[Any, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+  """One serving signature (shapes and dtypes as `{'shape', 'dtype'}`).
+
+  Attributes:
+    inputs: `{name: spec}` of the SavedModel signature.
+    outputs: `{name: spec}` of its SignatureDef.
+    method_inputs: `{path: spec}` the JAX method takes.
+    preprocessor: the TF preprocessor's name, or None.
+    postprocessor: the TF postprocessor's name, or None.
+    has_sample_inputs: whether it had sample inputs.
+    jax_artifact: its `jax.export` artifact (`{'file', 'nbytes',
+      'platforms', 'calling_convention_version', 'stablehlo_version'}`),
+      None with `jax_artifacts=False`, or `NOT_RECORDED`.
+  """
+  inputs: Mapping[str, Any]
+  outputs: Mapping[str, Any]
+  method_inputs: Mapping[str, Any]
+  preprocessor: str | None
+  postprocessor: str | None
+  has_sample_inputs: bool
+  jax_artifact: Mapping[str, Any] | str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Metadata:
+  """What `assets.extra/t5export.json` holds.
+
+  Attributes:
+    step: the version (the train step exported).
+    time_utc: when it was written, ISO 8601.
+    versions: `{library: version}` it was written with.
+    serving: the serving target (`{'serving_tf_version', 'loads_on', ...}`).
+    platforms: the lowering platforms.
+    options: the exporter options that shape the files.
+    signatures: `{name: Signature}`.
+    params: `{path: Param}`, in the SavedModel's variable order.
+    nbytes: the parameters' bytes as exported.
+    check: what the pre-publish check did.
+    metrics: the flat metrics given to the export.
+    format_version: the file's layout.
+  """
+  step: int
+  time_utc: str
+  versions: Mapping[str, str]
+  serving: Mapping[str, Any] | None
+  platforms: tuple[str, ...]
+  options: Mapping[str, Any]
+  signatures: Mapping[str, Signature]
+  params: Mapping[str, Param]
+  nbytes: int
+  check: Check
+  metrics: Mapping[str, Any]
+  format_version: int = FORMAT_VERSION
+
+
+def write(version_dir: str, meta: Metadata) -> None:
+  """Writes `meta` as `<version_dir>/assets.extra/t5export.json`."""
+  os.makedirs(os.path.join(version_dir, ASSETS_EXTRA), exist_ok=True)
+  with open(os.path.join(version_dir, FILE), 'w', encoding='utf-8') as f:
+    json.dump(dataclasses.asdict(meta), f, indent=2, allow_nan=True)
+
+
+def _tuple(value: Any) -> Any:
+  """JSON lists back to (nested) tuples."""
+  if isinstance(value, list):
+    return tuple(_tuple(v) for v in value)
+  return value
+
+
+def _parse(d: Mapping[str, Any]) -> Metadata:
+  check = d['check']
+  sig_checks = {n: SignatureCheck(s['batches'], {
+      o: OutputCheck(**e) for o, e in s['outputs'].items()})
+                for n, s in check.get('signatures', {}).items()}
+  return Metadata(
+      step=d['step'], time_utc=d['time_utc'], versions=d['versions'],
+      serving=d.get('serving'), platforms=tuple(d['platforms']),
+      options=d['options'],
+      signatures={n: Signature(
+          s['inputs'], s['outputs'], s.get('method_inputs', {}),
+          s.get('preprocessor'), s.get('postprocessor'),
+          s.get('has_sample_inputs', False),
+          s.get('jax_artifact', NOT_RECORDED))
+                  for n, s in d['signatures'].items()},
+      params={p: Param(tuple(v['shape']), v['dtype'], v['source_dtype'],
+                       _tuple(v.get('logical_axes')),
+                       _tuple(v.get('mesh_axes')))
+              for p, v in d['params'].items()},
+      nbytes=d['nbytes'],
+      check=Check(check['checked'], check.get('reason'), check.get('atol'),
+                  check.get('rtol'), sig_checks),
+      metrics=d.get('metrics') or {},
+      format_version=d.get('format_version', FORMAT_VERSION))
+
+
+def read_metadata(version_dir: str | os.PathLike[str]) -> Metadata:
+  """Reads the t5export metadata of a published (or staged) version.
+
+  Args:
+    version_dir: a version directory such as `<export_dir>/1000`.
+
+  Returns:
+    The typed `assets.extra/t5export.json`.
+
+  Raises:
+    VersionNotFoundError: if the directory or its metadata file is missing,
+      or the file is not t5export metadata.
+  """
+  version_dir = os.fspath(version_dir)
+  path = os.path.join(version_dir, FILE)
+  if not os.path.isfile(path):
+    raise errors.VersionNotFoundError(
+        f'{version_dir!r} is not a t5export version: {FILE} is '
+        'missing. Pass a version directory such as <export_dir>/<step>, '
+        'not the export_dir itself.')
+  try:
+    with open(path, encoding='utf-8') as f:
+      return _parse(json.load(f))
+  except (ValueError, KeyError, TypeError, AttributeError) as e:
+    raise errors.VersionNotFoundError(
+        f'{path!r} is not t5export metadata ({type(e).__name__}: {e}). '
+        'Re-export the version or copy it again.') from e
