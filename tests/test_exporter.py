@@ -29,7 +29,6 @@ from examples import models
 from examples import tokenizer
 import t5export
 from t5export import errors
-from t5export._src import exporter as exporter_lib
 from t5export._src import host_buffers
 from t5export._src import paths
 from t5export._src import staged_check

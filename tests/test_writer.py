@@ -8,7 +8,6 @@ version's graph byte for byte.
 
 from __future__ import annotations
 
-import json
 import os
 
 import jax

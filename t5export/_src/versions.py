@@ -167,7 +167,7 @@ def _remove(path: str) -> None:
 
 
 def _exchange(a: str, b: str) -> bool:
-  """Atomically swaps two directories (Linux renameat2); False if unsupported."""
+  """Swaps two directories atomically (renameat2); False if unsupported."""
   try:
     renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
   except (OSError, AttributeError):
@@ -285,7 +285,7 @@ class VersionDirectory:
     return keep
 
   def apply_retention(self, *, protect: int) -> list[int]:
-    """Deletes versions outside keep/keep_best (never `protect`); returns them."""
+    """Deletes the versions retention drops (never `protect`); returns them."""
     versions = self.versions()
     kept = self._kept_versions(versions, protect)
     removed = [v for v in versions if v not in kept]
