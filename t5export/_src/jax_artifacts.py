@@ -7,7 +7,7 @@ trace: docs/internals.md, "Back to JAX".
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 import contextlib
 import os
 from typing import Any
@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from t5export import errors
+from t5export._src import metadata
 from t5export._src import serving_compat
 from t5export._src import versions
 
@@ -67,23 +68,22 @@ def describe(data: bytes, signature_name: str,
 
 
 def read(version_dir: str, signature_name: str,
-         metadata: Mapping[str, Any]) -> jax.export.Exported:
+         meta: metadata.Metadata) -> jax.export.Exported:
   """One signature's artifact of a version, read and checked.
 
-  SignatureError for an unknown signature; NoJaxArtifactError when there is
-  no entry, it is None, or the file is missing or of another size.
+  SignatureError for an unknown signature; NoJaxArtifactError when it was
+  not recorded, is None, or the file is missing or of another size.
   """
-  signatures = metadata.get('signatures') or {}
-  if signature_name not in signatures:
+  if signature_name not in meta.signatures:
     raise errors.SignatureError(
         f'signature_name={signature_name!r} is not a signature of the '
-        f'version at {version_dir!r}; it has {sorted(signatures)}.')
-  entry = signatures[signature_name].get(METADATA_KEY, ())
+        f'version at {version_dir!r}; it has {sorted(meta.signatures)}.')
+  entry = meta.signatures[signature_name].jax_artifact
   where = (f'Version {version_dir!r} has no JAX artifact for signature '
            f'{signature_name!r}')
   fix = ('Re-export it with jax_artifacts=True (the default; offline: from '
          'its checkpoint), or run it in TensorFlow (verify.call_exported).')
-  if entry == ():
+  if entry == metadata.NOT_RECORDED:
     raise errors.NoJaxArtifactError(
         f'{where}: it was written before t5export wrote JAX artifacts (its '
         f'metadata has no {METADATA_KEY!r} entry). {fix}')

@@ -107,12 +107,7 @@ def load_function(version_dir: str | os.PathLike[str],
   """
   version_dir = os.fspath(version_dir)
   meta = metadata.read_metadata(version_dir)
-  # jax_artifacts.read tells an entry never recorded (no key) from None.
-  entries = {n: {} if s.jax_artifact == metadata.NOT_RECORDED else
-             {jax_artifacts.METADATA_KEY: s.jax_artifact}
-             for n, s in meta.signatures.items()}
-  exported = jax_artifacts.read(version_dir, signature_name,
-                                {'signatures': entries})
+  exported = jax_artifacts.read(version_dir, signature_name, meta)
   flat = _read_variables(version_dir, meta)
   # in_tree is that of ((variables, inputs), {}): rebuild the variables in
   # the exported structure, whatever containers the model used.
