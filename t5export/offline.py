@@ -4,7 +4,7 @@ r"""Exports a checkpoint as a SavedModel version: `python -m t5export.offline`.
       --ckpt /runs/t5/checkpoints --export_dir /models/t5 \
       --gin_file my_offline.gin --gin.EXPORT_BATCH=8 [--step 20000] \
       [--overwrite] [--dtype bfloat16] [--platforms cpu,cuda] [--no_validate] \
-      [--serving_tf_version 2.20]
+      [--serving_tf_version 2.20] [--no_durable]
 
 Reads the checkpoint's params (never its optimizer state), checks them
 against the model and publishes them as `<export_dir>/<step>/`, as the
@@ -14,8 +14,8 @@ in training: the signatures (`SIGNATURES = [@t5export.Signature()]`), the
 model's `INIT_FN`. Your gin file says `include 't5export/gin/offline.gin'`
 (which documents the macros); that path resolves wherever t5export is
 installed, and `--gin_search_paths` only locates your own files. The flags
---overwrite, --platforms, --no_validate and --serving_tf_version, when
-given, override the gin config's `ExportOptions`.
+--overwrite, --platforms, --no_validate, --serving_tf_version and
+--no_durable, when given, override the gin config's `ExportOptions`.
 
 Errors (missing checkpoint, unknown format, no params, params not matching
 the model, an existing version without `--overwrite`, a failed check) print
@@ -87,6 +87,9 @@ _VALIDATE = flags.DEFINE_boolean(
     'validate', None, 'Check the staged SavedModel against JAX on the '
     'signatures\' sample inputs before publishing (default: the gin '
     'ExportOptions.validate, else yes; --no_validate to skip).')
+_DURABLE = flags.DEFINE_boolean(
+    'durable', None, 'fsync the version before publishing it (default: the '
+    'gin ExportOptions.durable, else yes; --no_durable to skip).')
 _SERVING_TF_VERSION = flags.DEFINE_string(
     'serving_tf_version', None, 'The oldest TensorFlow / TF Serving release '
     'that must load the version, e.g. 2.20 (default: the gin '
@@ -107,7 +110,7 @@ def rewrite_args(argv: Sequence[str]) -> list[str]:
                          f'{arg!r}.')
       name, value = arg[len('--gin.'):].split('=', 1)
       arg = f'--gin_bindings={name} = {value}'
-    elif arg in ('--no_validate', '--no_overwrite'):
+    elif arg in ('--no_validate', '--no_overwrite', '--no_durable'):
       arg = '--no' + arg[len('--no_'):]
     out.append(arg)
   return out
@@ -189,7 +192,8 @@ def main(argv: Sequence[str]) -> None:
   # The ExportOptions fields the command line sets (the flags given).
   overrides = {name: flag.value for name, flag in (
       ('overwrite', _OVERWRITE), ('platforms', _PLATFORMS),
-      ('validate', _VALIDATE), ('serving_tf_version', _SERVING_TF_VERSION))
+      ('validate', _VALIDATE), ('serving_tf_version', _SERVING_TF_VERSION),
+      ('durable', _DURABLE))
                if flag.value is not None}
 
   try:

@@ -232,14 +232,16 @@ def background(work):
                          expected=states[5])
   # 2. PyTreeCheckpointer of plain flax variables (no step: --step gives
   #    it), with a --gin.NAME=VALUE override of the signature name, and
-  #    without the check (--no_validate wins over the gin binding).
+  #    without the check (--no_validate wins over the gin binding) and
+  #    without fsync (--no_durable).
   state = _mlp_variables(7)
   ocp.PyTreeCheckpointer().save(
       work / 'pytree', _to_np({'params': state.params, **state.flax_mutables}))
   jobs['pytree'] = _Job(
       work / 'pytree', work / 'export_pytree', mlp_gin,
       ['--step=7', "--gin.t5export.Signature.name='predict'",
-       '--gin.t5export.ExportOptions.validate=True', '--no_validate'],
+       '--gin.t5export.ExportOptions.validate=True', '--no_validate',
+       '--no_durable'],
       expected=state, in_process=True)
   # 3. flax msgpack of a T5X-layout state dict, exported as bfloat16.
   params = _to_np(jax.tree_util.tree_map(
@@ -387,6 +389,7 @@ def test_orbax_pytree_checkpointer_step_flag_and_gin_shorthand(background,
   job, state = background['pytree'], background['pytree'].expected
   version_dir = _assert_success(job.result(), job.export_dir, 7,
                                 validated=False)
+  assert _metadata(version_dir).options['durable'] is False
   variables = {'params': state.params, **state.flax_mutables}
   _assert_outputs(tf_run(version_dir, {'x': _MLP_X}, signature='predict'),
                   _mlp_jax(variables))
@@ -549,9 +552,10 @@ def test_gin_config_without_signatures(background):
 def test_rewrite_args():
   assert offline.rewrite_args(
       ['prog', '--gin.EXPORT_BATCH=8', "--gin.a.b='x=y'", '--no_validate',
-       '--ckpt=/c']) == [
+       '--no_durable', '--ckpt=/c']) == [
            'prog', '--gin_bindings=EXPORT_BATCH = 8',
-           "--gin_bindings=a.b = 'x=y'", '--novalidate', '--ckpt=/c']
+           "--gin_bindings=a.b = 'x=y'", '--novalidate', '--nodurable',
+           '--ckpt=/c']
   with pytest.raises(ValueError, match='--gin.NAME=VALUE'):
     offline.rewrite_args(['--gin.FOO'])
 

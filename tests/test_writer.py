@@ -157,3 +157,61 @@ def test_single_shard_and_bad_shards(tmp_path):
   with pytest.raises(ValueError, match=r'shards must be an int >= 1 or None, '
                      r'got 0'):
     writer_lib.SavedModelWriter(module, fns, shards=0)
+
+
+def _record_fsyncs(monkeypatch) -> list[str]:
+  """Makes os.fsync record the path of every descriptor it syncs."""
+  synced, real_fsync = [], os.fsync
+
+  def fsync(fd):
+    synced.append(os.readlink(f'/proc/self/fd/{fd}'))
+    real_fsync(fd)
+
+  monkeypatch.setattr(os, 'fsync', fsync)
+  return synced
+
+
+def test_durable_fsyncs_every_file_and_directory_before_publishing(
+    tmp_path, monkeypatch):
+  synced = _record_fsyncs(monkeypatch)
+  export_dir = tmp_path / 'm'
+  exporter = t5export.SavedModelExporter(
+      export_dir, [_signature()], options=t5export.ExportOptions(keep=1))
+  for seed, step in ((0, 1), (1, 2)):  # A full save, then graph + variables.
+    del synced[:]
+    final = exporter.export(_state(seed, step))
+    # Paths inside the staging dir, relative to it ('' is the dir itself).
+    staged = set()
+    for path in synced:
+      rel = os.path.relpath(path, export_dir)
+      if rel.startswith('.tmp-'):
+        staged.add(rel.split(os.sep, 1)[1] if os.sep in rel else '')
+    want = {''}
+    for root, dirs, files in os.walk(final):
+      want.update(os.path.relpath(os.path.join(root, n), final)
+                  for n in files + dirs)
+    missing = want - staged
+    assert not missing, f'not fsync-ed before the publish: {sorted(missing)}'
+    # Then the rename itself.
+    assert synced[-1] == str(export_dir)
+  assert t5export.read_metadata(final).options['durable'] is True
+
+
+def test_durable_false_fsyncs_nothing_and_the_versions_still_serve(
+    tmp_path, monkeypatch):
+  synced = _record_fsyncs(monkeypatch)
+  exporter = t5export.SavedModelExporter(
+      tmp_path / 'm', [_signature()],
+      options=t5export.ExportOptions(keep=1, durable=False))
+  paths = [exporter.export(_state(seed, step))
+           for seed, step in ((0, 1), (1, 2), (2, 3))]  # Retention removes.
+  assert synced == []
+  assert exporter.versions() == [3]
+  x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(2, 6)
+  (out,) = verify.run_signatures_isolated(
+      paths[-1], [('serving_default', {'x': x})])
+  np.testing.assert_allclose(
+      out['y'], np.asarray(_mlp(_variables(2), {'x': x})['y']), rtol=1e-5,
+      atol=1e-6)
+  meta = t5export.read_metadata(paths[-1])
+  assert meta.options['durable'] is False and meta.check.checked

@@ -108,7 +108,7 @@ def write(staging: str, *, module: Any,
       options={'trainable': o.trainable, 'jit_compile': o.jit_compile,
                'cast_bfloat16': o.cast_bfloat16,
                'reuse_graph': o.reuse_graph,
-               'jax_artifacts': o.jax_artifacts},
+               'jax_artifacts': o.jax_artifacts, 'durable': o.durable},
       signatures={s.name: _signature(s, defs[s.name], artifacts.get(
           s.name, (None, None))[1]) for s in signatures},
       params=_params(module, snap), nbytes=int(snap.nbytes), check=check,

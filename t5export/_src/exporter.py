@@ -125,7 +125,7 @@ class SavedModelExporter:
       o = self._options
       directory = versions_lib.VersionDirectory(
           self._export_dir, keep=o.keep, keep_best=o.keep_best,
-          overwrite=o.overwrite)
+          overwrite=o.overwrite, durable=o.durable)
       stale = directory.resume()
       logging.info('t5export: export_dir %s holds versions %s; removed %d '
                    'stale staging dir(s).', self._export_dir,
@@ -251,7 +251,8 @@ class SavedModelExporter:
           staging, module=self._module, signatures=self._signatures,
           artifacts=self._artifacts, snap=snap, check=check, metrics=metrics,
           options=o, model_name=os.path.basename(self._export_dir) or 'model')
-      versions_lib.fsync_tree(staging)
+      if o.durable:
+        versions_lib.fsync_tree(staging)
       self._dir.publish(staging, final)
     except BaseException:
       if pending is not None:
@@ -284,5 +285,5 @@ class SavedModelExporter:
             data, sig.name, o.serving_target))
     self._writer = writer_lib.SavedModelWriter(
         module, serving.serving_functions(module, self._signatures),
-        reuse_graph=o.reuse_graph)
+        reuse_graph=o.reuse_graph, durable=o.durable)
     self._module = module

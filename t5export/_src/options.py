@@ -17,7 +17,8 @@ from t5export._src import serving_compat
 from t5export._src import versions
 
 _FLAGS = ('validate', 'warmup', 'overwrite', 'allow_non_finite', 'trainable',
-          'jit_compile', 'cast_bfloat16', 'reuse_graph', 'jax_artifacts')
+          'jit_compile', 'cast_bfloat16', 'reuse_graph', 'jax_artifacts',
+          'durable')
 
 
 @gin.configurable(module='t5export')
@@ -64,6 +65,10 @@ class ExportOptions:
       target.
     jax_artifacts: also write each signature's JAX method as a `jax.export`
       artifact (read back without TensorFlow by `t5export.load_function`).
+    durable: fsync each version's files before the atomic publish, and the
+      export dir after it, so a published version survives a power loss;
+      False skips every fsync (as orbax-export does): faster, and a crash
+      of the machine may leave a published version with missing bytes.
     serving_target: what `serving_tf_version` resolved to (derived, not an
       argument).
   """
@@ -83,6 +88,7 @@ class ExportOptions:
   reuse_graph: bool = True
   serving_tf_version: str | None = None
   jax_artifacts: bool = True
+  durable: bool = True
   serving_target: serving_compat.ServingTarget = dataclasses.field(
       init=False, repr=False, compare=False)
 

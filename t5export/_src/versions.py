@@ -185,8 +185,10 @@ class VersionDirectory:
   """
 
   def __init__(self, export_dir: str, *, keep: int | None,
-               keep_best: KeepBest | None, overwrite: bool):
+               keep_best: KeepBest | None, overwrite: bool,
+               durable: bool = True):
     self.export_dir = export_dir
+    self._durable = durable
     self._keep = keep
     self._keep_best = keep_best
     self._overwrite = overwrite
@@ -263,12 +265,16 @@ class VersionDirectory:
         raise errors.VersionExistsError(final, int(os.path.basename(final)))
       logging.warning('t5export: overwrite=True: replacing version %s.', final)
       if _exchange(staging, final):  # Atomic: readers see old or new.
-        _fsync(self.export_dir)
+        self._sync_dir()
         shutil.rmtree(staging, ignore_errors=True)  # Now the old version.
         return
       _remove(final)  # No atomic exchange here: a short gap, never a mix.
     os.rename(staging, final)
-    _fsync(self.export_dir)
+    self._sync_dir()
+
+  def _sync_dir(self) -> None:
+    if self._durable:
+      _fsync(self.export_dir)
 
   def _kept_versions(self, versions: list[int], protect: int) -> set[int]:
     keep = set(versions if self._keep is None else versions[-self._keep:])
@@ -293,5 +299,5 @@ class VersionDirectory:
       _remove(self.version_dir(v))
       self._metrics.pop(v, None)
     if removed:
-      _fsync(self.export_dir)
+      self._sync_dir()
     return removed

@@ -58,8 +58,9 @@ class SavedModelWriter:
 
   def __init__(self, module: jax_module.JaxModule,
                signatures: Mapping[str, Any], *,
-               reuse_graph: bool = True, shards: int | None = None):
-    """reuse_graph=False writes every version in full."""
+               reuse_graph: bool = True, shards: int | None = None,
+               durable: bool = True):
+    """reuse_graph=False writes every version in full; durable fsyncs."""
     if shards is not None and (not isinstance(shards, int) or
                                isinstance(shards, bool) or shards < 1):
       raise ValueError(f'shards must be an int >= 1 or None, got {shards!r}.')
@@ -67,6 +68,7 @@ class SavedModelWriter:
     self._signatures = dict(signatures)
     self._reuse_graph = reuse_graph
     self._shards = shards or default_shards()
+    self._durable = durable
     self._template: dict[str, bytes] | None = None
     self._keys: list[str] | None = None
     self._object_graph: bytes | None = None
@@ -193,6 +195,8 @@ class SavedModelWriter:
     with tf.device('/CPU:0'):
       tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names,
                         shape_and_slices=[''] * len(names), tensors=tensors)
+    if not self._durable:
+      return
     # fsync here, so flushing overlaps the other shards' writes.
     data = prefix + '.data-00000-of-00001'
     fd = os.open(data, os.O_RDONLY)
