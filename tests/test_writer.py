@@ -1,6 +1,8 @@
-"""Tests for t5export._src.writer: later versions as the first graph + variables.
+"""Tests for t5export._src.writer: the graph saved once, weights per version.
 
-Each version written from the template must load and serve its own weights
+Every version (the first one too) has its weights written in parallel
+shards beside the graph TensorFlow saved without a checkpoint. Each must
+load and serve its own weights
 in TensorFlow (object-based `tf.saved_model.load` and the TF1 session loader
 TF Serving uses), be bit-exact to the params exported, and keep the first
 version's graph byte for byte.
@@ -59,12 +61,12 @@ def three_versions(tmp_path_factory):
   return exporter, paths
 
 
-def test_later_versions_reuse_the_graph_and_write_sharded_variables(
+def test_every_version_writes_sharded_variables_and_later_ones_reuse_the_graph(
     three_versions):
   exporter, (first, second, third) = three_versions
   with open(os.path.join(first, 'saved_model.pb'), 'rb') as f:
     graph = f.read()
-  for path in (second, third):
+  for path in (first, second, third):
     with open(os.path.join(path, 'saved_model.pb'), 'rb') as f:
       assert f.read() == graph
     data = sorted(n for n in os.listdir(os.path.join(path, 'variables'))

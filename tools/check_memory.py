@@ -146,6 +146,7 @@ def worker_phases(spec: dict[str, Any]) -> dict[str, Any]:
   import t5export
   from t5export._src import staged_check
   from t5export._src import verify
+  from t5export._src import xla_schedule
   variables = make_variables(spec['n_params'], spec['depth'], spec['dtype'])
   width = bench.mlp_width(spec['n_params'], spec['depth'])
   sig = _signature(width)
@@ -161,6 +162,8 @@ def worker_phases(spec: dict[str, Any]) -> dict[str, Any]:
   with steps('JAX reference'):
     expected = sig.reference_outputs(exporter.module, inputs)
   gc.collect()
+  # As the check does before its first session (xla_schedule).
+  xla_schedule.use_memory_optimized_schedule(tf)
   with steps('TF restore (graph, session, loader.load)'):
     graph = tf.Graph()
     context = graph.as_default()

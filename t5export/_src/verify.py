@@ -22,6 +22,7 @@ from t5export._src import jax_artifacts
 from t5export._src import metadata
 from t5export._src import paths
 from t5export._src import tensor_bundle
+from t5export._src import xla_schedule
 
 # The tracked attribute of JaxModule that holds the params, in order.
 _PARAM_VARS_ATTR = 'param_vars'
@@ -230,6 +231,7 @@ def run_signatures_isolated(
   """
   version_dir = os.fspath(version_dir)
   tf = _tensorflow()
+  xla_schedule.use_memory_optimized_schedule(tf)
   results = []
   with tf.Graph().as_default() as graph:
     with tf.compat.v1.Session(graph=graph) as session:

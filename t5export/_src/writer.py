@@ -1,24 +1,30 @@
-"""Writes the SavedModel files of one version: in full, or only the weights.
+"""Writes the SavedModel files of one version: the graph once, then weights.
 
-The first version is `tf.saved_model.save`; later ones reuse its
-weight-independent files (`saved_model.pb`, `assets/`) and write a fresh
-variables checkpoint in parallel shards, each fsync-ed by its thread. Why
-and how: docs/internals.md.
+The first version's graph is `tf.saved_model.save` without its checkpoint;
+every version's weights are written in parallel shards, each fsync-ed by
+its thread; later versions reuse the first one's weight-independent files
+(`saved_model.pb`, `assets/`). Why and how: docs/internals.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 import concurrent.futures
+import inspect
 import os
 import shutil
 import time
 from typing import Any
 
 from absl import logging
+from google.protobuf import message
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.framework import types_pb2
+from tensorflow.core.protobuf import saved_model_pb2
+from tensorflow.core.protobuf import trackable_object_graph_pb2
 
+from t5export import errors
 from t5export._src import jax_module
 from t5export._src import tensor_bundle
 from tensorflow_serving.apis import model_pb2
@@ -80,57 +86,61 @@ class SavedModelWriter:
 
   def write(self, directory: str) -> str:
     """Writes the module into the new `directory`: 'full' or 'variables'."""
-    if self._template is None:
-      tf.saved_model.save(self._module, directory,
-                          signatures=self._signatures)
-      if self._reuse_graph:
-        self._capture(directory)
-        self._reuse_graph = False  # Captured, or never possible.
-      return 'full'
-    self._write_from_template(directory)
-    return 'variables'
+    if self._template is not None:
+      self._write_template(directory)
+      self._write_weights(directory)
+      return 'variables'
+    if self._reuse_graph:
+      self._reuse_graph = False  # Captured now, or never possible.
+      if self._save_graph(directory):
+        self._write_weights(directory)
+        return 'full'
+    tf.saved_model.save(self._module, directory, signatures=self._signatures)
+    return 'full'
 
-  def _capture(self, directory: str) -> None:
-    """Keeps what later versions reuse, or records why they cannot."""
-    prefix = os.path.join(directory, VARIABLES_PREFIX)
-    reader = tensor_bundle.BundleReader(prefix)
-    object_graph = reader.read_strings(tensor_bundle.OBJECT_GRAPH_KEY)[0]
-    keys = tensor_bundle.param_checkpoint_keys(
-        object_graph, count=len(self._module.param_vars))
-    stored = set(reader.keys()) - {tensor_bundle.OBJECT_GRAPH_KEY}
-    if keys is None or set(keys) != stored:
-      extra = sorted(stored - set(keys or ()))
-      logging.info(
-          't5export: every version is saved in full: %s.',
-          f'the checkpoint holds more than the module variables '
-          f'({extra[:3]}...)' if extra else
-          'the module variables were not found in the object graph')
-      return
+  def _save_graph(self, directory: str) -> bool:
+    """Saves all but the weights and keeps it for every version, if it can.
+
+    False (nothing left in `directory`) when this TensorFlow cannot skip the
+    checkpoint or the checkpoint would hold more than the module's params.
+    """
+    # pylint: disable=g-import-not-at-top
+    from tensorflow.python.saved_model import save as save_lib
+    save = getattr(save_lib, 'save_and_return_nodes', None)
+    if save is None or 'experimental_skip_checkpoint' not in (
+        inspect.signature(save).parameters):
+      logging.info('t5export: every version is saved in full: this '
+                   'TensorFlow cannot save a SavedModel without weights.')
+      return False
+    save(self._module, directory, signatures=self._signatures,
+         experimental_skip_checkpoint=True)
+    object_graph, keys = _param_keys(directory, len(self._module.param_vars))
+    if keys is None:
+      logging.info('t5export: every version is saved in full: its checkpoint '
+                   'would hold more than the module\'s params.')
+      shutil.rmtree(directory)
+      return False
     template = {}
     for root, dirs, files in os.walk(directory):
       rel_root = os.path.relpath(root, directory)
-      if rel_root == os.curdir:
-        dirs[:] = [d for d in dirs if d not in _REWRITTEN]
       for name in files:
         rel = os.path.normpath(os.path.join(rel_root, name))
-        if rel in _REWRITTEN:
-          continue
-        with open(os.path.join(root, name), 'rb') as f:
-          template[rel] = f.read()
+        if rel not in _REWRITTEN:
+          with open(os.path.join(root, name), 'rb') as f:
+            template[rel] = f.read()
       for name in dirs:  # Keep empty directories such as assets/.
         template.setdefault(os.path.normpath(os.path.join(rel_root, name)) +
                             os.sep, b'')
-    self._template = template
-    self._keys = keys
-    self._object_graph = object_graph
-    logging.info('t5export: later versions reuse the first graph (%d file(s), '
-                 '%.1f KiB) and write %d variables in %d shard(s).',
+    self._template, self._keys, self._object_graph = (
+        template, keys, object_graph)
+    logging.info('t5export: every version reuses the first graph (%d '
+                 'file(s), %.1f KiB) and writes %d variables in %d shard(s).',
                  sum(not k.endswith(os.sep) for k in template),
                  sum(len(v) for v in template.values()) / 1024, len(keys),
                  min(self._shards, len(keys)))
+    return True
 
-  def _write_from_template(self, directory: str) -> None:
-    start = time.monotonic()
+  def _write_template(self, directory: str) -> None:
     os.makedirs(directory)
     for rel, data in self._template.items():
       path = os.path.join(directory, rel)
@@ -144,7 +154,11 @@ class SavedModelWriter:
       except OSError as e:
         # A failed write() names no file; say which one (full disk, quota).
         raise OSError(e.errno, e.strerror, path) from e
-    os.makedirs(os.path.join(directory, VARIABLES_DIR))
+
+  def _write_weights(self, directory: str) -> None:
+    """The variables checkpoint, then the fingerprint that hashes it."""
+    start = time.monotonic()
+    os.makedirs(os.path.join(directory, VARIABLES_DIR), exist_ok=True)
     self._write_variables(os.path.join(directory, VARIABLES_PREFIX))
     try:
       # pylint: disable=g-import-not-at-top
@@ -154,8 +168,8 @@ class SavedModelWriter:
       # Optional for loading and serving; never fail an export over it.
       logging.warning('t5export: fingerprint.pb not written (%s: %s).',
                       type(e).__name__, e)
-    logging.info('t5export: wrote graph + variables to %s in %.2fs.',
-                 directory, time.monotonic() - start)
+    logging.info('t5export: wrote the weights of %s in %.2fs.', directory,
+                 time.monotonic() - start)
 
   def _write_variables(self, prefix: str) -> None:
     """Writes the checkpoint `prefix` (.index + data shards) in parallel."""
@@ -206,6 +220,31 @@ class SavedModelWriter:
       raise OSError(e.errno, e.strerror, data) from e
     finally:
       os.close(fd)
+
+
+def _param_keys(directory: str,
+                count: int) -> tuple[bytes, list[str] | None]:
+  """The saved graph's checkpoint object graph, and its params' keys.
+
+  The keys are None unless the params are all the checkpoint would hold.
+  """
+  with open(os.path.join(directory, 'saved_model.pb'), 'rb') as f:
+    saved = saved_model_pb2.SavedModel.FromString(f.read())
+  for node in saved.meta_graphs[0].graph_def.node:
+    value = node.attr['value'].tensor
+    if (node.op != 'Const' or value.dtype != types_pb2.DT_STRING or
+        value.tensor_shape.dim or len(value.string_val) != 1):
+      continue
+    data = value.string_val[0]
+    try:
+      graph = trackable_object_graph_pb2.TrackableObjectGraph.FromString(data)
+      keys = tensor_bundle.param_checkpoint_keys(data, count=count)
+    except (message.DecodeError, errors.VariablesFormatError):
+      continue
+    if keys is not None:
+      stored = {a.checkpoint_key for n in graph.nodes for a in n.attributes}
+      return data, keys if stored == set(keys) else None
+  return b'', None
 
 
 def write_warmup_requests(
