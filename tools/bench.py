@@ -18,17 +18,26 @@ I/O counters (`/proc/self/io`).
 The model is a stack of Dense layers (float32) sized to 25M, 100M and 400M
 parameters; training throughput uses the example tiny T5 when
 `examples.models` provides it. orbax-export is a benchmark-only extra; the
-t5export package never imports it.
+t5export package never imports it. Our exporter runs in both durability
+modes (`ExportOptions.durable`): durable=False against orbax-export (neither
+fsyncs), durable=True against `tofile` + `os.fsync` of the param bytes.
+
+The scale steps (check_*, scaling_curve_*, scale_3b_*; tools/check_memory.py's
+workers) export bfloat16 Dense stacks checked and unchecked: 25M..400M and
+1B (3 repeats), 1B float32 and a 3B checked export (one run each). Before
+each such process the projected peak RSS (from this run's largest measured
+ones, or a safe estimate) is compared with MemAvailable; a step that cannot
+fit is reported "not run: needs X GiB, Y available" instead of started.
 
 Usage:
-  python tools/bench.py                 # full run (< 30 min on 2 cores),
+  python tools/bench.py                 # full run (~35 min on 2 cores),
                                         # rewrites the table in BENCHMARKS.md
-  python tools/bench.py --smoke         # tiny sizes, < 60 s (tests use it)
+  python tools/bench.py --smoke         # tiny sizes, ~2 min (tests use it)
   python tools/bench.py --no-write      # full run, leave BENCHMARKS.md
-  python tools/bench.py --only reexport_vs_orbax,scaling_slope
-  python tools/bench.py --only check_peak_rss_first,check_peak_rss_reexport,\
-      check_time_first,check_time_reexport --check-params 1e9
-                                        # the check's cost at 1B bfloat16
+  python tools/bench.py --only reexport_vs_orbax_nondurable,scaling_slope_durable
+  python tools/bench.py --only scaling_curve_checked,check_time_first \\
+      --check-params 4e8 --curve-params 25e6,100e6   # smaller scale steps
+  python tools/bench.py --only scale_3b_checked_export --big-params 3e9
 """
 
 from __future__ import annotations
@@ -684,8 +693,10 @@ def worker_blocking(spec: dict[str, Any]) -> dict[str, Any]:
   state = t5export.InferenceState.create(variables)
   for side in sides.values():
     side.warm(state.replace_step(1))  # First export: builds and traces.
+    side(state.replace_step(2))  # First async one: one-time snapshot setup.
+    side.wait()
   rows = []
-  step = 1
+  step = 2
   for r in range(spec['repeats']):
     row = {}
     for mode in _mode_order(r):
@@ -1630,10 +1641,12 @@ def _parse_curve(cfg: Config, res: Results, emit: Callable[[dict], None],
     return
   side = 'on' if validate else 'off'
   runs = {n: [_get(res, f'curve/{n}/{side}')] for n in cfg.curve_sizes}
-  runs[cfg.check_size] = [res[k] for k in res if k.startswith(
-      f'check/{side}/') and not isinstance(res[k], Exception)]
-  if not runs[cfg.check_size]:  # The top point was not run: say why.
-    _get(res, f'check/{side}/0')
+  top = [res[k] for k in res if k.startswith(f'check/{side}/')]
+  runs[cfg.check_size] = [r for r in top if not isinstance(r, Exception)]
+  missing = {}
+  if not runs[cfg.check_size]:  # The curve without its top point, and why.
+    del runs[cfg.check_size]
+    missing = {'top_point': f'{cfg.check_size:,}: {top[0] if top else "-"}'}
   re_times = {n: [r['phases'][p]['seconds'] for r in rs
                   for p in _re_names(r)] for n, rs in runs.items()}
   first = {n: [r['phases']['first']['seconds'] for r in rs]
@@ -1642,7 +1655,7 @@ def _parse_curve(cfg: Config, res: Results, emit: Callable[[dict], None],
   emit(slope_record(
       name, re_times, first_export_seconds=first_slope['seconds'],
       first_export_slope=first_slope['slope_of_medians'],
-      dtype=cfg.check_dtype, depth=cfg.check_depth))
+      dtype=cfg.check_dtype, depth=cfg.check_depth, **missing))
 
 
 def _parse_big(cfg: Config, res: Results,
