@@ -16,8 +16,8 @@ the GIL. The children also report the kernel's own high-water mark
 I/O counters (`/proc/self/io`).
 
 The model is a stack of Dense layers (float32) sized to 25M, 100M and 400M
-parameters; training throughput uses the example tiny T5 when
-`examples.models` provides it. orbax-export is a benchmark-only extra; the
+parameters; training throughput uses the example tiny T5
+(`examples.models`). orbax-export is a benchmark-only extra; the
 t5export package never imports it. Our exporter runs in both durability
 modes (`ExportOptions.durable`): durable=False against orbax-export (neither
 fsyncs), durable=True against `tofile` + `os.fsync` of the param bytes.
