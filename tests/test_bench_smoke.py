@@ -24,18 +24,22 @@ RATIO_FIELDS = ('ratio', 'min', 'max', 'q1', 'q3')
 # tests side by side, so the hard limit here leaves room for that load.
 SMOKE_LIMIT_S = 240
 
-# About 45 s of CPU in two processes; longer while the rest of the suite runs.
-pytestmark = pytest.mark.slow
+# About 60 s of CPU in two processes; longer while the rest of the suite runs.
+slow = pytest.mark.slow
 
 
-def _figure_names() -> list[str]:
-  """FIGURES as declared in tools/bench.py (imported without running it)."""
+def _bench():
+  """tools/bench.py as a module (imported without running it)."""
   sys.path.insert(0, str(BENCH.parent))
   try:
     import bench  # pylint: disable=import-outside-toplevel
   finally:
     sys.path.pop(0)
-  return list(bench.FIGURES)
+  return bench
+
+
+def _figure_names() -> list[str]:
+  return list(_bench().FIGURES)
 
 
 @pytest.fixture(scope='module')
@@ -60,12 +64,14 @@ def _records(proc: subprocess.CompletedProcess) -> dict[str, dict]:
   return records
 
 
+@slow
 def test_smoke_exits_cleanly_within_budget(smoke_run):
   proc = smoke_run['proc']
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert smoke_run['seconds'] < SMOKE_LIMIT_S, smoke_run['seconds']
 
 
+@slow
 def test_every_figure_is_a_ratio_or_an_explicit_error(smoke_run):
   records = _records(smoke_run['proc'])
   names = _figure_names()
@@ -74,10 +80,13 @@ def test_every_figure_is_a_ratio_or_an_explicit_error(smoke_run):
     rec = records[name]
     assert isinstance(rec['target'], str) and rec['target'], rec
     assert isinstance(rec['met'], bool), rec
-    if 'error' in rec:
-      assert isinstance(rec['error'], str) and rec['error'], rec
+    assert rec['mode'] in ('durable=True', 'durable=False', '-'), rec
+    if 'error' in rec or 'not_run' in rec:
+      assert isinstance(rec.get('error', rec.get('not_run')), str), rec
       assert rec['met'] is False, rec
       continue
+    load = rec['load_avg']
+    assert len(load) == 2 and all(x >= 0 for x in load), rec
     for field in RATIO_FIELDS:
       value = rec[field]
       assert isinstance(value, (int, float)) and math.isfinite(value), rec
@@ -85,12 +94,74 @@ def test_every_figure_is_a_ratio_or_an_explicit_error(smoke_run):
     assert isinstance(rec['n'], int) and rec['n'] >= 1, rec
 
 
+@slow
 def test_smoke_measures_every_figure_without_errors(smoke_run):
-  errors = {n: r['error'] for n, r in _records(smoke_run['proc']).items()
-            if 'error' in r}
+  errors = {n: r.get('error', r.get('not_run'))
+            for n, r in _records(smoke_run['proc']).items()
+            if 'error' in r or 'not_run' in r}
   assert not errors, errors
 
 
+@slow
+def test_both_durability_modes_are_measured(smoke_run):
+  records = _records(smoke_run['proc'])
+  for base in ('blocking_vs_export', 'train_throughput', 'scaling_slope'):
+    modes = {records[f'{base}_{m}']['mode'] for m in ('durable',
+                                                      'nondurable')}
+    assert modes == {'durable=True', 'durable=False'}, base
+  assert records['reexport_vs_orbax_nondurable']['mode'] == 'durable=False'
+  assert records['reexport_vs_raw_fsync_durable']['mode'] == 'durable=True'
+
+
+def test_memory_gate_refuses_what_cannot_fit():
+  bench = _bench()
+  gate = bench._memory_gate(1 << 50, True)  # pylint: disable=protected-access
+  reason = gate({})
+  assert reason.startswith('not run: needs '), reason
+  assert reason.endswith(' GiB available'), reason
+  assert bench._memory_gate(1 << 20, True)({}) is None  # pylint: disable=protected-access
+
+
+def test_projection_follows_the_measured_runs():
+  bench = _bench()
+  gib = 1 << 30
+
+  def run(param_bytes, peak):
+    return {'param_bytes': param_bytes, 'validate': True,
+            'rss_samples': [(0.0, peak)], 'phases': {}}
+
+  res = {'curve/1/on': run(gib, 3 * gib), 'check/on/0': run(2 * gib, 5 * gib),
+         'check/off/0': {**run(2 * gib, 50 * gib), 'validate': False}}
+  peak, basis = bench._projected_peak(res, 6 * gib, True)  # pylint: disable=protected-access
+  # 2 GiB more per GiB of params beyond the 2 GiB run: 5 + 2 * 4.
+  assert peak == 13 * gib, (peak, basis)
+  peak, basis = bench._projected_peak({}, 6 * gib, True)  # pylint: disable=protected-access
+  assert peak == 6 * gib * bench.SAFE_PEAK_PER_PARAM_BYTE[True], basis
+
+
+def test_table_shows_mode_and_not_run():
+  bench = _bench()
+  cfg = bench.Config(smoke=True, repeats=None, workdir=REPO)
+  records = [
+      bench.figure_record('reexport_vs_orbax_nondurable', [0.5, 0.7, 0.9],
+                          load_avg=[1.0, 2.0]),
+      bench.error_record('scale_3b_checked_export',
+                         bench.NotRun('not run: needs 40.0 GiB, 20.0 GiB '
+                                      'available'))]
+  info = {'date': 'now', 'kernel': 'k', 'python': '3', 'loadavg_start': 1.0,
+          'loadavg_end': 2.0, 'versions': {}}
+  table = bench.render_table(records, info, cfg, 60.0).splitlines()
+  row = [l for l in table if 'reexport_vs_orbax_nondurable' in l][0]
+  cells = [c.strip() for c in row.split('|')]
+  assert cells[2:5] == ['durable=False', bench.FIGURES[
+      'reexport_vs_orbax_nondurable'][2], '0.7'], cells
+  assert 'load_avg 1, 2' in cells[-2], cells
+  row = [l for l in table if 'scale_3b_checked_export' in l][0]
+  assert 'not run: needs 40.0 GiB, 20.0 GiB available' in row, row
+  assert '**missed** (not measured)' in row, row
+
+
+@slow
 def test_machine_line_and_workdir_cleaned(smoke_run):
   lines = [json.loads(l) for l in smoke_run['proc'].stdout.splitlines()]
   machine = [l['machine'] for l in lines if 'machine' in l]

@@ -16,19 +16,28 @@ the GIL. The children also report the kernel's own high-water mark
 I/O counters (`/proc/self/io`).
 
 The model is a stack of Dense layers (float32) sized to 25M, 100M and 400M
-parameters; training throughput uses the example tiny T5 when
-`examples.models` provides it. orbax-export is a benchmark-only extra; the
-t5export package never imports it.
+parameters; training throughput uses the example tiny T5
+(`examples.models`). orbax-export is a benchmark-only extra; the
+t5export package never imports it. Our exporter runs in both durability
+modes (`ExportOptions.durable`): durable=False against orbax-export (neither
+fsyncs), durable=True against `tofile` + `os.fsync` of the param bytes.
+
+The scale steps (check_*, scaling_curve_*, scale_3b_*; tools/check_memory.py's
+workers) export bfloat16 Dense stacks checked and unchecked: 25M..400M and
+1B (3 repeats), 1B float32 and a 3B checked export (one run each). Before
+each such process the projected peak RSS (from this run's largest measured
+ones, or a safe estimate) is compared with MemAvailable; a step that cannot
+fit is reported "not run: needs X GiB, Y available" instead of started.
 
 Usage:
-  python tools/bench.py                 # full run (< 30 min on 2 cores),
+  python tools/bench.py                 # full run (~35 min on 2 cores),
                                         # rewrites the table in BENCHMARKS.md
-  python tools/bench.py --smoke         # tiny sizes, < 60 s (tests use it)
+  python tools/bench.py --smoke         # tiny sizes, ~2 min (tests use it)
   python tools/bench.py --no-write      # full run, leave BENCHMARKS.md
-  python tools/bench.py --only reexport_vs_orbax,scaling_slope
-  python tools/bench.py --only check_peak_rss_first,check_peak_rss_reexport,\
-      check_time_first,check_time_reexport --check-params 1e9
-                                        # the check's cost at 1B bfloat16
+  python tools/bench.py --only reexport_vs_orbax_nondurable,scaling_slope_durable
+  python tools/bench.py --only scaling_curve_checked,check_time_first \\
+      --check-params 4e8 --curve-params 25e6,100e6   # smaller scale steps
+  python tools/bench.py --only scale_3b_checked_export --big-params 3e9
 """
 
 from __future__ import annotations
@@ -57,81 +66,144 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 RESULT_PREFIX = 'BENCH_RESULT '
 MIB = 1 << 20
 
-# Figure name -> (target text, predicate on the median ratio, what it is).
-FIGURES: dict[str, tuple[str, Callable[[float], bool], str]] = {
-    'reexport_vs_orbax': (
-        '<= 0.8', lambda r: r <= 0.8,
-        're-export time, ours / orbax-export (update_variables + save)'),
-    'reexport_vs_raw_write': (
-        '<= 1.5', lambda r: r <= 1.5,
-        're-export time, ours / ndarray.tofile of the param bytes'),
-    'first_export_vs_orbax': (
-        '<= 1.0', lambda r: r <= 1.0,
-        'first export (with tracing) time, ours / orbax-export'),
-    'peak_rss_first_export_tf_before': (
+# Durability modes of our exporter (ExportOptions.durable), as the table's
+# `mode` column shows them.
+DURABLE = 'durable=True'
+NONDURABLE = 'durable=False'
+
+
+def _fig(target: str, ok: Callable[[float], bool], what: str,
+         mode: str = DURABLE) -> tuple[str, Callable[[float], bool], str, str]:
+  return target, ok, what, mode
+
+
+def _at_most(x: float) -> tuple[str, Callable[[float], bool]]:
+  return f'<= {x}', lambda r: r <= x
+
+
+def _slope_ok(r: float) -> bool:
+  return 0.9 <= r <= 1.1
+
+
+# Figure name -> (target text, predicate on the median ratio, what it is,
+# durability mode of our side).
+FIGURES: dict[str, tuple[str, Callable[[float], bool], str, str]] = {
+    'reexport_vs_orbax_nondurable': _fig(
+        *_at_most(0.8),
+        're-export time, ours / orbax-export (update_variables + save); '
+        'neither fsyncs', NONDURABLE),
+    'first_export_vs_orbax_nondurable': _fig(
+        *_at_most(1.0),
+        'first export (with tracing) time, ours / orbax-export; neither '
+        'fsyncs', NONDURABLE),
+    'reexport_vs_raw_fsync_durable': _fig(
+        *_at_most(1.3),
+        're-export time, ours / ndarray.tofile + os.fsync of the param bytes'),
+    'first_export_vs_raw_fsync_durable': _fig(
+        *_at_most(2.0),
+        'first export (with tracing) time, ours / ndarray.tofile + os.fsync '
+        'of the param bytes'),
+    'peak_rss_first_export_tf_before_durable': _fig(
         '<= 1.1 and <= orbax', lambda r: r <= 1.1,
-        'peak RSS added by the first export / param bytes '
-        '(TF imported before the params exist)'),
-    'peak_rss_first_export_tf_after': (
+        'peak RSS added by the first export / param bytes (TF imported '
+        'before the params exist; durable=False in details)'),
+    'peak_rss_first_export_tf_after_durable': _fig(
         '<= 1.1 and <= orbax', lambda r: r <= 1.1,
-        'peak RSS added by the first export / param bytes '
-        '(TF imported after the params exist)'),
-    'peak_rss_reexport_tf_before': (
+        'peak RSS added by the first export / param bytes (TF imported '
+        'after the params exist)'),
+    'peak_rss_reexport_tf_before_durable': _fig(
         '<= 1.1 and <= orbax', lambda r: r <= 1.1,
-        'peak RSS added by a re-export / param bytes '
-        '(TF imported before the params exist)'),
-    'peak_rss_reexport_tf_after': (
+        'peak RSS added by a re-export / param bytes (TF imported before '
+        'the params exist; durable=False in details)'),
+    'peak_rss_reexport_tf_after_durable': _fig(
         '<= 1.1 and <= orbax', lambda r: r <= 1.1,
-        'peak RSS added by a re-export / param bytes '
-        '(TF imported after the params exist)'),
-    'blocking_vs_export': (
-        '<= 0.05', lambda r: r <= 0.05,
+        'peak RSS added by a re-export / param bytes (TF imported after the '
+        'params exist)'),
+    'blocking_vs_export_durable': _fig(
+        *_at_most(0.05),
         'training thread held per async export / full export time'),
-    'blocking_vs_device_get': (
-        '<= 1.5', lambda r: r <= 1.5,
+    'blocking_vs_export_nondurable': _fig(
+        *_at_most(0.05),
+        'training thread held per async export / full export time',
+        NONDURABLE),
+    'blocking_vs_device_get': _fig(
+        *_at_most(1.5),
         'training thread held per async export / jax.device_get of params'),
-    'train_throughput': (
+    'train_throughput_durable': _fig(
         '>= 0.97', lambda r: r >= 0.97,
         'train steps/s with export every K steps / without export'),
-    'offline_read_bytes': (
-        '<= 1.05', lambda r: r <= 1.05,
+    'train_throughput_nondurable': _fig(
+        '>= 0.97', lambda r: r >= 0.97,
+        'train steps/s with export every K steps / without export',
+        NONDURABLE),
+    'offline_read_bytes': _fig(
+        *_at_most(1.05),
         'bytes read from disk / param bytes, orbax checkpoint with Adam'),
-    'offline_time_vs_raw': (
-        '<= 1.5', lambda r: r <= 1.5,
-        'offline export time / raw read + raw write of the param bytes'),
-    'offline_peak_rss': (
-        '<= 1.3', lambda r: r <= 1.3,
-        'offline export peak RSS added / param bytes'),
-    'serving_latency_b1': (
-        '<= 1.2', lambda r: r <= 1.2,
-        'latency, exported SavedModel / jax.jit, batch 1'),
-    'serving_latency_b32': (
-        '<= 1.2', lambda r: r <= 1.2,
-        'latency, exported SavedModel / jax.jit, batch 32'),
-    'scaling_slope': (
-        '0.9 .. 1.1', lambda r: 0.9 <= r <= 1.1,
-        'log-log slope of re-export time over 25M, 100M, 400M params'),
-    'jax_artifact_time': (
-        '<= 1.1', lambda r: r <= 1.1,
+    'offline_time_vs_raw_nondurable': _fig(
+        *_at_most(1.5),
+        'offline export time / raw read + raw write of the param bytes',
+        NONDURABLE),
+    'offline_time_vs_raw_fsync_durable': _fig(
+        *_at_most(1.5),
+        'offline export time / raw read + raw write + fsync of the param '
+        'bytes'),
+    'offline_peak_rss': _fig(
+        *_at_most(1.3), 'offline export peak RSS added / param bytes'),
+    'serving_latency_b1': _fig(
+        *_at_most(1.2), 'latency, exported SavedModel / jax.jit, batch 1',
+        '-'),
+    'serving_latency_b32': _fig(
+        *_at_most(1.2), 'latency, exported SavedModel / jax.jit, batch 32',
+        '-'),
+    'scaling_slope_durable': _fig(
+        '0.9 .. 1.1', _slope_ok,
+        'log-log slope of re-export time over 25M, 100M, 400M params '
+        '(float32)'),
+    'scaling_slope_nondurable': _fig(
+        '0.9 .. 1.1', _slope_ok,
+        'log-log slope of re-export time over 25M, 100M, 400M params '
+        '(float32)', NONDURABLE),
+    'jax_artifact_time': _fig(
+        *_at_most(1.1),
         'first export time with the jax.export artifact / without '
         '(jax_artifacts=False)'),
-    'jax_artifact_bytes': (
-        '<= 0.01', lambda r: r <= 0.01,
+    'jax_artifact_bytes': _fig(
+        *_at_most(0.01),
         'jax.export artifact bytes / version bytes on disk'),
-    'check_peak_rss_first': (
-        '<= 0.5', lambda r: r <= 0.5,
+    'check_peak_rss_first': _fig(
+        *_at_most(0.5),
         'peak RSS added by a checked first export minus an unchecked one, '
-        '/ param bytes (bfloat16 Dense stack, tools/check_memory.py)'),
-    'check_peak_rss_reexport': (
-        '<= 0.5', lambda r: r <= 0.5,
+        '/ param bytes (1B bfloat16 Dense stack; tools/check_memory.py)'),
+    'check_peak_rss_reexport': _fig(
+        *_at_most(0.5),
         'peak RSS added by a checked re-export minus an unchecked one, '
-        '/ param bytes'),
-    'check_time_first': (
-        '<= 1.3', lambda r: r <= 1.3,
-        'first export time, validate=True / validate=False'),
-    'check_time_reexport': (
-        '<= 1.2', lambda r: r <= 1.2,
-        're-export time, validate=True / validate=False'),
+        '/ param bytes (1B bfloat16)'),
+    'check_time_first': _fig(
+        *_at_most(1.3),
+        'first export time, validate=True / validate=False (1B bfloat16)'),
+    'check_time_reexport': _fig(
+        *_at_most(1.2),
+        're-export time, validate=True / validate=False (1B bfloat16)'),
+    'check_peak_rss_float32': _fig(
+        *_at_most(0.5),
+        'peak RSS added, checked minus unchecked, / param bytes, worst of '
+        'first and re-export (1B float32, when memory allows)'),
+    'check_time_float32': _fig(
+        *_at_most(1.3),
+        'first export time, validate=True / validate=False (1B float32, '
+        'when memory allows; re-export in details)'),
+    'scaling_curve_unchecked': _fig(
+        '0.9 .. 1.1', _slope_ok,
+        'log-log slope of re-export time over 25M..1B bfloat16 params, '
+        'validate=False (seconds per size in details)'),
+    'scaling_curve_checked': _fig(
+        '0.9 .. 1.1', _slope_ok,
+        'log-log slope of re-export time over 25M..1B bfloat16 params, '
+        'validate=True (seconds per size in details)'),
+    'scale_3b_checked_export': _fig(
+        '< 1 (completes)', lambda r: r < 1.0,
+        'peak RSS of a 3B bfloat16 checked first + re-export process / '
+        'machine memory (run only when the projected peak fits)'),
 }
 
 
@@ -144,9 +216,13 @@ class Config:
 
   def __init__(self, *, smoke: bool, repeats: int | None,
                workdir: pathlib.Path, check_params: float | None = None,
-               check_dtype: str = 'bfloat16'):
+               check_dtype: str = 'bfloat16',
+               curve_params: Sequence[float] | None = None,
+               big_params: float | None = None,
+               wanted: Sequence[str] = ()):
     self.smoke = smoke
     self.workdir = workdir
+    self.wanted = set(wanted or FIGURES)
     self.depth = 4 if smoke else 12
     if smoke:
       self.sizes = {'25M': 60_000, '100M': 250_000, '400M': 1_000_000}
@@ -164,11 +240,19 @@ class Config:
     self.export_every = 10 if smoke else 300
     self.blocking_size = self.main_size
     self.offline_size = self.main_size
-    # The pre-publish check's cost (check_* figures): a Dense stack of
-    # `check_dtype` params; 1B bfloat16 needs ~10 GB free.
-    self.check_size = int(check_params or (250_000 if smoke else 200_000_000))
+    # Scale (check_*, scaling_curve_*, scale_3b_*): Dense stacks of
+    # `check_dtype` params, `check_depth` layers; fewer repeats at 1B.
+    self.check_size = int(check_params or (250_000 if smoke else 1e9))
     self.check_depth = 4 if smoke else 8
     self.check_dtype = check_dtype
+    self.check_repeats = repeats or (1 if smoke else 3)
+    self.curve_sizes = [int(n) for n in curve_params or (
+        (60_000, 120_000) if smoke else (25e6, 100e6, 400e6))]
+    self.curve_reexports = 2 if smoke else 3
+    # The big step: a checked first + re-export; layers as wide as at 1B.
+    self.big_size = int(big_params or (1_000_000 if smoke else 3e9))
+    self.big_depth = max(self.check_depth, round(
+        self.check_depth * self.big_size / self.check_size))
 
 
 # --------------------------------------------------------------------------
@@ -207,6 +291,10 @@ class ChildError(RuntimeError):
   """A measuring child process failed."""
 
 
+class NotRun(ChildError):
+  """A step was not run: the machine lacks the memory it would need."""
+
+
 def run_child(task: str, spec: dict[str, Any], *,
               timeout: float = 1200) -> dict[str, Any]:
   """Runs `bench.py --worker task` and returns its result with RSS samples.
@@ -229,6 +317,7 @@ def run_child(task: str, spec: dict[str, Any], *,
                      if p])
   cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), '--worker',
          task, '--spec', json.dumps(spec)]
+  load0 = os.getloadavg()[0]
   with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
     proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env,
                             cwd=str(REPO))
@@ -257,6 +346,7 @@ def run_child(task: str, spec: dict[str, Any], *,
   if 'error' in result:
     raise ChildError(f'worker {task}: {result["error"]}')
   result['rss_samples'] = sampler.samples
+  result['load'] = [load0, os.getloadavg()[0]]
   return result
 
 
@@ -415,7 +505,8 @@ class OursSide:
   name = 'ours'
 
   def __init__(self, root: pathlib.Path, width: int, *, validate: bool,
-               warmup: bool = True, keep: int = 2, jax_artifacts: bool = True):
+               warmup: bool = True, keep: int = 2, jax_artifacts: bool = True,
+               durable: bool = True):
     import numpy as np
     import t5export
     self._t5export = t5export
@@ -426,7 +517,7 @@ class OursSide:
     self.exporter = t5export.SavedModelExporter(
         str(root), [sig], options=t5export.ExportOptions(
             keep=keep, validate=validate, warmup=warmup,
-            jax_artifacts=jax_artifacts))
+            jax_artifacts=jax_artifacts, durable=durable))
 
   def state(self, variables: dict, step: int) -> Any:
     state = self._t5export.InferenceState.create(variables)
@@ -494,7 +585,8 @@ def raw_write(variables: dict, path: pathlib.Path, *,
 def worker_export(spec: dict[str, Any]) -> dict[str, Any]:
   """One side's first export and re-exports of the MLP, in this process.
 
-  spec: side, n_params, depth, tf_first, reexports, raw, workdir, validate.
+  spec: side, n_params, depth, tf_first, reexports, raw, workdir, validate,
+  durable (ours).
   """
   if spec['tf_first']:
     import tensorflow  # noqa: F401  (import order is what is measured)
@@ -505,7 +597,8 @@ def worker_export(spec: dict[str, Any]) -> dict[str, Any]:
   root = pathlib.Path(spec['workdir'])
   root.mkdir(parents=True, exist_ok=True)
   width = mlp_width(spec['n_params'], spec['depth'])
-  kw = {'validate': spec.get('validate', False)} if spec['side'] == 'ours' \
+  kw = {'validate': spec.get('validate', False),
+        'durable': spec.get('durable', True)} if spec['side'] == 'ours' \
       else {}
   side = make_side(spec['side'], root / spec['side'], width, **kw)
   nbytes = param_bytes(variables)
@@ -539,71 +632,31 @@ def worker_export(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 class AsyncOurs:
-  """Ours, asynchronous: what the training thread calls every K steps.
-
-  Uses `t5export.ExportCallback` when the package has it; otherwise the same
-  pieces by hand (`snapshot.take_snapshot` on the training thread, then
-  `async_export.AsyncWorker(exporter.export_snapshot)`).
-  """
+  """Ours, asynchronous: `t5export.ExportCallback`, as a T5X action."""
 
   def __init__(self, root: pathlib.Path, signatures: list, *, every: int,
-               validate: bool):
+               validate: bool, durable: bool = True):
     import t5export
-    self.kind = 'AsyncWorker+take_snapshot'
-    self._cb = None
-    try:
-      callbacks = t5export._src.callbacks
-    except (ImportError, AttributeError):
-      callbacks = None
-    if callbacks is not None and hasattr(callbacks, 'ExportCallback'):
-      self._cb = callbacks.ExportCallback(
-          t5export.SavedModelExporter(
-              str(root), signatures,
-              options=t5export.ExportOptions(keep=2, validate=validate)),
-          export_every_steps=every)
-      self.kind = 'ExportCallback'
-      return
-    from t5export._src import async_export
-    from t5export._src import snapshot
-    self._snapshot = snapshot
-    self.exporter = t5export.SavedModelExporter(
-        str(root), signatures,
-        options=t5export.ExportOptions(keep=2, validate=validate))
-    self._worker = async_export.AsyncWorker(self.exporter.export_snapshot)
+    self.kind = 'ExportCallback'
+    self._cb = t5export.ExportCallback(
+        t5export.SavedModelExporter(
+            str(root), signatures, options=t5export.ExportOptions(
+                keep=2, validate=validate, durable=durable)),
+        export_every_steps=every)
 
   def __call__(self, state: Any) -> None:
-    """What the train loop runs (returns when training may go on).
-
-    The T5X action hook (`run`): an export is due whenever a multiple of
-    export_every_steps was crossed since the previous call.
-    """
-    if self._cb is not None:
-      self._cb.run(state)
-    else:
-      self._worker.submit(self._snapshot.take_snapshot(state))
+    """What the train loop runs (returns when training may go on)."""
+    self._cb.run(state)
 
   def warm(self, state: Any) -> None:
     """The first export (tracing), synchronous and outside any timing."""
-    if self._cb is not None:
-      self._cb.export_now(state)
-    else:
-      self.exporter.export(state)
+    self._cb.export_now(state)
 
   def wait(self) -> None:
-    if self._cb is not None:
-      wait = getattr(self._cb, 'wait', None)
-      if wait is None:
-        raise RuntimeError('ExportCallback has no wait(); cannot time the '
-                           'full export')
-      wait()
-    else:
-      self._worker.wait()
+    self._cb.wait()
 
   def close(self) -> None:
-    if self._cb is not None:
-      self._cb.close()
-    else:
-      self._worker.close()
+    self._cb.close()
 
 
 def _mlp_signature(width: int) -> Any:
@@ -615,9 +668,16 @@ def _mlp_signature(width: int) -> Any:
       sample_inputs={'x': np.ones((2, width), np.float32)})
 
 
+def _mode_order(r: int) -> tuple[str, str]:
+  """Durability modes in the order of repeat r (alternating)."""
+  return ('durable', 'nondurable') if r % 2 == 0 else ('nondurable',
+                                                       'durable')
+
+
 def worker_blocking(spec: dict[str, Any]) -> dict[str, Any]:
   """Training thread held per async export vs full export, vs device_get.
 
+  Both durability modes, one exporter each, interleaved per repeat.
   spec: n_params, depth, repeats, workdir.
   """
   import tensorflow  # noqa: F401
@@ -627,20 +687,27 @@ def worker_blocking(spec: dict[str, Any]) -> dict[str, Any]:
   variables = make_variables(spec['n_params'], spec['depth'])
   width = mlp_width(spec['n_params'], spec['depth'])
   root = pathlib.Path(spec['workdir'])
-  ours = AsyncOurs(root / 'ours', [_mlp_signature(width)], every=1,
-                   validate=False)
+  sides = {mode: AsyncOurs(root / mode, [_mlp_signature(width)], every=1,
+                           validate=False, durable=mode == 'durable')
+           for mode in ('durable', 'nondurable')}
   state = t5export.InferenceState.create(variables)
-  ours.warm(state.replace_step(1))  # First export: builds and traces.
+  for side in sides.values():
+    side.warm(state.replace_step(1))  # First export: builds and traces.
+    side(state.replace_step(2))  # First async one: one-time snapshot setup.
+    side.wait()
   rows = []
+  step = 2
   for r in range(spec['repeats']):
-    step = r + 2
-    variables = bump(variables)
-    state = t5export.InferenceState.create(variables).replace_step(step)
-    t0 = time.perf_counter()
-    ours(state)
-    t1 = time.perf_counter()
-    ours.wait()
-    t2 = time.perf_counter()
+    row = {}
+    for mode in _mode_order(r):
+      step += 1
+      variables = bump(variables)
+      state = t5export.InferenceState.create(variables).replace_step(step)
+      t0 = time.perf_counter()
+      sides[mode](state)
+      t1 = time.perf_counter()
+      sides[mode].wait()
+      row[mode] = {'held': t1 - t0, 'full': time.perf_counter() - t0}
     fresh = bump(variables)  # Arrays never read on the host before.
     t3 = time.perf_counter()
     host = jax.device_get(fresh)
@@ -648,10 +715,11 @@ def worker_blocking(spec: dict[str, Any]) -> dict[str, Any]:
     copies = jax.tree_util.tree_map(lambda a: np.array(a, copy=True), host)
     t5 = time.perf_counter()
     del host, copies, fresh
-    rows.append({'held': t1 - t0, 'full': t2 - t0, 'device_get': t4 - t3,
-                 'device_get_copy': t5 - t3})
-  ours.close()
-  return {'rows': rows, 'kind': ours.kind,
+    row.update(device_get=t4 - t3, device_get_copy=t5 - t3)
+    rows.append(row)
+  for side in sides.values():
+    side.close()
+  return {'rows': rows, 'kind': sides['durable'].kind,
           'param_bytes': param_bytes(variables)}
 
 
@@ -699,6 +767,8 @@ def _config_fields(cfg: Any) -> dict[str, Any]:
 def worker_throughput(spec: dict[str, Any]) -> dict[str, Any]:
   """Tiny T5 train steps/s with an export every K steps vs without.
 
+  Both durability modes (one callback each); the order of no export,
+  durable and non-durable rotates between repeats.
   spec: steps, every, repeats, batch, seq, t5 (TinyT5Config kwargs), workdir.
   """
   import tensorflow  # noqa: F401
@@ -706,30 +776,38 @@ def worker_throughput(spec: dict[str, Any]) -> dict[str, Any]:
   setup = _t5_setup(spec)
   ts, train_step = setup['ts'], setup['step']
   every, steps = spec['every'], spec['steps']
-  ours = AsyncOurs(pathlib.Path(spec['workdir']) / 'ours',
-                   [setup['signature']], every=1, validate=False)
+  sides = {mode: AsyncOurs(pathlib.Path(spec['workdir']) / mode,
+                           [setup['signature']], every=1, validate=False,
+                           durable=mode == 'durable')
+           for mode in ('durable', 'nondurable')}
   for _ in range(3):
     ts = train_step(ts)
-  ours.warm(ts)  # First export (tracing) outside the timing.
+  for side in sides.values():
+    side.warm(ts)  # First export (tracing) outside the timing.
+    ts = train_step(ts)
+    side(ts)  # First async one (one-time snapshot setup), untimed too.
+    side.wait()
   jax.block_until_ready(ts)
   rows = []
+  modes = ['none', 'durable', 'nondurable']
   for r in range(spec['repeats']):
     times = {}
-    for mode in (('none', 'export') if r % 2 == 0 else ('export', 'none')):
+    for mode in modes[r % 3:] + modes[:r % 3]:
       t0 = time.perf_counter()
       for i in range(steps):
         ts = train_step(ts)
         # Mid-interval triggers: the last export overlaps K/2 steps.
-        if mode == 'export' and i % every == every // 2:
-          ours(ts)
+        if mode != 'none' and i % every == every // 2:
+          sides[mode](ts)
       jax.block_until_ready(ts)
-      if mode == 'export':
-        ours.wait()  # Counted: a slow export must show.
+      if mode != 'none':
+        sides[mode].wait()  # Counted: a slow export must show.
       times[mode] = time.perf_counter() - t0
     rows.append(times)
-  ours.close()
-  return {'rows': rows, 'kind': ours.kind, 'model': setup['model'],
-          'steps': steps, 'every': every}
+  for side in sides.values():
+    side.close()
+  return {'rows': rows, 'kind': sides['durable'].kind,
+          'model': setup['model'], 'steps': steps, 'every': every}
 
 
 def worker_artifact(spec: dict[str, Any]) -> dict[str, Any]:
@@ -841,7 +919,8 @@ def worker_offline_write(spec: dict[str, Any]) -> dict[str, Any]:
 def worker_offline(spec: dict[str, Any]) -> dict[str, Any]:
   """Offline export of a checkpoint (ours) or raw read + write (raw).
 
-  spec: side, ckpt, raw, n_params, depth, workdir.
+  spec: side ('raw', 'durable' or 'nondurable'), ckpt, raw, n_params,
+  depth, workdir. The raw side's 'fsync' phase is the fsync of its write.
   """
   import numpy as np
   phases = Phases()
@@ -851,10 +930,14 @@ def worker_offline(spec: dict[str, Any]) -> dict[str, Any]:
   dropped = (_fadvise_dontneed(pathlib.Path(spec['ckpt'])) +
              _fadvise_dontneed(pathlib.Path(spec['raw'])))
   if spec['side'] == 'raw':
-    with phases('offline'):
-      data = np.fromfile(spec['raw'], dtype=np.float32)
-      data.tofile(out / 'raw-out.bin')
-      del data
+    with open(out / 'raw-out.bin', 'wb') as f:
+      with phases('offline'):
+        data = np.fromfile(spec['raw'], dtype=np.float32)
+        data.tofile(f)
+        f.flush()
+        del data
+      with phases('fsync'):
+        os.fsync(f.fileno())
     (out / 'raw-out.bin').unlink()
     return {'phases': phases.phases, 'dropped': dropped}
   import tensorflow  # noqa: F401
@@ -869,7 +952,8 @@ def worker_offline(spec: dict[str, Any]) -> dict[str, Any]:
     path = offline_export.export_checkpoint(
         spec['ckpt'], str(out / 'ours'), options=offline_export.OfflineOptions(
             signatures=[sig],
-            export_options=t5export.ExportOptions(validate=False)))
+            export_options=t5export.ExportOptions(
+                validate=False, durable=spec['side'] == 'durable')))
   shutil.rmtree(path, ignore_errors=True)
   return {'phases': phases.phases, 'dropped': dropped}
 
@@ -946,18 +1030,20 @@ def summarize(values: Sequence[float]) -> dict[str, Any]:
 
 def figure_record(name: str, values: Sequence[float], *,
                   extra_met: bool = True, **detail: Any) -> dict[str, Any]:
-  target, ok, what = FIGURES[name]
+  target, ok, what, mode = FIGURES[name]
   rec = {'figure': name, **summarize(values), 'target': target}
   rec['met'] = bool(ok(rec['ratio']) and extra_met)
-  rec['what'] = what
+  rec.update(what=what, mode=mode)
   rec.update(detail)
   return rec
 
 
-def error_record(name: str, error: str) -> dict[str, Any]:
-  target, _, what = FIGURES[name]
-  return {'figure': name, 'error': error, 'target': target, 'met': False,
-          'what': what}
+def error_record(name: str, error: str | Exception) -> dict[str, Any]:
+  """A figure not measured: its error, or (NotRun) why it was not run."""
+  target, _, what, mode = FIGURES[name]
+  key = 'not_run' if isinstance(error, NotRun) else 'error'
+  return {'figure': name, key: str(error), 'target': target, 'met': False,
+          'what': what, 'mode': mode}
 
 
 def _median(xs: Sequence[float]) -> float:
@@ -979,6 +1065,9 @@ class Item(NamedTuple):
   spec: dict[str, Any]
   bundle: str = 'main'
   cleanup: bool = True
+  # Given the results so far, why the item must not run (or None).
+  gate: Callable[[dict[str, Any]], str | None] | None = None
+  timeout: float = 1200
 
 
 Results = dict[str, Any]  # item key -> result dict, or the ChildError
@@ -995,23 +1084,26 @@ def _reps(cfg: Config) -> int:
   return cfg.repeats if cfg.smoke else max(cfg.repeats, 5)
 
 
-EXPORT_FIGURES = ('reexport_vs_orbax', 'reexport_vs_raw_write',
-                  'first_export_vs_orbax', 'peak_rss_first_export_tf_before',
-                  'peak_rss_first_export_tf_after',
-                  'peak_rss_reexport_tf_before', 'peak_rss_reexport_tf_after')
+EXPORT_FIGURES = tuple(
+    n for n in FIGURES if n.startswith(('reexport_vs', 'first_export_vs',
+                                        'peak_rss_')))
+# Our exporter in both durability modes, and orbax-export.
+EXPORT_SIDES = ('durable', 'nondurable', 'orbax')
 
 
 def plan_exports(cfg: Config) -> list[Item]:
   items = []
   for rep in range(cfg.repeats):
     for tf_first in (True, False):
-      order = ('ours', 'orbax') if rep % 2 == 0 else ('orbax', 'ours')
-      for side in order:
+      # TF imported after the params: only the peak RSS figures, durable.
+      sides = EXPORT_SIDES if tf_first else ('durable', 'orbax')
+      for side in (sides if rep % 2 == 0 else sides[::-1]):
         key = f'export/{side}/{"before" if tf_first else "after"}/{rep}'
         items.append(Item(key, 'export', {
-            'side': side, 'n_params': cfg.main_size, 'depth': cfg.depth,
-            'tf_first': tf_first, 'reexports': cfg.reexports,
-            'raw': side == 'ours',
+            'side': 'orbax' if side == 'orbax' else 'ours',
+            'durable': side == 'durable', 'n_params': cfg.main_size,
+            'depth': cfg.depth, 'tf_first': tf_first,
+            'reexports': cfg.reexports, 'raw': side != 'orbax',
             'workdir': str(cfg.workdir / key.replace('/', '-'))},
             bundle='main' if tf_first else f'after-{side}'))
   return items
@@ -1023,10 +1115,12 @@ def parse_exports(cfg: Config, res: Results,
   errors: dict[str, str] = {}
   for rep in range(cfg.repeats):
     for when in ('before', 'after'):
-      for side in ('ours', 'orbax'):
+      for side in EXPORT_SIDES:
+        key = f'export/{side}/{when}/{rep}'
+        if key not in res:
+          continue
         try:
-          runs.setdefault((side, when), []).append(
-              _get(res, f'export/{side}/{when}/{rep}'))
+          runs.setdefault((side, when), []).append(_get(res, key))
         except ChildError as e:
           errors[side] = str(e)
   re_names = [f're{r}' for r in range(cfg.reexports)]
@@ -1034,110 +1128,135 @@ def parse_exports(cfg: Config, res: Results,
   def re_time(r):
     return _median([r['phases'][p]['seconds'] for p in re_names])
 
+  def first_time(r):
+    return r['phases']['first']['seconds']
+
+  def raw_time(r, kind='raw'):
+    return _median([r['phases'][f'{kind}{i}']['seconds']
+                    for i in range(cfg.reexports)])
+
   def err_for(*sides):
     return '; '.join(f'{s}: {errors[s]}' for s in sides if s in errors) or \
         'no runs'
 
-  ours, orbax = runs.get(('ours', 'before'), []), runs.get(('orbax', 'before'),
-                                                           [])
-  if ours and orbax:
+  def ratios(num, den, f, g=None):
     # Processes of the same repeat are paired (run one after the other).
+    return [f(a) / (g or f)(b) for a, b in zip(num, den)]
+
+  dur, non, orbax = (runs.get((s, 'before'), []) for s in EXPORT_SIDES)
+  if non and orbax:
     emit(figure_record(
-        'reexport_vs_orbax', [re_time(o) / re_time(b)
-                              for o, b in zip(ours, orbax)],
-        ours_s=_median([re_time(o) for o in ours]),
+        'reexport_vs_orbax_nondurable', ratios(non, orbax, re_time),
+        ours_s=_median([re_time(o) for o in non]),
         orbax_s=_median([re_time(b) for b in orbax]),
-        reexports_per_run=cfg.reexports,
-        param_bytes=ours[0]['param_bytes']))
-    firsts = [o['phases']['first']['seconds'] / b['phases']['first']['seconds']
-              for o, b in zip(ours, orbax)]
+        durable_vs_orbax=summarize(ratios(dur, orbax, re_time)) if dur
+        else None,
+        reexports_per_run=cfg.reexports, param_bytes=non[0]['param_bytes']))
     emit(figure_record(
-        'first_export_vs_orbax', firsts,
-        ours_s=_median([o['phases']['first']['seconds'] for o in ours]),
-        orbax_s=_median([b['phases']['first']['seconds'] for b in orbax])))
+        'first_export_vs_orbax_nondurable', ratios(non, orbax, first_time),
+        ours_s=_median([first_time(o) for o in non]),
+        orbax_s=_median([first_time(b) for b in orbax]),
+        durable_vs_orbax=summarize(ratios(dur, orbax, first_time)) if dur
+        else None))
   else:
-    emit(error_record('reexport_vs_orbax', err_for('ours', 'orbax')))
-    emit(error_record('first_export_vs_orbax', err_for('ours', 'orbax')))
-  if ours:
-    def raw_time(o):
-      return _median([o['phases'][f'raw{r}']['seconds']
-                      for r in range(cfg.reexports)])
-    def rawsync_time(o):
-      return _median([o['phases'][f'rawsync{r}']['seconds']
-                      for r in range(cfg.reexports)])
+    for name in ('reexport_vs_orbax_nondurable',
+                 'first_export_vs_orbax_nondurable'):
+      emit(error_record(name, err_for('nondurable', 'orbax')))
+  if dur:
+    def sync_time(r):
+      return raw_time(r, 'rawsync')
     emit(figure_record(
-        'reexport_vs_raw_write', [re_time(o) / raw_time(o) for o in ours],
-        raw_s=_median([raw_time(o) for o in ours]),
-        ours_s=_median([re_time(o) for o in ours]),
-        vs_raw_write_fsync=summarize([re_time(o) / rawsync_time(o)
-                                      for o in ours]),
-        raw_fsync_s=_median([rawsync_time(o) for o in ours])))
+        'reexport_vs_raw_fsync_durable', [re_time(o) / sync_time(o)
+                                          for o in dur],
+        ours_s=_median([re_time(o) for o in dur]),
+        raw_fsync_s=_median([sync_time(o) for o in dur]),
+        raw_s=_median([raw_time(o) for o in dur]),
+        nondurable_vs_raw_write=summarize(
+            [re_time(o) / raw_time(o) for o in non]) if non else None))
+    emit(figure_record(
+        'first_export_vs_raw_fsync_durable', [first_time(o) / sync_time(o)
+                                              for o in dur],
+        ours_s=_median([first_time(o) for o in dur]),
+        raw_fsync_s=_median([sync_time(o) for o in dur]),
+        nondurable_vs_raw_write=summarize(
+            [first_time(o) / raw_time(o) for o in non]) if non else None))
   else:
-    emit(error_record('reexport_vs_raw_write', err_for('ours')))
+    for name in ('reexport_vs_raw_fsync_durable',
+                 'first_export_vs_raw_fsync_durable'):
+      emit(error_record(name, err_for('durable')))
   for kind, phase_names in (('first_export', ['first']),
                             ('reexport', re_names)):
     for when in ('before', 'after'):
-      name = f'peak_rss_{kind}_tf_{when}'
-      sampled, hwm = {}, {}
-      for side in ('ours', 'orbax'):
+      name = f'peak_rss_{kind}_tf_{when}_durable'
+      sampled, hwm, step_added = {}, {}, {}
+      for side in EXPORT_SIDES:
         vals, hvals = [], []
         for r in runs.get((side, when), []):
           peaks = [phase_peak_added(r, p) for p in phase_names]
           vals.append(max(p['sampled'] for p in peaks) / r['param_bytes'])
           hvals.append(max(p['hwm'] for p in peaks) / r['param_bytes'])
         sampled[side], hwm[side] = vals, hvals
-      step_added = {
-          side: _median([phase_peak_added(r, 'donating_step')['hwm'] /
-                         r['param_bytes']
-                         for r in runs.get((side, when), [])
-                         if 'donating_step' in r['phases']] or [float('nan')])
-          for side in ('ours', 'orbax')}
-      if sampled['ours'] and sampled['orbax']:
+        if runs.get((side, when)):
+          step_added[side] = _median(
+              [phase_peak_added(r, 'donating_step')['hwm'] /
+               r['param_bytes'] for r in runs[(side, when)]])
+      if sampled['durable'] and sampled['orbax']:
         emit(figure_record(
-            name, sampled['ours'],
-            extra_met=_median(sampled['ours']) <= _median(sampled['orbax']),
+            name, sampled['durable'],
+            extra_met=_median(sampled['durable']) <= _median(
+                sampled['orbax']),
             orbax=summarize(sampled['orbax']),
-            ours_hwm=_median(hwm['ours']), orbax_hwm=_median(hwm['orbax']),
+            nondurable=_median(sampled['nondurable']) if sampled[
+                'nondurable'] else None,
+            ours_hwm=_median(hwm['durable']), orbax_hwm=_median(hwm['orbax']),
             next_donating_step_added=step_added,
             sampler='parent reads /proc/<pid>/status VmRSS every 5 ms; '
                     '*_hwm: the kernel VmHWM after clear_refs'))
       else:
-        emit(error_record(name, err_for('ours', 'orbax')))
+        emit(error_record(name, err_for('durable', 'orbax')))
 
 
 def plan_scaling(cfg: Config) -> list[Item]:
   items = []
   # All three sizes from the same kind of process (the export pairs also
   # write raw files between re-exports, which changes the disk's load).
-  for label in ('25M', '100M', '400M'):
-    items.append(Item(f'scaling/{label}', 'export', {
-        'side': 'ours', 'n_params': cfg.sizes[label], 'depth': cfg.depth,
-        'tf_first': True, 'reexports': _reps(cfg), 'raw': False,
-        'workdir': str(cfg.workdir / f'scaling-{label}')}))
+  for i, label in enumerate(('25M', '100M', '400M')):
+    for mode in _mode_order(i):
+      items.append(Item(f'scaling/{mode}/{label}', 'export', {
+          'side': 'ours', 'durable': mode == 'durable',
+          'n_params': cfg.sizes[label], 'depth': cfg.depth,
+          'tf_first': True, 'reexports': _reps(cfg), 'raw': False,
+          'workdir': str(cfg.workdir / f'scaling-{mode}-{label}')}))
   return items
 
 
 def parse_scaling(cfg: Config, res: Results,
                   emit: Callable[[dict], None]) -> None:
-  times: dict[int, list[float]] = {}
-  for label in ('25M', '100M', '400M'):
-    r = _get(res, f'scaling/{label}')
-    times[cfg.sizes[label]] = [r['phases'][f're{i}']['seconds']
-                               for i in range(_reps(cfg))]
+  for mode in ('durable', 'nondurable'):
+    times = {}
+    for label in ('25M', '100M', '400M'):
+      r = _get(res, f'scaling/{mode}/{label}')
+      times[cfg.sizes[label]] = [r['phases'][f're{i}']['seconds']
+                                 for i in range(_reps(cfg))]
+    emit(slope_record(f'scaling_slope_{mode}', times))
+
+
+def slope_record(name: str, times: dict[int, list[float]],
+                 **detail: Any) -> dict[str, Any]:
+  """The log-log slope of time over size: the r-th fastest run per rank."""
   sizes = sorted(times)
   k = min(len(v) for v in times.values())
   xs = [math.log(n) for n in sizes]
-  # The r-th fastest run at each size gives one slope per rank.
   slopes = [_slope(xs, [math.log(sorted(times[n])[r]) for n in sizes])
             for r in range(k)]
-  emit(figure_record(
-      'scaling_slope', slopes,
+  return figure_record(
+      name, slopes,
       seconds={str(n): _median(times[n]) for n in sizes},
       slope_of_medians=_slope(xs, [math.log(_median(times[n]))
                                    for n in sizes]),
       step_slopes=[round(_slope(xs[i:i + 2], [math.log(_median(times[n]))
                                                for n in sizes[i:i + 2]]), 3)
-                   for i in range(len(sizes) - 1)]))
+                   for i in range(len(sizes) - 1)], **detail)
 
 
 def _slope(xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -1156,16 +1275,19 @@ def parse_blocking(cfg: Config, res: Results,
                    emit: Callable[[dict], None]) -> None:
   r = _get(res, 'blocking')
   rows = r['rows']
+  for mode in ('durable', 'nondurable'):
+    emit(figure_record(
+        f'blocking_vs_export_{mode}',
+        [x[mode]['held'] / x[mode]['full'] for x in rows],
+        held_s=_median([x[mode]['held'] for x in rows]),
+        export_s=_median([x[mode]['full'] for x in rows]), path=r['kind']))
   emit(figure_record(
-      'blocking_vs_export', [x['held'] / x['full'] for x in rows],
-      held_s=_median([x['held'] for x in rows]),
-      export_s=_median([x['full'] for x in rows]), path=r['kind']))
-  emit(figure_record(
-      'blocking_vs_device_get', [x['held'] / x['device_get'] for x in rows],
-      held_s=_median([x['held'] for x in rows]),
+      'blocking_vs_device_get',
+      [x['durable']['held'] / x['device_get'] for x in rows],
+      held_s=_median([x['durable']['held'] for x in rows]),
       device_get_s=_median([x['device_get'] for x in rows]),
       vs_device_get_plus_copy=summarize(
-          [x['held'] / x['device_get_copy'] for x in rows]),
+          [x['durable']['held'] / x['device_get_copy'] for x in rows]),
       device_get_plus_copy_s=_median([x['device_get_copy'] for x in rows])))
 
 
@@ -1184,11 +1306,14 @@ def parse_throughput(cfg: Config, res: Results,
                      emit: Callable[[dict], None]) -> None:
   r = _get(res, 'throughput')
   rows = r['rows']
-  emit(figure_record(
-      'train_throughput', [x['none'] / x['export'] for x in rows],
-      steps_per_s_no_export=_median([r['steps'] / x['none'] for x in rows]),
-      steps_per_s_export=_median([r['steps'] / x['export'] for x in rows]),
-      steps=r['steps'], every=r['every'], model=r['model'], path=r['kind']))
+  for mode in ('durable', 'nondurable'):
+    emit(figure_record(
+        f'train_throughput_{mode}', [x['none'] / x[mode] for x in rows],
+        steps_per_s_no_export=_median([r['steps'] / x['none']
+                                       for x in rows]),
+        steps_per_s_export=_median([r['steps'] / x[mode] for x in rows]),
+        steps=r['steps'], every=r['every'], model=r['model'],
+        path=r['kind']))
 
 
 def plan_serving(cfg: Config) -> list[Item]:
@@ -1248,8 +1373,9 @@ def plan_offline(cfg: Config) -> list[Item]:
           'workdir': str(work), 'ckpt': str(work / 'ckpt'),
           'raw': str(work / 'params.bin')}
   items = [Item('offline/write', 'offline_write', spec, cleanup=False)]
+  sides = ['durable', 'raw', 'nondurable']
   for r in range(_reps(cfg)):
-    for side in (('ours', 'raw') if r % 2 == 0 else ('raw', 'ours')):
+    for side in sides[r % 3:] + sides[:r % 3]:
       items.append(Item(f'offline/{side}/{r}', 'offline',
                         {**spec, 'side': side}, cleanup=False))
   return items
@@ -1262,16 +1388,17 @@ def parse_offline(cfg: Config, res: Results,
   rows = []
   for r in range(_reps(cfg)):
     row = {}
-    for side in ('ours', 'raw'):
+    for side in ('durable', 'nondurable', 'raw'):
       out = _get(res, f'offline/{side}/{r}')
       ph = out['phases']['offline']
-      row[side] = {'seconds': ph['seconds'],
+      fsync = out['phases'].get('fsync', {'seconds': 0.0})['seconds']
+      row[side] = {'seconds': ph['seconds'], 'fsync_s': fsync,
                    'read_bytes': ph['io'].get('read_bytes', 0),
                    'peak': phase_peak_added(out, 'offline'),
                    'dropped': out['dropped']}
     rows.append(row)
   emit(figure_record(
-      'offline_read_bytes', [x['ours']['read_bytes'] / pb for x in rows],
+      'offline_read_bytes', [x['durable']['read_bytes'] / pb for x in rows],
       raw_baseline_read_ratio=_median([x['raw']['read_bytes'] / pb
                                        for x in rows]),
       checkpoint_bytes=ckpt['state_bytes'],
@@ -1279,98 +1406,302 @@ def parse_offline(cfg: Config, res: Results,
       cache='drop_caches is not permitted here: each run first fsyncs and '
             'posix_fadvise(DONTNEED)s every checkpoint file; the raw '
             'baseline ratio (~1.0) shows the eviction worked'))
+  def raw_s(x, mode):
+    return x['raw']['seconds'] + (x['raw']['fsync_s'] if mode == 'durable'
+                                  else 0.0)
+  for mode, name in (('nondurable', 'offline_time_vs_raw_nondurable'),
+                     ('durable', 'offline_time_vs_raw_fsync_durable')):
+    emit(figure_record(
+        name, [x[mode]['seconds'] / raw_s(x, mode) for x in rows],
+        ours_s=_median([x[mode]['seconds'] for x in rows]),
+        raw_s=_median([raw_s(x, mode) for x in rows]),
+        ours_includes='offline_export.export_checkpoint: read_params + '
+                      'first export (tracing), validate=False'))
   emit(figure_record(
-      'offline_time_vs_raw',
-      [x['ours']['seconds'] / x['raw']['seconds'] for x in rows],
-      ours_s=_median([x['ours']['seconds'] for x in rows]),
-      raw_s=_median([x['raw']['seconds'] for x in rows]),
-      ours_includes='offline_export.export_checkpoint: read_params + first '
-                    'export (tracing), validate=False'))
-  emit(figure_record(
-      'offline_peak_rss', [x['ours']['peak']['sampled'] / pb for x in rows],
-      hwm=_median([x['ours']['peak']['hwm'] / pb for x in rows]),
+      'offline_peak_rss', [x['durable']['peak']['sampled'] / pb
+                           for x in rows],
+      hwm=_median([x['durable']['peak']['hwm'] / pb for x in rows]),
       raw_baseline=_median([x['raw']['peak']['sampled'] / pb for x in rows])))
 
 
 CHECK_FIGURES = ('check_peak_rss_first', 'check_peak_rss_reexport',
                  'check_time_first', 'check_time_reexport')
+SCALE_FIGURES = CHECK_FIGURES + (
+    'check_peak_rss_float32', 'check_time_float32', 'scaling_curve_unchecked',
+    'scaling_curve_checked', 'scale_3b_checked_export')
+GIB = 1 << 30
+# Peak RSS of a process exporting with / without the check, per param byte,
+# when this run measured none to project from: issue 17's 1B bfloat16
+# figures (11.0 and 3.6 with the check's cost before any fix) plus the
+# params resident before the export (1.37).
+SAFE_PEAK_PER_PARAM_BYTE = {True: 12.5, False: 5.0}
 
 
-def plan_check(cfg: Config) -> list[Item]:
-  spec = {'n_params': cfg.check_size, 'depth': cfg.check_depth,
-          'dtype': cfg.check_dtype, 'reexports': cfg.reexports}
+def _meminfo(key: str) -> int:
+  with open('/proc/meminfo') as f:
+    for line in f:
+      if line.startswith(key + ':'):
+        return int(line.split()[1]) * 1024
+  raise KeyError(key)
+
+
+def _dense_bytes(n_params: int, depth: int, dtype: str) -> int:
+  width = mlp_width(n_params, depth)
+  return depth * (width * width + width) * (2 if dtype == 'bfloat16' else 4)
+
+
+def process_peak(r: dict[str, Any]) -> int:
+  """The highest RSS of a child over its life: sampled, or its VmHWM."""
+  return max([rss for _, rss in r['rss_samples']] +
+             [p['hwm'] for p in r['phases'].values()])
+
+
+def _projected_peak(res: Results, nbytes: int, validate: bool
+                    ) -> tuple[float, str]:
+  """Projects a check_export child's peak RSS from this run's ones."""
+  done = sorted((r['param_bytes'], process_peak(r)) for k, r in res.items()
+                if k.startswith(('check/', 'curve/', 'f32/')) and
+                isinstance(r, dict) and r.get('validate') == validate)
+  if len(done) >= 2 and done[-1][0] > done[-2][0]:
+    (b1, p1), (b2, p2) = done[-2], done[-1]
+    per_byte = max((p2 - p1) / (b2 - b1), p2 / b2 * 0.5)
+    return p2 + per_byte * (nbytes - b2), (
+        f'{per_byte:.2f}x the param bytes beyond the '
+        f'{b2 / GIB:.2f} GiB run')
+  if done:
+    return done[-1][1] / done[-1][0] * nbytes, (
+        f'{done[-1][1] / done[-1][0]:.2f}x the param bytes, as measured at '
+        f'{done[-1][0] / GIB:.2f} GiB')
+  ratio = SAFE_PEAK_PER_PARAM_BYTE[validate]
+  return ratio * nbytes, f'a safe estimate of {ratio}x the param bytes'
+
+
+def _memory_gate(nbytes: int, validate: bool
+                 ) -> Callable[[Results], str | None]:
+  """Why a step must not run (its projected peak does not fit), or None."""
+  def gate(res: Results) -> str | None:
+    need, basis = _projected_peak(res, nbytes, validate)
+    need = need * 1.1 + GIB  # Margin for the estimate and the parent.
+    available = _meminfo('MemAvailable')
+    if need <= available:
+      return None
+    return (f'not run: needs {need / GIB:.1f} GiB ({basis}, +10% + 1 GiB), '
+            f'{available / GIB:.1f} GiB available')
+  return gate
+
+
+def plan_scale(cfg: Config) -> list[Item]:
+  """Checked/unchecked exports from the curve's sizes up to the big step."""
+  want = cfg.wanted
+  curve = bool(want & {'scaling_curve_unchecked', 'scaling_curve_checked'})
+  check = bool(want & set(CHECK_FIGURES))
+  big = 'scale_3b_checked_export' in want
+  base = {'depth': cfg.check_depth, 'dtype': cfg.check_dtype,
+          'reexports': cfg.reexports}
   items = []
-  for r in range(cfg.repeats):
+
+  def add(key, n_params, validate, bundle, **spec):
+    spec = {**base, 'n_params': n_params, 'validate': validate, **spec}
+    nbytes = _dense_bytes(n_params, spec['depth'], spec['dtype'])
+    items.append(Item(key, 'check_export', {
+        **spec, 'workdir': str(cfg.workdir / key.replace('/', '-'))},
+        bundle=bundle, gate=_memory_gate(nbytes, validate), timeout=3600))
+
+  if curve:
+    for i, n in enumerate(cfg.curve_sizes):
+      for on in ((False, True) if i % 2 == 0 else (True, False)):
+        add(f'curve/{n}/{"on" if on else "off"}', n, on,
+            f'check-{"on" if on else "off"}',
+            reexports=cfg.curve_reexports)
+  # The check_* pairs give the curve's top point and the big step's basis.
+  reps = cfg.check_repeats if check else int(curve or big)
+  for r in range(reps):
     for on in ((True, False) if r % 2 == 0 else (False, True)):
-      key = f'check/{"on" if on else "off"}/{r}'
-      items.append(Item(key, 'check_export', {
-          **spec, 'validate': on,
-          'workdir': str(cfg.workdir / key.replace('/', '-'))},
-          bundle=f'check-{"on" if on else "off"}'))
-  items.append(Item('check/phases', 'check_phases', {
-      **spec, 'workdir': str(cfg.workdir / 'check-phases')},
-      bundle='check-off'))
+      if on or check or curve:
+        add(f'check/{"on" if on else "off"}/{r}', cfg.check_size, on,
+            f'check-{"on" if on else "off"}')
+  if 'check_peak_rss_first' in want:
+    nbytes = _dense_bytes(cfg.check_size, cfg.check_depth, cfg.check_dtype)
+    items.append(Item('check/phases', 'check_phases', {
+        **base, 'n_params': cfg.check_size,
+        'workdir': str(cfg.workdir / 'check-phases')},
+        bundle='check-off', gate=_memory_gate(nbytes, True), timeout=3600))
+  if want & {'check_peak_rss_float32', 'check_time_float32'}:
+    for on in (True, False):
+      add(f'f32/{"on" if on else "off"}', cfg.check_size, on,
+          f'check-{"on" if on else "off"}', dtype='float32')
+  if big:
+    add('big/on', cfg.big_size, True, 'check-on', depth=cfg.big_depth,
+        reexports=1)
   return items
 
 
-def parse_check(cfg: Config, res: Results,
+def _check_peak(r: dict[str, Any], names: Sequence[str]) -> float:
+  """Peak RSS added over the phases' starts / param bytes."""
+  return max(max(phase_peak_added(r, p)['sampled'],
+                 phase_peak_added(r, p)['hwm'])
+             for p in names) / r['param_bytes']
+
+
+def _check_seconds(r: dict[str, Any], names: Sequence[str]) -> float:
+  return min(r['phases'][p]['seconds'] for p in names)
+
+
+def _re_names(r: dict[str, Any]) -> list[str]:
+  return sorted(p for p in r['phases'] if p.startswith('re'))
+
+
+def parse_scale(cfg: Config, res: Results,
                 emit: Callable[[dict], None]) -> None:
-  re_names = [f're{i}' for i in range(cfg.reexports)]
+  failed: list[str] = []
 
-  def peak(r, names):
-    return max(max(phase_peak_added(r, p)['sampled'],
-                   phase_peak_added(r, p)['hwm'])
-               for p in names) / r['param_bytes']
+  def guarded(names, fn):
+    try:
+      fn()
+    except ChildError as e:
+      for name in names:
+        emit(error_record(name, e))
+      failed.extend(names)
 
-  def seconds(r, names):
-    return min(r['phases'][p]['seconds'] for p in names)
+  guarded(CHECK_FIGURES, lambda: _parse_check(cfg, res, emit))
+  guarded(('check_peak_rss_float32', 'check_time_float32'),
+          lambda: _parse_float32(cfg, res, emit))
+  for on in (False, True):
+    name = f'scaling_curve_{"checked" if on else "unchecked"}'
+    guarded((name,), lambda on=on, name=name: _parse_curve(
+        cfg, res, emit, name, on))
+  guarded(('scale_3b_checked_export',), lambda: _parse_big(cfg, res, emit))
 
+
+def _parse_check(cfg: Config, res: Results,
+                 emit: Callable[[dict], None]) -> None:
+  if not cfg.wanted & set(CHECK_FIGURES):
+    return
   rows = [(_get(res, f'check/on/{r}'), _get(res, f'check/off/{r}'))
-          for r in range(cfg.repeats)]
+          for r in range(cfg.check_repeats)]
+  re_names = _re_names(rows[0][0])
   profile = {}
   try:
     ph = _get(res, 'check/phases')
-    profile = {name: round(max(phase_peak_added(ph, name)['sampled'],
-                               phase_peak_added(ph, name)['hwm']) /
-                           ph['param_bytes'], 2)
+    profile = {name: round(_check_peak(ph, [name]), 2)
                for name in ph['phases']}
     profile['xla_temp_of_jax_reference'] = round(
         ph['xla_temp_bytes'] / ph['param_bytes'], 2)
-  except ChildError as e:
-    profile = {'error': str(e)[:200]}
+  except (ChildError, KeyError) as e:
+    profile = {'not measured': str(e)[:200]}
   model = {'n_params': cfg.check_size, 'dtype': cfg.check_dtype,
-           'depth': cfg.check_depth}
+           'depth': cfg.check_depth, 'repeats': cfg.check_repeats}
   for kind, names in (('first', ['first']), ('reexport', re_names)):
     extra = {'phase_peak_added': profile} if kind == 'first' else {}
     emit(figure_record(
         f'check_peak_rss_{kind}',
-        [peak(on, names) - peak(off, names) for on, off in rows],
-        checked=_median([peak(on, names) for on, _ in rows]),
-        unchecked=_median([peak(off, names) for _, off in rows]),
+        [_check_peak(on, names) - _check_peak(off, names)
+         for on, off in rows],
+        checked=_median([_check_peak(on, names) for on, _ in rows]),
+        unchecked=_median([_check_peak(off, names) for _, off in rows]),
+        process_peak_gib=_median([process_peak(on) / GIB
+                                  for on, _ in rows]),
         **model, **extra))
     emit(figure_record(
         f'check_time_{kind}',
-        [seconds(on, names) / seconds(off, names) for on, off in rows],
-        checked_s=_median([seconds(on, names) for on, _ in rows]),
-        unchecked_s=_median([seconds(off, names) for _, off in rows]),
+        [_check_seconds(on, names) / _check_seconds(off, names)
+         for on, off in rows],
+        checked_s=_median([_check_seconds(on, names) for on, _ in rows]),
+        unchecked_s=_median([_check_seconds(off, names) for _, off in rows]),
         **model))
 
 
-# name, figures, plan, parse (parse runs in this order: scaling reads the
-# export pairs).
+def _parse_float32(cfg: Config, res: Results,
+                   emit: Callable[[dict], None]) -> None:
+  if not cfg.wanted & {'check_peak_rss_float32', 'check_time_float32'}:
+    return
+  on, off = _get(res, 'f32/on'), _get(res, 'f32/off')
+  re_names = _re_names(on)
+  peaks = {k: {side: _check_peak(r, names) for side, r in
+               (('checked', on), ('unchecked', off))}
+           for k, names in (('first', ['first']), ('reexport', re_names))}
+  secs = {k: {side: _check_seconds(r, names) for side, r in
+              (('checked', on), ('unchecked', off))}
+          for k, names in (('first', ['first']), ('reexport', re_names))}
+  model = {'n_params': cfg.check_size, 'dtype': 'float32',
+           'depth': cfg.check_depth, 'repeats': 1}
+  emit(figure_record(
+      'check_peak_rss_float32',
+      [max(p['checked'] - p['unchecked'] for p in peaks.values())],
+      first=peaks['first'], reexport=peaks['reexport'],
+      process_peak_gib=process_peak(on) / GIB, **model))
+  emit(figure_record(
+      'check_time_float32',
+      [secs['first']['checked'] / secs['first']['unchecked']],
+      reexport_ratio=secs['reexport']['checked'] / secs['reexport'][
+          'unchecked'], first_s=secs['first'], reexport_s=secs['reexport'],
+      **model))
+
+
+def _parse_curve(cfg: Config, res: Results, emit: Callable[[dict], None],
+                 name: str, validate: bool) -> None:
+  if name not in cfg.wanted:
+    return
+  side = 'on' if validate else 'off'
+  runs = {n: [_get(res, f'curve/{n}/{side}')] for n in cfg.curve_sizes}
+  top = [res[k] for k in res if k.startswith(f'check/{side}/')]
+  runs[cfg.check_size] = [r for r in top if not isinstance(r, Exception)]
+  missing = {}
+  if not runs[cfg.check_size]:  # The curve without its top point, and why.
+    del runs[cfg.check_size]
+    missing = {'top_point': f'{cfg.check_size:,}: {top[0] if top else "-"}'}
+  re_times = {n: [r['phases'][p]['seconds'] for r in rs
+                  for p in _re_names(r)] for n, rs in runs.items()}
+  first = {n: [r['phases']['first']['seconds'] for r in rs]
+           for n, rs in runs.items()}
+  first_slope = slope_record(name, first)
+  emit(slope_record(
+      name, re_times, first_export_seconds=first_slope['seconds'],
+      first_export_slope=first_slope['slope_of_medians'],
+      dtype=cfg.check_dtype, depth=cfg.check_depth, **missing))
+
+
+def _parse_big(cfg: Config, res: Results,
+               emit: Callable[[dict], None]) -> None:
+  if 'scale_3b_checked_export' not in cfg.wanted:
+    return
+  try:
+    r = _get(res, 'big/on')
+  except NotRun:
+    raise
+  except ChildError as e:
+    raise ChildError(f'completed: no; {e}') from e
+  peak = process_peak(r)
+  emit(figure_record(
+      'scale_3b_checked_export', [peak / _meminfo('MemTotal')],
+      completed='yes', n_params=cfg.big_size, dtype=cfg.check_dtype,
+      depth=cfg.big_depth, param_bytes=r['param_bytes'],
+      first_s=r['phases']['first']['seconds'],
+      reexport_s=_check_seconds(r, _re_names(r)),
+      peak_rss_gib=peak / GIB,
+      peak_added_over_param_bytes=(peak - r['rss_before_first']) /
+      r['param_bytes']))
+
+
+# name, figures, plan, parse.
 GROUPS: tuple[tuple[str, tuple[str, ...], Callable, Callable], ...] = (
     ('exports', EXPORT_FIGURES, plan_exports, parse_exports),
-    ('scaling', ('scaling_slope',), plan_scaling, parse_scaling),
-    ('blocking', ('blocking_vs_export', 'blocking_vs_device_get'),
+    ('scaling', ('scaling_slope_durable', 'scaling_slope_nondurable'),
+     plan_scaling, parse_scaling),
+    ('blocking', ('blocking_vs_export_durable',
+                  'blocking_vs_export_nondurable', 'blocking_vs_device_get'),
      plan_blocking, parse_blocking),
-    ('throughput', ('train_throughput',), plan_throughput, parse_throughput),
+    ('throughput', ('train_throughput_durable',
+                    'train_throughput_nondurable'), plan_throughput,
+     parse_throughput),
     ('serving', ('serving_latency_b1', 'serving_latency_b32'), plan_serving,
      parse_serving),
-    ('offline', ('offline_read_bytes', 'offline_time_vs_raw',
-                 'offline_peak_rss'), plan_offline, parse_offline),
+    ('offline', ('offline_read_bytes', 'offline_time_vs_raw_nondurable',
+                 'offline_time_vs_raw_fsync_durable', 'offline_peak_rss'),
+     plan_offline, parse_offline),
     ('artifact', ('jax_artifact_time', 'jax_artifact_bytes'), plan_artifact,
      parse_artifact),
-    ('check', CHECK_FIGURES, plan_check, parse_check),
+    ('scale', SCALE_FIGURES, plan_scale, parse_scale),
 )
 
 
@@ -1380,8 +1711,14 @@ def execute(items: Sequence[Item], cfg: Config) -> Results:
   if not cfg.smoke:
     for i, item in enumerate(items):
       log(f'[{i + 1}/{len(items)}] {item.key}')
+      reason = item.gate(res) if item.gate else None
+      if reason:
+        log(f'{item.key}: {reason}')
+        res[item.key] = NotRun(reason)
+        continue
       try:
-        res[item.key] = run_child(item.task, item.spec)
+        res[item.key] = run_child(item.task, item.spec,
+                                  timeout=item.timeout)
       except ChildError as e:
         log(f'{item.key} failed: {e}')
         res[item.key] = e
@@ -1394,7 +1731,13 @@ def execute(items: Sequence[Item], cfg: Config) -> Results:
     bundles.setdefault(item.bundle, []).append(item)
 
   def run_bundle(name: str) -> None:
-    group = bundles[name]
+    group = []
+    for item in bundles[name]:
+      reason = item.gate(res) if item.gate else None
+      if reason:
+        res[item.key] = NotRun(reason)
+      else:
+        group.append(item)
     log(f'bundle {name}: {len(group)} items in one process')
     try:
       out = run_child('multi', {'items': [list(i[:3]) for i in group]})
@@ -1407,7 +1750,7 @@ def execute(items: Sequence[Item], cfg: Config) -> Results:
       if 'error' in r:
         res[item.key] = ChildError(f'worker {item.task}: {r["error"]}')
       else:
-        r['rss_samples'] = out['rss_samples']
+        r['rss_samples'], r['load'] = out['rss_samples'], out['load']
         res[item.key] = r
 
   import concurrent.futures
@@ -1466,7 +1809,8 @@ def _fmt(x: Any) -> str:
 
 
 _DETAIL_SKIP = {'figure', 'ratio', 'min', 'max', 'q1', 'q3', 'n', 'target',
-                'met', 'what', 'error', 'orbax', 'sampler', 'cache', 'note'}
+                'met', 'what', 'error', 'not_run', 'mode', 'orbax', 'sampler',
+                'cache', 'note'}
 
 
 def _details(rec: dict[str, Any]) -> str:
@@ -1503,27 +1847,42 @@ def render_table(records: Sequence[dict], info: dict[str, Any],
       'Versions: ' + ', '.join(f'{k} {x}' for k, x in v.items()) + '.',
       f'Model: {cfg.depth} Dense layers (float32); sizes '
       + ', '.join(f'{k} = {n:,} params' for k, n in cfg.sizes.items())
-      + f'; {cfg.repeats} repeat(s).', '',
-      '| figure | what | median | spread (min .. max) | n | target | met | '
-      'details (medians) |',
-      '|---|---|---|---|---|---|---|---|']
+      + f'; {cfg.repeats} repeat(s). Scale figures (check_*, '
+      f'scaling_curve_*, scale_3b_*): {cfg.check_depth} Dense layers '
+      f'({cfg.check_dtype}) of {cfg.check_size:,} params, '
+      f'{cfg.check_repeats} repeat(s) (float32: 1); curve sizes '
+      + ', '.join(f'{n:,}' for n in cfg.curve_sizes)
+      + f' and {cfg.check_size:,}; big step {cfg.big_size:,} params in '
+      f'{cfg.big_depth} layers, one run. `mode`: our exporter\'s '
+      'ExportOptions.durable; `load_avg`: the 1-minute load average when '
+      'the figure\'s first process started and its last one ended.', '',
+      '| figure | mode | what | median | spread (min .. max) | n | target | '
+      'met | details (medians) |',
+      '|---|---|---|---|---|---|---|---|---|']
   for rec in records:
-    if 'error' in rec:
-      lines.append(f'| `{rec["figure"]}` | {rec["what"]} | error: '
-                   f'{rec["error"][:160]} | | | {rec["target"]} | '
-                   '**missed** (not measured) | |')
-      continue
-    extra = ''
-    if isinstance(rec.get('orbax'), dict):
-      extra = f' (orbax {_fmt(rec["orbax"]["ratio"])})'
-    lines.append(
-        f'| `{rec["figure"]}` | {rec["what"]} | '
-        f'{_fmt(rec["ratio"])}{extra} | '
-        f'{_fmt(rec["min"])} .. {_fmt(rec["max"])} | {rec["n"]} | '
-        f'{rec["target"]} | {"met" if rec["met"] else "**missed**"} | '
-        f'{_details(rec)} |')
+    for key, label in (('error', 'error'), ('not_run', 'not run')):
+      if key in rec:
+        lines.append(f'| `{rec["figure"]}` | {rec.get("mode", "")} | '
+                     f'{rec["what"]} | {label}: {rec[key][:200]} | | | '
+                     f'{rec["target"]} | **missed** (not measured) | '
+                     f'{_details(rec)} |')
+        break
+    else:
+      lines.append(_table_row(rec))
   lines += ['', TABLE_END]
   return '\n'.join(lines)
+
+
+def _table_row(rec: dict[str, Any]) -> str:
+  """One measured figure as a table row."""
+  extra = ''
+  if isinstance(rec.get('orbax'), dict):
+    extra = f' (orbax {_fmt(rec["orbax"]["ratio"])})'
+  return (f'| `{rec["figure"]}` | {rec.get("mode", "")} | {rec["what"]} | '
+          f'{_fmt(rec["ratio"])}{extra} | '
+          f'{_fmt(rec["min"])} .. {_fmt(rec["max"])} | {rec["n"]} | '
+          f'{rec["target"]} | {"met" if rec["met"] else "**missed**"} | '
+          f'{_details(rec)} |')
 
 
 def write_markdown(path: pathlib.Path, table: str,
@@ -1561,7 +1920,10 @@ def render_saved(path: pathlib.Path) -> int:
     raise SystemExit(f'--render: {path} holds no machine line or no figures')
   info['loadavg_end'] = run.get('loadavg_end', float('nan'))
   cfg = Config(smoke=run.get('smoke', False), repeats=run.get('repeats'),
-               workdir=path.parent)
+               workdir=path.parent, check_params=run.get('check_params'),
+               check_dtype=run.get('check_dtype', 'bfloat16'),
+               curve_params=run.get('curve_params'),
+               big_params=run.get('big_params'))
   write_markdown(REPO / 'BENCHMARKS.md',
                  render_table(records, info, cfg, run.get('seconds', 0.0)),
                  records)
@@ -1591,10 +1953,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                            'yes for a full run, no with --smoke or --only)')
   parser.add_argument('--workdir', default=None)
   parser.add_argument('--check-params', type=float, default=None,
-                      help='params of the check_* figures\' model (default '
-                           '2e8; 1e9 needs ~10 GB free)')
+                      help='params of the check_* figures\' model and the '
+                           'scaling curve\'s top point (default 1e9)')
   parser.add_argument('--check-dtype', default='bfloat16',
-                      help='dtype of the check_* figures\' model')
+                      help='dtype of the check_* and scaling_curve_* models')
+  parser.add_argument('--curve-params', default=None,
+                      help='comma-separated smaller sizes of the scaling '
+                           'curve (default 25e6,100e6,400e6)')
+  parser.add_argument('--big-params', type=float, default=None,
+                      help='params of scale_3b_checked_export (default 3e9)')
   parser.add_argument('--worker', default=None, help=argparse.SUPPRESS)
   parser.add_argument('--spec', default='{}', help=argparse.SUPPRESS)
   parser.add_argument('--render', default=None, metavar='JSONL',
@@ -1612,24 +1979,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                  f'known: {sorted(FIGURES)}')
   workdir = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix='t5bench-'))
   cfg = Config(smoke=args.smoke, repeats=args.repeats, workdir=workdir,
-               check_params=args.check_params, check_dtype=args.check_dtype)
+               check_params=args.check_params, check_dtype=args.check_dtype,
+               curve_params=[float(x) for x in args.curve_params.split(',')]
+               if args.curve_params else None,
+               big_params=args.big_params, wanted=wanted)
   records: list[dict] = []
 
-  def emit(rec: dict) -> None:
-    if rec['figure'] not in wanted:
-      return
-    records.append(rec)
-    sys.stdout.write(json.dumps(rec) + '\n')
-    sys.stdout.flush()
+  def emit(rec: dict) -> None:  # Printed once the group's load is added.
+    if rec['figure'] in wanted:
+      records.append(rec)
 
   machine_info_start = machine_info()
   sys.stdout.write(json.dumps({'machine': machine_info_start}) + '\n')
   start = time.time()
   active = [g for g in GROUPS if wanted & set(g[1])]
   try:
-    items = [item for g in active for item in g[2](cfg)]
-    res = execute(items, cfg)
-    for _, names, _, parse in active:
+    plans = {g[0]: g[2](cfg) for g in active}
+    res = execute([item for g in active for item in plans[g[0]]], cfg)
+    for group, names, _, parse in active:
       done = len(records)
       try:
         parse(cfg, res, emit)
@@ -1638,7 +2005,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         seen = {r['figure'] for r in records[done:]}
         for name in names:
           if name not in seen:
-            emit(error_record(name, f'{type(e).__name__}: {e}'))
+            emit(error_record(name, e if isinstance(e, NotRun) else
+                              f'{type(e).__name__}: {e}'))
+      # The machine's load when the group's processes started and ended.
+      loads = [r['load'] for r in (res.get(i.key) for i in plans[group])
+               if isinstance(r, dict) and 'load' in r]
+      for rec in records[done:]:
+        if loads:
+          rec['load_avg'] = [round(loads[0][0], 2), round(loads[-1][1], 2)]
+        sys.stdout.write(json.dumps(rec) + '\n')
+      sys.stdout.flush()
   finally:
     if args.workdir:  # Keep the directory given, drop what the run wrote.
       for child in workdir.iterdir():
@@ -1649,7 +2025,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   log(f'done in {seconds:.0f} s')
   sys.stdout.write(json.dumps({'run': {
       'seconds': seconds, 'loadavg_end': os.getloadavg()[0],
-      'smoke': cfg.smoke, 'repeats': cfg.repeats}}) + '\n')
+      'smoke': cfg.smoke, 'repeats': args.repeats,
+      'check_params': cfg.check_size, 'check_dtype': cfg.check_dtype,
+      'curve_params': cfg.curve_sizes, 'big_params': cfg.big_size}}) + '\n')
   write = args.write if args.write is not None else not (
       args.smoke or args.only)
   if write:

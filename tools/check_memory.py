@@ -45,13 +45,16 @@ MIB = 1 << 20
 
 def make_variables(n_params: int, depth: int, dtype: str, *,
                    seed: int = 0) -> dict:
-  """{'params': {'layer_NN': {'kernel', 'bias'}}}, jax arrays of `dtype`."""
+  """{'params': {'layer_NN': {'kernel', 'bias'}}}, jax arrays of `dtype`.
+
+  Drawn layer by layer in `dtype` itself: no float32 copy of the weights.
+  """
   import jax
   import jax.numpy as jnp
   width = bench.mlp_width(n_params, depth)
   dt = jnp.dtype(dtype)
-  init = jax.jit(lambda k: (jax.random.normal(k, (width, width), jnp.float32)
-                            * (1.0 / math.sqrt(width))).astype(dt))
+  init = jax.jit(lambda k: jax.random.normal(k, (width, width), dt)
+                 * jnp.asarray(1.0 / math.sqrt(width), dt))
   key = jax.random.PRNGKey(seed)
   params = {}
   for i in range(depth):
@@ -115,7 +118,7 @@ def worker_export(spec: dict[str, Any]) -> dict[str, Any]:
       exporter.export(
           t5export.InferenceState.create(variables).replace_step(r + 2))
   return {'phases': phases.phases, 'param_bytes': bench.param_bytes(variables),
-          'rss_before_first': rss_before}
+          'rss_before_first': rss_before, 'validate': spec['validate']}
 
 
 class _Steps:
