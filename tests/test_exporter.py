@@ -764,3 +764,38 @@ def test_owned_export_refuses_jax_arrays(tmp_path):
   path = exporter.export(state)
   np.testing.assert_array_equal(verify.load_params(path)['params']['w'],
                                 np.asarray(params['w']))
+
+
+def test_first_module_is_filled_in_the_background_and_a_failed_fill_publishes_nothing(
+    tmp_path, monkeypatch):
+  # The first module's variables are empty arrays TensorFlow adopted at
+  # once; a thread copies the params in while the graph is traced and
+  # saved. Its failure is the export's failure: nothing published or left
+  # behind, and the next export writes the right weights.
+  real = host_buffers.fill_later
+  filled = []
+
+  def failing(tree):
+    empty, _ = real(tree)
+
+    def copy():
+      filled.append(threading.current_thread().name)
+      raise MemoryError('the fill failed')
+    return empty, copy
+
+  monkeypatch.setattr(host_buffers, 'fill_later', failing)
+  params = jax.tree_util.tree_map(jnp.asarray, _dense_params(10))
+  exporter = t5export.SavedModelExporter(tmp_path / 'm', [_dense_signature()])
+  with pytest.raises(MemoryError, match='the fill failed'):
+    exporter.export(t5export.InferenceState.create(
+        {'params': params}).replace_step(1))
+  assert filled == ['t5export-fill']
+  assert os.listdir(tmp_path / 'm') == []
+  monkeypatch.setattr(host_buffers, 'fill_later', real)
+  path = exporter.export(t5export.InferenceState.create(
+      {'params': params}).replace_step(2))
+  loaded = verify.load_params(path)
+  for name in ('w', 'b'):
+    np.testing.assert_array_equal(loaded['params'][name],
+                                  np.asarray(params[name]))
+  assert t5export.read_metadata(path).check.checked

@@ -268,3 +268,31 @@ def test_gather_across_processes(t5_variables, t5_pickle, tmp_path):
   assert per_process[0]['encoder_layers_0/mlp/wi']['spec'] == ['data', 'model']
   assert {p: r['digest'] for p, r in per_process[0].items()} == {
       p: r['digest'] for p, r in per_process[1].items()}
+
+
+def test_fill_later_gives_empty_adoptable_arrays_and_the_copy():
+  rng = np.random.default_rng(0)
+  tree = {'a': rng.normal(size=(3, 5)).astype(np.float32),
+          'b': {'c': np.asarray(jnp.arange(7, dtype=jnp.bfloat16))}}
+  empty, copy = host_buffers.fill_later(tree)
+  assert jax.tree_util.tree_structure(empty) == jax.tree_util.tree_structure(
+      tree)
+  for out, src in zip(jax.tree_util.tree_leaves(empty),
+                      jax.tree_util.tree_leaves(tree)):
+    assert host_buffers.adoptable(out)
+    assert (out.shape, out.dtype) == (src.shape, src.dtype)
+    assert not np.shares_memory(out, src)
+  copy()
+  for out, src in zip(jax.tree_util.tree_leaves(empty),
+                      jax.tree_util.tree_leaves(tree)):
+    np.testing.assert_array_equal(out, src)
+
+
+@pytest.mark.parametrize('leaf', [
+    np.zeros(3, np.float64),  # JAX would store float32 (x64 is off).
+    jnp.zeros(3),  # Not numpy.
+    np.zeros(0, np.float32),  # Empty: nothing TF could adopt.
+    np.asarray(['a', 'b'])])
+def test_fill_later_declines_what_the_module_would_not_adopt(leaf):
+  assert host_buffers.fill_later({'ok': np.ones(2, np.float32),
+                                  'leaf': leaf}) is None

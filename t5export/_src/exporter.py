@@ -10,9 +10,11 @@ docs/internals.md, "One export, step by step".
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+import concurrent.futures
 import dataclasses
 import os
 import shutil
+import threading
 import time
 from typing import Any
 
@@ -22,6 +24,7 @@ import jax
 
 from t5export import errors
 from t5export._src import assets_extra
+from t5export._src import host_buffers
 from t5export._src import jax_artifacts as jax_artifacts_lib
 from t5export._src import jax_module
 from t5export._src import metadata
@@ -233,13 +236,14 @@ class SavedModelExporter:
           'kept as one of the newest. Metrics given: %s.', step,
           o.keep_best.metric, sorted(metrics))
     start = time.monotonic()
-    self._ensure_module(snap.variables, owned=snap.owned)
+    filling = self._ensure_module(snap.variables, owned=snap.owned)
     staging = self._dir.staging_dir(step)
     # The check's JAX side runs while the version is written.
     pending = (staged_check.begin(self._signatures, self._module, atol=o.atol,
-                                  rtol=o.rtol) if o.validate else None)
+                                  rtol=o.rtol, after=filling)
+               if o.validate else None)
     try:
-      written = self._writer.write(staging)
+      written = self._writer.write(staging, after=filling)
       logging.info('t5export: step %d: saved to %s in %.2fs (%s).', step,
                    staging, time.monotonic() - start,
                    'new variables' if written == 'variables' else 'full save')
@@ -255,6 +259,8 @@ class SavedModelExporter:
         versions_lib.fsync_tree(staging)
       self._dir.publish(staging, final)
     except BaseException:
+      if filling is not None:  # Nothing writes the variables after this.
+        concurrent.futures.wait([filling])
       if pending is not None:
         pending.abandon()
       shutil.rmtree(staging, ignore_errors=True)
@@ -267,17 +273,29 @@ class SavedModelExporter:
                  versions_lib.dir_nbytes(final) / 2**20, removed or 'nothing')
     return final
 
-  def _ensure_module(self, variables: Any, *, owned: bool) -> None:
-    """Builds the JaxModule on first use; assigns new values afterwards."""
+  def _ensure_module(self, variables: Any, *,
+                     owned: bool) -> concurrent.futures.Future | None:
+    """Builds the JaxModule on first use; assigns new values afterwards.
+
+    A first module built from views gets empty variables that a thread
+    fills beside the tracing; returns that thread's future (else None).
+    """
     if self._module is not None:
       self._module.update_variables(variables, owned=owned)
-      return
+      return None
     o = self._options
+    later = (None if owned or o.cast_bfloat16 else
+             host_buffers.fill_later(variables))
     module = serving.make_module(
-        variables, self._signatures, trainable=o.trainable,
-        jit_compile=o.jit_compile, platforms=o.platforms,
-        cast_bfloat16=o.cast_bfloat16, owned=owned,
-        serving_target=o.serving_target)
+        variables if later is None else later[0], self._signatures,
+        trainable=o.trainable, jit_compile=o.jit_compile,
+        platforms=o.platforms, cast_bfloat16=o.cast_bfloat16,
+        owned=owned or later is not None, serving_target=o.serving_target)
+    filling = None
+    if later is not None and module.shares_memory(later[0]):
+      filling = _in_background(later[1])
+    elif later is not None:  # TensorFlow copied the empty arrays.
+      module.update_variables(variables)
     if o.jax_artifacts:
       for sig in self._signatures:
         data = module.serialize_method(sig.name)
@@ -287,3 +305,19 @@ class SavedModelExporter:
         module, serving.serving_functions(module, self._signatures),
         reuse_graph=o.reuse_graph, durable=o.durable)
     self._module = module
+    return filling
+
+
+def _in_background(fn: Any) -> concurrent.futures.Future:
+  """Runs `fn()` in a new thread; its future."""
+  future: concurrent.futures.Future = concurrent.futures.Future()
+
+  def run() -> None:
+    try:
+      fn()
+    except BaseException as e:  # pylint: disable=broad-except
+      future.set_exception(e)
+    else:
+      future.set_result(None)
+  threading.Thread(target=run, name='t5export-fill', daemon=True).start()
+  return future

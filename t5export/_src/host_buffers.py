@@ -7,7 +7,7 @@ memory"). Light: never imports TensorFlow.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 import functools
 import math
 from typing import Any
@@ -41,6 +41,26 @@ def aligned_copy(source: Any, dtype: Any = None) -> np.ndarray:
   out = aligned_empty(source.shape, source.dtype if dtype is None else dtype)
   np.copyto(out, source, casting='no' if dtype is None else 'unsafe')
   return out
+
+
+def fill_later(tree: Any) -> tuple[Any, Callable[[], None]] | None:
+  """Empty aligned arrays shaped like `tree`, and the copy that fills them.
+
+  TensorFlow can adopt the empty arrays at once and the copy run beside the
+  tracing; None unless every leaf is a numpy array TF could adopt.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  if not all(isinstance(x, np.ndarray) and x.size and
+             _dlpack_dtype(x.dtype) and
+             x.dtype == jax.dtypes.canonicalize_dtype(x.dtype)
+             for x in leaves):
+    return None
+  empty = [aligned_empty(x.shape, x.dtype) for x in leaves]
+
+  def copy() -> None:
+    for out, x in zip(empty, leaves):
+      np.copyto(out, x, casting='no')
+  return jax.tree_util.tree_unflatten(treedef, empty), copy
 
 
 def _dlpack_dtype(dtype: np.dtype) -> bool:

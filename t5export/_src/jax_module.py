@@ -228,6 +228,14 @@ class JaxModule(tf.Module):
                        input_signature=[meta.input_signatures[method_name]],
                        jit_compile=jit_compile, autograph=False)
 
+  def shares_memory(self, variables: Any) -> bool:
+    """Whether every variable's memory is that of `variables`' numpy leaf."""
+    leaves = jax.tree_util.tree_leaves(variables)
+    return jax.default_backend() == 'cpu' and len(leaves) == len(
+        self.param_vars) and all(
+            jnp.from_dlpack(v.value()).unsafe_buffer_pointer() == x.ctypes.data
+            for v, x in zip(self.param_vars, leaves))
+
   def _variable_tree(self) -> Any:
     return jax.tree_util.tree_unflatten(self._meta.treedef,
                                         list(self.param_vars))

@@ -56,8 +56,11 @@ def require_samples(signatures: Sequence[Any]) -> None:
 
 
 def _references(requests: Sequence[tuple[Any, Mapping[str, Any]]],
-                module: Any) -> tuple[list[Any], float]:
+                module: Any, after: concurrent.futures.Future | None
+                ) -> tuple[list[Any], float]:
   """Each request's JAX outputs (numpy: no JAX buffer outlives this)."""
+  if after is not None:
+    after.result()  # The module's values are there.
   start = time.monotonic()
   expected = [sig.reference_outputs(module, inputs)
               for sig, inputs in requests]
@@ -68,13 +71,14 @@ class Pending:
   """A check whose JAX references are being computed; see `begin`."""
 
   def __init__(self, signatures: Sequence[Any], module: Any, *, atol: float,
-               rtol: float):
+               rtol: float, after: concurrent.futures.Future | None = None):
     self._requests = [(sig, inputs) for sig in signatures
                       for inputs in sample_batches(sig)]
     self._atol, self._rtol = atol, rtol
     self._pool = concurrent.futures.ThreadPoolExecutor(
         1, thread_name_prefix='t5export-check')
-    self._future = self._pool.submit(_references, self._requests, module)
+    self._future = self._pool.submit(_references, self._requests, module,
+                                     after)
 
   def finish(self, staging: str) -> metadata.Check:
     """Runs the staged version in TensorFlow and compares with the JAX side.
@@ -122,10 +126,12 @@ class Pending:
 
 
 def begin(signatures: Sequence[Any], module: Any, *, atol: float,
-          rtol: float) -> Pending:
+          rtol: float,
+          after: concurrent.futures.Future | None = None) -> Pending:
   """Starts the check of the version about to be written from `module`.
 
-  Returns at once; the JAX references run in a background thread. The
-  module's variables must not change until `finish` or `abandon` returns.
+  Returns at once; the JAX references run in a background thread, once
+  `after` is done. The module's variables must not change until `finish`
+  or `abandon` returns.
   """
-  return Pending(signatures, module, atol=atol, rtol=rtol)
+  return Pending(signatures, module, atol=atol, rtol=rtol, after=after)

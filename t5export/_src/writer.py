@@ -84,8 +84,12 @@ class SavedModelWriter:
     """Whether the next version will be written as graph + variables only."""
     return self._template is not None
 
-  def write(self, directory: str) -> str:
-    """Writes the module into the new `directory`: 'full' or 'variables'."""
+  def write(self, directory: str, *,
+            after: concurrent.futures.Future | None = None) -> str:
+    """Writes the module into the new `directory`: 'full' or 'variables'.
+
+    The variables are read once `after` (their values arriving) is done.
+    """
     if self._template is not None:
       self._write_template(directory)
       self._write_weights(directory)
@@ -93,8 +97,12 @@ class SavedModelWriter:
     if self._reuse_graph:
       self._reuse_graph = False  # Captured now, or never possible.
       if self._save_graph(directory):
+        if after is not None:
+          after.result()
         self._write_weights(directory)
         return 'full'
+    if after is not None:
+      after.result()
     tf.saved_model.save(self._module, directory, signatures=self._signatures)
     return 'full'
 
