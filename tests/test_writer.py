@@ -173,12 +173,16 @@ def _record_fsyncs(monkeypatch) -> list[str]:
   return synced
 
 
+@pytest.mark.parametrize('validate', [True, False])
 def test_durable_fsyncs_every_file_and_directory_before_publishing(
-    tmp_path, monkeypatch):
+    tmp_path, monkeypatch, validate):
+  # Checked: the staged tree is fsync-ed beside the check; unchecked: each
+  # shard by its writer thread. Either way all of it before the rename.
   synced = _record_fsyncs(monkeypatch)
   export_dir = tmp_path / 'm'
   exporter = t5export.SavedModelExporter(
-      export_dir, [_signature()], options=t5export.ExportOptions(keep=1))
+      export_dir, [_signature()],
+      options=t5export.ExportOptions(keep=1, validate=validate))
   for seed, step in ((0, 1), (1, 2)):  # A full save, then graph + variables.
     del synced[:]
     final = exporter.export(_state(seed, step))

@@ -249,13 +249,22 @@ class SavedModelExporter:
                    'new variables' if written == 'variables' else 'full save')
       check = _NOT_CHECKED
       if pending is not None:
-        check, pending = pending.finish(staging), None
+        # The disk flushes the weights while TensorFlow runs the check.
+        syncing = (_in_background(lambda: versions_lib.fsync_tree(staging))
+                   if o.durable else None)
+        try:
+          check, pending = pending.finish(staging), None
+        finally:  # The check's error, if any, is the one to raise.
+          if syncing is not None:
+            concurrent.futures.wait([syncing])
+        if syncing is not None:
+          syncing.result()
         logging.info('t5export: step %d: check %s.', step, check.summary())
       assets_extra.write(
           staging, module=self._module, signatures=self._signatures,
           artifacts=self._artifacts, snap=snap, check=check, metrics=metrics,
           options=o, model_name=os.path.basename(self._export_dir) or 'model')
-      if o.durable:
+      if o.durable:  # assets.extra/ and the directories; the rest is clean.
         versions_lib.fsync_tree(staging)
       self._dir.publish(staging, final)
     except BaseException:
@@ -303,7 +312,8 @@ class SavedModelExporter:
             data, sig.name, o.serving_target))
     self._writer = writer_lib.SavedModelWriter(
         module, serving.serving_functions(module, self._signatures),
-        reuse_graph=o.reuse_graph, durable=o.durable)
+        reuse_graph=o.reuse_graph,
+        fsync_shards=o.durable and not o.validate)
     self._module = module
     return filling
 

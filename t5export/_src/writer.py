@@ -1,8 +1,8 @@
 """Writes the SavedModel files of one version: the graph once, then weights.
 
 The first version's graph is `tf.saved_model.save` without its checkpoint;
-every version's weights are written in parallel shards, each fsync-ed by
-its thread; later versions reuse the first one's weight-independent files
+every version's weights are written in parallel shards (each fsync-ed by
+its thread, unless the exporter fsyncs them beside its check); later versions reuse the first one's weight-independent files
 (`saved_model.pb`, `assets/`). Why and how: docs/internals.md.
 """
 
@@ -65,8 +65,8 @@ class SavedModelWriter:
   def __init__(self, module: jax_module.JaxModule,
                signatures: Mapping[str, Any], *,
                reuse_graph: bool = True, shards: int | None = None,
-               durable: bool = True):
-    """reuse_graph=False writes every version in full; durable fsyncs."""
+               fsync_shards: bool = True):
+    """reuse_graph=False: every version in full; fsync_shards: as written."""
     if shards is not None and (not isinstance(shards, int) or
                                isinstance(shards, bool) or shards < 1):
       raise ValueError(f'shards must be an int >= 1 or None, got {shards!r}.')
@@ -74,7 +74,7 @@ class SavedModelWriter:
     self._signatures = dict(signatures)
     self._reuse_graph = reuse_graph
     self._shards = shards or default_shards()
-    self._durable = durable
+    self._fsync_shards = fsync_shards
     self._template: dict[str, bytes] | None = None
     self._keys: list[str] | None = None
     self._object_graph: bytes | None = None
@@ -217,7 +217,7 @@ class SavedModelWriter:
     with tf.device('/CPU:0'):
       tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names,
                         shape_and_slices=[''] * len(names), tensors=tensors)
-    if not self._durable:
+    if not self._fsync_shards:
       return
     # fsync here, so flushing overlaps the other shards' writes.
     data = prefix + '.data-00000-of-00001'
