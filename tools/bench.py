@@ -778,7 +778,8 @@ def worker_serving(spec: dict[str, Any]) -> dict[str, Any]:
 
   'tf' is the TF1 session path TF Serving runs; 'eager' the loaded
   signature called eagerly; 'tf_xla' a plain tf.function(jit_compile=True)
-  of the same layers (no jax2tf): TensorFlow's XLA floor for this math.
+  of the same layers (no jax2tf): TensorFlow's XLA floor for this math;
+  '<name>@1' the same with the process pinned to one CPU.
 
   spec: n_params, depth, calls, repeats, workdir.
   """
@@ -804,6 +805,7 @@ def worker_serving(spec: dict[str, Any]) -> dict[str, Any]:
     return x
 
   jitted = jax.jit(_serve)
+  cpus = os.sched_getaffinity(0)
   out: dict[str, Any] = {}
   rng = np.random.default_rng(0)
   for batch in (1, 32):
@@ -821,20 +823,33 @@ def worker_serving(spec: dict[str, Any]) -> dict[str, Any]:
       for fn in run.values():
         fn()
     rows = []
-    names = list(run)
+    # 'tf@1', 'jax@1': the whole process pinned to one CPU (does the call
+    # use a second core at all?).
+    names = list(run) + (['tf@1', 'jax@1'] if len(cpus) > 1 else [])
     for r in range(spec['repeats']):
       order = names[r % len(names):] + names[:r % len(names)]  # Interleaved.
       t = {}
       for which in (order if r % 2 == 0 else order[::-1]):
+        fn = run[which.split('@')[0]]
+        _pin_process({min(cpus)} if '@' in which else cpus)
+        fn()
         calls = []
         for _ in range(spec['calls']):
           c0 = time.perf_counter()
-          run[which]()
+          fn()
           calls.append(time.perf_counter() - c0)
         t[which] = statistics.median(calls)
+      _pin_process(cpus)
       rows.append(t)
     out[f'b{batch}'] = rows
   return out
+
+
+def _pin_process(cpus: set[int]) -> None:
+  """Sets the CPU affinity of every thread of this process."""
+  for tid in os.listdir('/proc/self/task'):
+    with contextlib.suppress(OSError):
+      os.sched_setaffinity(int(tid), cpus)
 
 
 def _adam_checkpoint(spec: dict[str, Any]) -> dict[str, Any]:
@@ -1242,6 +1257,13 @@ def parse_serving(cfg: Config, res: Results,
         tf_xla_plain_vs_jax=_median([x['tf_xla'] / x['jax'] for x in rows]),
         savedmodel_vs_tf_xla_plain=_median(
             [x['tf'] / x['tf_xla'] for x in rows]),
+        **({'savedmodel_vs_jax_one_cpu': _median(
+            [x['tf@1'] / x['jax@1'] for x in rows]),
+            'savedmodel_second_cpu_speedup': _median(
+                [x['tf@1'] / x['tf'] for x in rows]),
+            'jax_second_cpu_speedup': _median(
+                [x['jax@1'] / x['jax'] for x in rows])}
+           if 'jax@1' in rows[0] else {}),
         n_params=cfg.serve_size, calls_per_run=cfg.serve_calls))
 
 
