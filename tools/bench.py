@@ -838,8 +838,26 @@ def worker_artifact(spec: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
+def _session_signature(path: str) -> Callable[[Any], Any]:
+  """serving_default as TF Serving runs it: a TF1 session on the loaded
+  graph, called through Session::RunCallable (no Python feed handling)."""
+  import tensorflow as tf
+  graph = tf.Graph()
+  sess = tf.compat.v1.Session(graph=graph)
+  with graph.as_default():
+    meta = tf.compat.v1.saved_model.loader.load(sess, ['serve'], path)
+  sig = meta.signature_def['serving_default']
+  return sess.make_callable(graph.get_tensor_by_name(sig.outputs['y'].name),
+                            [graph.get_tensor_by_name(sig.inputs['x'].name)])
+
+
 def worker_serving(spec: dict[str, Any]) -> dict[str, Any]:
   """Exported SavedModel vs jax.jit of the same function, batch 1 and 32.
+
+  'tf' is the TF1 session path TF Serving runs; 'eager' the loaded
+  signature called eagerly; 'tf_xla' a plain tf.function(jit_compile=True)
+  of the same layers (no jax2tf): TensorFlow's XLA floor for this math;
+  '<name>@1' the same with the process pinned to one CPU.
 
   spec: n_params, depth, calls, repeats, workdir.
   """
@@ -851,37 +869,65 @@ def worker_serving(spec: dict[str, Any]) -> dict[str, Any]:
   side = OursSide(pathlib.Path(spec['workdir']) / 'ours', width,
                   validate=False)
   path = side.export(variables, 1)
-  loaded = tf.saved_model.load(path)
-  fn = loaded.signatures['serving_default']
+  session_fn = _session_signature(path)
+  eager_fn = tf.saved_model.load(path).signatures['serving_default']
+  layers = [(tf.Variable(np.asarray(p['kernel'])),
+             tf.Variable(np.asarray(p['bias'])))
+            for _, p in sorted(variables['params'].items())]
+
+  @functools.partial(tf.function, jit_compile=True, autograph=False)
+  def plain(x):
+    for i, (kernel, bias) in enumerate(layers):
+      x = tf.matmul(x, kernel) + bias
+      x = tf.nn.relu(x) if i + 1 < len(layers) else x
+    return x
+
   jitted = jax.jit(_serve)
+  cpus = os.sched_getaffinity(0)
   out: dict[str, Any] = {}
   rng = np.random.default_rng(0)
   for batch in (1, 32):
     x = rng.standard_normal((batch, width)).astype(np.float32)
     xt = tf.constant(x)
     xj = jax.device_put(x)
-    y_tf = fn(x=xt)['y'].numpy()
-    y_jax = np.asarray(jitted(variables, {'x': xj})['y'])
-    np.testing.assert_allclose(y_tf, y_jax, rtol=1e-3, atol=1e-3)
+    run = {'tf': lambda: session_fn(x),
+           'eager': lambda: eager_fn(x=xt)['y'].numpy(),
+           'tf_xla': lambda: plain(xt).numpy(),
+           'jax': lambda: jitted(variables, {'x': xj})['y'].block_until_ready()}
+    y_jax = np.asarray(run['jax']())
+    for name in ('tf', 'eager', 'tf_xla'):
+      np.testing.assert_allclose(run[name](), y_jax, rtol=1e-3, atol=1e-3)
     for _ in range(3):  # Warm-up.
-      fn(x=xt)['y'].numpy()
-      jitted(variables, {'x': xj})['y'].block_until_ready()
+      for fn in run.values():
+        fn()
     rows = []
+    # 'tf@1', 'jax@1': the whole process pinned to one CPU (does the call
+    # use a second core at all?).
+    names = list(run) + (['tf@1', 'jax@1'] if len(cpus) > 1 else [])
     for r in range(spec['repeats']):
+      order = names[r % len(names):] + names[:r % len(names)]  # Interleaved.
       t = {}
-      for which in (('tf', 'jax') if r % 2 == 0 else ('jax', 'tf')):
+      for which in (order if r % 2 == 0 else order[::-1]):
+        fn = run[which.split('@')[0]]
+        _pin_process({min(cpus)} if '@' in which else cpus)
+        fn()
         calls = []
         for _ in range(spec['calls']):
           c0 = time.perf_counter()
-          if which == 'tf':
-            fn(x=xt)['y'].numpy()
-          else:
-            jitted(variables, {'x': xj})['y'].block_until_ready()
+          fn()
           calls.append(time.perf_counter() - c0)
         t[which] = statistics.median(calls)
+      _pin_process(cpus)
       rows.append(t)
     out[f'b{batch}'] = rows
   return out
+
+
+def _pin_process(cpus: set[int]) -> None:
+  """Sets the CPU affinity of every thread of this process."""
+  for tid in os.listdir('/proc/self/task'):
+    with contextlib.suppress(OSError):
+      os.sched_setaffinity(int(tid), cpus)
 
 
 def _adam_checkpoint(spec: dict[str, Any]) -> dict[str, Any]:
@@ -1330,8 +1376,19 @@ def parse_serving(cfg: Config, res: Results,
     rows = r[f'b{batch}']
     emit(figure_record(
         f'serving_latency_b{batch}', [x['tf'] / x['jax'] for x in rows],
-        savedmodel_ms=1e3 * _median([x['tf'] for x in rows]),
+        savedmodel_session_ms=1e3 * _median([x['tf'] for x in rows]),
         jax_jit_ms=1e3 * _median([x['jax'] for x in rows]),
+        eager_signature_vs_jax=_median([x['eager'] / x['jax'] for x in rows]),
+        tf_xla_plain_vs_jax=_median([x['tf_xla'] / x['jax'] for x in rows]),
+        savedmodel_vs_tf_xla_plain=_median(
+            [x['tf'] / x['tf_xla'] for x in rows]),
+        **({'savedmodel_vs_jax_one_cpu': _median(
+            [x['tf@1'] / x['jax@1'] for x in rows]),
+            'savedmodel_second_cpu_speedup': _median(
+                [x['tf@1'] / x['tf'] for x in rows]),
+            'jax_second_cpu_speedup': _median(
+                [x['jax@1'] / x['jax'] for x in rows])}
+           if 'jax@1' in rows[0] else {}),
         n_params=cfg.serve_size, calls_per_run=cfg.serve_calls))
 
 
