@@ -250,8 +250,8 @@ class SavedModelExporter:
       check = _NOT_CHECKED
       if pending is not None:
         # The disk flushes the weights while TensorFlow runs the check.
-        syncing = (_in_background(lambda: versions_lib.fsync_tree(staging))
-                   if o.durable else None)
+        syncing = (_in_background(lambda: versions_lib.fsync_tree(staging),
+                                  't5export-fsync') if o.durable else None)
         try:
           check, pending = pending.finish(staging), None
         finally:  # The check's error, if any, is the one to raise.
@@ -302,7 +302,7 @@ class SavedModelExporter:
         owned=owned or later is not None, serving_target=o.serving_target)
     filling = None
     if later is not None and module.shares_memory(later[0]):
-      filling = _in_background(later[1])
+      filling = _in_background(later[1], 't5export-fill')
     elif later is not None:  # TensorFlow copied the empty arrays.
       module.update_variables(variables)
     if o.jax_artifacts:
@@ -318,8 +318,8 @@ class SavedModelExporter:
     return filling
 
 
-def _in_background(fn: Any) -> concurrent.futures.Future:
-  """Runs `fn()` in a new thread; its future."""
+def _in_background(fn: Any, name: str) -> concurrent.futures.Future:
+  """Runs `fn()` in a new thread called `name`; its future."""
   future: concurrent.futures.Future = concurrent.futures.Future()
 
   def run() -> None:
@@ -329,5 +329,5 @@ def _in_background(fn: Any) -> concurrent.futures.Future:
       future.set_exception(e)
     else:
       future.set_result(None)
-  threading.Thread(target=run, name='t5export-fill', daemon=True).start()
+  threading.Thread(target=run, name=name, daemon=True).start()
   return future
