@@ -511,3 +511,27 @@ def test_read_params_returns_arrays_tensorflow_can_adopt(t5x_checkpoint_dir):
   for path, leaf in flat.items():
     assert host_buffers.adoptable(leaf), (
         path, leaf.ctypes.data % 64, leaf.flags)
+
+
+def test_reading_moves_each_array_without_holding_a_second_copy(tmp_path):
+  # orbax gives arrays TensorFlow cannot adopt as they are; read_params
+  # moves each to aligned memory. The one it replaces must be freed at
+  # once: holding them all until the end doubled the read's peak (measured
+  # 2.08x the params; 1.1-1.25x with each freed as it is replaced).
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  import _report  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  params = {f'layer_{i}': rng.standard_normal((1024, 1024), np.float32)
+            for i in range(32)}  # 128 MiB in 32 leaves.
+  ocp.PyTreeCheckpointer().save(tmp_path / 'ckpt', {'params': params})
+  report = tmp_path / 'report.jsonl'
+  here = pathlib.Path(__file__).resolve().parent
+  proc = subprocess.run(
+      [sys.executable, str(here / '_read_peak_worker.py'),
+       str(tmp_path / 'ckpt')], env=_report.env_for_file(report),
+      cwd=here.parent, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  (row,) = _report.read(report)
+  assert row['adoptable']
+  assert row['peak_added'] < 1.6, row

@@ -295,6 +295,9 @@ def read_params(path: str | os.PathLike[str], *,
   if step is None and parts['step'] is not None and np.size(
       parts['step']) == 1:
     step = int(np.asarray(parts['step']))
+  # Only `params` and `mutables` hold the arrays now, so each one that
+  # make_adoptable replaces is freed at once (else a second copy builds up).
+  del parts
   # The arrays are owned (read for this call alone): make them adoptable.
   moved = host_buffers.make_adoptable(params) + host_buffers.make_adoptable(
       mutables)

@@ -1,0 +1,40 @@
+"""Child of tests/test_checkpoints.py: the peak memory of `read_params`.
+
+In a fresh process with the CLI's allocator setting, so freed leaf buffers
+go back to the OS; reports the peak RSS the read adds over the params'
+bytes (the kernel's VmHWM after clear_refs) to the test's report file.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import _report  # tests/ is on sys.path.
+from t5export import offline
+from t5export._src import checkpoints
+from t5export._src import host_buffers
+from t5export._src import paths
+
+
+def _status(key: str) -> int:
+  with open('/proc/self/status', encoding='ascii') as f:
+    for line in f:
+      if line.startswith(key):
+        return int(line.split()[1]) * 1024
+  raise KeyError(key)
+
+
+def main(ckpt: str) -> None:
+  offline.release_freed_memory()
+  with open('/proc/self/clear_refs', 'w', encoding='ascii') as f:
+    f.write('5')  # VmHWM := VmRSS.
+  before = _status('VmRSS:')
+  contents = checkpoints.read_params(ckpt)
+  nbytes = host_buffers.tree_nbytes(contents.params)
+  _report.emit({'peak_added': (_status('VmHWM:') - before) / nbytes,
+                'adoptable': all(host_buffers.adoptable(x) for x in
+                                 paths.flatten(contents.params).values())})
+
+
+if __name__ == '__main__':
+  main(sys.argv[1])
