@@ -10,28 +10,21 @@ from __future__ import annotations
 import sys
 
 import _report  # tests/ is on sys.path.
+import proc_memory  # tests/ is on sys.path.
 from t5export import offline
 from t5export._src import checkpoints
 from t5export._src import host_buffers
 from t5export._src import paths
 
 
-def _status(key: str) -> int:
-  with open('/proc/self/status', encoding='ascii') as f:
-    for line in f:
-      if line.startswith(key):
-        return int(line.split()[1]) * 1024
-  raise KeyError(key)
-
-
 def main(ckpt: str) -> None:
   offline.release_freed_memory()
-  with open('/proc/self/clear_refs', 'w', encoding='ascii') as f:
-    f.write('5')  # VmHWM := VmRSS.
-  before = _status('VmRSS:')
+  proc_memory.reset_peak()
+  before = proc_memory.status('VmRSS:')
   contents = checkpoints.read_params(ckpt)
   nbytes = host_buffers.tree_nbytes(contents.params)
-  _report.emit({'peak_added': (_status('VmHWM:') - before) / nbytes,
+  peak = proc_memory.status('VmHWM:')
+  _report.emit({'peak_added': (peak - before) / nbytes,
                 'adoptable': all(host_buffers.adoptable(x) for x in
                                  paths.flatten(contents.params).values())})
 

@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 import _report  # tests/ is on sys.path.
+import proc_memory  # tests/ is on sys.path.
 import t5export
 from t5export._src import verify
 from t5export._src import xla_schedule
@@ -29,14 +30,6 @@ def _mlp(variables, inputs):
   for i in range(DEPTH):
     h = jnp.tanh(h @ variables['params'][f'layer_{i}'])
   return {'y': h.astype(jnp.float32)}
-
-
-def _status(key: str) -> int:
-  with open('/proc/self/status', encoding='ascii') as f:
-    for line in f:
-      if line.startswith(key):
-        return int(line.split()[1]) * 1024
-  raise KeyError(key)
 
 
 def main(export_dir: str) -> None:
@@ -53,12 +46,11 @@ def main(export_dir: str) -> None:
   path = exporter.export(t5export.InferenceState.create(
       {'params': params}).replace_step(1))
   flags_before = os.environ.get('XLA_FLAGS')
-  with open('/proc/self/clear_refs', 'w', encoding='ascii') as f:
-    f.write('5')  # VmHWM := VmRSS.
-  rss = _status('VmRSS:')
+  proc_memory.reset_peak()
+  rss = proc_memory.status('VmRSS:')
   (out,) = verify.run_signatures_isolated(path, [('serving_default',
                                                    {'x': x})])
-  added = (_status('VmHWM:') - rss) / (WIDTH * WIDTH * DEPTH * 2)
+  added = (proc_memory.status('VmHWM:') - rss) / (WIDTH * WIDTH * DEPTH * 2)
   np.testing.assert_allclose(out['y'], np.asarray(_mlp(
       {'params': params}, {'x': x})['y']), atol=2e-2)
   _report.emit({'added': added, 'applied': xla_schedule._applied,  # pylint: disable=protected-access
