@@ -2,8 +2,9 @@
 
 The first version's graph is `tf.saved_model.save` without its checkpoint;
 every version's weights are written in parallel shards (each fsync-ed by
-its thread, unless the exporter fsyncs them beside its check); later versions reuse the first one's weight-independent files
-(`saved_model.pb`, `assets/`). Why and how: docs/internals.md.
+its thread, unless the exporter fsyncs them beside its check); later
+versions reuse the first one's weight-independent files (`saved_model.pb`,
+`assets/`). Why and how: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -94,16 +95,15 @@ class SavedModelWriter:
       self._write_template(directory)
       self._write_weights(directory)
       return 'variables'
-    if self._reuse_graph:
-      self._reuse_graph = False  # Captured now, or never possible.
-      if self._save_graph(directory):
-        if after is not None:
-          after.result()
-        self._write_weights(directory)
-        return 'full'
+    reuse, self._reuse_graph = self._reuse_graph, False  # Now or never.
+    graph_saved = reuse and self._save_graph(directory)
     if after is not None:
       after.result()
-    tf.saved_model.save(self._module, directory, signatures=self._signatures)
+    if graph_saved:
+      self._write_weights(directory)
+    else:
+      tf.saved_model.save(self._module, directory,
+                          signatures=self._signatures)
     return 'full'
 
   def _save_graph(self, directory: str) -> bool:
