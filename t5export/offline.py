@@ -98,10 +98,8 @@ _SERVING_TF_VERSION = flags.DEFINE_string(
 
 
 def rewrite_args(argv: Sequence[str]) -> list[str]:
-  """Rewrites T5X's `--gin.NAME=VALUE` and `--no_<flag>` for absl.
-
-  They become `--gin_bindings=NAME = VALUE` and `--novalidate` (absl's).
-  """
+  """T5X's `--gin.NAME=VALUE` and `--no_<flag>` as absl's `--gin_bindings=NAME
+  = VALUE` and `--no<flag>`."""
   out = []
   for arg in argv:
     if arg.startswith('--gin.'):
@@ -147,35 +145,14 @@ def _load_options(overrides: dict[str, Any]) -> offline_export.OfflineOptions:
   return options
 
 
-def _cleanup(export_dir: str, existed: bool, before: set[str]) -> None:
-  """Leaves `export_dir` as it was before a failed run."""
-  if not os.path.isdir(export_dir):
-    return
-  for name in set(os.listdir(export_dir)) - before:
-    if name.startswith('.tmp-'):
-      shutil.rmtree(os.path.join(export_dir, name), ignore_errors=True)
-  if not existed and not os.listdir(export_dir):
-    os.rmdir(export_dir)
-
-
-def _one_line(e: BaseException) -> str:
-  text = ' '.join(line.strip() for line in str(e).splitlines() if line.strip())
-  return f'{type(e).__name__}: {text}'
-
-
-# glibc's mallopt parameter M_MMAP_THRESHOLD (malloc.h).
-_M_MMAP_THRESHOLD = -3
-_MMAP_THRESHOLD_BYTES = 128 * 1024
-
-
 def release_freed_memory() -> bool:
   """Fixes glibc's mmap threshold so freed leaf buffers go back to the OS.
 
   True if the allocator accepted it. Why: docs/internals.md, Offline.
   """
   try:
-    libc = ctypes.CDLL('libc.so.6')
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES))
+    # mallopt(M_MMAP_THRESHOLD (-3 in malloc.h), 128 KiB).
+    return bool(ctypes.CDLL('libc.so.6').mallopt(-3, 128 * 1024))
   except (OSError, AttributeError):
     return False  # Not glibc: nothing to tune.
 
@@ -188,36 +165,39 @@ def main(argv: Sequence[str]) -> None:
   export_dir = os.path.abspath(_EXPORT_DIR.value)
   existed = os.path.isdir(export_dir)
   before = set(os.listdir(export_dir)) if existed else set()
-
   # The ExportOptions fields the command line sets (the flags given).
   overrides = {name: flag.value for name, flag in (
       ('overwrite', _OVERWRITE), ('platforms', _PLATFORMS),
       ('validate', _VALIDATE), ('serving_tf_version', _SERVING_TF_VERSION),
       ('durable', _DURABLE))
                if flag.value is not None}
-
   try:
     # The flags' values fail here, before the checkpoint is read.
     options_lib.ExportOptions(**overrides)
     offline_export.export_checkpoint(
         _CKPT.value, export_dir, step=_STEP.value, dtype=_DTYPE.value,
         options=functools.partial(_load_options, overrides))
-  except (errors.T5ExportError, ValueError, TypeError, OSError, KeyError,
-          RuntimeError) as e:
-    _cleanup(export_dir, existed, before)
-    if not isinstance(e, (errors.T5ExportError, ValueError, TypeError,
-                          OSError)):
+  except BaseException as e:
+    # Leave `export_dir` as it was before the failed run.
+    if os.path.isdir(export_dir):
+      for name in set(os.listdir(export_dir)) - before:
+        if name.startswith('.tmp-'):
+          shutil.rmtree(os.path.join(export_dir, name), ignore_errors=True)
+      if not existed and not os.listdir(export_dir):
+        os.rmdir(export_dir)
+    expected = (errors.T5ExportError, ValueError, TypeError, OSError)
+    if not isinstance(e, (*expected, KeyError, RuntimeError)):
+      raise
+    if not isinstance(e, expected):
       logging.exception('offline: unexpected failure.')
-    print(f't5export.offline: error: {_one_line(e)}', file=sys.stderr,
-          flush=True)
+    text = ' '.join(line.strip() for line in str(e).splitlines()
+                    if line.strip())
+    print(f't5export.offline: error: {type(e).__name__}: {text}',
+          file=sys.stderr, flush=True)
     sys.exit(1)
-  except BaseException:
-    _cleanup(export_dir, existed, before)
-    raise
 
 
 def run() -> None:
   """Entry point: rewrites T5X-style gin flags, then runs `main`."""
   app.run(main, flags_parser=lambda argv: app.parse_flags_with_usage(
       rewrite_args(argv)))
-

@@ -61,34 +61,19 @@ def _step_of_name(name: str, *, strict: bool = False) -> int | None:
   `strict` (for a path given directly, whose name may be unrelated to a step)
   accepts only '<N>' and 'checkpoint_<N>'. Temporary directories: None.
   """
-  if 'tmp' in name:
-    return None
   match = _STEP_NAME.match(name)
-  if not match:
-    return None
-  if strict and match.group('prefix') not in (None, 'checkpoint'):
+  if 'tmp' in name or not match or (
+      strict and match.group('prefix') not in (None, 'checkpoint')):
     return None
   return int(match.group('step'))
-
-
-def _orbax_items(path: str) -> list[str]:
-  """Orbax PyTree item directories under a step directory, likeliest first."""
-  try:
-    names = os.listdir(path)
-  except OSError:
-    return []
-  rank = {n: i for i, n in enumerate(_ITEM_PREFERENCE)}
-  items = [n for n in names if _is_orbax_item(os.path.join(path, n))]
-  items.sort(key=lambda n: (rank.get(n, len(rank)), n))
-  return [os.path.join(path, n) for n in items]
 
 
 def _locate_single(path: str) -> Located | None:
   """Identifies one checkpoint (not a directory of steps), or None."""
   path = os.path.abspath(path)
   name_step = _step_of_name(os.path.basename(path), strict=True)
-  parent_step = _step_of_name(os.path.basename(os.path.dirname(path)),
-                              strict=True)
+  parent = os.path.dirname(path)
+  parent_step = _step_of_name(os.path.basename(parent), strict=True)
   if os.path.isfile(path):
     fmt = msgpack_checkpoints.file_format(path)
     step = parent_step if fmt == T5X else name_step
@@ -97,40 +82,32 @@ def _locate_single(path: str) -> Located | None:
     # An item of a CheckpointManager step: the step directory has the step.
     in_step_dir = not os.path.isfile(
         os.path.join(path, _ORBAX_STEP_METADATA)) and os.path.isfile(
-            os.path.join(os.path.dirname(path), _ORBAX_STEP_METADATA))
+            os.path.join(parent, _ORBAX_STEP_METADATA))
     return Located(ORBAX, path, parent_step if in_step_dir else name_step)
   t5x_file = os.path.join(path, msgpack_checkpoints.T5X_FILE)
   if msgpack_checkpoints.file_format(t5x_file) == T5X:
     return Located(T5X, t5x_file, name_step)
-  items = _orbax_items(path)
-  if items:
-    with_params = [i for i in items if _has_params(i)]
-    return Located(ORBAX, (with_params or items)[0], name_step)
-  return None
+  try:
+    names = os.listdir(path)
+  except OSError:
+    return None
+  # The step's orbax items, likeliest first; one holding params wins.
+  rank = {n: i for i, n in enumerate(_ITEM_PREFERENCE)}
+  items = sorted((n for n in names if _is_orbax_item(os.path.join(path, n))),
+                 key=lambda n: (rank.get(n, len(rank)), n))
+  items = [os.path.join(path, n) for n in items]
+  with_params = [i for i in items if _has_params(i)]
+  return Located(ORBAX, (with_params or items)[0], name_step) if items else None
 
 
 def _has_params(item_dir: str) -> bool:
   """Whether an orbax item's tree holds params (by its `_METADATA`)."""
   try:
-    structure = orbax_checkpoints.structure(item_dir)
-    _select(structure, item_dir)
+    _select(orbax_checkpoints.structure(item_dir), item_dir)
   except (errors.T5ExportError, OSError, ValueError, KeyError, TypeError,
           AttributeError):
     return False
   return True
-
-
-def _steps_under(path: str) -> dict[int, Located]:
-  """Checkpoints in the numbered entries of a manager / model directory."""
-  found = {}
-  for name in os.listdir(path):
-    step = _step_of_name(name)
-    if step is None:
-      continue
-    located = _locate_single(os.path.join(path, name))
-    if located is not None:
-      found[step] = dataclasses.replace(located, step=step)
-  return found
 
 
 def _locate(path: str | os.PathLike[str], step: int | None) -> Located:
@@ -142,14 +119,19 @@ def _locate(path: str | os.PathLike[str], step: int | None) -> Located:
         'directory or file (--ckpt).')
   located = _locate_single(path)
   if located is not None:
-    if step is not None and located.step is not None and located.step != step:
+    if step is not None and located.step not in (None, step):
       raise errors.CheckpointNotFoundError(
           f'{path!r} is the checkpoint of step {located.step}, not step '
           f'{step}. Pass the directory holding all steps, or drop the step.')
-    if step is not None and located.step is None:
+    if located.step is None:
       located = dataclasses.replace(located, step=step)
     return located
-  steps = _steps_under(path) if os.path.isdir(path) else {}
+  steps = {}  # The numbered entries of a manager / model directory.
+  for name in os.listdir(path) if os.path.isdir(path) else ():
+    entry_step = _step_of_name(name)
+    found = entry_step is not None and _locate_single(os.path.join(path, name))
+    if found:
+      steps[entry_step] = dataclasses.replace(found, step=entry_step)
   if not steps:
     raise errors.UnknownCheckpointFormatError(
         f'{path!r} is not a checkpoint t5export can read. Looked for '
@@ -212,11 +194,9 @@ def _get(tree: Mapping[str, Any], keypath: tuple[str, ...]) -> Any:
 
 def _numpy(tree: Any) -> Any:
   """Nested Mappings as plain dicts (orbax/flax give others), numpy leaves."""
-  def plain(node: Any) -> Any:
-    if isinstance(node, Mapping):
-      return {str(k): plain(v) for k, v in node.items()}
-    return node
-  return jax.tree_util.tree_map(np.asarray, plain(tree))
+  if isinstance(tree, Mapping):
+    return {str(k): _numpy(v) for k, v in tree.items()}
+  return jax.tree_util.tree_map(np.asarray, tree)
 
 
 def _read(located: Located) -> tuple[dict[str, Any], int | None]:
@@ -238,10 +218,10 @@ def _read(located: Located) -> tuple[dict[str, Any], int | None]:
           f"T5X checkpoint {path!r} has no 'optimizer' dict.")
   selection = _select(tree, path)
   if fmt == ORBAX:
-    keypaths = [selection['params'], *selection['mutables'].values()]
-    if selection['step'] is not None:
-      keypaths.append(selection['step'])
-    tree, bytes_read = orbax_checkpoints.restore(path, tree, keypaths)
+    keypaths = [selection['params'], *selection['mutables'].values(),
+                selection['step']]
+    tree, bytes_read = orbax_checkpoints.restore(
+        path, tree, [k for k in keypaths if k is not None])
   parts = {'params': _get(tree, selection['params']),
            'mutables': {name: _get(tree, keypath) for name, keypath
                         in selection['mutables'].items()},
@@ -312,22 +292,14 @@ def read_params(path: str | os.PathLike[str], *,
       bytes_read=bytes_read)
 
 
-def _shape_leaf(x: Any) -> bool:
+def _is_shape(x: Any) -> bool:
   return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
 
 
-def _shape(leaf: Any) -> tuple[int, ...]:
-  """The shape of an array, ShapeDtypeStruct or shape tuple."""
-  if _shape_leaf(leaf):
-    return tuple(leaf)
-  return tuple(int(d) for d in np.shape(leaf))
-
-
-def _flat(tree: Any) -> dict[str, Any]:
-  if isinstance(tree, Mapping) and tree and not any(
-      isinstance(v, Mapping) for v in tree.values()):
-    return {str(k): v for k, v in tree.items()}  # Already {path: leaf}.
-  return paths.flatten(tree, is_leaf=_shape_leaf)
+def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+  """{path: shape} of a tree whose leaves are arrays or shape tuples."""
+  return {p: x if _is_shape(x) else tuple(int(d) for d in np.shape(x))
+          for p, x in paths.flatten(tree, is_leaf=_is_shape).items()}
 
 
 def check_params_match(expected: Any, params: Any, *,
@@ -338,10 +310,10 @@ def check_params_match(expected: Any, params: Any, *,
   path. Either tree may be flat {path: leaf}; `expected` leaves may be
   arrays, ShapeDtypeStructs or shape tuples.
   """
-  want, got = _flat(expected), _flat(params)
+  want, got = _shapes(expected), _shapes(params)
   missing = [p for p in want if p not in got]
   unexpected = [p for p in got if p not in want]
-  shapes = {p: (_shape(want[p]), _shape(got[p])) for p in want if p in got}
-  wrong = [(p, str(w), str(g)) for p, (w, g) in shapes.items() if w != g]
+  wrong = [(p, str(want[p]), str(got[p])) for p in want
+           if p in got and want[p] != got[p]]
   if missing or unexpected or wrong:
     raise errors.ParamsMismatchError(missing, unexpected, wrong, source=source)

@@ -27,41 +27,34 @@ def file_format(path: str) -> str | None:
   """'t5x' for T5X's {'version': ..., 'optimizer': ...} file, 'flax_msgpack'
   for another file opening a msgpack map, else None. Reads the first key.
   """
+  size = None
   try:
     with open(path, 'rb') as f:
       unpacker = msgpack.Unpacker(f, raw=False, read_size=4096,
                                   max_buffer_size=_MSGPACK_LIMIT)
-      try:
-        size = unpacker.read_map_header()
-      except (ValueError, msgpack.exceptions.UnpackException):
-        return None
-      try:
-        t5x = size > 0 and unpacker.unpack() in ('version', 'optimizer')
-      except (ValueError, msgpack.exceptions.UnpackException):
-        t5x = False
+      size = unpacker.read_map_header()
+      t5x = size > 0 and unpacker.unpack() in ('version', 'optimizer')
   except OSError:
     return None
-  return 't5x' if t5x else 'flax_msgpack'
+  except (ValueError, msgpack.exceptions.UnpackException):
+    t5x = False
+  return None if size is None else 't5x' if t5x else 'flax_msgpack'
 
 
 def _decode_ndarray(data: bytes) -> np.ndarray:
   shape, dtype_name, buffer = msgpack.unpackb(data, raw=True)
-  if dtype_name == b'bfloat16':
-    dtype = jax.numpy.bfloat16
-  else:
-    dtype = np.dtype(dtype_name.decode())
+  dtype = (jax.numpy.bfloat16 if dtype_name == b'bfloat16' else
+           np.dtype(dtype_name.decode()))
   return np.frombuffer(buffer, dtype=dtype).reshape(shape).copy()
 
 
 def _ext_hook(code: int, data: bytes) -> Any:
   """Decodes flax's msgpack extension types (arrays, complex, scalars)."""
-  if code == 1:
-    return _decode_ndarray(data)
+  if code in (1, 3):
+    array = _decode_ndarray(data)
+    return array if code == 1 else array[()]
   if code == 2:
-    real, imag = msgpack.unpackb(data)
-    return complex(real, imag)
-  if code == 3:
-    return _decode_ndarray(data)[()]
+    return complex(*msgpack.unpackb(data))
   return msgpack.ExtType(code, data)
 
 
@@ -77,11 +70,8 @@ def _unchunk(tree: Any) -> Any:
 
 
 def _stream(unpacker: msgpack.Unpacker, depth: int) -> Any:
-  """The next value; in `depth` levels of maps optimizer keys are skipped.
-
-  'state' and 'optimizer' maps are descended into, 'opt_state' and
-  'param_states' values read past without being decoded.
-  """
+  """The next value, optimizer keys skipped undecoded in `depth` levels of
+  'state' / 'optimizer' maps."""
   try:
     size = unpacker.read_map_header()
   except ValueError:  # Not a map: read it whole.
@@ -99,10 +89,8 @@ def _stream(unpacker: msgpack.Unpacker, depth: int) -> Any:
 
 
 def read_tree(path: str, *, looked_for: str) -> Any:
-  """The decoded file without its optimizer subtrees (T5X specs stay dicts).
-
-  `looked_for` names the formats tried, for the error of an unreadable file.
-  """
+  """The decoded file without its optimizer subtrees (T5X specs stay dicts);
+  `looked_for` names the formats tried, for an unreadable file's error."""
   with open(path, 'rb') as f:
     unpacker = msgpack.Unpacker(
         f, raw=False, ext_hook=_ext_hook, strict_map_key=False,
@@ -140,11 +128,8 @@ def _absolute_spec(spec: dict[str, Any], ckpt_dir: str) -> dict[str, Any]:
 
 
 def read_tensorstore_leaves(tree: Any, path: str) -> tuple[Any, int]:
-  """`tree` with its TensorStore specs read, and the bytes of their files.
-
-  `path` is the T5X `checkpoint` file the relative specs are beside. All
-  arrays are opened and read concurrently.
-  """
+  """`tree` with its TensorStore specs (beside the T5X file `path`) read
+  concurrently, and the bytes of their files."""
   ckpt_dir = os.path.dirname(os.path.abspath(path))
   leaves = jax.tree_util.tree_leaves(tree, is_leaf=_is_ts_spec)
   specs = [_absolute_spec(x, ckpt_dir) for x in leaves if _is_ts_spec(x)]
@@ -158,8 +143,6 @@ def read_tensorstore_leaves(tree: Any, path: str) -> tuple[Any, int]:
   tree = jax.tree_util.tree_map(
       lambda x: np.asarray(next(reads).result()) if _is_ts_spec(x) else x,
       tree, is_leaf=_is_ts_spec)
-  nbytes = 0
-  for spec in specs:
-    for root, _, files in os.walk(_store(spec)['path']):
-      nbytes += sum(os.path.getsize(os.path.join(root, f)) for f in files)
-  return tree, nbytes
+  return tree, sum(os.path.getsize(os.path.join(root, f)) for spec in specs
+                   for root, _, files in os.walk(_store(spec)['path'])
+                   for f in files)

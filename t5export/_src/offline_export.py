@@ -40,13 +40,13 @@ class OfflineOptions:
     signatures: the `t5export.Signature`s to serve (required; checked by the
       exporter).
     init_fn: `init_fn(rng) -> variables` of the model (e.g. a partial of
-      `model.init`); run under `jax.eval_shape` only. Gives the expected
-      params (and mutables) for the check and their logical axes.
+      `model.init`), run under `jax.eval_shape` only: the expected params
+      (and mutables) for the check, and their logical axes.
     expected_params: the model's params tree (arrays, ShapeDtypeStructs or
       shape tuples), when there is no `init_fn`.
-    export_options: how the version is written, checked and kept (the same
-      `ExportOptions` as in training; the CLI's flags override fields);
-      default `ExportOptions()`.
+    export_options: how the version is written, checked and kept (the
+      training `ExportOptions`; the CLI's flags override fields); default
+      `ExportOptions()`.
 
   Raises:
     TypeError: `init_fn` is not callable, or `export_options` is not an
@@ -79,34 +79,28 @@ def _call_init(init_fn: Callable[..., Any], rng: jax.Array) -> Any:
     params = inspect.signature(init_fn).parameters
   except (TypeError, ValueError):
     params = {}
-  for name in ('rng', 'rngs', 'key'):
-    if name in params:
-      return init_fn(**{name: rng})
-  return init_fn(rng)
+  name = next((n for n in ('rng', 'rngs', 'key') if n in params), None)
+  return init_fn(rng) if name is None else init_fn(**{name: rng})
 
 
 def cast_params(params: Any, dtype: str | None) -> Any:
-  """The params with floating-point leaves cast to `dtype` (None: as is)."""
+  """The params with floating-point leaves cast to `dtype` (None: as is).
+
+  The casts are aligned, so the export hands them to TensorFlow uncopied.
+  """
   if dtype is None:
     return params
   target = jnp.dtype(dtype)
-
-  def cast(x: Any) -> Any:
-    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != target:
-      # Aligned, so the export can hand the result to TensorFlow uncopied.
-      return host_buffers.aligned_copy(x, target)
-    return x
-
-  return jax.tree_util.tree_map(cast, params)
+  return jax.tree_util.tree_map(
+      lambda x: host_buffers.aligned_copy(x, target) if jnp.issubdtype(
+          x.dtype, jnp.floating) and x.dtype != target else x, params)
 
 
 def _build_state(contents: checkpoints.CheckpointContents, step: int,
                  options: OfflineOptions, dtype: str | None,
                  ) -> train_state.InferenceState:
-  """The checkpoint's variables at `step`, checked against the model.
-
-  With `init_fn` the state has the model's logical axes.
-  """
+  """The checkpoint's variables at `step`, checked against the model (with
+  `init_fn`, the state has the model's logical axes)."""
   params = cast_params(contents.params, dtype)
   mutables = dict(contents.flax_mutables)
   if options.init_fn is not None:
@@ -131,13 +125,12 @@ def export_checkpoint(
   """Reads a checkpoint and publishes it as `<export_dir>/<step>/`.
 
   Args:
-    ckpt: the checkpoint path (see `checkpoints.read_params`).
+    ckpt: the checkpoint path (see `read_params`).
     export_dir: the export directory.
     step: the checkpoint step to read (default: the latest / its own).
     dtype: cast floating params to this dtype.
-    options: the options (signatures, model, `ExportOptions`), or a
-      function returning them, called once the checkpoint was read (the CLI
-      parses its gin files and applies its flags there); default
+    options: the `OfflineOptions`, or a function returning them, called once
+      the checkpoint was read (the CLI parses its gin files there); default
       `OfflineOptions()` from the parsed gin config.
 
   Returns:

@@ -44,8 +44,7 @@ def structure(item_dir: str) -> Any:
   """
   with open(os.path.join(item_dir, METADATA)) as f:
     metadata = json.load(f)
-  entries = metadata.get('tree_metadata') if isinstance(metadata,
-                                                        dict) else None
+  entries = isinstance(metadata, dict) and metadata.get('tree_metadata')
   if not isinstance(entries, dict):
     raise errors.UnknownCheckpointFormatError(
         f'Orbax checkpoint {item_dir!r} has a {METADATA} file without '
@@ -60,12 +59,10 @@ def structure(item_dir: str) -> Any:
     node = root
     for name in names[:-1]:
       node = node.setdefault(name, {})
-    value_type = value.get('value_type', '')
-    if value.get('skip_deserialize') and value_type in ('Dict', 'List',
-                                                        'Tuple', 'None'):
-      node[names[-1]] = {} if value_type == 'Dict' else None
-    else:
-      node[names[-1]] = _Leaf(value_type)
+    kind = value.get('value_type', '')
+    empty = value.get('skip_deserialize') and kind in ('Dict', 'List',
+                                                       'Tuple', 'None')
+    node[names[-1]] = ({} if kind == 'Dict' else None) if empty else _Leaf(kind)
 
   def rebuild(node: Any) -> Any:
     if not isinstance(node, dict):
@@ -80,11 +77,8 @@ def structure(item_dir: str) -> Any:
 
 def restore(item_dir: str, tree: Mapping[str, Any],
             keypaths: Sequence[tuple[str, ...]]) -> tuple[Any, int | None]:
-  """Restores the subtrees of `tree` (its `structure`) at `keypaths` alone.
-
-  Returns the restored subset (numpy leaves) and the bytes this process read
-  meanwhile (approximate; None where unknown).
-  """
+  """The subtrees of `tree` (its `structure`) at `keypaths` restored alone
+  (numpy leaves), and the bytes this process read meanwhile (or None)."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
   if () in keypaths:
@@ -97,12 +91,9 @@ def restore(item_dir: str, tree: Mapping[str, Any],
         node, source = node.setdefault(key, {}), source[key]
       node[keypath[-1]] = source[keypath[-1]]
 
-  def restore_args(leaf: _Leaf) -> Any:
-    if leaf.value_type in ('jax.Array', 'np.ndarray'):
-      return ocp.RestoreArgs(restore_type=np.ndarray)
-    return ocp.RestoreArgs()
-
-  args = jax.tree_util.tree_map(restore_args, item)
+  args = jax.tree_util.tree_map(lambda leaf: ocp.RestoreArgs(
+      restore_type=np.ndarray if leaf.value_type in ('jax.Array', 'np.ndarray')
+      else None), item)
   with ocp.PyTreeCheckpointer() as checkpointer:
     before = read_counter()
     restored = checkpointer.restore(
