@@ -1,8 +1,8 @@
 """Reads only the params (and flax mutables) out of a training checkpoint.
 
-Finds the checkpoint (orbax, T5X's legacy msgpack + TensorStore layout, or
-flax msgpack) and its step, chooses the params, mutables and step subtrees,
-and has the format's module read those alone. Light module: no TensorFlow.
+Finds the checkpoint (orbax, T5X or flax msgpack) and its step, chooses the
+params, mutables and step subtrees, and has the format's module read those
+alone. Light module: no TensorFlow.
 """
 
 from __future__ import annotations
@@ -56,11 +56,8 @@ def _is_orbax_item(path: str) -> bool:
 
 
 def _step_of_name(name: str, *, strict: bool = False) -> int | None:
-  """The step a name ('20', 'checkpoint_20', 'ckpt_20') stands for, or None.
-
-  `strict` (for a path given directly, whose name may be unrelated to a step)
-  accepts only '<N>' and 'checkpoint_<N>'. Temporary directories: None.
-  """
+  """The step a name ('20', 'checkpoint_20', 'ckpt_20', not 'tmp') stands
+  for, or None. `strict` (a path given directly): '<N>', 'checkpoint_<N>'."""
   match = _STEP_NAME.match(name)
   if 'tmp' in name or not match or (
       strict and match.group('prefix') not in (None, 'checkpoint')):
@@ -93,11 +90,11 @@ def _locate_single(path: str) -> Located | None:
     return None
   # The step's orbax items, likeliest first; one holding params wins.
   rank = {n: i for i, n in enumerate(_ITEM_PREFERENCE)}
-  items = sorted((n for n in names if _is_orbax_item(os.path.join(path, n))),
-                 key=lambda n: (rank.get(n, len(rank)), n))
-  items = [os.path.join(path, n) for n in items]
-  with_params = [i for i in items if _has_params(i)]
-  return Located(ORBAX, (with_params or items)[0], name_step) if items else None
+  items = [os.path.join(path, n) for n in sorted(
+      names, key=lambda n: (rank.get(n, len(rank)), n))]
+  items = [i for i in items if _is_orbax_item(i)]
+  items = [i for i in items if _has_params(i)] or items
+  return Located(ORBAX, items[0], name_step) if items else None
 
 
 def _has_params(item_dir: str) -> bool:
@@ -136,8 +133,7 @@ def _locate(path: str | os.PathLike[str], step: int | None) -> Located:
     raise errors.UnknownCheckpointFormatError(
         f'{path!r} is not a checkpoint t5export can read. Looked for '
         f'{_LOOKED_FOR}.')
-  if step is None:
-    step = max(steps)
+  step = max(steps) if step is None else step
   if step not in steps:
     raise errors.CheckpointNotFoundError(
         f'No checkpoint of step {step} in {path!r}; steps found: '
@@ -251,11 +247,10 @@ def read_params(path: str | os.PathLike[str], *,
 
   Returns:
     A `CheckpointContents`: `params` and `flax_mutables` (nested dicts of
-    numpy arrays, the latter per collection, maybe {}); `step` (the
+    numpy arrays, mutables per collection, maybe {}); `step` (the
     directory's, else the stored one, else None); `format` ('orbax', 't5x'
-    or 'flax_msgpack'); `path`, the concrete item directory or file read;
-    `nbytes` in memory; `bytes_read` from storage, where known (orbax: the
-    process's read counter around the restore, so approximate).
+    or 'flax_msgpack'); `path` (the item directory or file read); `nbytes`
+    in memory; `bytes_read` from storage (orbax: approximate) or None.
 
   Raises:
     CheckpointNotFoundError: `path` does not exist, or has no such `step`.

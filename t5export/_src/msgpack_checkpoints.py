@@ -1,13 +1,10 @@
-"""Reads msgpack checkpoint files: flax msgpack and T5X's legacy layout.
-
-Files are streamed (msgpack has no index) with optimizer subtrees skipped
-undecoded; of T5X's TensorStore arrays only the chosen subtrees' are opened.
-Light module: tensorstore is imported only for TensorStore leaves.
+"""Reads msgpack checkpoints (flax msgpack, T5X's legacy layout), streamed
+with optimizer subtrees skipped undecoded; of T5X's TensorStore arrays only
+the chosen subtrees' are opened. Light: tensorstore is imported lazily.
 """
 
 from __future__ import annotations
 
-import copy
 import os
 from typing import Any
 
@@ -24,9 +21,8 @@ _MSGPACK_LIMIT = 2**31 - 1
 
 
 def file_format(path: str) -> str | None:
-  """'t5x' for T5X's {'version': ..., 'optimizer': ...} file, 'flax_msgpack'
-  for another file opening a msgpack map, else None. Reads the first key.
-  """
+  """'t5x' for T5X's {'version', 'optimizer'} file, 'flax_msgpack' for
+  another file opening a msgpack map, else None (reads the first key)."""
   size = None
   try:
     with open(path, 'rb') as f:
@@ -41,21 +37,16 @@ def file_format(path: str) -> str | None:
   return None if size is None else 't5x' if t5x else 'flax_msgpack'
 
 
-def _decode_ndarray(data: bytes) -> np.ndarray:
-  shape, dtype_name, buffer = msgpack.unpackb(data, raw=True)
-  dtype = (jax.numpy.bfloat16 if dtype_name == b'bfloat16' else
-           np.dtype(dtype_name.decode()))
-  return np.frombuffer(buffer, dtype=dtype).reshape(shape).copy()
-
-
 def _ext_hook(code: int, data: bytes) -> Any:
   """Decodes flax's msgpack extension types (arrays, complex, scalars)."""
-  if code in (1, 3):
-    array = _decode_ndarray(data)
-    return array if code == 1 else array[()]
   if code == 2:
     return complex(*msgpack.unpackb(data))
-  return msgpack.ExtType(code, data)
+  if code not in (1, 3):
+    return msgpack.ExtType(code, data)
+  shape, name, buffer = msgpack.unpackb(data, raw=True)
+  dtype = jax.numpy.bfloat16 if name == b'bfloat16' else np.dtype(name.decode())
+  array = np.frombuffer(buffer, dtype=dtype).reshape(shape).copy()
+  return array if code == 1 else array[()]
 
 
 def _unchunk(tree: Any) -> Any:
@@ -109,40 +100,30 @@ def _is_ts_spec(leaf: Any) -> bool:
       'kvstore' in leaf or 'path' in leaf)
 
 
-def _store(spec: dict[str, Any]) -> dict[str, Any]:
-  return spec['kvstore'] if 'kvstore' in spec else spec
-
-
-def _absolute_spec(spec: dict[str, Any], ckpt_dir: str) -> dict[str, Any]:
-  """The spec read locally, its relative path made absolute (as T5X does)."""
-  spec = copy.deepcopy(spec)
-  metadata = spec.get('metadata', {})
-  metadata.pop('chunks', None)
-  metadata.pop('compressor', None)
-  store = _store(spec)
-  if store.get('driver') in ('gcs', 'gfile'):
-    store['driver'] = 'file'  # Read a copied checkpoint locally.
-    store.pop('bucket', None)
-  store['path'] = os.path.join(ckpt_dir, store['path'])
-  return spec
-
-
 def read_tensorstore_leaves(tree: Any, path: str) -> tuple[Any, int]:
   """`tree` with its TensorStore specs (beside the T5X file `path`) read
   concurrently, and the bytes of their files."""
   ckpt_dir = os.path.dirname(os.path.abspath(path))
-  leaves = jax.tree_util.tree_leaves(tree, is_leaf=_is_ts_spec)
-  specs = [_absolute_spec(x, ckpt_dir) for x in leaves if _is_ts_spec(x)]
+  specs = [x for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_ts_spec)
+           if _is_ts_spec(x)]
   if not specs:
     return tree, 0
   import tensorstore as ts  # pylint: disable=g-import-not-at-top
 
+  for spec in specs:  # Read locally, the relative path made absolute as T5X.
+    spec.get('metadata', {}).pop('chunks', None)
+    spec.get('metadata', {}).pop('compressor', None)
+    store = spec.get('kvstore', spec)
+    if store.get('driver') in ('gcs', 'gfile'):  # A copied checkpoint.
+      store['driver'] = 'file'
+      store.pop('bucket', None)
+    store['path'] = os.path.join(ckpt_dir, store['path'])
   opened = [ts.open(spec, open=True, read=True) for spec in specs]
   reads = iter([future.result().read() for future in opened])
   # tree_map visits the leaves in tree_leaves' order, the order of `reads`.
   tree = jax.tree_util.tree_map(
       lambda x: np.asarray(next(reads).result()) if _is_ts_spec(x) else x,
       tree, is_leaf=_is_ts_spec)
-  return tree, sum(os.path.getsize(os.path.join(root, f)) for spec in specs
-                   for root, _, files in os.walk(_store(spec)['path'])
-                   for f in files)
+  dirs = [spec.get('kvstore', spec)['path'] for spec in specs]
+  return tree, sum(os.path.getsize(os.path.join(root, f)) for d in dirs
+                   for root, _, files in os.walk(d) for f in files)

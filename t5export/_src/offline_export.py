@@ -1,9 +1,8 @@
 """A checkpoint exported as a servable version, the library side of the CLI.
 
-Three phases, each logged with its duration and size: read the params alone
-(`checkpoints.read_params`), convert (cast, check against the model, an
-`InferenceState`), then write, check and publish with the training
-callback's `SavedModelExporter`. TensorFlow is imported by the last alone.
+Three phases, each logged with its duration and size: read the params alone,
+convert (cast, check against the model), then write, check and publish with
+the training callback's `SavedModelExporter` (the one to import TensorFlow).
 """
 
 from __future__ import annotations
@@ -84,10 +83,8 @@ def _call_init(init_fn: Callable[..., Any], rng: jax.Array) -> Any:
 
 
 def cast_params(params: Any, dtype: str | None) -> Any:
-  """The params with floating-point leaves cast to `dtype` (None: as is).
-
-  The casts are aligned, so the export hands them to TensorFlow uncopied.
-  """
+  """The params with floating-point leaves cast to `dtype` (None: as is),
+  aligned, so that the export hands them to TensorFlow uncopied."""
   if dtype is None:
     return params
   target = jnp.dtype(dtype)

@@ -1,8 +1,6 @@
-"""Reads chosen subtrees of an orbax PyTree checkpoint, never its optimizer.
-
-The tree comes from the `_METADATA` file alone, and a partial restore asks
-orbax for the chosen subtrees only. Light module: orbax is imported only by
-`restore`.
+"""Reads chosen subtrees of an orbax PyTree checkpoint, never its optimizer:
+the tree from `_METADATA` alone, then a partial restore of those subtrees.
+Light module: orbax is imported only by `restore`.
 """
 
 from __future__ import annotations
@@ -38,10 +36,8 @@ def read_counter() -> int | None:
 
 
 def structure(item_dir: str) -> Any:
-  """The checkpoint's tree (dicts, lists, `_Leaf`s) read from `_METADATA`.
-
-  orbax's own `metadata()` would open every array, optimizer state included.
-  """
+  """The checkpoint's tree (dicts, lists, `_Leaf`s) read from `_METADATA`
+  (orbax's `metadata()` would open every array, optimizer state included)."""
   with open(os.path.join(item_dir, METADATA)) as f:
     metadata = json.load(f)
   entries = isinstance(metadata, dict) and metadata.get('tree_metadata')
@@ -100,5 +96,4 @@ def restore(item_dir: str, tree: Mapping[str, Any],
         item_dir, args=ocp.args.PyTreeRestore(
             item=item, restore_args=args, partial_restore=True))
     after = read_counter()
-  bytes_read = after - before if None not in (before, after) else None
-  return restored, bytes_read
+  return restored, after - before if None not in (before, after) else None
