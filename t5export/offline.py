@@ -44,9 +44,8 @@ from t5export._src import offline_export
 from t5export._src import options as options_lib
 
 if __name__ == '__main__':
-  # `python -m t5export.offline` runs this file as `__main__`. Run the module
-  # under its real name instead, so gin files that import t5export.offline
-  # and absl's flags see one set of definitions.
+  # Run as `__main__` by `python -m`: run the module under its real name, so
+  # gin files importing t5export.offline and absl see one set of flags.
   from t5export import offline as _offline  # pylint: disable=g-import-not-at-top,import-self
   _offline.run()
 
@@ -120,9 +119,8 @@ def _load_options(overrides: dict[str, Any]) -> offline_export.OfflineOptions:
   from t5export._src import exporter  # pylint: disable=g-import-not-at-top,unused-import
   from t5export._src import serving  # pylint: disable=g-import-not-at-top,unused-import
   files, bindings = list(_GIN_FILE.value), list(_GIN_BINDINGS.value)
-  for path in _GIN_SEARCH_PATHS.value:
-    if os.path.isdir(path):
-      gin.add_config_file_search_path(path)
+  for path in filter(os.path.isdir, _GIN_SEARCH_PATHS.value):
+    gin.add_config_file_search_path(path)
   parsed = False
   try:
     gin.parse_config_files_and_bindings(files, bindings)
@@ -165,12 +163,10 @@ def main(argv: Sequence[str]) -> None:
   export_dir = os.path.abspath(_EXPORT_DIR.value)
   existed = os.path.isdir(export_dir)
   before = set(os.listdir(export_dir)) if existed else set()
-  # The ExportOptions fields the command line sets (the flags given).
-  overrides = {name: flag.value for name, flag in (
-      ('overwrite', _OVERWRITE), ('platforms', _PLATFORMS),
-      ('validate', _VALIDATE), ('serving_tf_version', _SERVING_TF_VERSION),
-      ('durable', _DURABLE))
-               if flag.value is not None}
+  # The ExportOptions fields the flags given set (each flag is named so).
+  overrides = {f.name: f.value for f in (_OVERWRITE, _PLATFORMS, _VALIDATE,
+                                         _SERVING_TF_VERSION, _DURABLE)
+               if f.value is not None}
   try:
     # The flags' values fail here, before the checkpoint is read.
     options_lib.ExportOptions(**overrides)

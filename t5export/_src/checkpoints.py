@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import dataclasses
 import os
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 from absl import logging
 import jax
@@ -43,12 +43,9 @@ _LOOKED_FOR = (
     'in checkpoint_<step>/), or a flax msgpack file')
 
 
-@dataclasses.dataclass(frozen=True)
-class Located:
-  """One checkpoint found: its format, concrete path and step (or None)."""
-  format: str
-  path: str
-  step: int | None
+# One checkpoint found: its format, concrete path and step (or None).
+Located = NamedTuple('Located', [('format', str), ('path', str),
+                                 ('step', int | None)])
 
 
 def _is_orbax_item(path: str) -> bool:
@@ -121,14 +118,14 @@ def _locate(path: str | os.PathLike[str], step: int | None) -> Located:
           f'{path!r} is the checkpoint of step {located.step}, not step '
           f'{step}. Pass the directory holding all steps, or drop the step.')
     if located.step is None:
-      located = dataclasses.replace(located, step=step)
+      located = located._replace(step=step)
     return located
   steps = {}  # The numbered entries of a manager / model directory.
   for name in os.listdir(path) if os.path.isdir(path) else ():
     entry_step = _step_of_name(name)
     found = entry_step is not None and _locate_single(os.path.join(path, name))
     if found:
-      steps[entry_step] = dataclasses.replace(found, step=entry_step)
+      steps[entry_step] = found._replace(step=entry_step)
   if not steps:
     raise errors.UnknownCheckpointFormatError(
         f'{path!r} is not a checkpoint t5export can read. Looked for '
@@ -142,11 +139,8 @@ def _locate(path: str | os.PathLike[str], step: int | None) -> Located:
 
 
 def _select(keys: Mapping[str, Any], source: str) -> dict[str, Any]:
-  """Key paths of the params, mutables and step in a checkpoint's tree.
-
-  {'params': (() for the whole tree), 'mutables': {collection: path},
-  'step': path or None}. The rules are in docs/internals.md.
-  """
+  """Key paths in a checkpoint's tree (rules: docs/internals.md): {'params':
+  path (() the whole tree), 'mutables': {collection: path}, 'step': path}."""
   flax_mutables = keys.get('flax_mutables')
   mutables = ({k: ('flax_mutables', k) for k in flax_mutables}
               if isinstance(flax_mutables, Mapping) else {})
@@ -299,12 +293,9 @@ def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
 
 def check_params_match(expected: Any, params: Any, *,
                        source: str = 'checkpoint params') -> None:
-  """Raises ParamsMismatchError unless `params` are the model's `expected`.
-
-  The error lists every missing, unexpected and wrongly shaped param by
-  path. Either tree may be flat {path: leaf}; `expected` leaves may be
-  arrays, ShapeDtypeStructs or shape tuples.
-  """
+  """Raises ParamsMismatchError (each missing, unexpected and wrongly shaped
+  param) unless `params` have the shapes of `expected`, the model's (leaves:
+  arrays, ShapeDtypeStructs or shape tuples). Either tree may be flat."""
   want, got = _shapes(expected), _shapes(params)
   missing = [p for p in want if p not in got]
   unexpected = [p for p in got if p not in want]

@@ -36,15 +36,14 @@ class OfflineOptions:
   """What the gin config supplies to an offline export.
 
   Args:
-    signatures: the `t5export.Signature`s to serve (required; checked by the
-      exporter).
+    signatures: the `t5export.Signature`s to serve (required).
     init_fn: `init_fn(rng) -> variables` of the model (e.g. a partial of
       `model.init`), run under `jax.eval_shape` only: the expected params
       (and mutables) for the check, and their logical axes.
     expected_params: the model's params tree (arrays, ShapeDtypeStructs or
       shape tuples), when there is no `init_fn`.
-    export_options: how the version is written, checked and kept (the
-      training `ExportOptions`; the CLI's flags override fields); default
+    export_options: the training `ExportOptions` (how the version is
+      written, checked and kept; the CLI's flags override fields); None:
       `ExportOptions()`.
 
   Raises:
