@@ -144,10 +144,8 @@ def _load_options(overrides: dict[str, Any]) -> offline_export.OfflineOptions:
 
 
 def release_freed_memory() -> bool:
-  """Fixes glibc's mmap threshold so freed leaf buffers go back to the OS.
-
-  True if the allocator accepted it. Why: docs/internals.md, Offline.
-  """
+  """Fixes glibc's mmap threshold so freed leaf buffers go back to the OS;
+  True if the allocator accepted it. Why: docs/internals.md, Offline."""
   try:
     # mallopt(M_MMAP_THRESHOLD (-3 in malloc.h), 128 KiB).
     return bool(ctypes.CDLL('libc.so.6').mallopt(-3, 128 * 1024))
