@@ -1,8 +1,7 @@
 """The version directories of an export_dir: layout, atomic publish, retention.
 
-Published versions are integer subdirectories (what TF Serving loads);
-staging and doomed directories hide under `.tmp-` names. Light: file system
-only, no TensorFlow. docs/internals.md describes the layout and publish.
+Published versions are integer subdirectories, staging and doomed ones hide
+under `.tmp-` names (docs/internals.md). Light: no TensorFlow.
 """
 
 from __future__ import annotations
@@ -90,10 +89,9 @@ def _metric_value(value: Any) -> float | int | str:
       value = value.value  # A clu.values.Scalar, Text, HyperParam, ...
     else:
       break
-  if isinstance(value, bytes):
-    return value.decode('utf-8', 'replace')
-  if isinstance(value, str):
-    return value
+  if isinstance(value, (bytes, str)):
+    return value.decode('utf-8', 'replace') if isinstance(
+        value, bytes) else value
   try:
     array = np.asarray(value)
   except Exception:  # pylint: disable=broad-except
@@ -141,10 +139,13 @@ def dir_nbytes(path: str) -> int:
   return total
 
 
-def _fsync(path: str) -> None:
+def fsync(path: str) -> None:
+  """fsyncs the file or directory `path`; an error names it."""
   fd = os.open(path, os.O_RDONLY)
   try:
     os.fsync(fd)
+  except OSError as e:
+    raise OSError(e.errno, e.strerror, path) from e
   finally:
     os.close(fd)
 
@@ -153,15 +154,18 @@ def fsync_tree(path: str) -> None:
   """fsyncs every file, then every directory (deepest first) under path."""
   for root, _, files in os.walk(path, topdown=False):
     for name in files:
-      _fsync(os.path.join(root, name))
-    _fsync(root)
+      fsync(os.path.join(root, name))
+    fsync(root)
+
+
+def _hidden(parent: str, name: str) -> str:
+  """A fresh `<parent>/.tmp-<name>-<nonce>` path."""
+  return os.path.join(parent, f'{STAGING_PREFIX}{name}-{uuid.uuid4().hex[:8]}')
 
 
 def _remove(path: str) -> None:
   """Removes a directory: renamed out of sight first, then deleted."""
-  parent, base = os.path.split(path)
-  doomed = os.path.join(parent,
-                        f'{STAGING_PREFIX}del-{base}-{uuid.uuid4().hex[:8]}')
+  doomed = _hidden(os.path.dirname(path), f'del-{os.path.basename(path)}')
   os.rename(path, doomed)
   shutil.rmtree(doomed, ignore_errors=True)
 
@@ -187,16 +191,12 @@ class VersionDirectory:
   def __init__(self, export_dir: str, *, keep: int | None,
                keep_best: KeepBest | None, overwrite: bool,
                durable: bool = True):
-    self.export_dir = export_dir
+    self.export_dir = d = export_dir
     self._durable = durable
     self._keep = keep
     self._keep_best = keep_best
     self._overwrite = overwrite
     self._metrics: dict[int, dict[str, Any]] = {}
-    self._prepare()
-
-  def _prepare(self) -> None:
-    d = self.export_dir
     if os.path.exists(d) and not os.path.isdir(d):
       raise errors.ExportDirError(
           f'export_dir {d!r} exists and is not a directory. Pass a directory '
@@ -208,7 +208,7 @@ class VersionDirectory:
           f'export_dir {d!r} cannot be created ({e.strerror or e}). Pass a '
           'directory you can write, or fix its parent\'s permissions.') from e
     # A real write: os.access says yes to root even on a read-only mount.
-    probe = os.path.join(d, f'{STAGING_PREFIX}probe-{uuid.uuid4().hex[:8]}')
+    probe = _hidden(d, 'probe')
     try:
       os.mkdir(probe)
       os.rmdir(probe)
@@ -219,10 +219,7 @@ class VersionDirectory:
           'directory.') from e
 
   def resume(self) -> list[str]:
-    """Removes `.tmp-*` leftovers of a crash and reads the versions' metrics.
-
-    Returns the names of the staging directories removed.
-    """
+    """Removes (and returns) `.tmp-*` crash leftovers; reads the metrics."""
     stale = [n for n in os.listdir(self.export_dir)
              if n.startswith(STAGING_PREFIX)]
     for name in stale:
@@ -242,8 +239,7 @@ class VersionDirectory:
 
   def staging_dir(self, step: int) -> str:
     """A fresh `<export_dir>/.tmp-<step>-<nonce>` path (not created)."""
-    return os.path.join(
-        self.export_dir, f'{STAGING_PREFIX}{step}-{uuid.uuid4().hex[:8]}')
+    return _hidden(self.export_dir, str(step))
 
   def versions(self) -> list[int]:
     return list_versions(self.export_dir)
@@ -274,27 +270,22 @@ class VersionDirectory:
 
   def _sync_dir(self) -> None:
     if self._durable:
-      _fsync(self.export_dir)
-
-  def _kept_versions(self, versions: list[int], protect: int) -> set[int]:
-    keep = set(versions if self._keep is None else versions[-self._keep:])
-    keep.add(protect)
-    best = self._keep_best
-    if best is not None:
-      scored = []
-      for v in versions:
-        value = self._metrics.get(v, {}).get(best.metric)
-        if isinstance(value, (int, float)) and not np.isnan(value):
-          scored.append((value if best.mode == 'max' else -value, v))
-      # Best first; on ties the newer version wins.
-      keep.update(v for _, v in sorted(scored, reverse=True)[:best.n])
-    return keep
+      fsync(self.export_dir)
 
   def apply_retention(self, *, protect: int) -> list[int]:
     """Deletes the versions retention drops (never `protect`); returns them."""
     versions = self.versions()
-    kept = self._kept_versions(versions, protect)
-    removed = [v for v in versions if v not in kept]
+    keep = set(versions if self._keep is None else versions[-self._keep:])
+    keep.add(protect)
+    best = self._keep_best
+    if best is not None:
+      values = [(self._metrics.get(v, {}).get(best.metric), v)
+                for v in versions]
+      scored = [(x if best.mode == 'max' else -x, v) for x, v in values
+                if isinstance(x, (int, float)) and not np.isnan(x)]
+      # Best first; on ties the newer version wins.
+      keep.update(v for _, v in sorted(scored, reverse=True)[:best.n])
+    removed = [v for v in versions if v not in keep]
     for v in removed:
       _remove(self.version_dir(v))
       self._metrics.pop(v, None)
