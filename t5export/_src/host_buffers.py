@@ -1,8 +1,7 @@
 """Host memory of an export: the gather to host and owned, aligned arrays.
 
-An *owned* host array is one nobody else references, so TensorFlow may adopt
-its memory (DLPack) instead of copying it (docs/internals.md, "Host
-memory"). Light: never imports TensorFlow.
+Nobody else references an *owned* array, so TensorFlow may adopt its memory
+(DLPack) instead of copying it (docs/internals.md). Light: no TensorFlow.
 """
 
 from __future__ import annotations
@@ -51,10 +50,9 @@ def _dlpack_array(x: Any) -> bool:
 
 
 def fill_later(tree: Any) -> tuple[Any, Callable[[], None]] | None:
-  """Empty aligned arrays shaped like `tree`, and the copy that fills them.
+  """Empty aligned arrays like `tree` for TF to adopt now, and their filling.
 
-  TF can adopt the empty arrays at once while the copy runs beside the
-  tracing; None unless every leaf is a numpy array TF could adopt.
+  None unless TF could adopt every leaf; the copy runs beside the tracing.
   """
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   if not all(_dlpack_array(x) and
@@ -100,8 +98,7 @@ def tree_nbytes(tree: Any) -> int:
 def host_views_survive_donation() -> bool:
   """Whether host views of CPU arrays outlive a donating step (checked once).
 
-  On CPU `np.asarray(x)` aliases x's buffer and PJRT gives a donating step a
-  fresh output buffer; if a JAX does otherwise, snapshots copy again.
+  If not (PJRT reusing the donated buffer), snapshots on CPU copy again.
   """
   if jax.default_backend() != 'cpu':
     return True  # The transfer to host is a copy.
@@ -156,10 +153,9 @@ def _gather_leaf(keypath: Any, x: Any, *, owned: bool,
   if shapes_only:
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
   if x.is_fully_replicated or len(x.sharding.device_set) == 1:
-    # One shard holds every value; `addressable_data` builds no Shard objects
-    # (this runs on the training thread for every leaf). On CPU np.asarray
-    # is a view of the buffer, which a later donation may reuse: owned
-    # values are copied. Never `np.asarray(x)`: it caches a host copy on x.
+    # Cheaper than Shard objects (on the training thread, every leaf); not
+    # np.asarray(x), which caches a host copy on x. On CPU a view of the
+    # buffer, which a later donation may reuse: owned values are copied.
     data = x.addressable_data(0)
     return aligned_copy(data) if owned else np.asarray(data)
   out = aligned_empty(x.shape, x.dtype)
@@ -171,12 +167,10 @@ def _gather_leaf(keypath: Any, x: Any, *, owned: bool,
 
 def gather_to_host(tree: Any, *, owned: bool = True,
                    shapes_only: bool = False) -> Any:
-  """Every array of `tree` as host numpy (placeholders if `shapes_only`).
+  """Every array of `tree` as host numpy, owned or else views where possible.
 
-  Leaf by leaf; arrays spread over processes are all-gathered, so every
-  process must call this at the same point. `owned`: new aligned arrays,
-  else views where possible; `shapes_only`: join the collectives, keep
-  `jax.ShapeDtypeStruct`s (docs/internals.md, "Host memory").
+  Every process calls it at the same point (arrays spread over processes
+  are all-gathered); `shapes_only` joins them, keeping ShapeDtypeStructs.
   """
   return jax.tree_util.tree_map_with_path(
       functools.partial(_gather_leaf, owned=owned, shapes_only=shapes_only),

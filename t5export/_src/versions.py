@@ -7,6 +7,7 @@ under `.tmp-` names (docs/internals.md). Light: no TensorFlow.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+import contextlib
 import ctypes
 import dataclasses
 import os
@@ -43,15 +44,15 @@ class KeepBest:
   mode: str = 'max'
 
   def __post_init__(self):
-    if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
-      raise ValueError(f'keep_best n must be an int >= 1, got {self.n!r}.')
-    if not isinstance(self.metric, str) or not self.metric:
-      raise ValueError(
-          f'keep_best metric must be a non-empty metric name, got '
-          f'{self.metric!r}.')
-    if self.mode not in ('max', 'min'):
-      raise ValueError(
-          f"keep_best mode must be 'max' or 'min', got {self.mode!r}.")
+    problem = (
+        f'n must be an int >= 1, got {self.n!r}' if not isinstance(
+            self.n, int) or isinstance(self.n, bool) or self.n < 1 else
+        f'metric must be a non-empty metric name, got {self.metric!r}'
+        if not isinstance(self.metric, str) or not self.metric else
+        f"mode must be 'max' or 'min', got {self.mode!r}"
+        if self.mode not in ('max', 'min') else None)
+    if problem:
+      raise ValueError(f'keep_best {problem}.')
 
   def score(self, metrics: Mapping[str, Any], step: int) -> float | None:
     """The version's `metric` (None if absent); raises if not a number."""
@@ -89,18 +90,17 @@ def _metric_value(value: Any) -> float | int | str:
       value = value.value  # A clu.values.Scalar, Text, HyperParam, ...
     else:
       break
-  if isinstance(value, (bytes, str)):
-    return value.decode('utf-8', 'replace') if isinstance(
-        value, bytes) else value
+  if isinstance(value, bytes):
+    return value.decode('utf-8', 'replace')
+  if isinstance(value, str):
+    return value
   try:
     array = np.asarray(value)
   except Exception:  # pylint: disable=broad-except
     return str(value)
-  if array.shape == () and array.dtype.kind in 'biuf':
-    return float(array) if array.dtype.kind == 'f' else int(array)
-  if array.shape == () and array.dtype.kind == 'V':  # bfloat16, float8, ...
+  if array.shape == () and array.dtype.kind in 'biufV':  # V: bfloat16, ...
     try:
-      return float(array)
+      return int(array) if array.dtype.kind in 'biu' else float(array)
     except (TypeError, ValueError):
       pass
   if array.dtype.kind in 'biuf':  # Not a scalar: describe, don't dump it.
@@ -109,21 +109,15 @@ def _metric_value(value: Any) -> float | int | str:
 
 
 def flatten_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
-  """Flat, JSON-ready metrics: names joined by '/', numbers as numbers.
-
-  Numbers (incl. 0-d arrays, CLU values and metrics) become float or int,
-  strings stay strings, anything else its description. Idempotent.
+  """Flat, JSON-ready metrics: '/'-joined names; numbers (0-d arrays, CLU
+  values and metrics too) as float or int, the rest as strings. Idempotent.
   """
   out: dict[str, Any] = {}
-
-  def visit(prefix: str, value: Any) -> None:
-    if isinstance(value, Mapping):
-      for k, v in value.items():
-        visit(f'{prefix}/{k}' if prefix else str(k), v)
+  for k, v in (metrics or {}).items():
+    if isinstance(v, Mapping):
+      out.update((f'{k}/{n}', x) for n, x in flatten_metrics(v).items())
     else:
-      out[prefix] = _metric_value(value)
-
-  visit('', dict(metrics or {}))
+      out[str(k)] = _metric_value(v)
   return out
 
 
@@ -132,10 +126,8 @@ def dir_nbytes(path: str) -> int:
   total = 0
   for root, _, files in os.walk(path):
     for name in files:
-      try:
+      with contextlib.suppress(OSError):  # Removed meanwhile (retention).
         total += os.path.getsize(os.path.join(root, name))
-      except OSError:  # Removed meanwhile (e.g. by retention).
-        pass
   return total
 
 
@@ -184,8 +176,7 @@ def _exchange(a: str, b: str) -> bool:
 class VersionDirectory:
   """The versions of one export_dir and their metrics (one writer at a time).
 
-  Creating one creates `export_dir` if missing and raises ExportDirError if
-  it is a file or not writable.
+  Creates `export_dir` if missing; ExportDirError if a file or not writable.
   """
 
   def __init__(self, export_dir: str, *, keep: int | None,
@@ -244,9 +235,6 @@ class VersionDirectory:
   def versions(self) -> list[int]:
     return list_versions(self.export_dir)
 
-  def record_metrics(self, step: int, metrics: Mapping[str, Any]) -> None:
-    self._metrics[step] = dict(metrics)
-
   def metrics(self) -> dict[int, dict[str, Any]]:
     """The metrics recorded for each published version."""
     return {v: dict(self._metrics.get(v, {})) for v in self.versions()}
@@ -272,8 +260,10 @@ class VersionDirectory:
     if self._durable:
       fsync(self.export_dir)
 
-  def apply_retention(self, *, protect: int) -> list[int]:
-    """Deletes the versions retention drops (never `protect`); returns them."""
+  def apply_retention(self, protect: int,
+                      metrics: Mapping[str, Any]) -> list[int]:
+    """Records version `protect`'s metrics; deletes and returns the dropped."""
+    self._metrics[protect] = dict(metrics)
     versions = self.versions()
     keep = set(versions if self._keep is None else versions[-self._keep:])
     keep.add(protect)

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 import concurrent.futures
 import inspect
 import os
+import pathlib
 import shutil
 import time
 from typing import Any
@@ -76,12 +77,19 @@ class SavedModelWriter:
 
   def write(self, directory: str, *,
             after: concurrent.futures.Future | None = None) -> str:
-    """Writes the new `directory`: 'full' or 'variables'.
-
-    The variables are read once `after` (their values arriving) is done.
-    """
+    """Writes `directory`: 'full' or 'variables'; weights read after `after`."""
     if self._template is not None:
-      self._write_template(directory)
+      os.makedirs(directory)
+      for rel, data in self._template.items():
+        path = os.path.join(directory, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if not rel.endswith(os.sep):  # Else an empty directory (assets/).
+          try:
+            with open(path, 'wb') as f:
+              f.write(data)
+          except OSError as e:
+            # A failed write() names no file; say which (full disk, quota).
+            raise OSError(e.errno, e.strerror, path) from e
       self._write_weights(directory)
       return 'variables'
     reuse, self._reuse_graph = self._reuse_graph, False  # Now or never.
@@ -96,11 +104,7 @@ class SavedModelWriter:
     return 'full'
 
   def _save_graph(self, directory: str) -> bool:
-    """Saves and keeps all but the weights; False (nothing left) if it can't.
-
-    It can't when TensorFlow cannot skip the checkpoint or the checkpoint
-    would hold more than the module's params.
-    """
+    """Saves and keeps all but the weights; False (none saved) if it can't."""
     # pylint: disable=g-import-not-at-top
     from tensorflow.python.saved_model import save as save_lib
     save = getattr(save_lib, 'save_and_return_nodes', None)
@@ -119,16 +123,12 @@ class SavedModelWriter:
       shutil.rmtree(directory)
       return False
     template = {}
-    for root, dirs, files in os.walk(directory):
-      rel_root = os.path.relpath(root, directory)
-      for name in files:
-        rel = os.path.normpath(os.path.join(rel_root, name))
-        if rel not in _REWRITTEN:
-          with open(os.path.join(root, name), 'rb') as f:
-            template[rel] = f.read()
-      for name in dirs:  # Keep empty directories such as assets/.
-        template.setdefault(os.path.normpath(os.path.join(rel_root, name)) +
-                            os.sep, b'')
+    for path in pathlib.Path(directory).rglob('*'):
+      rel = str(path.relative_to(directory))
+      if path.is_dir():  # Kept even if empty, such as assets/.
+        template[rel + os.sep] = b''
+      elif rel not in _REWRITTEN:
+        template[rel] = path.read_bytes()
     self._template, self._keys = template, keys
     logging.info('t5export: every version reuses the first graph (%d '
                  'file(s), %.1f KiB) and writes %d variables in %d shard(s).',
@@ -136,20 +136,6 @@ class SavedModelWriter:
                  sum(len(v) for v in template.values()) / 1024, len(keys),
                  min(self._shards, len(keys)))
     return True
-
-  def _write_template(self, directory: str) -> None:
-    os.makedirs(directory)
-    for rel, data in self._template.items():
-      path = os.path.join(directory, rel)
-      os.makedirs(os.path.dirname(path), exist_ok=True)
-      if rel.endswith(os.sep):
-        continue
-      try:
-        with open(path, 'wb') as f:
-          f.write(data)
-      except OSError as e:
-        # A failed write() names no file; say which one (full disk, quota).
-        raise OSError(e.errno, e.strerror, path) from e
 
   def _write_weights(self, directory: str) -> None:
     """The variables checkpoint in parallel shards, then the fingerprint."""
