@@ -204,10 +204,7 @@ def _entry(value: bytes) -> Entry | None:
 
 
 class BundleReader:
-  """The tensors of one TensorFlow checkpoint, read with numpy.
-
-  Damage or an unsupported form is `errors.VariablesFormatError`.
-  """
+  """One TF checkpoint's tensors; damage is `errors.VariablesFormatError`."""
 
   def __init__(self, prefix: str | os.PathLike[str]):
     self.prefix = os.fspath(prefix)
@@ -297,12 +294,11 @@ class BundleReader:
 
 def param_checkpoint_keys(object_graph: bytes, *, attribute: str = 'param_vars',
                           count: int | None = None) -> list[str] | None:
-  """Checkpoint keys of the variables in the root's list `attribute`.
+  """Keys of the first `count` (default all) variables of root.`attribute`.
 
-  In list order (`count` long, default the graph's), or None if the graph
-  has no complete list there. `TrackableObjectGraph` fields: nodes = 1; a
-  node's children = 1 {node_id = 1, local_name = 2}, attributes = 2
-  {name = 1, checkpoint_key = 3}.
+  None if that list is incomplete. `TrackableObjectGraph` fields: nodes = 1;
+  a node's children = 1 {node_id = 1, local_name = 2}, attributes = 2 {name
+  = 1, checkpoint_key = 3}.
   """
   try:
     nodes = [value for number, value in _fields(object_graph) if number == 1]
