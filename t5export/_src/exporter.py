@@ -274,8 +274,7 @@ class SavedModelExporter:
         pending.abandon()
       shutil.rmtree(staging, ignore_errors=True)
       raise
-    self._dir.record_metrics(step, metrics)
-    removed = self._dir.apply_retention(protect=step)
+    removed = self._dir.apply_retention(step, metrics)
     logging.info('t5export: published version %d at %s in %.2fs (%.1f MiB); '
                  'retention removed %s.', step, final,
                  time.monotonic() - start,

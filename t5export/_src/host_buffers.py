@@ -1,8 +1,7 @@
 """Host memory of an export: the gather to host and owned, aligned arrays.
 
-An *owned* host array is one nobody else references, so TensorFlow may adopt
-its memory (DLPack) instead of copying it (docs/internals.md, "Host
-memory"). Light: never imports TensorFlow.
+Nobody else references an *owned* array, so TensorFlow may adopt its memory
+(DLPack) instead of copying it (docs/internals.md). Light: no TensorFlow.
 """
 
 from __future__ import annotations
@@ -43,17 +42,21 @@ def aligned_copy(source: Any, dtype: Any = None) -> np.ndarray:
   return out
 
 
-def fill_later(tree: Any) -> tuple[Any, Callable[[], None]] | None:
-  """Empty aligned arrays shaped like `tree`, and the copy that fills them.
+def _dlpack_array(x: Any) -> bool:
+  """A non-empty numpy array of a dtype TensorFlow can adopt."""
+  # numpy's DLPack export has no bfloat16; its bits travel as uint16.
+  return isinstance(x, np.ndarray) and x.size > 0 and (
+      x.dtype.kind in 'biufc' or x.dtype == jnp.bfloat16)
 
-  TensorFlow can adopt the empty arrays at once and the copy run beside the
-  tracing; None unless every leaf is a numpy array TF could adopt.
+
+def fill_later(tree: Any) -> tuple[Any, Callable[[], None]] | None:
+  """Empty aligned arrays like `tree` for TF to adopt now, and their filling.
+
+  None unless TF could adopt every leaf; the copy runs beside the tracing.
   """
   leaves, treedef = jax.tree_util.tree_flatten(tree)
-  if not all(isinstance(x, np.ndarray) and x.size and
-             _dlpack_dtype(x.dtype) and
-             x.dtype == jax.dtypes.canonicalize_dtype(x.dtype)
-             for x in leaves):
+  if not all(_dlpack_array(x) and
+             x.dtype == jax.dtypes.canonicalize_dtype(x.dtype) for x in leaves):
     return None
   empty = [aligned_empty(x.shape, x.dtype) for x in leaves]
 
@@ -63,34 +66,22 @@ def fill_later(tree: Any) -> tuple[Any, Callable[[], None]] | None:
   return jax.tree_util.tree_unflatten(treedef, empty), copy
 
 
-def _dlpack_dtype(dtype: np.dtype) -> bool:
-  # numpy's DLPack export has no bfloat16; its bits travel as uint16.
-  return dtype.kind in 'biufc' or dtype == jnp.bfloat16
-
-
 def adoptable(array: Any) -> bool:
-  """Whether TensorFlow could take `array`'s memory as it is.
-
-  Non-empty numpy, a DLPack dtype (or bfloat16), C-contiguous, writeable,
-  aligned. Whether it is owned is the caller's knowledge.
-  """
-  return (isinstance(array, np.ndarray) and array.size > 0 and
-          _dlpack_dtype(array.dtype) and array.flags.c_contiguous and
+  """Whether TF could take `array`'s memory as it is (owned: caller knows)."""
+  return (_dlpack_array(array) and array.flags.c_contiguous and
           array.flags.writeable and array.ctypes.data % HOST_ALIGNMENT == 0)
 
 
 def make_adoptable(tree: dict[str, Any]) -> int:
-  """Replaces, in place, owned arrays TF could not adopt by aligned copies.
+  """Replaces owned arrays TF could not adopt by aligned copies, in place.
 
-  One leaf at a time, so never a second copy of the whole tree. Returns how
-  many arrays were moved.
+  One leaf at a time, never a second copy of the tree; returns how many.
   """
   moved = 0
   for key, value in tree.items():
     if isinstance(value, dict):
       moved += make_adoptable(value)
-    elif (isinstance(value, np.ndarray) and value.size and
-          _dlpack_dtype(value.dtype) and not adoptable(value)):
+    elif _dlpack_array(value) and not adoptable(value):
       tree[key] = aligned_copy(value)
       moved += 1
   return moved
@@ -105,14 +96,12 @@ def tree_nbytes(tree: Any) -> int:
 
 @functools.cache
 def host_views_survive_donation() -> bool:
-  """Whether host views of arrays outlive a donating step (checked once).
+  """Whether host views of CPU arrays outlive a donating step (checked once).
 
-  On CPU `np.asarray(x)` aliases x's buffer, and PJRT gives a donating
-  computation a fresh output buffer instead; a JAX that does otherwise makes
-  snapshots copy again. Elsewhere the transfer to host is a copy: True.
+  If not (PJRT reusing the donated buffer), snapshots on CPU copy again.
   """
   if jax.default_backend() != 'cpu':
-    return True
+    return True  # The transfer to host is a copy.
   # A device of this process: under jax.distributed, jax.devices() starts
   # with process 0's, and a computation there would wait for process 0.
   cpu = jax.local_devices(backend='cpu')[0]
@@ -138,16 +127,35 @@ def host_views_survive_donation() -> bool:
   return safe
 
 
-def _host_value(x: jax.Array, *, owned: bool) -> np.ndarray:
-  """A fully addressable array on host, assembled shard by shard.
-
-  Not `np.asarray(x)`, which would cache a second host copy on `x`.
-  """
+def _gather_leaf(keypath: Any, x: Any, *, owned: bool,
+                 shapes_only: bool) -> Any:
+  where = paths.path_str(keypath)
+  if isinstance(x, jax.core.Tracer):
+    raise TypeError(f'gather_to_host got a traced value at {where!r}; call '
+                    'it outside jax.jit / jax.grad.')
+  if isinstance(x, (np.ndarray, np.generic, bool, int, float, complex)):
+    if shapes_only:
+      return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
+    return aligned_copy(x) if owned else np.asarray(x)
+  if not isinstance(x, jax.Array):
+    raise TypeError(
+        f'gather_to_host: leaf {where!r} is a {type(x).__name__}; expected '
+        'jax.Array, numpy array or a number.')
+  if x.is_deleted():
+    raise ValueError(
+        f'Array {where!r} was deleted (donated to a jitted step?). Take the '
+        'snapshot before the step that donates it.')
+  if not (x.is_fully_addressable or x.is_fully_replicated):
+    # Spread over processes: a collective every process joins.
+    gathered = multihost_utils.process_allgather(x, tiled=True)
+    return (jax.ShapeDtypeStruct(x.shape, x.dtype) if shapes_only
+            else aligned_copy(gathered))
+  if shapes_only:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
   if x.is_fully_replicated or len(x.sharding.device_set) == 1:
-    # One shard holds every value; `addressable_data` builds no Shard
-    # objects (this runs on the training thread for every leaf). On CPU
-    # np.asarray is a view of the buffer, which a later donation may reuse:
-    # owned values are copied.
+    # Cheaper than Shard objects (on the training thread, every leaf); not
+    # np.asarray(x), which caches a host copy on x. On CPU a view of the
+    # buffer, which a later donation may reuse: owned values are copied.
     data = x.addressable_data(0)
     return aligned_copy(data) if owned else np.asarray(data)
   out = aligned_empty(x.shape, x.dtype)
@@ -157,42 +165,12 @@ def _host_value(x: jax.Array, *, owned: bool) -> np.ndarray:
   return out
 
 
-def _gather_leaf(keypath: Any, x: Any, *, owned: bool,
-                 shapes_only: bool) -> Any:
-  where = paths.path_str(keypath)
-  if isinstance(x, jax.core.Tracer):
-    raise TypeError(f'gather_to_host got a traced value at {where!r}; call '
-                    'it outside jax.jit / jax.grad.')
-  if isinstance(x, jax.Array):
-    if x.is_deleted():
-      raise ValueError(
-          f'Array {where!r} was deleted (donated to a jitted step?). Take the '
-          'snapshot before the step that donates it.')
-    if not (x.is_fully_addressable or x.is_fully_replicated):
-      # Spread over processes: a collective every process joins.
-      gathered = multihost_utils.process_allgather(x, tiled=True)
-      return (jax.ShapeDtypeStruct(x.shape, x.dtype) if shapes_only
-              else aligned_copy(gathered))
-    if shapes_only:
-      return jax.ShapeDtypeStruct(x.shape, x.dtype)
-    return _host_value(x, owned=owned)
-  if isinstance(x, (np.ndarray, np.generic, bool, int, float, complex)):
-    if shapes_only:
-      return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
-    return aligned_copy(x) if owned else np.asarray(x)
-  raise TypeError(
-      f'gather_to_host: leaf {where!r} is a {type(x).__name__}; expected '
-      'jax.Array, numpy array or a number.')
-
-
 def gather_to_host(tree: Any, *, owned: bool = True,
                    shapes_only: bool = False) -> Any:
-  """Every array of `tree` as host numpy (placeholders if `shapes_only`).
+  """Every array of `tree` as host numpy, owned or else views where possible.
 
-  Leaf by leaf; arrays spread over processes are all-gathered, so every
-  process must call this at the same point. `owned`: new aligned arrays,
-  else views where possible; `shapes_only`: join the collectives, keep
-  `jax.ShapeDtypeStruct`s (docs/internals.md, "Host memory").
+  Every process calls it at the same point (arrays spread over processes
+  are all-gathered); `shapes_only` joins them, keeping ShapeDtypeStructs.
   """
   return jax.tree_util.tree_map_with_path(
       functools.partial(_gather_leaf, owned=owned, shapes_only=shapes_only),

@@ -1,16 +1,16 @@
 """Reads TensorFlow checkpoints (tensor bundles) with numpy, without TF.
 
-The `.index` SSTable, its protobufs and the CRC-32C are decoded by hand;
-formats: docs/internals.md. `param_checkpoint_keys` maps a SavedModel's
-object graph to the checkpoint key of each `JaxModule.param_vars[i]`.
+The `.index` SSTable, its protobufs and the CRC-32C are decoded by hand
+(formats: docs/internals.md).
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterator
 import functools
+import itertools
 import os
-from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -23,6 +23,8 @@ _FOOTER_SIZE = 48
 _TRAILER_SIZE = 5
 _MASK_DELTA = 0xa282ead8
 _CRC_POLY = 0x82f63b78  # CRC-32C (Castagnoli), reflected.
+_CRC_ROW = 1024  # Bytes per row of the vectorized CRC.
+_CRC_SLAB = 4 << 20  # Bytes per vectorized step (bounds its memory).
 _DT_STRING = 7
 # TensorFlow DataType enum -> numpy dtype (little-endian).
 _DTYPES = {
@@ -34,21 +36,13 @@ _DTYPES = {
 }
 
 
-class Entry(NamedTuple):
-  """A decoded `BundleEntryProto`: one tensor's dtype enum, shape, place."""
-  dtype: int  # TensorFlow's DataType enum (1 float32, 14 bfloat16, ...).
-  shape: tuple[int, ...]
-  shard_id: int
-  offset: int
-  size: int
-  crc32c: int  # Masked.
-
-
-# --- protobuf wire format ---------------------------------------------------
+# A decoded BundleEntryProto (dtype: TensorFlow's DataType enum, CRC masked).
+Entry = collections.namedtuple(
+    'Entry', ['dtype', 'shape', 'shard_id', 'offset', 'size', 'crc32c'])
 
 
 def _varint(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
-  """Decodes the varint at `pos`; returns (value, position after it)."""
+  """(The varint at `pos`, the position after it)."""
   result = shift = 0
   while True:
     if pos >= len(buf) or shift > 63:
@@ -84,13 +78,6 @@ def _fields(buf: bytes | memoryview) -> Iterator[tuple[int, int | bytes]]:
     yield number, value
 
 
-# --- CRC-32C ----------------------------------------------------------------
-
-
-_CRC_ROW = 1024  # Bytes per row of the vectorized CRC.
-_CRC_SLAB = 4 << 20  # Bytes per vectorized step (bounds its memory).
-
-
 @functools.cache
 def _crc_table() -> list[int]:
   """The CRC register update for one input byte."""
@@ -111,11 +98,10 @@ def _crc_bytes(reg: int, data: np.ndarray) -> int:
 
 @functools.cache
 def _position_tables() -> np.ndarray:
-  """What byte b at position i of a row adds to the row's CRC register.
+  """`tables[i, b]`: what byte b at position i adds to a row's CRC register.
 
-  The CRC is linear over GF(2): the register after a row (started at 0) is
-  the XOR of each byte's own contribution, `tables[i, b]`: b's one-byte
-  update followed by the row's remaining `_CRC_ROW - 1 - i` zero bytes.
+  The CRC is linear over GF(2): a row's register (started at 0) is the XOR
+  of b's one-byte update followed by the row's `_CRC_ROW - 1 - i` zeros.
   """
   step = np.array(_crc_table(), np.uint32)
   tables = np.empty((_CRC_ROW, 256), np.uint32)
@@ -126,13 +112,11 @@ def _position_tables() -> np.ndarray:
 
 
 def crc32c(data: bytes | memoryview | np.ndarray) -> int:
-  """The CRC-32C of `data` (TensorFlow's and LevelDB's), vectorized.
+  """The CRC-32C of `data` (TensorFlow's and LevelDB's), ~100 MB/s a core.
 
-  Past a head done byte by byte, numpy computes the registers of all rows
-  of `_CRC_ROW` bytes at once (a gather, an XOR-reduce) and folds each into
-  the running register: carrying a register over a row is the tables' first
-  four rows indexed by its four bytes (a reflected CRC's register acts like
-  the next four input bytes). ~100 MB/s a core.
+  Past a byte-by-byte head, numpy computes all rows' registers at once and
+  each is folded into the running one: a reflected CRC's register acts like
+  the next 4 input bytes, so carrying it over a row is 4 table lookups.
   """
   buf = (data.reshape(-1).view(np.uint8) if isinstance(data, np.ndarray)
          else np.frombuffer(data, np.uint8))
@@ -153,45 +137,38 @@ def crc32c(data: bytes | memoryview | np.ndarray) -> int:
   return reg ^ 0xffffffff
 
 
-def unmask(masked: int) -> int:
+def _unmask(masked: int) -> int:
   """Undoes LevelDB's CRC masking (rotate right by 15 after subtracting)."""
   rot = (masked - _MASK_DELTA) & 0xffffffff
   return ((rot >> 17) | (rot << 15)) & 0xffffffff
 
 
-# --- the SSTable index ------------------------------------------------------
-
-
 def _block(data: bytes, handle: bytes, what: str) -> memoryview:
   """The checked contents of the block a BlockHandle points to."""
   offset, pos = _varint(handle, 0)
-  size, _ = _varint(handle, pos)
-  end = offset + size
+  end = offset + _varint(handle, pos)[0]
   if end + _TRAILER_SIZE > len(data):
     raise ValueError(f'{what} block [{offset}, {end}) runs past the end')
-  kind = data[end]
   stored = int.from_bytes(data[end + 1:end + _TRAILER_SIZE], 'little')
-  if unmask(stored) != crc32c(data[offset:end + 1]):
+  if _unmask(stored) != crc32c(data[offset:end + 1]):
     raise ValueError(f'{what} block at offset {offset}: checksum mismatch')
-  if kind != 0:
+  if data[end] != 0:
     raise ValueError(f'{what} block at offset {offset} is compressed (type '
-                     f'{kind}); only uncompressed bundle indexes are read')
+                     f'{data[end]}); only uncompressed bundle indexes are read')
   return memoryview(data)[offset:end]
 
 
 def _block_entries(block: memoryview) -> Iterator[tuple[bytes, bytes]]:
   """(key, value) of each entry of a block, undoing the prefix compression."""
-  restarts = int.from_bytes(block[-4:], 'little')
-  limit = len(block) - 4 * (restarts + 1)
+  limit = len(block) - 4 * (int.from_bytes(block[-4:], 'little') + 1)
   pos, key = 0, b''
   while pos < limit:
     shared, pos = _varint(block, pos)
     unshared, pos = _varint(block, pos)
     size, pos = _varint(block, pos)
     key = key[:shared] + bytes(block[pos:pos + unshared])
-    pos += unshared
-    yield key, bytes(block[pos:pos + size])
-    pos += size
+    pos += unshared + size
+    yield key, bytes(block[pos - size:pos])
   if pos != limit:
     raise ValueError('block entries overrun the restart array')
 
@@ -205,19 +182,17 @@ def _table_entries(data: bytes) -> Iterator[tuple[bytes, bytes]]:
     raise ValueError('no SSTable magic number at the end')
   _, pos = _varint(footer, 0)  # The metaindex block: unused in bundles.
   _, pos = _varint(footer, pos)
-  index = _block(data, footer[pos:], 'index')
-  for _, handle in _block_entries(index):
+  for _, handle in _block_entries(_block(data, footer[pos:], 'index')):
     yield from _block_entries(_block(data, handle, 'data'))
 
 
 def _entry(value: bytes) -> Entry | None:
   """Decodes a BundleEntryProto; None for a sliced (partitioned) tensor."""
-  fields = {'dtype': 0, 'shard_id': 0, 'offset': 0, 'size': 0, 'crc32c': 0}
-  names = {1: 'dtype', 3: 'shard_id', 4: 'offset', 5: 'size', 6: 'crc32c'}
+  fields = dict.fromkeys((1, 3, 4, 5, 6), 0)  # The fields but the shape.
   shape: list[int] = []
   for number, field in _fields(value):
-    if number in names:
-      fields[names[number]] = field
+    if number in fields:
+      fields[number] = field
     elif number == 2:  # TensorShapeProto: dim = 2 {size = 1}.
       for dim_number, dim in _fields(field):
         if dim_number == 2:
@@ -225,35 +200,24 @@ def _entry(value: bytes) -> Entry | None:
           shape.append(sizes[0] if sizes else 0)
     elif number == 7:
       return None
-  return Entry(shape=tuple(shape), **fields)
+  return Entry(fields[1], tuple(shape), *(fields[n] for n in (3, 4, 5, 6)))
 
 
 class BundleReader:
-  """The tensors of one TensorFlow checkpoint, read with numpy.
-
-  Example:
-    reader = BundleReader('/models/t5/1000/variables/variables')
-    kernel = reader.read('param_vars/0/.ATTRIBUTES/VARIABLE_VALUE')
-
-  Damage or an unsupported form is `errors.VariablesFormatError`.
-  """
+  """One TF checkpoint's tensors; damage is `errors.VariablesFormatError`."""
 
   def __init__(self, prefix: str | os.PathLike[str]):
     self.prefix = os.fspath(prefix)
     index = self.prefix + '.index'
-    self._entries: dict[str, Entry | None] = {}  # None: sliced.
-    self._num_shards = 1
     try:
       with open(index, 'rb') as f:
-        data = f.read()
-      for key, value in _table_entries(data):
-        if key:
-          self._entries[key.decode()] = _entry(value)
-          continue
-        header = dict(_fields(value))  # BundleHeaderProto.
-        self._num_shards = header.get(1, 1)
-        if header.get(2, 0) != 0:
-          raise ValueError('it was written big-endian')
+        # The empty key holds the BundleHeaderProto; None: a sliced tensor.
+        self._entries = {k.decode(): _entry(v) if k else dict(_fields(v))
+                         for k, v in _table_entries(f.read())}
+      header = self._entries.pop('', {})
+      self._num_shards = header.get(1, 1)
+      if header.get(2, 0) != 0:
+        raise ValueError('it was written big-endian')
     except (OSError, ValueError) as e:
       raise errors.VariablesFormatError(
           f'The checkpoint index {index!r} cannot be read: '
@@ -302,7 +266,7 @@ class BundleReader:
     nbytes = int(np.prod(entry.shape, dtype=np.int64)) * dtype.itemsize
     damage = (f'holds {entry.size} bytes where shape {entry.shape} of '
               f'{dtype.name} needs {nbytes}' if entry.size != nbytes else
-              'fails its CRC-32C checksum' if unmask(entry.crc32c) != crc32c(
+              'fails its CRC-32C checksum' if _unmask(entry.crc32c) != crc32c(
                   raw) else None)
     if damage:
       raise errors.VariablesFormatError(
@@ -318,42 +282,33 @@ class BundleReader:
     for _ in range(int(np.prod(entry.shape, dtype=np.int64))):
       length, pos = _varint(data, pos)
       lengths.append(length)
-    pos += 4  # The checksum of the lengths.
-    if pos + sum(lengths) != len(data):
+    # Past the lengths' checksum (4 bytes), the strings end to end.
+    ends = list(itertools.accumulate(lengths, initial=pos + 4))
+    if ends[-1] != len(data):
       raise errors.VariablesFormatError(
           f'String tensor {key!r} of the checkpoint {self.prefix!r} is '
-          f'damaged: its sizes add up to {pos + sum(lengths)} bytes, it holds '
+          f'damaged: its sizes add up to {ends[-1]} bytes, it holds '
           f'{len(data)}. Copy the version again or re-export it.')
-    out = []
-    for length in lengths:
-      out.append(data[pos:pos + length])
-      pos += length
-    return out
-
-
-# --- the object graph -------------------------------------------------------
+    return [data[a:b] for a, b in zip(ends, ends[1:])]
 
 
 def param_checkpoint_keys(object_graph: bytes, *, attribute: str = 'param_vars',
                           count: int | None = None) -> list[str] | None:
-  """Checkpoint keys of the variables in the root's list `attribute`.
+  """Keys of the first `count` (default all) variables of root.`attribute`.
 
-  In list order (`count` long, default the graph's), or None if the graph
-  has no complete list there. `TrackableObjectGraph` fields: nodes = 1; a
-  node's children = 1 {node_id = 1, local_name = 2}, attributes = 2
-  {name = 1, checkpoint_key = 3}.
+  None if that list is incomplete. `TrackableObjectGraph` fields: nodes = 1;
+  a node's children = 1 {node_id = 1, local_name = 2}, attributes = 2 {name
+  = 1, checkpoint_key = 3}.
   """
   try:
     nodes = [value for number, value in _fields(object_graph) if number == 1]
 
-    def children(node_id: int) -> dict[str, int]:
-      refs = (dict(_fields(v)) for n, v in _fields(nodes[node_id]) if n == 1)
-      return {ref.get(2, b'').decode(): ref.get(1, 0) for ref in refs}
+    def refs(node_id: int, field: int) -> list[dict[int, int | bytes]]:
+      return [dict(_fields(v)) for n, v in _fields(nodes[node_id])
+              if n == field]
 
-    def value_keys(node_id: int) -> list[str]:
-      attrs = (dict(_fields(v)) for n, v in _fields(nodes[node_id]) if n == 2)
-      return [a.get(3, b'').decode() for a in attrs
-              if a.get(1) == b'VARIABLE_VALUE']
+    def children(node_id: int) -> dict[str, int]:
+      return {r.get(2, b'').decode(): r.get(1, 0) for r in refs(node_id, 1)}
 
     root = children(0) if nodes else {}
     if attribute not in root:
@@ -361,7 +316,8 @@ def param_checkpoint_keys(object_graph: bytes, *, attribute: str = 'param_vars',
     items = children(root[attribute])
     keys = []
     for i in range(len(items) if count is None else count):
-      found = value_keys(items[str(i)]) if str(i) in items else []
+      found = [a.get(3, b'').decode() for a in refs(items[str(i)], 2)
+               if a.get(1) == b'VARIABLE_VALUE'] if str(i) in items else []
       if len(found) != 1:
         return None
       keys.append(found[0])

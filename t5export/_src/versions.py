@@ -1,13 +1,13 @@
 """The version directories of an export_dir: layout, atomic publish, retention.
 
-Published versions are integer subdirectories (what TF Serving loads);
-staging and doomed directories hide under `.tmp-` names. Light: file system
-only, no TensorFlow. docs/internals.md describes the layout and publish.
+Published versions are integer subdirectories, staging and doomed ones hide
+under `.tmp-` names (docs/internals.md). Light: no TensorFlow.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+import contextlib
 import ctypes
 import dataclasses
 import os
@@ -44,15 +44,15 @@ class KeepBest:
   mode: str = 'max'
 
   def __post_init__(self):
-    if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
-      raise ValueError(f'keep_best n must be an int >= 1, got {self.n!r}.')
-    if not isinstance(self.metric, str) or not self.metric:
-      raise ValueError(
-          f'keep_best metric must be a non-empty metric name, got '
-          f'{self.metric!r}.')
-    if self.mode not in ('max', 'min'):
-      raise ValueError(
-          f"keep_best mode must be 'max' or 'min', got {self.mode!r}.")
+    problem = (
+        f'n must be an int >= 1, got {self.n!r}' if not isinstance(
+            self.n, int) or isinstance(self.n, bool) or self.n < 1 else
+        f'metric must be a non-empty metric name, got {self.metric!r}'
+        if not isinstance(self.metric, str) or not self.metric else
+        f"mode must be 'max' or 'min', got {self.mode!r}"
+        if self.mode not in ('max', 'min') else None)
+    if problem:
+      raise ValueError(f'keep_best {problem}.')
 
   def score(self, metrics: Mapping[str, Any], step: int) -> float | None:
     """The version's `metric` (None if absent); raises if not a number."""
@@ -98,11 +98,9 @@ def _metric_value(value: Any) -> float | int | str:
     array = np.asarray(value)
   except Exception:  # pylint: disable=broad-except
     return str(value)
-  if array.shape == () and array.dtype.kind in 'biuf':
-    return float(array) if array.dtype.kind == 'f' else int(array)
-  if array.shape == () and array.dtype.kind == 'V':  # bfloat16, float8, ...
+  if array.shape == () and array.dtype.kind in 'biufV':  # V: bfloat16, ...
     try:
-      return float(array)
+      return int(array) if array.dtype.kind in 'biu' else float(array)
     except (TypeError, ValueError):
       pass
   if array.dtype.kind in 'biuf':  # Not a scalar: describe, don't dump it.
@@ -111,21 +109,15 @@ def _metric_value(value: Any) -> float | int | str:
 
 
 def flatten_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
-  """Flat, JSON-ready metrics: names joined by '/', numbers as numbers.
-
-  Numbers (incl. 0-d arrays, CLU values and metrics) become float or int,
-  strings stay strings, anything else its description. Idempotent.
+  """Flat, JSON-ready metrics: '/'-joined names; numbers (0-d arrays, CLU
+  values and metrics too) as float or int, the rest as strings. Idempotent.
   """
   out: dict[str, Any] = {}
-
-  def visit(prefix: str, value: Any) -> None:
-    if isinstance(value, Mapping):
-      for k, v in value.items():
-        visit(f'{prefix}/{k}' if prefix else str(k), v)
+  for k, v in (metrics or {}).items():
+    if isinstance(v, Mapping):
+      out.update((f'{k}/{n}', x) for n, x in flatten_metrics(v).items())
     else:
-      out[prefix] = _metric_value(value)
-
-  visit('', dict(metrics or {}))
+      out[str(k)] = _metric_value(v)
   return out
 
 
@@ -134,17 +126,18 @@ def dir_nbytes(path: str) -> int:
   total = 0
   for root, _, files in os.walk(path):
     for name in files:
-      try:
+      with contextlib.suppress(OSError):  # Removed meanwhile (retention).
         total += os.path.getsize(os.path.join(root, name))
-      except OSError:  # Removed meanwhile (e.g. by retention).
-        pass
   return total
 
 
-def _fsync(path: str) -> None:
+def fsync(path: str) -> None:
+  """fsyncs the file or directory `path`; an error names it."""
   fd = os.open(path, os.O_RDONLY)
   try:
     os.fsync(fd)
+  except OSError as e:
+    raise OSError(e.errno, e.strerror, path) from e
   finally:
     os.close(fd)
 
@@ -153,15 +146,18 @@ def fsync_tree(path: str) -> None:
   """fsyncs every file, then every directory (deepest first) under path."""
   for root, _, files in os.walk(path, topdown=False):
     for name in files:
-      _fsync(os.path.join(root, name))
-    _fsync(root)
+      fsync(os.path.join(root, name))
+    fsync(root)
+
+
+def _hidden(parent: str, name: str) -> str:
+  """A fresh `<parent>/.tmp-<name>-<nonce>` path."""
+  return os.path.join(parent, f'{STAGING_PREFIX}{name}-{uuid.uuid4().hex[:8]}')
 
 
 def _remove(path: str) -> None:
   """Removes a directory: renamed out of sight first, then deleted."""
-  parent, base = os.path.split(path)
-  doomed = os.path.join(parent,
-                        f'{STAGING_PREFIX}del-{base}-{uuid.uuid4().hex[:8]}')
+  doomed = _hidden(os.path.dirname(path), f'del-{os.path.basename(path)}')
   os.rename(path, doomed)
   shutil.rmtree(doomed, ignore_errors=True)
 
@@ -180,23 +176,18 @@ def _exchange(a: str, b: str) -> bool:
 class VersionDirectory:
   """The versions of one export_dir and their metrics (one writer at a time).
 
-  Creating one creates `export_dir` if missing and raises ExportDirError if
-  it is a file or not writable.
+  Creates `export_dir` if missing; ExportDirError if a file or not writable.
   """
 
   def __init__(self, export_dir: str, *, keep: int | None,
                keep_best: KeepBest | None, overwrite: bool,
                durable: bool = True):
-    self.export_dir = export_dir
+    self.export_dir = d = export_dir
     self._durable = durable
     self._keep = keep
     self._keep_best = keep_best
     self._overwrite = overwrite
     self._metrics: dict[int, dict[str, Any]] = {}
-    self._prepare()
-
-  def _prepare(self) -> None:
-    d = self.export_dir
     if os.path.exists(d) and not os.path.isdir(d):
       raise errors.ExportDirError(
           f'export_dir {d!r} exists and is not a directory. Pass a directory '
@@ -208,7 +199,7 @@ class VersionDirectory:
           f'export_dir {d!r} cannot be created ({e.strerror or e}). Pass a '
           'directory you can write, or fix its parent\'s permissions.') from e
     # A real write: os.access says yes to root even on a read-only mount.
-    probe = os.path.join(d, f'{STAGING_PREFIX}probe-{uuid.uuid4().hex[:8]}')
+    probe = _hidden(d, 'probe')
     try:
       os.mkdir(probe)
       os.rmdir(probe)
@@ -219,10 +210,7 @@ class VersionDirectory:
           'directory.') from e
 
   def resume(self) -> list[str]:
-    """Removes `.tmp-*` leftovers of a crash and reads the versions' metrics.
-
-    Returns the names of the staging directories removed.
-    """
+    """Removes (and returns) `.tmp-*` crash leftovers; reads the metrics."""
     stale = [n for n in os.listdir(self.export_dir)
              if n.startswith(STAGING_PREFIX)]
     for name in stale:
@@ -242,14 +230,10 @@ class VersionDirectory:
 
   def staging_dir(self, step: int) -> str:
     """A fresh `<export_dir>/.tmp-<step>-<nonce>` path (not created)."""
-    return os.path.join(
-        self.export_dir, f'{STAGING_PREFIX}{step}-{uuid.uuid4().hex[:8]}')
+    return _hidden(self.export_dir, str(step))
 
   def versions(self) -> list[int]:
     return list_versions(self.export_dir)
-
-  def record_metrics(self, step: int, metrics: Mapping[str, Any]) -> None:
-    self._metrics[step] = dict(metrics)
 
   def metrics(self) -> dict[int, dict[str, Any]]:
     """The metrics recorded for each published version."""
@@ -274,27 +258,24 @@ class VersionDirectory:
 
   def _sync_dir(self) -> None:
     if self._durable:
-      _fsync(self.export_dir)
+      fsync(self.export_dir)
 
-  def _kept_versions(self, versions: list[int], protect: int) -> set[int]:
+  def apply_retention(self, protect: int,
+                      metrics: Mapping[str, Any]) -> list[int]:
+    """Records version `protect`'s metrics; deletes and returns the dropped."""
+    self._metrics[protect] = dict(metrics)
+    versions = self.versions()
     keep = set(versions if self._keep is None else versions[-self._keep:])
     keep.add(protect)
     best = self._keep_best
     if best is not None:
-      scored = []
-      for v in versions:
-        value = self._metrics.get(v, {}).get(best.metric)
-        if isinstance(value, (int, float)) and not np.isnan(value):
-          scored.append((value if best.mode == 'max' else -value, v))
+      values = [(self._metrics.get(v, {}).get(best.metric), v)
+                for v in versions]
+      scored = [(x if best.mode == 'max' else -x, v) for x, v in values
+                if isinstance(x, (int, float)) and not np.isnan(x)]
       # Best first; on ties the newer version wins.
       keep.update(v for _, v in sorted(scored, reverse=True)[:best.n])
-    return keep
-
-  def apply_retention(self, *, protect: int) -> list[int]:
-    """Deletes the versions retention drops (never `protect`); returns them."""
-    versions = self.versions()
-    kept = self._kept_versions(versions, protect)
-    removed = [v for v in versions if v not in kept]
+    removed = [v for v in versions if v not in keep]
     for v in removed:
       _remove(self.version_dir(v))
       self._metrics.pop(v, None)

@@ -1,10 +1,7 @@
-"""Writes the SavedModel files of one version: the graph once, then weights.
+"""Writes SavedModel versions: the graph once, weights in parallel shards.
 
-The first version's graph is `tf.saved_model.save` without its checkpoint;
-every version's weights are written in parallel shards (each fsync-ed by
-its thread, unless the exporter fsyncs them beside its check); later
-versions reuse the first one's weight-independent files (`saved_model.pb`,
-`assets/`). Why and how: docs/internals.md.
+Later versions reuse the first one's weight-independent files
+(`saved_model.pb`, `assets/`); docs/internals.md says why and how.
 """
 
 from __future__ import annotations
@@ -13,6 +10,7 @@ from collections.abc import Mapping, Sequence
 import concurrent.futures
 import inspect
 import os
+import pathlib
 import shutil
 import time
 from typing import Any
@@ -28,13 +26,12 @@ from tensorflow.core.protobuf import trackable_object_graph_pb2
 from t5export import errors
 from t5export._src import jax_module
 from t5export._src import tensor_bundle
+from t5export._src import versions
 from tensorflow_serving.apis import model_pb2
 from tensorflow_serving.apis import predict_pb2
 from tensorflow_serving.apis import prediction_log_pb2
 
-VARIABLES_DIR = 'variables'
-VARIABLES_PREFIX = os.path.join(VARIABLES_DIR, 'variables')
-_REWRITTEN = (VARIABLES_DIR, 'fingerprint.pb')
+_REWRITTEN = ('variables', 'fingerprint.pb')
 
 
 def default_shards() -> int:
@@ -54,14 +51,7 @@ def _balanced(sizes: list[int], shards: int) -> list[list[int]]:
 
 
 class SavedModelWriter:
-  """Writes versions of one `JaxModule` as SavedModel directories.
-
-  Example:
-    writer = SavedModelWriter(module, serving_fns)
-    writer.write('/models/t5/.tmp-100')   # -> 'full'
-    module.update_variables(new_values)
-    writer.write('/models/t5/.tmp-200')   # -> 'variables'
-  """
+  """Writes versions of one `JaxModule` as SavedModel directories."""
 
   def __init__(self, module: jax_module.JaxModule,
                signatures: Mapping[str, Any], *,
@@ -77,8 +67,8 @@ class SavedModelWriter:
     self._shards = shards or default_shards()
     self._fsync_shards = fsync_shards
     self._template: dict[str, bytes] | None = None
-    self._keys: list[str] | None = None
-    self._object_graph: bytes | None = None
+    self._keys: list[str] = []
+    self._object_graph = b''
 
   @property
   def reuses_graph(self) -> bool:
@@ -87,12 +77,19 @@ class SavedModelWriter:
 
   def write(self, directory: str, *,
             after: concurrent.futures.Future | None = None) -> str:
-    """Writes the module into the new `directory`: 'full' or 'variables'.
-
-    The variables are read once `after` (their values arriving) is done.
-    """
+    """Writes `directory`: 'full' or 'variables'; weights read after `after`."""
     if self._template is not None:
-      self._write_template(directory)
+      os.makedirs(directory)
+      for rel, data in self._template.items():
+        path = os.path.join(directory, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if not rel.endswith(os.sep):  # Else an empty directory (assets/).
+          try:
+            with open(path, 'wb') as f:
+              f.write(data)
+          except OSError as e:
+            # A failed write() names no file; say which (full disk, quota).
+            raise OSError(e.errno, e.strerror, path) from e
       self._write_weights(directory)
       return 'variables'
     reuse, self._reuse_graph = self._reuse_graph, False  # Now or never.
@@ -107,11 +104,7 @@ class SavedModelWriter:
     return 'full'
 
   def _save_graph(self, directory: str) -> bool:
-    """Saves all but the weights and keeps it for every version, if it can.
-
-    False (nothing left in `directory`) when this TensorFlow cannot skip the
-    checkpoint or the checkpoint would hold more than the module's params.
-    """
+    """Saves and keeps all but the weights; False (none saved) if it can't."""
     # pylint: disable=g-import-not-at-top
     from tensorflow.python.saved_model import save as save_lib
     save = getattr(save_lib, 'save_and_return_nodes', None)
@@ -122,25 +115,21 @@ class SavedModelWriter:
       return False
     save(self._module, directory, signatures=self._signatures,
          experimental_skip_checkpoint=True)
-    object_graph, keys = _param_keys(directory, len(self._module.param_vars))
+    self._object_graph, keys = _param_keys(directory,
+                                           len(self._module.param_vars))
     if keys is None:
       logging.info('t5export: every version is saved in full: its checkpoint '
                    'would hold more than the module\'s params.')
       shutil.rmtree(directory)
       return False
     template = {}
-    for root, dirs, files in os.walk(directory):
-      rel_root = os.path.relpath(root, directory)
-      for name in files:
-        rel = os.path.normpath(os.path.join(rel_root, name))
-        if rel not in _REWRITTEN:
-          with open(os.path.join(root, name), 'rb') as f:
-            template[rel] = f.read()
-      for name in dirs:  # Keep empty directories such as assets/.
-        template.setdefault(os.path.normpath(os.path.join(rel_root, name)) +
-                            os.sep, b'')
-    self._template, self._keys, self._object_graph = (
-        template, keys, object_graph)
+    for path in pathlib.Path(directory).rglob('*'):
+      rel = str(path.relative_to(directory))
+      if path.is_dir():  # Kept even if empty, such as assets/.
+        template[rel + os.sep] = b''
+      elif rel not in _REWRITTEN:
+        template[rel] = path.read_bytes()
+    self._template, self._keys = template, keys
     logging.info('t5export: every version reuses the first graph (%d '
                  'file(s), %.1f KiB) and writes %d variables in %d shard(s).',
                  sum(not k.endswith(os.sep) for k in template),
@@ -148,26 +137,31 @@ class SavedModelWriter:
                  min(self._shards, len(keys)))
     return True
 
-  def _write_template(self, directory: str) -> None:
-    os.makedirs(directory)
-    for rel, data in self._template.items():
-      path = os.path.join(directory, rel)
-      if rel.endswith(os.sep):
-        os.makedirs(path, exist_ok=True)
-        continue
-      os.makedirs(os.path.dirname(path), exist_ok=True)
-      try:
-        with open(path, 'wb') as f:
-          f.write(data)
-      except OSError as e:
-        # A failed write() names no file; say which one (full disk, quota).
-        raise OSError(e.errno, e.strerror, path) from e
-
   def _write_weights(self, directory: str) -> None:
-    """The variables checkpoint, then the fingerprint that hashes it."""
+    """The variables checkpoint in parallel shards, then the fingerprint."""
     start = time.monotonic()
-    os.makedirs(os.path.join(directory, VARIABLES_DIR), exist_ok=True)
-    self._write_variables(os.path.join(directory, VARIABLES_PREFIX))
+    os.makedirs(os.path.join(directory, 'variables'), exist_ok=True)
+    prefix = os.path.join(directory, 'variables', 'variables')
+    variables = self._module.param_vars
+    groups = _balanced(
+        [int(v.shape.num_elements() or 0) * v.dtype.size for v in variables],
+        min(self._shards, len(variables)))
+    object_graph = tf.constant(self._object_graph, dtype=tf.string)
+    if len(groups) == 1:
+      self._save_v2(prefix, groups[0], object_graph)
+    else:
+      parts = [f'{prefix}_temp/part-{i:05d}-of-{len(groups):05d}'
+               for i in range(len(groups))]
+      with concurrent.futures.ThreadPoolExecutor(len(groups)) as pool:
+        for future in [pool.submit(self._save_v2, part, group,
+                                   object_graph if i == 0 else None)
+                       for i, (part, group) in enumerate(zip(parts, groups))]:
+          future.result()
+      with tf.device('/CPU:0'):
+        tf.raw_ops.MergeV2Checkpoints(
+            checkpoint_prefixes=parts, destination_prefix=prefix,
+            delete_old_dirs=True)
+      shutil.rmtree(prefix + '_temp', ignore_errors=True)
     try:
       # pylint: disable=g-import-not-at-top
       from tensorflow.python.saved_model import fingerprinting_utils
@@ -179,60 +173,23 @@ class SavedModelWriter:
     logging.info('t5export: wrote the weights of %s in %.2fs.', directory,
                  time.monotonic() - start)
 
-  def _write_variables(self, prefix: str) -> None:
-    """Writes the checkpoint `prefix` (.index + data shards) in parallel."""
-    variables = self._module.param_vars
-    sizes = [int(v.shape.num_elements() or 0) * v.dtype.size
-             for v in variables]
-    groups = _balanced(sizes, min(self._shards, len(variables)))
-    object_graph = tf.constant(self._object_graph, dtype=tf.string)
-    if len(groups) == 1:
-      self._save_v2(prefix, groups[0], object_graph)
-      return
-    temp = prefix + '_temp'
-    parts = [os.path.join(temp, f'part-{i:05d}-of-{len(groups):05d}')
-             for i in range(len(groups))]
-    with concurrent.futures.ThreadPoolExecutor(len(groups)) as pool:
-      futures = [pool.submit(self._save_v2, part, group,
-                             object_graph if i == 0 else None)
-                 for i, (part, group) in enumerate(zip(parts, groups))]
-      for future in futures:
-        future.result()
-    with tf.device('/CPU:0'):
-      tf.raw_ops.MergeV2Checkpoints(
-          checkpoint_prefixes=parts, destination_prefix=prefix,
-          delete_old_dirs=True)
-    shutil.rmtree(temp, ignore_errors=True)
-
   def _save_v2(self, prefix: str, indices: list[int],
                object_graph: tf.Tensor | None) -> None:
-    names, tensors = [], []
+    names = [self._keys[i] for i in indices]
+    tensors = [self._module.param_vars[i].read_value() for i in indices]
     if object_graph is not None:
-      names.append(tensor_bundle.OBJECT_GRAPH_KEY)
-      tensors.append(object_graph)
-    variables = self._module.param_vars
-    for i in indices:
-      names.append(self._keys[i])
-      tensors.append(variables[i].read_value())
+      names.insert(0, tensor_bundle.OBJECT_GRAPH_KEY)
+      tensors.insert(0, object_graph)
     with tf.device('/CPU:0'):
       tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names,
                         shape_and_slices=[''] * len(names), tensors=tensors)
-    if not self._fsync_shards:
-      return
-    # fsync here, so flushing overlaps the other shards' writes.
-    data = prefix + '.data-00000-of-00001'
-    fd = os.open(data, os.O_RDONLY)
-    try:
-      os.fsync(fd)
-    except OSError as e:
-      raise OSError(e.errno, e.strerror, data) from e
-    finally:
-      os.close(fd)
+    if self._fsync_shards:  # Here, so flushing overlaps the other shards.
+      versions.fsync(prefix + '.data-00000-of-00001')
 
 
 def _param_keys(directory: str,
                 count: int) -> tuple[bytes, list[str] | None]:
-  """The saved graph's checkpoint object graph, and its params' keys.
+  """The saved graph's checkpoint object graph and its params' keys.
 
   The keys are None unless the params are all the checkpoint would hold.
   """
