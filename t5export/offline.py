@@ -72,28 +72,32 @@ _STEP = flags.DEFINE_integer(
     'step', None, 'Checkpoint step to read from a directory of steps '
     '(default: the latest); also the version number for a checkpoint that '
     'does not record its step.', lower_bound=0)
-_OVERWRITE = flags.DEFINE_boolean(
-    'overwrite', None, 'Replace an existing version of the same step '
-    '(default: the gin ExportOptions.overwrite, else no).')
 _DTYPE = flags.DEFINE_enum(
     'dtype', None, offline_export.DTYPES,
     'Cast floating-point params to this dtype before export (default: as '
     'stored).')
-_PLATFORMS = flags.DEFINE_list(
-    'platforms', None, 'jax2tf lowering platforms, e.g. cpu,cuda (default: '
-    'the gin ExportOptions.platforms, else the current JAX backend).')
-_VALIDATE = flags.DEFINE_boolean(
-    'validate', None, 'Check the staged SavedModel against JAX on the '
-    'signatures\' sample inputs before publishing (default: the gin '
-    'ExportOptions.validate, else yes; --no_validate to skip).')
-_DURABLE = flags.DEFINE_boolean(
-    'durable', None, 'fsync the version before publishing it (default: the '
-    'gin ExportOptions.durable, else yes; --no_durable to skip).')
-_SERVING_TF_VERSION = flags.DEFINE_string(
-    'serving_tf_version', None, 'The oldest TensorFlow / TF Serving release '
-    'that must load the version, e.g. 2.20 (default: the gin '
-    'ExportOptions.serving_tf_version, else the oldest this JAX can '
-    'target).')
+# Each overrides the gin config's ExportOptions field of its name.
+_OVERRIDES = (
+    flags.DEFINE_boolean(
+        'overwrite', None, 'Replace an existing version of the same step '
+        '(default: the gin ExportOptions.overwrite, else no).'),
+    flags.DEFINE_list(
+        'platforms', None, 'jax2tf lowering platforms, e.g. cpu,cuda '
+        '(default: the gin ExportOptions.platforms, else the current JAX '
+        'backend).'),
+    flags.DEFINE_boolean(
+        'validate', None, 'Check the staged SavedModel against JAX on the '
+        'signatures\' sample inputs before publishing (default: the gin '
+        'ExportOptions.validate, else yes; --no_validate to skip).'),
+    flags.DEFINE_boolean(
+        'durable', None, 'fsync the version before publishing it (default: '
+        'the gin ExportOptions.durable, else yes; --no_durable to skip).'),
+    flags.DEFINE_string(
+        'serving_tf_version', None, 'The oldest TensorFlow / TF Serving '
+        'release that must load the version, e.g. 2.20 (default: the gin '
+        'ExportOptions.serving_tf_version, else the oldest this JAX can '
+        'target).'),
+)
 
 
 def rewrite_args(argv: Sequence[str]) -> list[str]:
@@ -161,10 +165,7 @@ def main(argv: Sequence[str]) -> None:
   export_dir = os.path.abspath(_EXPORT_DIR.value)
   existed = os.path.isdir(export_dir)
   before = set(os.listdir(export_dir)) if existed else set()
-  # The ExportOptions fields the flags given set (each flag is named so).
-  overrides = {f.name: f.value for f in (_OVERWRITE, _PLATFORMS, _VALIDATE,
-                                         _SERVING_TF_VERSION, _DURABLE)
-               if f.value is not None}
+  overrides = {f.name: f.value for f in _OVERRIDES if f.value is not None}
   try:
     # The flags' values fail here, before the checkpoint is read.
     options_lib.ExportOptions(**overrides)
