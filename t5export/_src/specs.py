@@ -18,8 +18,6 @@ import tensorflow as tf
 from t5export import errors
 from t5export._src import paths
 
-_IDENTIFIER = re.compile(r'^[A-Za-z_][A-Za-z0-9_]*$')
-
 Dim = int | str  # a static size, or the name of a polymorphic dimension
 
 
@@ -59,7 +57,7 @@ def is_spec_leaf(x: Any) -> bool:
 
 def is_identifier(name: str) -> bool:
   """Whether `name` can be a dimension name or a TF argument name."""
-  return bool(_IDENTIFIER.match(name))
+  return name.isascii() and name.isidentifier()
 
 
 def parse_shape(shape: str, *, where: str) -> tuple[Dim, ...]:
