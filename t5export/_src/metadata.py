@@ -1,8 +1,7 @@
 """A version's metadata, `assets.extra/t5export.json`, as typed records.
 
-`write` is the one writer (the exporter's `assets_extra`), `read_metadata`
-the one reader (exporter, verify, retention, tools/inspect_export.py).
-Standard library only: it runs on a serving host without JAX or TensorFlow.
+`write` is the one writer, `read_metadata` the one reader. Standard library
+only: it runs on a serving host without JAX or TensorFlow.
 """
 
 from __future__ import annotations
@@ -26,12 +25,9 @@ NOT_RECORDED = 'not recorded'
 
 @dataclasses.dataclass(frozen=True)
 class OutputCheck:
-  """One output's distance from JAX over the sample batches.
+  """One output's max |saved - jax| and max |saved - jax| / |jax|.
 
-  Attributes:
-    max_abs_error: max |saved - jax| (0.0 for equal strings).
-    max_rel_error: max |saved - jax| / |jax| where JAX's value is finite
-      and not 0.
+  The relative error counts only where JAX's value is finite and not 0.
   """
   max_abs_error: float
   max_rel_error: float
@@ -48,12 +44,8 @@ class SignatureCheck:
 class Check:
   """What the pre-publish check did (a failed check publishes nothing).
 
-  Attributes:
-    checked: whether the staged version was run and compared with JAX.
-    reason: why not (None when checked).
-    atol: the absolute tolerance used (None when not checked).
-    rtol: the relative tolerance used (None when not checked).
-    signatures: `{name: SignatureCheck}` ({} when not checked).
+  `reason` says why it was not `checked`; `atol`, `rtol` and `signatures`
+  (`{name: SignatureCheck}`) are set only when it was.
   """
   checked: bool
   reason: str | None = None
@@ -76,12 +68,8 @@ class Check:
 class Param:
   """One exported parameter.
 
-  Attributes:
-    shape: its shape.
-    dtype: as stored (float32 if bfloat16 was cast).
-    source_dtype: as given to the exporter.
-    logical_axes: its logical axis names, or None.
-    mesh_axes: its mesh axes (a PartitionSpec as nested tuples), or None.
+  `dtype` is as stored (float32 if bfloat16 was cast), `source_dtype` as
+  given; `mesh_axes` is a PartitionSpec as nested tuples.
   """
   shape: tuple[int, ...]
   dtype: str
@@ -92,18 +80,12 @@ class Param:
 
 @dataclasses.dataclass(frozen=True)
 class Signature:
-  """One serving signature (shapes and dtypes as `{'shape', 'dtype'}`).
+  """One serving signature; specs are `{'shape', 'dtype'}` dicts.
 
-  Attributes:
-    inputs: `{name: spec}` of the SavedModel signature.
-    outputs: `{name: spec}` of its SignatureDef.
-    method_inputs: `{path: spec}` the JAX method takes.
-    preprocessor: the TF preprocessor's name, or None.
-    postprocessor: the TF postprocessor's name, or None.
-    has_sample_inputs: whether it had sample inputs.
-    jax_artifact: its `jax.export` artifact (`{'file', 'nbytes',
-      'platforms', 'calling_convention_version', 'stablehlo_version'}`),
-      None with `jax_artifacts=False`, or `NOT_RECORDED`.
+  `inputs`/`outputs` are the SavedModel's, `method_inputs` the JAX
+  method's. `jax_artifact` is the `jax.export` artifact's `{'file',
+  'nbytes', 'platforms', 'calling_convention_version',
+  'stablehlo_version'}`, None with `jax_artifacts=False`, or `NOT_RECORDED`.
   """
   inputs: Mapping[str, Any]
   outputs: Mapping[str, Any]
@@ -155,16 +137,12 @@ def write(version_dir: str, meta: Metadata) -> None:
 
 def _tuple(value: Any) -> Any:
   """JSON lists back to (nested) tuples."""
-  if isinstance(value, list):
-    return tuple(_tuple(v) for v in value)
-  return value
+  return tuple(map(_tuple, value)) if isinstance(value, list) else value
 
 
 def _parse(d: Mapping[str, Any]) -> Metadata:
+  """The records of a parsed file; older files lack the newer keys."""
   check = d['check']
-  sig_checks = {n: SignatureCheck(s['batches'], {
-      o: OutputCheck(**e) for o, e in s['outputs'].items()})
-                for n, s in check.get('signatures', {}).items()}
   return Metadata(
       step=d['step'], time_utc=d['time_utc'], versions=d['versions'],
       serving=d.get('serving'), platforms=tuple(d['platforms']),
@@ -181,7 +159,11 @@ def _parse(d: Mapping[str, Any]) -> Metadata:
               for p, v in d['params'].items()},
       nbytes=d['nbytes'],
       check=Check(check['checked'], check.get('reason'), check.get('atol'),
-                  check.get('rtol'), sig_checks),
+                  check.get('rtol'), {
+                      n: SignatureCheck(s['batches'], {
+                          o: OutputCheck(**e)
+                          for o, e in s['outputs'].items()})
+                      for n, s in check.get('signatures', {}).items()}),
       metrics=d.get('metrics') or {},
       format_version=d.get('format_version', FORMAT_VERSION))
 

@@ -1,8 +1,7 @@
 """Input specs: how a Signature's inputs and outputs are described and named.
 
-Parses `input_specs` leaves (`(shape, dtype)` string pairs or
-`tf.TensorSpec`s) into `InputSpec`s, names serving inputs and outputs, and
-checks sample inputs against the specs. The format: docs/internals.md.
+Parses `input_specs` leaves into `InputSpec`s, names serving inputs and
+outputs, checks sample inputs. The format: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -18,8 +17,6 @@ import tensorflow as tf
 
 from t5export import errors
 from t5export._src import paths
-
-_IDENTIFIER = re.compile(r'^[A-Za-z_][A-Za-z0-9_]*$')
 
 Dim = int | str  # a static size, or the name of a polymorphic dimension
 
@@ -53,27 +50,24 @@ class InputSpec:
 
 def is_spec_leaf(x: Any) -> bool:
   """An `InputSpec`, a `tf.TensorSpec` or a `(shape string, dtype)` pair."""
-  if isinstance(x, (tf.TensorSpec, InputSpec)):
-    return True
-  return (isinstance(x, (tuple, list)) and len(x) == 2 and
-          isinstance(x[0], str) and not isinstance(x[1], (tuple, list, dict)))
+  return isinstance(x, (tf.TensorSpec, InputSpec)) or (
+      isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[0], str)
+      and not isinstance(x[1], (tuple, list, dict)))
 
 
 def is_identifier(name: str) -> bool:
   """Whether `name` can be a dimension name or a TF argument name."""
-  return bool(_IDENTIFIER.match(name))
+  return name.isascii() and name.isidentifier()
 
 
 def parse_shape(shape: str, *, where: str) -> tuple[Dim, ...]:
   """Parses 'b, 16' / '(b, n)' / 'n,' / '' into ints and names."""
   text = shape.strip()
   if text.startswith('(') and text.endswith(')'):
-    text = text[1:-1].strip()
-  if not text:
-    return ()
+    text = text[1:-1]
   parts = [p.strip() for p in text.split(',')]
-  if parts[-1] == '':  # 'n,' is rank 1.
-    parts = parts[:-1]
+  if parts[-1] == '':  # 'n,' is rank 1; '' is rank 0.
+    parts.pop()
   for part in parts:
     if not part.isdigit() and not is_identifier(part):
       raise errors.SignatureError(
@@ -119,11 +113,8 @@ def parse_spec(spec: Any, *, where: str, flat_name: str) -> InputSpec:
 
 
 def flat_input_names(tree: Any) -> list[str]:
-  """Serving argument names of a spec tree's leaves.
-
-  A dict's keys as they are, nested keys joined with '__', a top-level
-  tuple/list as 'input_0', 'input_1', ...
-  """
+  """Serving argument names of a spec tree's leaves: a dict's keys (nested
+  joined with '__'), a top-level tuple/list's 'input_0', 'input_1', ..."""
   names = [p.replace('/', '__')
            for p in paths.flatten(tree, is_leaf=is_spec_leaf)]
   if isinstance(tree, Mapping):
@@ -136,59 +127,56 @@ def name_outputs(outputs: Any) -> dict[str, Any]:
   'output_0', 'output_<i>'."""
   flat = paths.flatten(outputs)
   if isinstance(outputs, Mapping):
-    return dict(flat)
-  if list(flat) == ['']:
-    return {'output_0': flat['']}
-  return {f'output_{path}': leaf for path, leaf in flat.items()}
+    return flat
+  return {f'output_{path or 0}': leaf for path, leaf in flat.items()}
 
 
 def parse_tree(tree: Any, *, where: str, arg: str) -> Any:
   """The input_specs tree with `InputSpec` leaves; SignatureError if empty."""
-  flat = paths.flatten(tree, is_leaf=is_spec_leaf)
-  if not flat:
+  if not jax.tree_util.tree_leaves(tree, is_leaf=is_spec_leaf):
     raise errors.SignatureError(
         f'{where}: {arg} is empty; give at least one input, e.g. '
         "{'x': ('b, 16', 'float32')}.")
-  parsed = []
-  for path, leaf in flat.items():
-    leaf_where = f'{where}, {arg}[{path!r}]'
+
+  def parse(keypath, leaf):
+    path = paths.path_str(keypath)
     if not is_spec_leaf(leaf):
       raise errors.SignatureError(
-          f"{leaf_where}: expected a (shape, dtype) pair such as ('b, 16', "
-          f"'float32') or a tf.TensorSpec; got {leaf!r}.")
-    parsed.append(parse_spec(leaf, where=leaf_where,
-                             flat_name=path.replace('/', '_') or 'input'))
-  treedef = jax.tree_util.tree_structure(tree, is_leaf=is_spec_leaf)
-  return jax.tree_util.tree_unflatten(treedef, parsed)
+          f"{where}, {arg}[{path!r}]: expected a (shape, dtype) pair such as "
+          f"('b, 16', 'float32') or a tf.TensorSpec; got {leaf!r}.")
+    return parse_spec(leaf, where=f'{where}, {arg}[{path!r}]',
+                      flat_name=path.replace('/', '_') or 'input')
+
+  return jax.tree_util.tree_map_with_path(parse, tree, is_leaf=is_spec_leaf)
 
 
 def specs_of_tensors(outputs: Any, *, batch: str | None, where: str) -> Any:
   """The specs of a preprocessor's traced outputs (dims named as above)."""
-  parsed = []
-  for path, tensor in paths.flatten(outputs).items():
+
+  def spec(keypath, tensor):
+    path = paths.path_str(keypath)
     if not isinstance(tensor, tf.Tensor) or tensor.shape.rank is None:
       raise errors.SignatureError(
           f'{where}: preprocessor output {path!r} is {tensor!r}; a JAX '
           'method takes dense tensors of known rank. Convert it (e.g. '
           'ragged.to_tensor()) or pass method_input_specs.')
     stem = re.sub(r'[^A-Za-z0-9_]', '_', path) or 'input'
-    parsed.append(InputSpec(_named_dims(tensor.shape.as_list(), batch=batch,
-                                        stem=stem), tensor.dtype))
-  treedef = jax.tree_util.tree_structure(outputs)
-  return jax.tree_util.tree_unflatten(treedef, parsed)
+    return InputSpec(_named_dims(tensor.shape.as_list(), batch=batch,
+                                 stem=stem), tensor.dtype)
+
+  return jax.tree_util.tree_map_with_path(spec, outputs)
 
 
 def _sample_array(value: Any, spec: InputSpec) -> tuple[np.ndarray, bool]:
   """`value` as an array of the spec's dtype, and whether it is one."""
   if spec.dtype == tf.string:
-    array = np.asarray(value, dtype=object if not hasattr(
-        value, 'dtype') else None)
+    array = np.asarray(value, dtype=None if hasattr(value, 'dtype') else object)
+    flat = array.reshape(-1)
     ok = array.dtype.kind in 'OUS' and all(
-        isinstance(v, (str, bytes)) for v in array.reshape(-1))
+        isinstance(v, (str, bytes)) for v in flat)
     if ok:  # bytes objects: what TF and the warm-up protos expect.
-      array = np.array(
-          [v.encode() if isinstance(v, str) else v
-           for v in array.reshape(-1)], dtype=object).reshape(array.shape)
+      array = np.array([v.encode() if isinstance(v, str) else v for v in flat],
+                       dtype=object).reshape(array.shape)
     return array, ok
   want = np.dtype(spec.dtype.as_numpy_dtype)
   if hasattr(value, 'dtype'):
@@ -202,11 +190,8 @@ def _sample_array(value: Any, spec: InputSpec) -> tuple[np.ndarray, bool]:
 
 def check_samples(samples: Any, inputs: Mapping[str, InputSpec], *,
                   where: str) -> dict[str, np.ndarray]:
-  """Sample inputs checked against the serving specs, as numpy arrays.
-
-  Names, dtypes, ranks, static sizes and shared dimension names must match
-  (else SignatureError); strings become bytes objects.
-  """
+  """Sample inputs as numpy arrays (strings as bytes); SignatureError unless
+  names, dtypes, ranks, static sizes and shared dimension names match."""
   if not isinstance(samples, Mapping):
     raise errors.SignatureError(
         f'{where} must be a dict input name -> array; got '
@@ -236,12 +221,11 @@ def check_samples(samples: Any, inputs: Mapping[str, InputSpec], *,
         raise errors.SignatureError(
             f'{named} has shape {array.shape}, the spec says '
             f'({spec.shape_string}): axis {axis} must be {dim}.')
-      if isinstance(dim, str):
-        if dim in sizes and sizes[dim][0] != size:
-          raise errors.SignatureError(
-              f'{where}: dimension {dim!r} is {sizes[dim][0]} in '
-              f'{sizes[dim][1]!r} but {size} in {input_name!r}; inputs '
-              'sharing a dimension name must agree.')
-        sizes.setdefault(dim, (size, input_name))
+      if isinstance(dim, str) and sizes.setdefault(
+          dim, (size, input_name))[0] != size:
+        raise errors.SignatureError(
+            f'{where}: dimension {dim!r} is {sizes[dim][0]} in '
+            f'{sizes[dim][1]!r} but {size} in {input_name!r}; inputs '
+            'sharing a dimension name must agree.')
     out[input_name] = array
   return out

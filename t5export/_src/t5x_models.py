@@ -32,8 +32,12 @@ def _check_positive(name: str, value: Any, *, none: str | None = None) -> None:
         f'{name} must be a positive int{also}, got {value!r}.')
 
 
-def _is_encoder_decoder(model: Any) -> bool:
-  """Whether the model's module has `encode` (T5X encoder-decoders do)."""
+def _is_encoder_decoder(model: Any, *, required_by: str = '') -> bool:
+  """Whether the model's module has `encode` (T5X encoder-decoders do).
+
+  T5XModelError if `model` is no T5X model, or has no `encode` but is
+  `required_by` a signature that needs one.
+  """
   missing = [name for name in ('module', '_compute_logits')
              if not hasattr(model, name)]
   if missing:
@@ -41,15 +45,14 @@ def _is_encoder_decoder(model: Any) -> bool:
         f'model must be a T5X BaseTransformerModel (e.g. t5x.models.'
         f'EncoderDecoderModel); got {type(model).__name__} without '
         f'{missing}. In gin pass model = %MODEL.')
-  return callable(getattr(model.module, 'encode', None))
-
-
-def _require_encoder_decoder(model: Any, what: str) -> None:
-  if not _is_encoder_decoder(model):
+  if callable(getattr(model.module, 'encode', None)):
+    return True
+  if required_by:
     raise errors.T5XModelError(
-        f'{what} needs a T5X encoder-decoder model (its module has an '
-        f'`encode` method); {type(model).__name__} has none. For a '
+        f'{required_by} needs a T5X encoder-decoder model (its module has '
+        f'an `encode` method); {type(model).__name__} has none. For a '
         'decoder-only model use logits_signature.')
+  return False
 
 
 def _lengths(model: Any, task_feature_lengths: Any) -> tuple[int | None, int]:
@@ -77,64 +80,50 @@ def _lengths(model: Any, task_feature_lengths: Any) -> tuple[int | None, int]:
   return inputs, targets
 
 
-def _batch_dim(batch_size: int | None) -> str:
-  _check_positive('batch_size', batch_size, none='polymorphic')
-  return 'b' if batch_size is None else str(batch_size)
-
-
 def _sample_tokens(vocabulary: Any, batch: int, length: int,
                    seed: int) -> np.ndarray:
   """Deterministic int32 tokens in [2, vocab_size) (0 pads, 1 is EOS)."""
   high = getattr(vocabulary, 'vocab_size', None)
   high = high if isinstance(high, int) and high > 3 else 3
-  rng = np.random.default_rng(seed)
-  return rng.integers(2, high, size=(batch, length), dtype=np.int32)
+  return np.random.default_rng(seed).integers(
+      2, high, size=(batch, length), dtype=np.int32)
 
 
 @gin.configurable('t5x_logits_signature', module='t5export')
 def logits_signature(model: Any, *, task_feature_lengths: Mapping[str, int],
                      name: str = 'logits',
                      batch_size: int | None = None) -> serving.Signature:
-  """The model's logits for given tokens, as a serving signature.
-
-  Only the causal mask applies: logits at padding positions are not
-  meaningful, as in T5X.
-
-  Args:
-    model: a T5X `EncoderDecoderModel` or `DecoderOnlyModel`.
-    task_feature_lengths: T5X's `{'inputs': n, 'targets': m}`: encoder
-      length n, decoder length m (decoder-only: n + m, or m).
-    name: the signature key.
-    batch_size: a fixed batch size, or None for a polymorphic batch.
-
-  Returns:
-    A `Signature` taking int32 `encoder_input_tokens` (encoder-decoder only)
-    and `decoder_input_tokens`, returning `logits` [batch, length, vocab].
-
-  Raises:
-    errors.T5XModelError: `model` is not a T5X model, or the lengths or
-      batch size are invalid.
-  """
-  enc_len, dec_len = _lengths(model, task_feature_lengths)
-  b = _batch_dim(batch_size)
-  n = batch_size or SAMPLE_BATCH
+  """`logits` [b, length, vocab] of int32 `decoder_input_tokens` (and
+  `encoder_input_tokens`); only the causal mask applies, as in T5X."""
 
   def serve(variables, inputs):
     others = {k: v for k, v in variables.items() if k != 'params'}
-    dec = inputs['decoder_input_tokens']
     # All-ones targets: no decoder padding mask, only the causal one.
-    batch = {'decoder_input_tokens': dec,
-             'decoder_target_tokens': jnp.ones_like(dec)}
-    if enc_len is not None:
-      batch['encoder_input_tokens'] = inputs['encoder_input_tokens']
+    batch = dict(inputs, decoder_target_tokens=jnp.ones_like(
+        inputs['decoder_input_tokens']))
     kwargs = {'other_variables': others} if others else {}
     return {'logits': model._compute_logits(  # pylint: disable=protected-access
         variables['params'], batch, **kwargs)}
 
-  input_specs = {'decoder_input_tokens': (f'{b}, {dec_len}', 'int32')}
-  dec_tokens = _sample_tokens(model.output_vocabulary, n, dec_len, 1)
-  dec_tokens[:, 0] = 0  # T5X's decoder inputs start with BOS = 0.
-  samples = {'decoder_input_tokens': dec_tokens}
+  return _tokens_signature(model, name, serve, task_feature_lengths,
+                           batch_size, decoder=True)
+
+
+def _tokens_signature(model: Any, name: str, serve: Any,
+                      task_feature_lengths: Any, batch_size: int | None, *,
+                      decoder: bool) -> serving.Signature:
+  """A Signature taking int32 `decoder_input_tokens` [b, m] (if `decoder`)
+  and `encoder_input_tokens` [b, n] (encoder-decoder models)."""
+  enc_len, dec_len = _lengths(model, task_feature_lengths)
+  _check_positive('batch_size', batch_size, none='polymorphic')
+  b = 'b' if batch_size is None else str(batch_size)
+  n = batch_size or SAMPLE_BATCH
+  input_specs, samples = {}, {}
+  if decoder:
+    input_specs['decoder_input_tokens'] = (f'{b}, {dec_len}', 'int32')
+    samples['decoder_input_tokens'] = _sample_tokens(
+        model.output_vocabulary, n, dec_len, 1)
+    samples['decoder_input_tokens'][:, 0] = 0  # T5X's BOS is 0.
   if enc_len is not None:
     input_specs['encoder_input_tokens'] = (f'{b}, {enc_len}', 'int32')
     samples['encoder_input_tokens'] = _sample_tokens(
@@ -143,48 +132,21 @@ def logits_signature(model: Any, *, task_feature_lengths: Mapping[str, int],
                            sample_inputs=samples)
 
 
-def _encoder_tokens_signature(model: Any, name: str, serve: Any,
-                              task_feature_lengths: Any,
-                              batch_size: int | None) -> serving.Signature:
-  """A Signature whose one input is int32 `encoder_input_tokens` [b, n]."""
-  enc_len, _ = _lengths(model, task_feature_lengths)
-  b = _batch_dim(batch_size)
-  return serving.Signature(
-      name=name, method=serve,
-      input_specs={'encoder_input_tokens': (f'{b}, {enc_len}', 'int32')},
-      sample_inputs={'encoder_input_tokens': _sample_tokens(
-          model.input_vocabulary, batch_size or SAMPLE_BATCH, enc_len, 0)})
-
-
 @gin.configurable('t5x_encoder_signature', module='t5export')
 def encoder_signature(model: Any, *, task_feature_lengths: Mapping[str, int],
                       name: str = 'encode',
                       batch_size: int | None = None) -> serving.Signature:
-  """The encoder's output for given tokens (encoder-decoder models).
-
-  Args:
-    model: a T5X `EncoderDecoderModel`.
-    task_feature_lengths: T5X's `{'inputs': n, 'targets': m}`.
-    name: the signature key.
-    batch_size: a fixed batch size, or None for a polymorphic batch.
-
-  Returns:
-    A `Signature` taking int32 `encoder_input_tokens` [batch, n], returning
-    `encoded` [batch, n, emb] (the module's `encode`, dropout off).
-
-  Raises:
-    errors.T5XModelError: `model` is not a T5X encoder-decoder model, or the
-      lengths or batch size are invalid.
-  """
-  _require_encoder_decoder(model, 'encoder_signature')
+  """`encoded` [b, n, emb]: the module's `encode` of int32
+  `encoder_input_tokens` [b, n], dropout off."""
+  _is_encoder_decoder(model, required_by='encoder_signature')
 
   def serve(variables, inputs):
     return {'encoded': model.module.apply(
         variables, inputs['encoder_input_tokens'],
         enable_dropout=False, method=model.module.encode)}
 
-  return _encoder_tokens_signature(model, name, serve, task_feature_lengths,
-                                   batch_size)
+  return _tokens_signature(model, name, serve, task_feature_lengths,
+                           batch_size, decoder=False)
 
 
 @gin.configurable('t5x_decode_signature', module='t5export')
@@ -192,29 +154,10 @@ def decode_signature(model: Any, *, task_feature_lengths: Mapping[str, int],
                      name: str = 'serving_default',
                      batch_size: int | None = None,
                      num_decodes: int | None = None) -> serving.Signature:
-  """Decoding with the model's own `predict_batch_with_aux` (encoder-decoder).
-
-  T5X's default `beam_search` does not load on TensorFlow <= 2.21 (a
-  warning says so); decode with `decoding.temperature_sample` instead.
-
-  Args:
-    model: a T5X `EncoderDecoderModel`; its `decode_fn` decodes without an
-      RNG, so the outputs are deterministic.
-    task_feature_lengths: T5X's `{'inputs': n, 'targets': m}`: m is the
-      decode length.
-    name: the signature key.
-    batch_size: a fixed batch size, or None for a polymorphic batch.
-    num_decodes: beams (or samples); None: the model's default.
-
-  Returns:
-    A `Signature` taking int32 `encoder_input_tokens` [batch, n], returning
-    the best sequence `decodes` int32 [batch, m] and its `scores` [batch].
-
-  Raises:
-    errors.T5XModelError: `model` is not a T5X encoder-decoder model, or an
-      option is invalid.
+  """The best `decodes` int32 [b, m] and `scores` [b] of the model's own
+  `predict_batch_with_aux` (no RNG: deterministic) on `encoder_input_tokens`.
   """
-  _require_encoder_decoder(model, 'decode_signature')
+  _is_encoder_decoder(model, required_by='decode_signature')
   _, dec_len = _lengths(model, task_feature_lengths)
   _check_positive('num_decodes', num_decodes, none="the model's default")
   kwargs = {} if num_decodes is None else {'num_decodes': num_decodes}
@@ -238,8 +181,8 @@ def decode_signature(model: Any, *, task_feature_lengths: Mapping[str, int],
         variables['params'], batch, **kwargs)
     return {'decodes': decodes.astype(jnp.int32), 'scores': aux['scores']}
 
-  return _encoder_tokens_signature(model, name, serve, task_feature_lengths,
-                                   batch_size)
+  return _tokens_signature(model, name, serve, task_feature_lengths,
+                           batch_size, decoder=False)
 
 
 @gin.configurable('t5x_signatures', module='t5export')
@@ -251,9 +194,13 @@ def signatures(model: Any, *, task_feature_lengths: Mapping[str, int],
 
   Args:
     model: a T5X `EncoderDecoderModel` or `DecoderOnlyModel`.
-    task_feature_lengths: T5X's `{'inputs': n, 'targets': m}`.
+    task_feature_lengths: T5X's `{'inputs': n, 'targets': m}`: encoder
+      length n, decoder length m (decoder-only: n + m, or m).
     batch_size: a fixed batch size, or None for a polymorphic batch.
-    num_decodes: beams for 'serving_default'; None: the model's default.
+    num_decodes: beams (or samples) for 'serving_default'; None: the
+      model's default. T5X's default `beam_search` does not load on
+      TensorFlow <= 2.21 (a warning says so): decode with
+      `decoding.temperature_sample` instead.
     decode: include the decode signature (encoder-decoder models).
 
   Returns:
@@ -266,10 +213,11 @@ def signatures(model: Any, *, task_feature_lengths: Mapping[str, int],
   """
   lengths = {'task_feature_lengths': task_feature_lengths,
              'batch_size': batch_size}
-  if not _is_encoder_decoder(model):
-    return [logits_signature(model, **lengths)]
-  sigs = [logits_signature(model, **lengths),
-          encoder_signature(model, **lengths)]
-  if decode:
-    sigs.insert(0, decode_signature(model, num_decodes=num_decodes, **lengths))
+  enc_dec = _is_encoder_decoder(model)
+  sigs = [logits_signature(model, **lengths)]
+  if enc_dec:
+    sigs.append(encoder_signature(model, **lengths))
+    if decode:
+      sigs.insert(0, decode_signature(model, num_decodes=num_decodes,
+                                      **lengths))
   return sigs
