@@ -1,9 +1,6 @@
-"""One background worker with a bounded queue: one item running, one queued.
+"""One background worker: one item running, one queued (`when_busy`).
 
-A third item meets `when_busy`: 'wait' (default) blocks the submitter until
-the queued one starts, 'skip' replaces it (latest wins). With
-on_error='raise' the first failure comes back as `errors.ExportFailedError`
-on the next submit/check/wait/close; 'log' logs each. Light: no TF or JAX.
+Light: imports neither TensorFlow nor JAX.
 """
 
 from __future__ import annotations
@@ -24,7 +21,6 @@ WHEN_BUSY_CHOICES = ('wait', 'skip')
 
 
 class Room(NamedTuple):
-  """What `make_room` took: seconds waited, and the item dropped or None."""
   waited_secs: float
   dropped: Any
 
@@ -48,20 +44,19 @@ def close_on_exit(close: Callable[[], None], exc_type: type | None, *,
                   name: str,
                   errors_to_log: tuple[type[BaseException], ...]) -> None:
   """`__exit__`: close; with an exception in flight, log close's errors."""
-  if exc_type is None:
-    close()
-    return
   try:
     close()
   except errors_to_log as e:
+    if exc_type is None:
+      raise
     logging.error('%s: %s (while handling %s)', name, e, exc_type.__name__)
 
 
 class _Shared:
-  """What a worker shares with its thread (all under `cv`), and the loop.
+  """The state shared with the thread (under `cv`), and the thread's loop.
 
-  Apart from `AsyncWorker` so the thread holds no reference to the worker:
-  a worker never closed is collected and its finalizer stops the thread.
+  The thread holds no reference to the `AsyncWorker`, so a forgotten worker
+  is collected and its finalizer stops the thread.
   """
 
   def __init__(self, fn: Callable[[Any], Any], on_error: str, when_busy: str,
@@ -87,8 +82,7 @@ class _Shared:
             self.cv.wait()
           if self.queued is None:  # Stopping and drained.
             return
-          (item,) = self.queued
-          self.queued = None
+          (item,), self.queued = self.queued, None
           self.running = True
           self.cv.notify_all()  # Room in the queue: wake a waiting submit.
         try:
@@ -105,9 +99,6 @@ class _Shared:
             self.running = False
             self.cv.notify_all()
     finally:
-      with self.cv:
-        self.running = False
-        self.cv.notify_all()
       _LIVE.discard(self)
 
   def _record_failure(self, e: Exception) -> None:
@@ -130,7 +121,7 @@ class _Shared:
     traceback.clear_frames(e.__traceback__)
 
   def request_stop(self) -> None:
-    """Tells the thread to finish the queued item and exit (no join)."""
+    """Tells the thread to finish the queued item and exit."""
     with self.cv:
       self.stopping = True
       self.cv.notify_all()
@@ -165,10 +156,8 @@ threading._register_atexit(_shutdown_all_at_exit)
 class AsyncWorker:
   """Runs `fn(item)` on one background thread; one running, one queued.
 
-  Example:
-    worker = AsyncWorker(exporter.export_snapshot, on_error='raise')
-    worker.submit(snapshot)   # returns once the item is queued
-    worker.close()            # waits for the last item, stops the thread
+  With on_error='raise' the first failure is raised once, as
+  `errors.ExportFailedError`, by the next submit/check/wait/close.
   """
 
   def __init__(self, fn: Callable[[Any], Any], *, on_error: str = 'raise',
@@ -184,10 +173,9 @@ class AsyncWorker:
     self._finalizer = weakref.finalize(self, self._shared.request_stop)
 
   def submit(self, item: Any) -> Any:
-    """Queues `item` after making room; returns the item it replaced or None.
+    """Queues `item` after making room; returns the item replaced, or None.
 
-    A failure recorded before (or while waiting) is raised (on_error='raise')
-    and `item` is not queued. Callers must not mutate `item` afterwards.
+    A pending failure is raised instead. Do not mutate `item` afterwards.
     """
     self._check_not_worker_thread('submit')
     self.check()
@@ -241,10 +229,7 @@ class AsyncWorker:
     self.check()
 
   def close(self) -> None:
-    """Finishes the queued items, joins the thread, raises a pending failure.
-
-    Idempotent.
-    """
+    """Finishes the queued item, joins the thread, raises a pending failure."""
     self._check_not_worker_thread('close')
     if self._closed:
       return

@@ -1,13 +1,16 @@
 """ExportCallback: publish a SavedModel every N steps during training.
 
-The callback decides *when* (`triggering.Trigger`); the `SavedModelExporter`
-it is given decides *how*; a `publisher.Publisher` carries each due export
-out. Calling conventions and multi-process rules: docs/internals.md.
+The callback decides *when* (`triggering.Trigger`), its `SavedModelExporter`
+*how*. A due export: make room (`when_busy`), snapshot on the training
+thread, then on process 0 skip a step already published or hand the snapshot
+to the worker (or write inline) and count the outcome; under
+`jax.distributed` all through a `distributed.ExportCoordinator`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+import os
 import time
 from typing import Any
 
@@ -20,30 +23,35 @@ from t5export._src import distributed
 from t5export import errors
 from t5export._src import exporter as exporter_lib
 from t5export._src import outcomes as outcomes_lib
-from t5export._src import publisher as publisher_lib
+from t5export._src import snapshot as snapshot_lib
 from t5export._src import triggering
 from t5export._src import versions
 
 
-def _outcomes_view(get: Callable[[outcomes_lib.Outcomes], Any],
-                   doc: str) -> property:
-  """A read-only property computed from the callback's `Outcomes`."""
+def _count(kind: str, doc: str) -> property:
+  """A read-only property: the callback's count of `kind` outcomes."""
   # pylint: disable-next=protected-access
-  return property(lambda cb: get(cb._outcomes), doc=doc)
+  return property(lambda cb: cb._outcomes.counts()[kind], doc=doc)
+
+
+def _copy(attr: str, doc: str) -> property:
+  """A read-only property: a copy of the outcomes' list `attr`."""
+  # pylint: disable-next=protected-access
+  return property(lambda cb: list(getattr(cb._outcomes, attr)), doc=doc)
 
 
 @gin.configurable(module='t5export', denylist=['metric_writer'])
 class ExportCallback:
   """Runs an exporter every N steps of training, in the background.
 
-  Three calling conventions share one trigger rule: `cb(step, t=None,
+  One trigger rule serves three calling conventions: `cb(step,
   train_state=ts)` (CLU's `PeriodicAction` contract, plain loops; calls may
   skip steps), `cb.run(train_state, metrics_by_task)` (a T5X action) and
   `cb.export_now(ts)`. `close()` (or a `with` block) waits for the last
   export. Under `jax.distributed` every process creates the callback and
   calls it at the same steps; only process 0 writes.
 
-  Example (a plain or CLU loop):
+  Example:
     exporter = t5export.SavedModelExporter(
         d, [sig], options=t5export.ExportOptions(keep=5))
     with t5export.ExportCallback(exporter, export_every_steps=1000,
@@ -54,14 +62,12 @@ class ExportCallback:
     # Versions 1000, 2000, ..., n are published under d.
 
   Attributes:
-    exporter: the `SavedModelExporter` (on every process; only process 0
-      writes with it).
+    exporter: the `SavedModelExporter` (only process 0 writes with it).
     worker: the background worker (None if not async or not process 0).
     export_every_steps: the step period, or None.
     every_secs: the time period in seconds, or None.
-    on_steps: the extra export steps (sorted), incl. the final step when
-      enabled.
-    when_busy: 'wait' or 'skip' (see the constructor).
+    on_steps: the extra export steps, sorted, incl. the final step if set.
+    when_busy: 'wait' or 'skip'.
   """
 
   def __init__(self, exporter: exporter_lib.SavedModelExporter, *,
@@ -80,39 +86,35 @@ class ExportCallback:
 
     Args:
       exporter: what each export runs; its `ExportOptions` say how versions
-        are written, checked and kept (`keep`, `keep_best`, `validate`,
-        `logical_axis_rules`, ...). Gin: `ExportCallback.exporter =
+        are written, checked and kept. Gin: `ExportCallback.exporter =
         @t5export.SavedModelExporter()`.
-      export_every_steps: export when a multiple of this is reached (calls
-        may skip steps: reaching one since the previous call is enough).
-      every_secs: export when this many seconds passed since the last one.
-        Under `jax.distributed` process 0's clock decides (one small
-        collective per call while no step trigger fires).
+      export_every_steps: export when a multiple of this was reached since
+        the previous call.
+      every_secs: export when this many seconds passed since the last one
+        (process 0's clock decides under `jax.distributed`).
       on_steps: also export when one of these steps is reached.
       export_on_final_step: export at step `num_train_steps` too.
-      num_train_steps: the last training step (for export_on_final_step).
+      num_train_steps: the last training step.
       on_error: 'raise' re-raises a failed export (as
-        `errors.ExportFailedError`) on the next call or on `close`; 'log'
-        logs it with its traceback, counts it and keeps training.
+        `errors.ExportFailedError`) on the next call or `close`; 'log' logs
+        it, counts it and keeps training.
       when_busy: an export is due while one runs and one is queued: 'wait'
         holds the training thread until the queued one starts (every due
-        version is published); 'skip' drops the queued one for the newer
-        (latest wins, counted in `exports_replaced`).
+        version is published); 'skip' replaces the queued one (latest wins,
+        counted in `exports_replaced`).
       async_export: write on a background thread (the training thread only
         snapshots); False writes inline.
-      metric_writer: a CLU `MetricWriter`; gets 't5export/export_secs',
-        't5export/blocking_secs', 't5export/wait_secs',
-        't5export/bytes_written' and the running counts
-        't5export/exports_{published,skipped,replaced,failed}' as scalars.
-        Metrics for `keep_best` come from `run(..., metrics_by_task)` as
-        'task/metric', or from `cb(..., metrics=...)`. Not bindable in gin.
-      multiprocess_timeout_secs: under `jax.distributed`, how long the other
-        processes wait for process 0 to report an export (and for each
-        other at its barrier) before raising `errors.WriterTimeoutError`
-        (`errors.BarrierTimeoutError`).
+      metric_writer: a CLU `MetricWriter` for the scalars
+        't5export/{export_secs,blocking_secs,wait_secs,bytes_written}' and
+        't5export/exports_{published,skipped,replaced,failed}'. Not bindable
+        in gin. (`keep_best` metrics come from `run`'s `metrics_by_task` or
+        `cb(..., metrics=...)`.)
+      multiprocess_timeout_secs: under `jax.distributed`, how long processes
+        wait for process 0's report (`errors.WriterTimeoutError`) or for
+        each other at a barrier (`errors.BarrierTimeoutError`).
 
     Raises:
-      TypeError: an option has the wrong type (the message names it).
+      TypeError: an option has the wrong type.
       ValueError: an option has a bad value, or no trigger is set.
       errors.ExportDirError: `export_dir` is unusable (process 0;
         `errors.WriterFailedError` on the others).
@@ -142,20 +144,30 @@ class ExportCallback:
     self.every_secs = every_secs
     self.on_steps = list(self._trigger.on_steps)
     self.when_busy = when_busy
-    self._publisher = publisher_lib.Publisher(
-        exporter, async_export=bool(async_export), on_error=on_error,
-        when_busy=when_busy, metric_writer=metric_writer,
-        timeout_secs=multiprocess_timeout_secs)
-    self.worker = self._publisher.worker
-    self._outcomes = self._publisher.outcomes
+    self._on_error = on_error
+    self._metric_writer = metric_writer
     self._num_train_steps = num_train_steps
     self._closed = False
+    self._is_writer = jax.process_index() == 0
+    self._coordinator = distributed.ExportCoordinator(
+        timeout_secs=multiprocess_timeout_secs)
+    published = self._coordinator.run(
+        exporter.versions, what=f'prepare {exporter.export_dir}')
+    self._outcomes = outcomes_lib.Outcomes(published_steps=published or ())
+    self.worker: async_lib.AsyncWorker | None = None
+    if self._is_writer and async_export:
+      self.worker = async_lib.AsyncWorker(
+          self._write, on_error=on_error, when_busy=when_busy,
+          name='t5export-export')
+    self._sync = not async_export
+    self._waited = 0.0  # Training-thread wait for room in this export.
+    self._step_mismatch_warned = False
     logging.info(
         't5export: ExportCallback on %s (every_steps=%s, every_secs=%s, '
         'on_steps=%s, async=%s, when_busy=%s, on_error=%s, process %d%s).',
         exporter.export_dir, export_every_steps, every_secs, self.on_steps,
         async_export, when_busy, on_error, jax.process_index(),
-        '' if self._publisher.is_writer else ', not the writer')
+        '' if self._is_writer else ', not the writer')
 
   def __call__(self, step: int, t: float | None = None, *,
                train_state: Any = None,
@@ -163,12 +175,10 @@ class ExportCallback:
     """CLU / plain-loop hook: call after every step, or after each chunk.
 
     Args:
-      step: the step just finished; an export is due when a multiple of
-        `export_every_steps` (or an `on_steps` entry) was reached since the
-        previous call.
+      step: the step just finished.
       t: a timestamp for `every_secs` (default `time.monotonic()`).
-      train_state: the current train state (required when an export is
-        due; pass it on every call). The version is named after its step.
+      train_state: the current train state (pass it on every call); the
+        version is named after its step.
       metrics: optional `{name: value}` stored with the version.
 
     Returns:
@@ -179,23 +189,20 @@ class ExportCallback:
       errors.ExportFailedError: an earlier export failed (on_error='raise').
     """
     self._before_call()
-    t = time.monotonic() if t is None else t
-    if not self._trigger.due(step, t,
-                             agree=self._publisher.coordinator.agree):
+    if not self._due(step, t):
       return False
     if train_state is None:
       raise ValueError(
           f'ExportCallback: an export is due at step {step} but no '
           'train_state was passed. Call it as cb(step, train_state=state).')
-    self._publisher.export(train_state, step, metrics)
+    self._export(train_state, step, metrics)
     return True
 
   def run(self, train_state: Any,
           metrics_by_task: Mapping[str, Any] | None = None) -> bool:
     """T5X action hook: exports if one is due at `train_state.step`.
 
-    At `num_train_steps` this waits until the export is published (T5X
-    never closes its actions).
+    At `num_train_steps` it waits for the export (T5X never closes actions).
 
     Args:
       train_state: the current train state.
@@ -214,9 +221,8 @@ class ExportCallback:
       raise TypeError(f'metrics_by_task must be a mapping {{task: {{metric: '
                       f'value}}}}, got {type(metrics_by_task).__name__}.')
     step = int(train_state.step)
-    if self._trigger.due(step, time.monotonic(),
-                         agree=self._publisher.coordinator.agree):
-      self._publisher.export(train_state, step,
+    if self._due(step, None):
+      self._export(train_state, step,
                              versions.flatten_metrics(metrics_by_task))
     if self._num_train_steps is not None and step >= self._num_train_steps:
       self.wait()
@@ -226,7 +232,7 @@ class ExportCallback:
                  metrics: Mapping[str, Any] | None = None) -> str | None:
     """Exports `train_state` now (queued exports first) and waits for it.
 
-    A step already published is not written again. The periodic triggers
+    A step already published is not written again; the periodic triggers
     count from this export.
 
     Args:
@@ -234,8 +240,8 @@ class ExportCallback:
       metrics: optional `{name: value}` stored with the version.
 
     Returns:
-      The version directory, or None on processes other than 0 (and with
-      on_error='log' when it failed).
+      The version directory; None on processes other than 0, or when it
+      failed with on_error='log'.
 
     Raises:
       errors.ExportFailedError: this or an earlier export failed
@@ -243,14 +249,139 @@ class ExportCallback:
     """
     self._before_call()
     step = int(train_state.step)
-    path = self._publisher.export(train_state, step, metrics, now=True)
+    path = self._export(train_state, step, metrics, now=True)
     self._trigger.record_export(step, time.monotonic())
     return path
 
   def _before_call(self) -> None:
     if self._closed:
       raise RuntimeError('ExportCallback is closed; create a new one.')
-    self._publisher.check()
+    self._flush_scalars()
+    # Under jax.distributed a failure surfaces at the next export, wait() or
+    # close() on every process at once, never on process 0 alone.
+    if self.worker is not None and not self._coordinator.active:
+      self.worker.check()
+
+  def _due(self, step: int, t: float | None) -> bool:
+    t = time.monotonic() if t is None else t
+    return self._trigger.due(step, t, agree=self._coordinator.agree)
+
+  def _export(self, train_state: Any, step: int,
+              metrics: Mapping[str, Any] | None, *,
+              now: bool = False) -> str | None:
+    """Runs one due export on every process; `now` settles queued ones first.
+
+    Returns the version directory when written before returning on process
+    0, else None.
+    """
+    start = time.perf_counter()
+    sync = now or self._sync
+    if now:
+      self._coordinator.settle(self._drain)
+    elif self.worker is not None and not self._coordinator.active:
+      # Free the queue slot before the snapshot (under jax.distributed the
+      # coordinator settles the previous export instead).
+      room = self.worker.make_room()
+      self._waited = room.waited_secs
+      if room.dropped is not None:
+        dropped_step = room.dropped[0].step
+        del room  # The dropped snapshot: free it before taking the next one.
+        self._outcomes.record(
+            'replaced', dropped_step, f'dropped from the queue for the export '
+            f"due at step {step} (when_busy='skip')")
+    else:
+      self._waited = 0.0
+    self._outcomes.add_due()
+    try:
+      # In the background the loop runs on (and may donate the state's
+      # buffers) while the export reads the snapshot: owned=None copies
+      # only where a view or transfer would not survive that.
+      snap = snapshot_lib.take_snapshot(
+          train_state, rules=self.exporter.options.logical_axis_rules,
+          owned=False if sync else None, shapes_only=not self._is_writer)
+    except Exception as e:
+      self._outcomes.record('failed', step, f'the snapshot failed: '
+                            f'{type(e).__name__}: {e}')
+      raise
+    if snap.step != step and not self._step_mismatch_warned:
+      self._step_mismatch_warned = True
+      logging.warning(
+          't5export: the loop passed step %d but train_state.step is %d; the '
+          'version is named after train_state.step.', step, snap.step)
+    path = self._coordinator.publish(
+        snap.step, lambda: self._publish_local(snap, metrics, sync=sync),
+        sync=sync, drain=self._drain)  # May drain: waits.
+    self._outcomes.record_blocking(snap.step, time.perf_counter() - start,
+                                   0.0 if now else self._waited)
+    self._flush_scalars()
+    return path
+
+  def _drain(self) -> bool:
+    """Waits for the background export; False if one failed and was logged."""
+    if self.worker is None:
+      return True
+    failed = self.worker.stats['failed']
+    start = time.perf_counter()
+    try:
+      self.worker.wait()
+    finally:
+      self._waited += time.perf_counter() - start
+    return self.worker.stats['failed'] == failed
+
+  def _publish_local(self, snap: snapshot_lib.HostSnapshot,
+                     metrics: Mapping[str, Any] | None, *,
+                     sync: bool) -> str | None:
+    """Process 0: skip if published, else hand off (or write, if `sync`)."""
+    if not self._is_writer:
+      return None
+    step = snap.step
+    if not self._outcomes.claim(step):
+      self._outcomes.record(
+          'skipped', step, f'already published in {self.exporter.export_dir} '
+          '(or being written); not exporting it again')
+      return os.path.join(self.exporter.export_dir, str(step)) if sync else (
+          None)
+    item = (snap, dict(metrics or {}))
+    if not sync:
+      try:
+        self.worker.submit(item)  # Room was made: nothing is replaced.
+      except Exception as e:
+        self._outcomes.record('failed', step, f'not handed off: '
+                              f'{type(e).__name__}: {e}')
+        raise
+      return None
+    try:
+      return self._write(item)
+    except Exception as e:  # pylint: disable=broad-except
+      if self._on_error == 'log':
+        logging.error('t5export: export of step %d failed (on_error=\'log\', '
+                      'training continues): %s: %s', step, type(e).__name__,
+                      e, exc_info=(type(e), e, e.__traceback__))
+        return None
+      raise errors.ExportFailedError(
+          f'Export of step {step} failed: {type(e).__name__}: {e}') from e
+
+  def _write(self, item: tuple[snapshot_lib.HostSnapshot, dict[str, Any]]
+             ) -> str:
+    """On the worker (or inline): write, check and publish one snapshot."""
+    snap, metrics = item
+    start = time.perf_counter()
+    try:
+      path = self.exporter.export_snapshot(snap, metrics or None)
+    except Exception as e:
+      self._outcomes.record('failed', snap.step, f'{type(e).__name__}: {e}')
+      raise
+    self._outcomes.record_published(
+        snap.step, path, secs=time.perf_counter() - start,
+        nbytes=versions.dir_nbytes(path))
+    return path
+
+  def _flush_scalars(self) -> None:
+    """Writes queued scalars from the training thread (writers may not be
+    thread-safe, so the worker only queues)."""
+    for step, scalars in self._outcomes.take_scalars():
+      if self._metric_writer is not None:
+        self._metric_writer.write_scalars(step, scalars)
 
   def wait(self) -> None:
     """Waits until the queued export is published (all processes call it).
@@ -258,9 +389,10 @@ class ExportCallback:
     Raises:
       errors.ExportFailedError: an export failed (on_error='raise').
       errors.WriterFailedError: on processes other than 0, process 0's
-        export failed or it did not report in time.
+        export failed or did not report in time.
     """
-    self._publisher.wait()
+    self._coordinator.settle(self._drain)
+    self._flush_scalars()
 
   def close(self) -> None:
     """Waits for the last export, stops the worker, logs `summary()`.
@@ -270,14 +402,18 @@ class ExportCallback:
     Raises:
       errors.ExportFailedError: an export failed (on_error='raise').
       errors.WriterFailedError: on processes other than 0, process 0's
-        export failed or it did not report in time.
+        export failed or did not report in time.
     """
     if self._closed:
       return
     self._closed = True
     try:
-      self._publisher.close()
+      self._coordinator.close(
+          self.worker.close if self.worker is not None else None)
     finally:
+      self._flush_scalars()
+      if self._metric_writer is not None:
+        self._metric_writer.flush()
       logging.info('t5export: ExportCallback closed: %s', self.summary())
 
   def summary(self) -> str:
@@ -288,7 +424,7 @@ class ExportCallback:
       (when_busy='wait'), 1 failed; waited 2.31s for room"; on processes
       other than 0, the due count.
     """
-    if not self._publisher.is_writer:
+    if not self._is_writer:
       return (f'{self.exports_due} due on process {jax.process_index()}; '
               'process 0 (the writer) counts their outcomes.')
     return self._outcomes.summary(when_busy=self.when_busy)
@@ -301,43 +437,33 @@ class ExportCallback:
     async_lib.close_on_exit(self.close, exc_type, name='t5export',
                             errors_to_log=(errors.T5ExportError,))
 
-  # --- introspection --------------------------------------------------------
+  exports_due = _count('due', 'Exports that became due (incl. export_now).')
+  exports_done = _count('published', 'Due exports published.')
+  exports_skipped = _count(
+      'skipped', 'Due exports skipped: already published (resume).')
+  exports_replaced = _count(
+      'replaced', "Due exports replaced by a newer one ('skip' only).")
+  exports_failed = _count('failed', 'Due exports that failed.')
+  published = _copy('published', 'The paths published, in order.')
+  blocking_secs = _copy(
+      'blocking_secs', 'Per export, seconds the training thread was held.')
+  wait_secs = _copy(
+      'wait_secs', 'Per export, seconds the training thread waited for room.')
 
-  exports_due = _outcomes_view(
-      lambda o: o.counts()['due'],
-      'Exports that became due (including `export_now`).')
-  exports_done = _outcomes_view(
-      lambda o: o.counts()['published'], 'Due exports published.')
-  exports_skipped = _outcomes_view(
-      lambda o: o.counts()['skipped'],
-      'Due exports skipped: the version was already published (resume).')
-  exports_replaced = _outcomes_view(
-      lambda o: o.counts()['replaced'],
-      "Due exports dropped from the queue for a newer one ('skip' only).")
-  exports_failed = _outcomes_view(
-      lambda o: o.counts()['failed'],
-      'Due exports that failed (logged, or raised).')
-  published = _outcomes_view(lambda o: list(o.published),
-                             'The paths published, in order.')
-  bytes_written = _outcomes_view(lambda o: o.bytes_written,
-                                 'Total bytes of the versions published.')
-  blocking_secs = _outcomes_view(
-      lambda o: list(o.blocking_secs),
-      'Per export, seconds the training thread was held (incl. waiting).')
-  wait_secs = _outcomes_view(
-      lambda o: list(o.wait_secs),
-      'Per export, seconds the training thread waited for queue room.')
+  @property
+  def bytes_written(self) -> int:
+    """Total bytes of the versions published."""
+    return self._outcomes.bytes_written
 
   @property
   def stats(self) -> dict[str, Any]:
     """This callback's counters, and its worker's when async.
 
-    Keys: exports_due, exports_done (published), exports_skipped,
-    exports_replaced, exports_failed, bytes_written, blocking_secs_last,
-    blocking_secs_max, wait_secs_total, export_secs_total, when_busy and,
-    when async, 'worker' (submitted, completed, replaced, failed, waits,
-    ...). On process 0, once `close()` returned, exports_due ==
-    exports_done + exports_skipped + exports_replaced + exports_failed.
+    Keys: exports_due, exports_done, exports_skipped, exports_replaced,
+    exports_failed, bytes_written, blocking_secs_last, blocking_secs_max,
+    wait_secs_total, export_secs_total, when_busy and, when async, 'worker'
+    (`AsyncWorker.stats`). On process 0 after `close()`, exports_due is the
+    sum of the four outcomes.
     """
     out = {**self._outcomes.stats(), 'when_busy': self.when_busy}
     if self.worker is not None:
@@ -346,4 +472,4 @@ class ExportCallback:
 
   def versions(self) -> list[int]:
     """The published versions in export_dir, ascending ([] if not writer)."""
-    return self.exporter.versions() if self._publisher.is_writer else []
+    return self.exporter.versions() if self._is_writer else []
