@@ -9,7 +9,7 @@ from collections.abc import Callable
 import threading
 import time
 import traceback
-from typing import Any, NamedTuple
+from typing import Any
 import weakref
 
 from absl import logging
@@ -18,11 +18,6 @@ from t5export import errors
 
 ON_ERROR_CHOICES = ('raise', 'log')
 WHEN_BUSY_CHOICES = ('wait', 'skip')
-
-
-class Room(NamedTuple):
-  waited_secs: float
-  dropped: Any
 
 
 def check_policies(owner: str, *, on_error: Any, when_busy: Any) -> None:
@@ -181,30 +176,29 @@ class AsyncWorker:
     self.check()
     shared = self._shared
     with shared.cv:  # Reentrant: make_room and check take it again.
-      room = self.make_room()
+      _, dropped = self.make_room()
       self._check_open()
       self.check()  # It may have failed while we waited.
       shared.queued = (item,)
       shared.submitted += 1
       shared.cv.notify_all()
-    return room.dropped
+    return dropped
 
-  def make_room(self) -> Room:
-    """Frees the queue slot by the `when_busy` policy, queuing nothing."""
+  def make_room(self) -> tuple[float, Any]:
+    """Frees the queue slot by `when_busy`: (seconds waited, item dropped)."""
     self._check_not_worker_thread('make_room')
     shared = self._shared
     with shared.cv:
       self._check_open()
       if shared.queued is None:
-        return Room(0.0, None)
+        return 0.0, None
       if shared.when_busy == 'skip':
-        (dropped,) = shared.queued
-        shared.queued = None
+        (dropped,), shared.queued = shared.queued, None
         shared.replaced += 1
         logging.info('%s: a newer item replaces the queued one (%d replaced '
                      "so far, when_busy='skip'); the previous item is still "
                      'running.', self.name, shared.replaced)
-        return Room(0.0, dropped)
+        return 0.0, dropped
       start = time.perf_counter()
       shared.waiting += 1
       try:
@@ -216,7 +210,7 @@ class AsyncWorker:
       waited = time.perf_counter() - start
       shared.waits += 1
       shared.waited_secs += waited
-      return Room(waited, None)
+      return waited, None
 
   def wait(self) -> None:
     """Blocks until nothing is running or queued; raises a pending failure."""

@@ -1,15 +1,13 @@
 """ExportCallback: publish a SavedModel every N steps during training.
 
-The callback decides *when* (`triggering.Trigger`), its `SavedModelExporter`
-*how*. A due export: make room (`when_busy`), snapshot on the training
-thread, then on process 0 skip a step already published or hand the snapshot
-to the worker (or write inline) and count the outcome; under
-`jax.distributed` all through a `distributed.ExportCoordinator`.
+A due export: make room (`when_busy`), snapshot on the training thread,
+then on process 0 skip a published step or hand the snapshot to the worker
+(or write inline); under `jax.distributed` via an `ExportCoordinator`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 import os
 import time
 from typing import Any
@@ -28,28 +26,21 @@ from t5export._src import triggering
 from t5export._src import versions
 
 
-def _count(kind: str, doc: str) -> property:
-  """A read-only property: the callback's count of `kind` outcomes."""
+def _view(get: Callable[[outcomes_lib.Outcomes], Any], doc: str) -> property:
+  """A read-only property computed from the callback's `Outcomes`."""
   # pylint: disable-next=protected-access
-  return property(lambda cb: cb._outcomes.counts()[kind], doc=doc)
-
-
-def _copy(attr: str, doc: str) -> property:
-  """A read-only property: a copy of the outcomes' list `attr`."""
-  # pylint: disable-next=protected-access
-  return property(lambda cb: list(getattr(cb._outcomes, attr)), doc=doc)
+  return property(lambda cb: get(cb._outcomes), doc=doc)
 
 
 @gin.configurable(module='t5export', denylist=['metric_writer'])
 class ExportCallback:
   """Runs an exporter every N steps of training, in the background.
 
-  One trigger rule serves three calling conventions: `cb(step,
-  train_state=ts)` (CLU's `PeriodicAction` contract, plain loops; calls may
-  skip steps), `cb.run(train_state, metrics_by_task)` (a T5X action) and
-  `cb.export_now(ts)`. `close()` (or a `with` block) waits for the last
-  export. Under `jax.distributed` every process creates the callback and
-  calls it at the same steps; only process 0 writes.
+  Called as `cb(step, train_state=ts)` (CLU's `PeriodicAction` contract;
+  calls may skip steps), `cb.run(ts, metrics_by_task)` (a T5X action) or
+  `cb.export_now(ts)`; `close()` (or a `with` block) waits for the last
+  export. Under `jax.distributed` every process calls it at the same steps;
+  only process 0 writes.
 
   Example:
     exporter = t5export.SavedModelExporter(
@@ -62,12 +53,9 @@ class ExportCallback:
     # Versions 1000, 2000, ..., n are published under d.
 
   Attributes:
-    exporter: the `SavedModelExporter` (only process 0 writes with it).
+    exporter, export_every_steps, every_secs, when_busy: as passed.
     worker: the background worker (None if not async or not process 0).
-    export_every_steps: the step period, or None.
-    every_secs: the time period in seconds, or None.
-    on_steps: the extra export steps, sorted, incl. the final step if set.
-    when_busy: 'wait' or 'skip'.
+    on_steps: the extra export steps, sorted, incl. the final step.
   """
 
   def __init__(self, exporter: exporter_lib.SavedModelExporter, *,
@@ -85,39 +73,30 @@ class ExportCallback:
     """Validates the options and prepares `export_dir` (on process 0).
 
     Args:
-      exporter: what each export runs; its `ExportOptions` say how versions
-        are written, checked and kept. Gin: `ExportCallback.exporter =
-        @t5export.SavedModelExporter()`.
+      exporter: what each export runs (gin: `ExportCallback.exporter =
+        @t5export.SavedModelExporter()`).
       export_every_steps: export when a multiple of this was reached since
         the previous call.
-      every_secs: export when this many seconds passed since the last one
-        (process 0's clock decides under `jax.distributed`).
+      every_secs: export when this many seconds passed since the last one.
       on_steps: also export when one of these steps is reached.
       export_on_final_step: export at step `num_train_steps` too.
       num_train_steps: the last training step.
-      on_error: 'raise' re-raises a failed export (as
-        `errors.ExportFailedError`) on the next call or `close`; 'log' logs
-        it, counts it and keeps training.
+      on_error: 'raise' re-raises a failed export (`errors.ExportFailedError`)
+        on the next call or `close`; 'log' logs it and keeps training.
       when_busy: an export is due while one runs and one is queued: 'wait'
-        holds the training thread until the queued one starts (every due
-        version is published); 'skip' replaces the queued one (latest wins,
-        counted in `exports_replaced`).
-      async_export: write on a background thread (the training thread only
-        snapshots); False writes inline.
-      metric_writer: a CLU `MetricWriter` for the scalars
-        't5export/{export_secs,blocking_secs,wait_secs,bytes_written}' and
-        't5export/exports_{published,skipped,replaced,failed}'. Not bindable
-        in gin. (`keep_best` metrics come from `run`'s `metrics_by_task` or
-        `cb(..., metrics=...)`.)
+        holds the training thread until the queued one starts; 'skip'
+        replaces the queued one (latest wins).
+      async_export: write on a background thread; False writes inline.
+      metric_writer: a CLU `MetricWriter` for the 't5export/...' scalars
+        (timings, bytes, outcome counts). Not bindable in gin.
       multiprocess_timeout_secs: under `jax.distributed`, how long processes
-        wait for process 0's report (`errors.WriterTimeoutError`) or for
-        each other at a barrier (`errors.BarrierTimeoutError`).
+        wait for process 0's report (`errors.WriterTimeoutError`) or at a
+        barrier (`errors.BarrierTimeoutError`).
 
     Raises:
       TypeError: an option has the wrong type.
       ValueError: an option has a bad value, or no trigger is set.
-      errors.ExportDirError: `export_dir` is unusable (process 0;
-        `errors.WriterFailedError` on the others).
+      errors.ExportDirError: `export_dir` is unusable.
     """
     if not isinstance(exporter, exporter_lib.SavedModelExporter):
       raise TypeError(
@@ -160,7 +139,6 @@ class ExportCallback:
           self._write, on_error=on_error, when_busy=when_busy,
           name='t5export-export')
     self._sync = not async_export
-    self._waited = 0.0  # Training-thread wait for room in this export.
     self._step_mismatch_warned = False
     logging.info(
         't5export: ExportCallback on %s (every_steps=%s, every_secs=%s, '
@@ -177,8 +155,7 @@ class ExportCallback:
     Args:
       step: the step just finished.
       t: a timestamp for `every_secs` (default `time.monotonic()`).
-      train_state: the current train state (pass it on every call); the
-        version is named after its step.
+      train_state: the current train state; its step names the version.
       metrics: optional `{name: value}` stored with the version.
 
     Returns:
@@ -200,9 +177,7 @@ class ExportCallback:
 
   def run(self, train_state: Any,
           metrics_by_task: Mapping[str, Any] | None = None) -> bool:
-    """T5X action hook: exports if one is due at `train_state.step`.
-
-    At `num_train_steps` it waits for the export (T5X never closes actions).
+    """T5X action hook; waits for the export at `num_train_steps`.
 
     Args:
       train_state: the current train state.
@@ -223,29 +198,25 @@ class ExportCallback:
     step = int(train_state.step)
     if self._due(step, None):
       self._export(train_state, step,
-                             versions.flatten_metrics(metrics_by_task))
+                   versions.flatten_metrics(metrics_by_task))
     if self._num_train_steps is not None and step >= self._num_train_steps:
       self.wait()
     return False
 
   def export_now(self, train_state: Any,
                  metrics: Mapping[str, Any] | None = None) -> str | None:
-    """Exports `train_state` now (queued exports first) and waits for it.
-
-    A step already published is not written again; the periodic triggers
-    count from this export.
+    """Exports `train_state` now (after queued exports) and waits for it.
 
     Args:
       train_state: the state to export (its `step` is the version).
       metrics: optional `{name: value}` stored with the version.
 
     Returns:
-      The version directory; None on processes other than 0, or when it
-      failed with on_error='log'.
+      The version directory; None off process 0 or if it failed (on_error=
+      'log').
 
     Raises:
-      errors.ExportFailedError: this or an earlier export failed
-        (on_error='raise').
+      errors.ExportFailedError: an export failed (on_error='raise').
     """
     self._before_call()
     step = int(train_state.step)
@@ -263,34 +234,28 @@ class ExportCallback:
       self.worker.check()
 
   def _due(self, step: int, t: float | None) -> bool:
-    t = time.monotonic() if t is None else t
-    return self._trigger.due(step, t, agree=self._coordinator.agree)
+    return self._trigger.due(step, time.monotonic() if t is None else t,
+                             agree=self._coordinator.agree)
 
   def _export(self, train_state: Any, step: int,
               metrics: Mapping[str, Any] | None, *,
               now: bool = False) -> str | None:
-    """Runs one due export on every process; `now` settles queued ones first.
-
-    Returns the version directory when written before returning on process
-    0, else None.
-    """
+    """One due export, on every process; `now` settles queued ones first."""
     start = time.perf_counter()
     sync = now or self._sync
+    self._waited = 0.0  # The training thread's wait for room, this export.
     if now:
       self._coordinator.settle(self._drain)
     elif self.worker is not None and not self._coordinator.active:
       # Free the queue slot before the snapshot (under jax.distributed the
       # coordinator settles the previous export instead).
-      room = self.worker.make_room()
-      self._waited = room.waited_secs
-      if room.dropped is not None:
-        dropped_step = room.dropped[0].step
-        del room  # The dropped snapshot: free it before taking the next one.
+      self._waited, dropped = self.worker.make_room()
+      if dropped is not None:
+        dropped_step = dropped[0].step
+        del dropped  # Free the dropped snapshot before taking the next one.
         self._outcomes.record(
             'replaced', dropped_step, f'dropped from the queue for the export '
             f"due at step {step} (when_busy='skip')")
-    else:
-      self._waited = 0.0
     self._outcomes.add_due()
     try:
       # In the background the loop runs on (and may donate the state's
@@ -377,32 +342,27 @@ class ExportCallback:
     return path
 
   def _flush_scalars(self) -> None:
-    """Writes queued scalars from the training thread (writers may not be
-    thread-safe, so the worker only queues)."""
+    """Writes queued scalars here: writers need not be thread-safe."""
     for step, scalars in self._outcomes.take_scalars():
       if self._metric_writer is not None:
         self._metric_writer.write_scalars(step, scalars)
 
   def wait(self) -> None:
-    """Waits until the queued export is published (all processes call it).
+    """Waits until the queued export is published (on all processes).
 
     Raises:
       errors.ExportFailedError: an export failed (on_error='raise').
-      errors.WriterFailedError: on processes other than 0, process 0's
-        export failed or did not report in time.
+      errors.WriterFailedError: off process 0, process 0's export failed.
     """
     self._coordinator.settle(self._drain)
     self._flush_scalars()
 
   def close(self) -> None:
-    """Waits for the last export, stops the worker, logs `summary()`.
-
-    Idempotent.
+    """Waits for the last export, stops the worker, logs `summary()` (once).
 
     Raises:
       errors.ExportFailedError: an export failed (on_error='raise').
-      errors.WriterFailedError: on processes other than 0, process 0's
-        export failed or did not report in time.
+      errors.WriterFailedError: off process 0, process 0's export failed.
     """
     if self._closed:
       return
@@ -417,13 +377,7 @@ class ExportCallback:
       logging.info('t5export: ExportCallback closed: %s', self.summary())
 
   def summary(self) -> str:
-    """One line with the outcome counts of every due export.
-
-    Returns:
-      E.g. "6 due: 4 published, 1 skipped (already published), 0 replaced
-      (when_busy='wait'), 1 failed; waited 2.31s for room"; on processes
-      other than 0, the due count.
-    """
+    """Returns one line counting the due exports' outcomes."""
     if not self._is_writer:
       return (f'{self.exports_due} due on process {jax.process_index()}; '
               'process 0 (the writer) counts their outcomes.')
@@ -437,34 +391,23 @@ class ExportCallback:
     async_lib.close_on_exit(self.close, exc_type, name='t5export',
                             errors_to_log=(errors.T5ExportError,))
 
-  exports_due = _count('due', 'Exports that became due (incl. export_now).')
-  exports_done = _count('published', 'Due exports published.')
-  exports_skipped = _count(
-      'skipped', 'Due exports skipped: already published (resume).')
-  exports_replaced = _count(
-      'replaced', "Due exports replaced by a newer one ('skip' only).")
-  exports_failed = _count('failed', 'Due exports that failed.')
-  published = _copy('published', 'The paths published, in order.')
-  blocking_secs = _copy(
-      'blocking_secs', 'Per export, seconds the training thread was held.')
-  wait_secs = _copy(
-      'wait_secs', 'Per export, seconds the training thread waited for room.')
-
-  @property
-  def bytes_written(self) -> int:
-    """Total bytes of the versions published."""
-    return self._outcomes.bytes_written
+  exports_due = _view(lambda o: o.counts()['due'], 'Exports that came due.')
+  exports_done = _view(lambda o: o.counts()['published'], 'Exports published.')
+  exports_skipped = _view(lambda o: o.counts()['skipped'],
+                          'Due exports skipped: already published.')
+  exports_replaced = _view(lambda o: o.counts()['replaced'],
+                           "Due exports replaced by newer ones ('skip').")
+  exports_failed = _view(lambda o: o.counts()['failed'], 'Exports failed.')
+  published = _view(lambda o: list(o.published), 'The paths published.')
+  bytes_written = _view(lambda o: o.bytes_written, 'Bytes published.')
+  blocking_secs = _view(lambda o: list(o.blocking_secs),
+                        'Per export, seconds the training thread was held.')
+  wait_secs = _view(lambda o: list(o.wait_secs),
+                    'Per export, seconds the training thread waited for room.')
 
   @property
   def stats(self) -> dict[str, Any]:
-    """This callback's counters, and its worker's when async.
-
-    Keys: exports_due, exports_done, exports_skipped, exports_replaced,
-    exports_failed, bytes_written, blocking_secs_last, blocking_secs_max,
-    wait_secs_total, export_secs_total, when_busy and, when async, 'worker'
-    (`AsyncWorker.stats`). On process 0 after `close()`, exports_due is the
-    sum of the four outcomes.
-    """
+    """The counters above, timing totals, when_busy and the worker's."""
     out = {**self._outcomes.stats(), 'when_busy': self.when_busy}
     if self.worker is not None:
       out['worker'] = self.worker.stats
