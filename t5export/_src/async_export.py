@@ -1,7 +1,4 @@
-"""One background worker: one item running, one queued (`when_busy`).
-
-Light: imports neither TensorFlow nor JAX.
-"""
+"""A background worker: one item running, one queued. Imports no TF/JAX."""
 
 from __future__ import annotations
 
@@ -16,17 +13,13 @@ from absl import logging
 
 from t5export import errors
 
-ON_ERROR_CHOICES = ('raise', 'log')
-WHEN_BUSY_CHOICES = ('wait', 'skip')
-
-
 def check_policies(owner: str, *, on_error: Any, when_busy: Any) -> None:
   """Raises ValueError naming `owner` if either option is not a choice."""
   for name, value, choices, hint in (
-      ('on_error', on_error, ON_ERROR_CHOICES,
+      ('on_error', on_error, ('raise', 'log'),
        "'raise' stops training on a failed export, 'log' logs it and "
        'continues.'),
-      ('when_busy', when_busy, WHEN_BUSY_CHOICES,
+      ('when_busy', when_busy, ('wait', 'skip'),
        "'wait' makes the training thread wait for room when an export is "
        "running and another is queued (no version is dropped); 'skip' lets "
        'the newest due version replace the queued one.')):
@@ -50,8 +43,7 @@ def close_on_exit(close: Callable[[], None], exc_type: type | None, *,
 class _Shared:
   """The state shared with the thread (under `cv`), and the thread's loop.
 
-  The thread holds no reference to the `AsyncWorker`, so a forgotten worker
-  is collected and its finalizer stops the thread.
+  Not the `AsyncWorker`: its finalizer stops the thread once it is collected.
   """
 
   def __init__(self, fn: Callable[[Any], Any], on_error: str, when_busy: str,
@@ -97,20 +89,16 @@ class _Shared:
       _LIVE.discard(self)
 
   def _record_failure(self, e: Exception) -> None:
-    log = self.on_error == 'log'
     with self.cv:
       self.failed += 1
       self.last_error = e
-      if not log and self.pending_error is None:
+      keep = self.on_error == 'raise' and self.pending_error is None
+      if keep:
         self.pending_error = e
-      elif not log:  # Keep the first; the later one is only logged.
-        logging.error('%s: another background failure while one is '
-                      'pending: %s: %s', self.name, type(e).__name__, e)
-    if log:
-      logging.error('%s: background work failed (on_error=\'log\', failure '
-                    '#%d; training continues): %s: %s', self.name,
-                    self.failed, type(e).__name__, e,
-                    exc_info=(type(e), e, e.__traceback__))
+    if not keep:  # on_error='log', or a later failure while one is pending.
+      logging.error('%s: background work failed (failure #%d, on_error=%r): '
+                    '%s: %s', self.name, self.failed, self.on_error,
+                    type(e).__name__, e, exc_info=(type(e), e, e.__traceback__))
     # The kept error must not keep the failed item (a whole snapshot)
     # alive through its traceback's frames.
     traceback.clear_frames(e.__traceback__)
@@ -164,7 +152,6 @@ class AsyncWorker:
     self._closed = False
     _LIVE.add(self._shared)
     self._thread.start()
-    # Forgotten workers: stop the thread when this object is collected.
     self._finalizer = weakref.finalize(self, self._shared.request_stop)
 
   def submit(self, item: Any) -> Any:
@@ -195,9 +182,8 @@ class AsyncWorker:
       if shared.when_busy == 'skip':
         (dropped,), shared.queued = shared.queued, None
         shared.replaced += 1
-        logging.info('%s: a newer item replaces the queued one (%d replaced '
-                     "so far, when_busy='skip'); the previous item is still "
-                     'running.', self.name, shared.replaced)
+        logging.info("%s: a newer item replaces the queued one (when_busy="
+                     "'skip', %d so far).", self.name, shared.replaced)
         return 0.0, dropped
       start = time.perf_counter()
       shared.waiting += 1
@@ -229,8 +215,7 @@ class AsyncWorker:
       return
     self._closed = True
     self._shared.request_stop()
-    self._thread.join()
-    _LIVE.discard(self._shared)
+    self._thread.join()  # The thread leaves _LIVE as it ends.
     self._finalizer.detach()
     self.check()
 

@@ -43,14 +43,12 @@ class ExportCallback:
   only process 0 writes.
 
   Example:
-    exporter = t5export.SavedModelExporter(
-        d, [sig], options=t5export.ExportOptions(keep=5))
-    with t5export.ExportCallback(exporter, export_every_steps=1000,
+    with t5export.ExportCallback(t5export.SavedModelExporter(d, [sig]),
+                                 export_every_steps=1000,
                                  num_train_steps=n) as cb:
       for step in range(1, n + 1):
         ts = train_step(ts, batch)
-        cb(step, train_state=ts)
-    # Versions 1000, 2000, ..., n are published under d.
+        cb(step, train_state=ts)  # Publishes 1000, 2000, ..., n under d.
 
   Attributes:
     exporter, export_every_steps, every_secs, when_busy: as passed.
@@ -139,6 +137,7 @@ class ExportCallback:
           self._write, on_error=on_error, when_busy=when_busy,
           name='t5export-export')
     self._sync = not async_export
+    self._waited = 0.0  # The training thread's wait for room, this export.
     self._step_mismatch_warned = False
     logging.info(
         't5export: ExportCallback on %s (every_steps=%s, every_secs=%s, '
@@ -243,7 +242,7 @@ class ExportCallback:
     """One due export, on every process; `now` settles queued ones first."""
     start = time.perf_counter()
     sync = now or self._sync
-    self._waited = 0.0  # The training thread's wait for room, this export.
+    self._waited = 0.0
     if now:
       self._coordinator.settle(self._drain)
     elif self.worker is not None and not self._coordinator.active:
