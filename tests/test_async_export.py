@@ -328,18 +328,6 @@ def test_is_light_no_tensorflow_or_jax_import():
   assert out.strip() == '[]'
 
 
-@pytest.mark.parametrize('kwargs, error, match', [
-    (dict(fn=print, on_error='ignore'), ValueError,
-     r"on_error must be one of \('raise', 'log'\), got 'ignore'"),
-    (dict(fn=print, when_busy='drop'), ValueError,
-     r"when_busy must be one of \('wait', 'skip'\), got 'drop'"),
-])
-def test_argument_validation(kwargs, error, match):
-  fn = kwargs.pop('fn')
-  with pytest.raises(error, match=match):
-    async_export.AsyncWorker(fn, **kwargs)
-
-
 def _submit_in_thread(worker, item) -> threading.Thread:
   thread = threading.Thread(target=worker.submit, args=(item,))
   thread.start()

@@ -13,21 +13,6 @@ from absl import logging
 
 from t5export import errors
 
-def check_policies(owner: str, *, on_error: Any, when_busy: Any) -> None:
-  """Raises ValueError naming `owner` if either option is not a choice."""
-  for name, value, choices, hint in (
-      ('on_error', on_error, ('raise', 'log'),
-       "'raise' stops training on a failed export, 'log' logs it and "
-       'continues.'),
-      ('when_busy', when_busy, ('wait', 'skip'),
-       "'wait' makes the training thread wait for room when an export is "
-       "running and another is queued (no version is dropped); 'skip' lets "
-       'the newest due version replace the queued one.')):
-    if not isinstance(value, str) or value not in choices:
-      raise ValueError(f'{owner}: {name} must be one of {choices}, got '
-                       f'{value!r}. {hint}')
-
-
 def close_on_exit(close: Callable[[], None], exc_type: type | None, *,
                   name: str,
                   errors_to_log: tuple[type[BaseException], ...]) -> None:
@@ -53,9 +38,7 @@ class _Shared:
     self.cv = threading.Condition()
     self.queued: tuple[Any] | None = None  # (item,) when an item waits.
     self.running = self.stopping = False
-    self.pending_error: BaseException | None = None
-    self.last_error: BaseException | None = None
-    self.last_result: Any = None
+    self.pending_error = self.last_error = self.last_result = None
     self.submitted = self.completed = self.replaced = self.failed = 0
     self.waits = self.waiting = 0  # waiting: callers blocked for room now.
     self.waited_secs = 0.0
@@ -140,12 +123,12 @@ class AsyncWorker:
   """Runs `fn(item)` on one background thread; one running, one queued.
 
   With on_error='raise' the first failure is raised once, as
-  `errors.ExportFailedError`, by the next submit/check/wait/close.
+  `errors.ExportFailedError`, by the next submit/check/wait/close. The
+  options are checked by the caller (`ExportCallback`).
   """
 
   def __init__(self, fn: Callable[[Any], Any], *, on_error: str = 'raise',
                when_busy: str = 'wait', name: str = 't5export-export'):
-    check_policies('AsyncWorker', on_error=on_error, when_busy=when_busy)
     self.name, self.on_error, self.when_busy = name, on_error, when_busy
     self._shared = _Shared(fn, on_error, when_busy, name)
     self._thread = self._shared.thread

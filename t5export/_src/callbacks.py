@@ -105,8 +105,17 @@ class ExportCallback:
     steps = triggering.check_options(every_steps=export_every_steps,
                                      every_secs=every_secs, on_steps=on_steps)
     triggering.check_positive_int('num_train_steps', num_train_steps)
-    async_lib.check_policies('ExportCallback', on_error=on_error,
-                             when_busy=when_busy)
+    for name, value, choices, hint in (
+        ('on_error', on_error, ('raise', 'log'),
+         "'raise' stops training on a failed export, 'log' logs it and "
+         'continues.'),
+        ('when_busy', when_busy, ('wait', 'skip'),
+         "'wait' makes the training thread wait for room when an export is "
+         "running and another is queued (no version is dropped); 'skip' lets "
+         'the newest due version replace the queued one.')):
+      if not isinstance(value, str) or value not in choices:
+        raise ValueError(f'ExportCallback: {name} must be one of {choices}, '
+                         f'got {value!r}. {hint}')
     if export_on_final_step and num_train_steps is not None:
       steps.append(num_train_steps)
     if export_every_steps is None and every_secs is None and not steps:
