@@ -234,37 +234,6 @@ def test_close_waits_for_running_and_queued_items_and_stops_thread():
     worker.submit(_Item('late'))
 
 
-def test_context_manager_closes():
-  fn = _GatedFn()
-  fn.release(1)
-  with async_export.AsyncWorker(fn, name='t5export-test-ctx') as worker:
-    worker.submit(_Item('a'))
-  assert fn.done == ['a']
-  assert not worker.is_alive
-
-
-def test_context_manager_exit_does_not_mask_the_exception_in_flight(caplog):
-  fn = _GatedFn()
-  fn.release()
-  with pytest.raises(KeyError, match='from the loop'):
-    with async_export.AsyncWorker(fn, on_error='raise',
-                                  name='t5export-test-mask') as worker:
-      worker.submit(_Item('x', fail=True))
-      _wait_for(lambda: worker.stats['failed'] == 1)
-      raise KeyError('from the loop')
-  # The export failure close() raised is logged, not lost and not raised.
-  assert not worker.is_alive
-  assert any('boom x' in r.getMessage() and 'while handling KeyError' in
-             r.getMessage() for r in caplog.records), caplog.text
-  # Without an exception in flight, close()'s error propagates.
-  fn2 = _GatedFn()
-  fn2.release()
-  with pytest.raises(errors.ExportFailedError, match='boom y'):
-    with async_export.AsyncWorker(fn2, on_error='raise',
-                                  name='t5export-test-mask2') as worker2:
-      worker2.submit(_Item('y', fail=True))
-
-
 def test_calls_from_worker_thread_are_refused():
   holder = {}
 

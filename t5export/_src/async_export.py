@@ -13,18 +13,6 @@ from absl import logging
 
 from t5export import errors
 
-def close_on_exit(close: Callable[[], None], exc_type: type | None, *,
-                  name: str,
-                  errors_to_log: tuple[type[BaseException], ...]) -> None:
-  """`__exit__`: close; with an exception in flight, log close's errors."""
-  try:
-    close()
-  except errors_to_log as e:
-    if exc_type is None:
-      raise
-    logging.error('%s: %s (while handling %s)', name, e, exc_type.__name__)
-
-
 class _Shared:
   """The state shared with the thread (under `cv`), and the thread's loop.
 
@@ -201,13 +189,6 @@ class AsyncWorker:
     self._thread.join()  # The thread leaves _LIVE as it ends.
     self._finalizer.detach()
     self.check()
-
-  def __enter__(self) -> AsyncWorker:
-    return self
-
-  def __exit__(self, exc_type, exc, tb) -> None:
-    close_on_exit(self.close, exc_type, name=self.name,
-                  errors_to_log=(errors.ExportFailedError,))
 
   @property
   def closed(self) -> bool:

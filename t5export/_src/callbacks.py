@@ -395,9 +395,12 @@ class ExportCallback:
     return self
 
   def __exit__(self, exc_type, exc, tb) -> None:
-    # Incl. WriterFailedError on processes other than the writer.
-    async_lib.close_on_exit(self.close, exc_type, name='t5export',
-                            errors_to_log=(errors.T5ExportError,))
+    try:
+      self.close()
+    except errors.T5ExportError as e:  # Incl. WriterFailedError off process 0.
+      if exc_type is None:
+        raise
+      logging.error('t5export: %s (while handling %s)', e, exc_type.__name__)
 
   exports_due = _view(lambda o: o.counts()['due'], 'Exports that came due.')
   exports_done = _view(lambda o: o.counts()['published'], 'Exports published.')
