@@ -226,7 +226,7 @@ def test_close_waits_for_running_and_queued_items_and_stops_thread():
   worker.close()
   releaser.join()
   assert fn.done == ['running', 'last']
-  assert worker.closed and not worker.is_alive
+  assert not worker.is_alive
   assert not _threads_named(name)
   assert set(threading.enumerate()) <= before
   worker.close()  # Idempotent.

@@ -13,6 +13,7 @@ from absl import logging
 
 from t5export import errors
 
+
 class _Shared:
   """The state shared with the thread (under `cv`), and the thread's loop.
 
@@ -189,10 +190,6 @@ class AsyncWorker:
     self._thread.join()  # The thread leaves _LIVE as it ends.
     self._finalizer.detach()
     self.check()
-
-  @property
-  def closed(self) -> bool:
-    return self._closed
 
   @property
   def is_alive(self) -> bool:

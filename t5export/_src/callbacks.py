@@ -140,11 +140,9 @@ class ExportCallback:
     published = self._coordinator.run(
         exporter.versions, what=f'prepare {exporter.export_dir}')
     self._outcomes = outcomes_lib.Outcomes(published_steps=published or ())
-    self.worker: async_lib.AsyncWorker | None = None
-    if self._is_writer and async_export:
-      self.worker = async_lib.AsyncWorker(
-          self._write, on_error=on_error, when_busy=when_busy,
-          name='t5export-export')
+    self.worker = (async_lib.AsyncWorker(self._write, on_error=on_error,
+                                         when_busy=when_busy)
+                   if self._is_writer and async_export else None)
     self._sync = not async_export
     self._waited = 0.0  # The training thread's wait for room, this export.
     self._step_mismatch_warned = False
