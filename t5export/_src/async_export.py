@@ -71,8 +71,7 @@ class _Shared:
       logging.error('%s: background work failed (failure #%d, on_error=%r): '
                     '%s: %s', self.name, self.failed, self.on_error,
                     type(e).__name__, e, exc_info=(type(e), e, e.__traceback__))
-    # The kept error must not keep the failed item (a whole snapshot)
-    # alive through its traceback's frames.
+    # Its frames would keep the failed item (a whole snapshot) alive.
     traceback.clear_frames(e.__traceback__)
 
   def request_stop(self) -> None:
@@ -82,8 +81,8 @@ class _Shared:
       self.cv.notify_all()
 
 
-# Threads still running, stopped at interpreter exit before Python joins
-# non-daemon threads (a plain atexit handler would run after that join).
+# Threads still running: stopped at exit before Python joins non-daemon
+# threads (concurrent.futures' way; a plain atexit handler runs after that).
 _LIVE: set[_Shared] = set()
 
 
@@ -96,14 +95,12 @@ def _shutdown_all_at_exit() -> None:
     shared.request_stop()
   for shared in live:
     shared.thread.join()
-    e = shared.pending_error
-    if e is not None:
+    if (e := shared.pending_error) is not None:
       logging.error('%s: background work failed and the worker was never '
                     'closed: %s: %s', shared.name, type(e).__name__, e,
                     exc_info=(type(e), e, e.__traceback__))
 
 
-# Runs before non-daemon threads are joined (concurrent.futures uses it).
 # pylint: disable-next=protected-access
 threading._register_atexit(_shutdown_all_at_exit)
 

@@ -134,9 +134,9 @@ class ExportCallback:
     self._metric_writer = metric_writer
     self._num_train_steps = num_train_steps
     self._closed = False
-    self._is_writer = jax.process_index() == 0
     self._coordinator = distributed.ExportCoordinator(
         timeout_secs=multiprocess_timeout_secs)
+    self._is_writer = self._coordinator.is_writer
     published = self._coordinator.run(
         exporter.versions, what=f'prepare {exporter.export_dir}')
     self._outcomes = outcomes_lib.Outcomes(published_steps=published or ())
@@ -197,8 +197,7 @@ class ExportCallback:
       errors.ExportFailedError: an earlier export failed (on_error='raise').
     """
     self._before_call()
-    if metrics_by_task is not None and not isinstance(metrics_by_task,
-                                                      Mapping):
+    if not isinstance(metrics_by_task, (Mapping, type(None))):
       raise TypeError(f'metrics_by_task must be a mapping {{task: {{metric: '
                       f'value}}}}, got {type(metrics_by_task).__name__}.')
     step = int(train_state.step)
@@ -303,8 +302,6 @@ class ExportCallback:
                      metrics: Mapping[str, Any] | None, *,
                      sync: bool) -> str | None:
     """Process 0: skip if published, else hand off (or write, if `sync`)."""
-    if not self._is_writer:
-      return None
     step = snap.step
     if not self._outcomes.claim(step):
       self._outcomes.record(
