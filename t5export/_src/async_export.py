@@ -37,8 +37,7 @@ class _Shared:
     try:
       while True:
         with self.cv:
-          while self.queued is None and not self.stopping:
-            self.cv.wait()
+          self.cv.wait_for(lambda: self.queued is not None or self.stopping)
           if self.queued is None:  # Stopping and drained.
             return
           (item,), self.queued = self.queued, None
@@ -157,9 +156,8 @@ class AsyncWorker:
       start = time.perf_counter()
       shared.waiting += 1
       try:
-        while (shared.queued is not None and not shared.stopping and
-               self._thread.is_alive()):
-          shared.cv.wait()
+        shared.cv.wait_for(lambda: shared.queued is None or shared.stopping or
+                           not self._thread.is_alive())
       finally:
         shared.waiting -= 1
       waited = time.perf_counter() - start
@@ -170,11 +168,10 @@ class AsyncWorker:
   def wait(self) -> None:
     """Blocks until nothing is running or queued; raises a pending failure."""
     self._check_not_worker_thread('wait')
-    shared = self._shared
-    with shared.cv:
-      while ((shared.queued is not None or shared.running) and
-             self._thread.is_alive()):
-        shared.cv.wait()
+    s = self._shared
+    with s.cv:
+      s.cv.wait_for(lambda: not (s.queued or s.running) or
+                    not self._thread.is_alive())
     self.check()
 
   def close(self) -> None:

@@ -1,9 +1,4 @@
-"""ExportCallback: publish a SavedModel every N steps during training.
-
-A due export: make room (`when_busy`), snapshot on the training thread,
-then on process 0 skip a published step or hand the snapshot to the worker
-(or write inline); under `jax.distributed` via an `ExportCoordinator`.
-"""
+"""ExportCallback: publish a SavedModel every N steps during training."""
 
 from __future__ import annotations
 
@@ -73,23 +68,20 @@ class ExportCallback:
     Args:
       exporter: what each export runs (gin: `ExportCallback.exporter =
         @t5export.SavedModelExporter()`).
-      export_every_steps: export when a multiple of this was reached since
-        the previous call.
+      export_every_steps: export when a multiple of this step is reached.
       every_secs: export when this many seconds passed since the last one.
       on_steps: also export when one of these steps is reached.
       export_on_final_step: export at step `num_train_steps` too.
       num_train_steps: the last training step.
       on_error: 'raise' re-raises a failed export (`errors.ExportFailedError`)
         on the next call or `close`; 'log' logs it and keeps training.
-      when_busy: an export is due while one runs and one is queued: 'wait'
-        holds the training thread until the queued one starts; 'skip'
-        replaces the queued one (latest wins).
+      when_busy: with one export running and one queued, 'wait' holds the
+        training thread until the queued one starts; 'skip' replaces it.
       async_export: write on a background thread; False writes inline.
       metric_writer: a CLU `MetricWriter` for the 't5export/...' scalars
         (timings, bytes, outcome counts). Not bindable in gin.
-      multiprocess_timeout_secs: under `jax.distributed`, how long processes
-        wait for process 0's report (`errors.WriterTimeoutError`) or at a
-        barrier (`errors.BarrierTimeoutError`).
+      multiprocess_timeout_secs: under `jax.distributed`, the wait for process
+        0 or a barrier (`errors.WriterTimeoutError`, `BarrierTimeoutError`).
 
     Raises:
       TypeError: an option has the wrong type.
@@ -245,7 +237,11 @@ class ExportCallback:
   def _export(self, train_state: Any, step: int,
               metrics: Mapping[str, Any] | None, *,
               now: bool = False) -> str | None:
-    """One due export, on every process; `now` settles queued ones first."""
+    """One due export, on every process; `now` settles queued ones first.
+
+    Make room (`when_busy`), snapshot here, then on process 0 skip a published
+    step or hand off (or write inline), through the `ExportCoordinator`.
+    """
     start = time.perf_counter()
     sync = now or self._sync
     self._waited = 0.0
@@ -371,8 +367,7 @@ class ExportCallback:
       return
     self._closed = True
     try:
-      self._coordinator.close(
-          self.worker.close if self.worker is not None else None)
+      self._coordinator.close(self.worker.close if self.worker else None)
     finally:
       self._flush_scalars()
       if self._metric_writer is not None:
@@ -414,10 +409,8 @@ class ExportCallback:
   @property
   def stats(self) -> dict[str, Any]:
     """The counters above, timing totals, when_busy and the worker's."""
-    out = {**self._outcomes.stats(), 'when_busy': self.when_busy}
-    if self.worker is not None:
-      out['worker'] = self.worker.stats
-    return out
+    worker = {} if self.worker is None else {'worker': self.worker.stats}
+    return {**self._outcomes.stats(), 'when_busy': self.when_busy, **worker}
 
   def versions(self) -> list[int]:
     """The published versions in export_dir, ascending ([] if not writer)."""
