@@ -252,16 +252,14 @@ class ExportCallback:
       # coordinator settles the previous export instead).
       self._waited, dropped = self.worker.make_room()
       if dropped is not None:
-        dropped_step = dropped[0].step
+        self._outcomes.record('replaced', dropped[0].step, 'dropped from the '
+                              f'queue for the export due at step {step} '
+                              "(when_busy='skip')")
         del dropped  # Free the dropped snapshot before taking the next one.
-        self._outcomes.record(
-            'replaced', dropped_step, f'dropped from the queue for the export '
-            f"due at step {step} (when_busy='skip')")
     self._outcomes.add_due()
     try:
-      # In the background the loop runs on (and may donate the state's
-      # buffers) while the export reads the snapshot: owned=None copies
-      # only where a view or transfer would not survive that.
+      # The loop runs on (donating buffers) while the worker reads the
+      # snapshot: owned=None copies only where a view would not survive.
       snap = snapshot_lib.take_snapshot(
           train_state, rules=self.exporter.options.logical_axis_rules,
           owned=False if sync else None, shapes_only=not self._is_writer)
