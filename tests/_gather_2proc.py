@@ -74,7 +74,7 @@ def main(process_id: int, num_processes: int, port: int,
     })
   # The export's training-thread half: strip, resolve, gather.
   snap = snapshot.take_snapshot(sharded, rules=rules)
-  snap_flat = snap.flat_variables()
+  snap_flat = paths.flatten(snap.variables)
   mu = paths.flatten(sharded.param_states[0].mu)
   _report.emit({
       'process': process_id, 'path': '<snapshot>', 'step': snap.step,

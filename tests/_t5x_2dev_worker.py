@@ -41,7 +41,7 @@ def main(result_path: str) -> None:
   is_spec = lambda x: x is None or isinstance(x, jax.sharding.PartitionSpec)
   theirs_params = paths.flatten(theirs.params, is_leaf=is_spec)
   ours_params = paths.flatten(ours.params, is_leaf=is_spec)
-  snap_values = snap.flat_variables()
+  snap_values = paths.flatten(snap.variables)
   out = {'devices': jax.device_count(),
          'mesh': dict(partitioner.mesh.shape),
          'step': [_spec(ours.step), _spec(theirs.step)],

@@ -519,6 +519,25 @@ def test_failing_export_is_logged_and_training_continues_with_on_error_log(
   assert (cb.exports_due, cb.exports_done, cb.exports_failed) == (2, 1, 1)
 
 
+def test_exit_keeps_the_exception_in_flight_and_logs_the_failed_export(
+    trainer, tmp_path, caplog):
+  ts = _nan_state(trainer.step(trainer.new_state(), 1))
+  with pytest.raises(KeyError, match='from the loop'):
+    with _callback(trainer, tmp_path / 'a', on_steps=[1],
+                   validate=False) as cb:
+      assert cb(1, train_state=ts)  # Fails in the background.
+      raise KeyError('from the loop')
+  assert not cb.worker.is_alive
+  # The export failure close() raised is logged, not lost and not raised.
+  assert any('non-finite' in r.getMessage() and 'while handling KeyError' in
+             r.getMessage() for r in caplog.records), caplog.text
+  # Without an exception in flight, close()'s error propagates.
+  with pytest.raises(errors.ExportFailedError, match='non-finite'):
+    with _callback(trainer, tmp_path / 'b', on_steps=[1],
+                   validate=False) as cb:
+      cb(1, train_state=ts)
+
+
 def test_inline_failure_follows_on_error(trainer, tmp_path):
   ts = _nan_state(trainer.step(trainer.new_state(), 1))
   cb = _callback(trainer, tmp_path / 'a', on_steps=[1], async_export=False,

@@ -80,7 +80,7 @@ def test_snapshot_of_train_state_equals_params(mlp_variables):
   # The optimizer state (adam's mu and nu) is not in the snapshot.
   assert snap.nbytes < sum(x.nbytes for x in jax.tree.leaves(ts))
   assert not any('param_states' in p or 'mu' in p.split('/')
-                 for p in snap.flat_variables())
+                 for p in paths.flatten(snap.variables))
 
 
 def test_strip_never_reads_optimizer_state(mlp_variables):
@@ -118,7 +118,7 @@ def test_axes_recorded_per_path_t5(t5_variables):
   state = train_state.InferenceState.create(t5_variables)
   snap = snapshot.take_snapshot(
       state, rules=partitioning.standard_logical_axis_rules(1, 2))
-  flat = snap.flat_variables()
+  flat = paths.flatten(snap.variables)
   assert set(snap.logical_axes) == set(flat) == set(snap.mesh_axes)
   assert snap.logical_axes['params/encoder_layers_0/mlp/wi'] == ('embed',
                                                                  'mlp')
@@ -193,7 +193,7 @@ ts = train_state.FlaxOptimTrainState.create(optax.adamw(1e-3), variables)
 sharded = partitioning.shard_state(ts, mesh, rules)
 snap = snapshot.take_snapshot(sharded, rules=rules)
 want = paths.flatten(variables['params'], prefix='params')
-got = snap.flat_variables()
+got = paths.flatten(snap.variables)
 flat_sharded = paths.flatten(sharded.params, prefix='params')
 json.dump({
     'n_devices': jax.device_count(),

@@ -184,7 +184,7 @@ def test_take_snapshot_reads_only_the_minimal_members(states):
   assert proxy.read == MINIMAL_MEMBERS
   assert snap.step == 1
   t5x_params = paths.flatten(state.params)
-  got = snap.flat_variables()
+  got = paths.flatten(snap.variables)
   assert list(got) == [f'params/{p}' for p in t5x_params]
   for p, value in t5x_params.items():
     np.testing.assert_array_equal(got[f'params/{p}'], np.asarray(value))

@@ -1,10 +1,4 @@
-"""One background worker with a bounded queue: one item running, one queued.
-
-A third item meets `when_busy`: 'wait' (default) blocks the submitter until
-the queued one starts, 'skip' replaces it (latest wins). With
-on_error='raise' the first failure comes back as `errors.ExportFailedError`
-on the next submit/check/wait/close; 'log' logs each. Light: no TF or JAX.
-"""
+"""A background worker: one item running, one queued. Imports no TF/JAX."""
 
 from __future__ import annotations
 
@@ -12,56 +6,18 @@ from collections.abc import Callable
 import threading
 import time
 import traceback
-from typing import Any, NamedTuple
+from typing import Any
 import weakref
 
 from absl import logging
 
 from t5export import errors
 
-ON_ERROR_CHOICES = ('raise', 'log')
-WHEN_BUSY_CHOICES = ('wait', 'skip')
-
-
-class Room(NamedTuple):
-  """What `make_room` took: seconds waited, and the item dropped or None."""
-  waited_secs: float
-  dropped: Any
-
-
-def check_policies(owner: str, *, on_error: Any, when_busy: Any) -> None:
-  """Raises ValueError naming `owner` if either option is not a choice."""
-  for name, value, choices, hint in (
-      ('on_error', on_error, ON_ERROR_CHOICES,
-       "'raise' stops training on a failed export, 'log' logs it and "
-       'continues.'),
-      ('when_busy', when_busy, WHEN_BUSY_CHOICES,
-       "'wait' makes the training thread wait for room when an export is "
-       "running and another is queued (no version is dropped); 'skip' lets "
-       'the newest due version replace the queued one.')):
-    if not isinstance(value, str) or value not in choices:
-      raise ValueError(f'{owner}: {name} must be one of {choices}, got '
-                       f'{value!r}. {hint}')
-
-
-def close_on_exit(close: Callable[[], None], exc_type: type | None, *,
-                  name: str,
-                  errors_to_log: tuple[type[BaseException], ...]) -> None:
-  """`__exit__`: close; with an exception in flight, log close's errors."""
-  if exc_type is None:
-    close()
-    return
-  try:
-    close()
-  except errors_to_log as e:
-    logging.error('%s: %s (while handling %s)', name, e, exc_type.__name__)
-
 
 class _Shared:
-  """What a worker shares with its thread (all under `cv`), and the loop.
+  """The state shared with the thread (under `cv`), and the thread's loop.
 
-  Apart from `AsyncWorker` so the thread holds no reference to the worker:
-  a worker never closed is collected and its finalizer stops the thread.
+  Not the `AsyncWorker`: its finalizer stops the thread once it is collected.
   """
 
   def __init__(self, fn: Callable[[Any], Any], on_error: str, when_busy: str,
@@ -71,9 +27,7 @@ class _Shared:
     self.cv = threading.Condition()
     self.queued: tuple[Any] | None = None  # (item,) when an item waits.
     self.running = self.stopping = False
-    self.pending_error: BaseException | None = None
-    self.last_error: BaseException | None = None
-    self.last_result: Any = None
+    self.pending_error = self.last_error = self.last_result = None
     self.submitted = self.completed = self.replaced = self.failed = 0
     self.waits = self.waiting = 0  # waiting: callers blocked for room now.
     self.waited_secs = 0.0
@@ -83,12 +37,10 @@ class _Shared:
     try:
       while True:
         with self.cv:
-          while self.queued is None and not self.stopping:
-            self.cv.wait()
+          self.cv.wait_for(lambda: self.queued is not None or self.stopping)
           if self.queued is None:  # Stopping and drained.
             return
-          (item,) = self.queued
-          self.queued = None
+          (item,), self.queued = self.queued, None
           self.running = True
           self.cv.notify_all()  # Room in the queue: wake a waiting submit.
         try:
@@ -105,39 +57,31 @@ class _Shared:
             self.running = False
             self.cv.notify_all()
     finally:
-      with self.cv:
-        self.running = False
-        self.cv.notify_all()
       _LIVE.discard(self)
 
   def _record_failure(self, e: Exception) -> None:
-    log = self.on_error == 'log'
     with self.cv:
       self.failed += 1
       self.last_error = e
-      if not log and self.pending_error is None:
+      keep = self.on_error == 'raise' and self.pending_error is None
+      if keep:
         self.pending_error = e
-      elif not log:  # Keep the first; the later one is only logged.
-        logging.error('%s: another background failure while one is '
-                      'pending: %s: %s', self.name, type(e).__name__, e)
-    if log:
-      logging.error('%s: background work failed (on_error=\'log\', failure '
-                    '#%d; training continues): %s: %s', self.name,
-                    self.failed, type(e).__name__, e,
-                    exc_info=(type(e), e, e.__traceback__))
-    # The kept error must not keep the failed item (a whole snapshot)
-    # alive through its traceback's frames.
+    if not keep:  # on_error='log', or a later failure while one is pending.
+      logging.error('%s: background work failed (failure #%d, on_error=%r): '
+                    '%s: %s', self.name, self.failed, self.on_error,
+                    type(e).__name__, e, exc_info=(type(e), e, e.__traceback__))
+    # Its frames would keep the failed item (a whole snapshot) alive.
     traceback.clear_frames(e.__traceback__)
 
   def request_stop(self) -> None:
-    """Tells the thread to finish the queued item and exit (no join)."""
+    """Tells the thread to finish the queued item and exit."""
     with self.cv:
       self.stopping = True
       self.cv.notify_all()
 
 
-# Threads still running, stopped at interpreter exit before Python joins
-# non-daemon threads (a plain atexit handler would run after that join).
+# Threads still running: stopped at exit before Python joins non-daemon
+# threads (concurrent.futures' way; a plain atexit handler runs after that).
 _LIVE: set[_Shared] = set()
 
 
@@ -150,14 +94,12 @@ def _shutdown_all_at_exit() -> None:
     shared.request_stop()
   for shared in live:
     shared.thread.join()
-    e = shared.pending_error
-    if e is not None:
+    if (e := shared.pending_error) is not None:
       logging.error('%s: background work failed and the worker was never '
                     'closed: %s: %s', shared.name, type(e).__name__, e,
                     exc_info=(type(e), e, e.__traceback__))
 
 
-# Runs before non-daemon threads are joined (concurrent.futures uses it).
 # pylint: disable-next=protected-access
 threading._register_atexit(_shutdown_all_at_exit)
 
@@ -165,106 +107,83 @@ threading._register_atexit(_shutdown_all_at_exit)
 class AsyncWorker:
   """Runs `fn(item)` on one background thread; one running, one queued.
 
-  Example:
-    worker = AsyncWorker(exporter.export_snapshot, on_error='raise')
-    worker.submit(snapshot)   # returns once the item is queued
-    worker.close()            # waits for the last item, stops the thread
+  With on_error='raise' the first failure is raised once, as
+  `errors.ExportFailedError`, by the next submit/check/wait/close. The
+  options are checked by the caller (`ExportCallback`).
   """
 
   def __init__(self, fn: Callable[[Any], Any], *, on_error: str = 'raise',
                when_busy: str = 'wait', name: str = 't5export-export'):
-    check_policies('AsyncWorker', on_error=on_error, when_busy=when_busy)
     self.name, self.on_error, self.when_busy = name, on_error, when_busy
     self._shared = _Shared(fn, on_error, when_busy, name)
     self._thread = self._shared.thread
     self._closed = False
     _LIVE.add(self._shared)
     self._thread.start()
-    # Forgotten workers: stop the thread when this object is collected.
     self._finalizer = weakref.finalize(self, self._shared.request_stop)
 
   def submit(self, item: Any) -> Any:
-    """Queues `item` after making room; returns the item it replaced or None.
+    """Queues `item` after making room; returns the item replaced, or None.
 
-    A failure recorded before (or while waiting) is raised (on_error='raise')
-    and `item` is not queued. Callers must not mutate `item` afterwards.
+    A pending failure is raised instead. Do not mutate `item` afterwards.
     """
     self._check_not_worker_thread('submit')
     self.check()
     shared = self._shared
     with shared.cv:  # Reentrant: make_room and check take it again.
-      room = self.make_room()
+      _, dropped = self.make_room()
       self._check_open()
       self.check()  # It may have failed while we waited.
       shared.queued = (item,)
       shared.submitted += 1
       shared.cv.notify_all()
-    return room.dropped
+    return dropped
 
-  def make_room(self) -> Room:
-    """Frees the queue slot by the `when_busy` policy, queuing nothing."""
+  def make_room(self) -> tuple[float, Any]:
+    """Frees the queue slot by `when_busy`: (seconds waited, item dropped)."""
     self._check_not_worker_thread('make_room')
     shared = self._shared
     with shared.cv:
       self._check_open()
       if shared.queued is None:
-        return Room(0.0, None)
+        return 0.0, None
       if shared.when_busy == 'skip':
-        (dropped,) = shared.queued
-        shared.queued = None
+        (dropped,), shared.queued = shared.queued, None
         shared.replaced += 1
-        logging.info('%s: a newer item replaces the queued one (%d replaced '
-                     "so far, when_busy='skip'); the previous item is still "
-                     'running.', self.name, shared.replaced)
-        return Room(0.0, dropped)
+        logging.info("%s: a newer item replaces the queued one (when_busy="
+                     "'skip', %d so far).", self.name, shared.replaced)
+        return 0.0, dropped
       start = time.perf_counter()
       shared.waiting += 1
       try:
-        while (shared.queued is not None and not shared.stopping and
-               self._thread.is_alive()):
-          shared.cv.wait()
+        shared.cv.wait_for(lambda: shared.queued is None or shared.stopping or
+                           not self._thread.is_alive())
       finally:
         shared.waiting -= 1
       waited = time.perf_counter() - start
       shared.waits += 1
       shared.waited_secs += waited
-      return Room(waited, None)
+      return waited, None
 
   def wait(self) -> None:
     """Blocks until nothing is running or queued; raises a pending failure."""
     self._check_not_worker_thread('wait')
-    shared = self._shared
-    with shared.cv:
-      while ((shared.queued is not None or shared.running) and
-             self._thread.is_alive()):
-        shared.cv.wait()
+    s = self._shared
+    with s.cv:
+      s.cv.wait_for(lambda: not (s.queued or s.running) or
+                    not self._thread.is_alive())
     self.check()
 
   def close(self) -> None:
-    """Finishes the queued items, joins the thread, raises a pending failure.
-
-    Idempotent.
-    """
+    """Finishes the queued item, joins the thread, raises a pending failure."""
     self._check_not_worker_thread('close')
     if self._closed:
       return
     self._closed = True
     self._shared.request_stop()
-    self._thread.join()
-    _LIVE.discard(self._shared)
+    self._thread.join()  # The thread leaves _LIVE as it ends.
     self._finalizer.detach()
     self.check()
-
-  def __enter__(self) -> AsyncWorker:
-    return self
-
-  def __exit__(self, exc_type, exc, tb) -> None:
-    close_on_exit(self.close, exc_type, name=self.name,
-                  errors_to_log=(errors.ExportFailedError,))
-
-  @property
-  def closed(self) -> bool:
-    return self._closed
 
   @property
   def is_alive(self) -> bool:

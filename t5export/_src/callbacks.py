@@ -1,13 +1,9 @@
-"""ExportCallback: publish a SavedModel every N steps during training.
-
-The callback decides *when* (`triggering.Trigger`); the `SavedModelExporter`
-it is given decides *how*; a `publisher.Publisher` carries each due export
-out. Calling conventions and multi-process rules: docs/internals.md.
-"""
+"""ExportCallback: publish a SavedModel every N steps during training."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+import os
 import time
 from typing import Any
 
@@ -20,13 +16,12 @@ from t5export._src import distributed
 from t5export import errors
 from t5export._src import exporter as exporter_lib
 from t5export._src import outcomes as outcomes_lib
-from t5export._src import publisher as publisher_lib
+from t5export._src import snapshot as snapshot_lib
 from t5export._src import triggering
 from t5export._src import versions
 
 
-def _outcomes_view(get: Callable[[outcomes_lib.Outcomes], Any],
-                   doc: str) -> property:
+def _view(get: Callable[[outcomes_lib.Outcomes], Any], doc: str) -> property:
   """A read-only property computed from the callback's `Outcomes`."""
   # pylint: disable-next=protected-access
   return property(lambda cb: get(cb._outcomes), doc=doc)
@@ -36,32 +31,24 @@ def _outcomes_view(get: Callable[[outcomes_lib.Outcomes], Any],
 class ExportCallback:
   """Runs an exporter every N steps of training, in the background.
 
-  Three calling conventions share one trigger rule: `cb(step, t=None,
-  train_state=ts)` (CLU's `PeriodicAction` contract, plain loops; calls may
-  skip steps), `cb.run(train_state, metrics_by_task)` (a T5X action) and
-  `cb.export_now(ts)`. `close()` (or a `with` block) waits for the last
-  export. Under `jax.distributed` every process creates the callback and
-  calls it at the same steps; only process 0 writes.
+  Called as `cb(step, train_state=ts)` (CLU's `PeriodicAction` contract;
+  calls may skip steps), `cb.run(ts, metrics_by_task)` (a T5X action) or
+  `cb.export_now(ts)`; `close()` (or a `with` block) waits for the last
+  export. Under `jax.distributed` every process calls it at the same steps;
+  only process 0 writes.
 
-  Example (a plain or CLU loop):
-    exporter = t5export.SavedModelExporter(
-        d, [sig], options=t5export.ExportOptions(keep=5))
-    with t5export.ExportCallback(exporter, export_every_steps=1000,
+  Example:
+    with t5export.ExportCallback(t5export.SavedModelExporter(d, [sig]),
+                                 export_every_steps=1000,
                                  num_train_steps=n) as cb:
       for step in range(1, n + 1):
         ts = train_step(ts, batch)
-        cb(step, train_state=ts)
-    # Versions 1000, 2000, ..., n are published under d.
+        cb(step, train_state=ts)  # Publishes 1000, 2000, ..., n under d.
 
   Attributes:
-    exporter: the `SavedModelExporter` (on every process; only process 0
-      writes with it).
+    exporter, export_every_steps, every_secs, when_busy: as passed.
     worker: the background worker (None if not async or not process 0).
-    export_every_steps: the step period, or None.
-    every_secs: the time period in seconds, or None.
-    on_steps: the extra export steps (sorted), incl. the final step when
-      enabled.
-    when_busy: 'wait' or 'skip' (see the constructor).
+    on_steps: the extra export steps, sorted, incl. the final step.
   """
 
   def __init__(self, exporter: exporter_lib.SavedModelExporter, *,
@@ -79,43 +66,27 @@ class ExportCallback:
     """Validates the options and prepares `export_dir` (on process 0).
 
     Args:
-      exporter: what each export runs; its `ExportOptions` say how versions
-        are written, checked and kept (`keep`, `keep_best`, `validate`,
-        `logical_axis_rules`, ...). Gin: `ExportCallback.exporter =
-        @t5export.SavedModelExporter()`.
-      export_every_steps: export when a multiple of this is reached (calls
-        may skip steps: reaching one since the previous call is enough).
+      exporter: what each export runs (gin: `ExportCallback.exporter =
+        @t5export.SavedModelExporter()`).
+      export_every_steps: export when a multiple of this step is reached.
       every_secs: export when this many seconds passed since the last one.
-        Under `jax.distributed` process 0's clock decides (one small
-        collective per call while no step trigger fires).
       on_steps: also export when one of these steps is reached.
       export_on_final_step: export at step `num_train_steps` too.
-      num_train_steps: the last training step (for export_on_final_step).
-      on_error: 'raise' re-raises a failed export (as
-        `errors.ExportFailedError`) on the next call or on `close`; 'log'
-        logs it with its traceback, counts it and keeps training.
-      when_busy: an export is due while one runs and one is queued: 'wait'
-        holds the training thread until the queued one starts (every due
-        version is published); 'skip' drops the queued one for the newer
-        (latest wins, counted in `exports_replaced`).
-      async_export: write on a background thread (the training thread only
-        snapshots); False writes inline.
-      metric_writer: a CLU `MetricWriter`; gets 't5export/export_secs',
-        't5export/blocking_secs', 't5export/wait_secs',
-        't5export/bytes_written' and the running counts
-        't5export/exports_{published,skipped,replaced,failed}' as scalars.
-        Metrics for `keep_best` come from `run(..., metrics_by_task)` as
-        'task/metric', or from `cb(..., metrics=...)`. Not bindable in gin.
-      multiprocess_timeout_secs: under `jax.distributed`, how long the other
-        processes wait for process 0 to report an export (and for each
-        other at its barrier) before raising `errors.WriterTimeoutError`
-        (`errors.BarrierTimeoutError`).
+      num_train_steps: the last training step.
+      on_error: 'raise' re-raises a failed export (`errors.ExportFailedError`)
+        on the next call or `close`; 'log' logs it and keeps training.
+      when_busy: with one export running and one queued, 'wait' holds the
+        training thread until the queued one starts; 'skip' replaces it.
+      async_export: write on a background thread; False writes inline.
+      metric_writer: a CLU `MetricWriter` for the 't5export/...' scalars
+        (timings, bytes, outcome counts). Not bindable in gin.
+      multiprocess_timeout_secs: under `jax.distributed`, the wait for process
+        0 or a barrier (`errors.WriterTimeoutError`, `BarrierTimeoutError`).
 
     Raises:
-      TypeError: an option has the wrong type (the message names it).
+      TypeError: an option has the wrong type.
       ValueError: an option has a bad value, or no trigger is set.
-      errors.ExportDirError: `export_dir` is unusable (process 0;
-        `errors.WriterFailedError` on the others).
+      errors.ExportDirError: `export_dir` is unusable.
     """
     if not isinstance(exporter, exporter_lib.SavedModelExporter):
       raise TypeError(
@@ -126,8 +97,17 @@ class ExportCallback:
     steps = triggering.check_options(every_steps=export_every_steps,
                                      every_secs=every_secs, on_steps=on_steps)
     triggering.check_positive_int('num_train_steps', num_train_steps)
-    async_lib.check_policies('ExportCallback', on_error=on_error,
-                             when_busy=when_busy)
+    for name, value, choices, hint in (
+        ('on_error', on_error, ('raise', 'log'),
+         "'raise' stops training on a failed export, 'log' logs it and "
+         'continues.'),
+        ('when_busy', when_busy, ('wait', 'skip'),
+         "'wait' makes the training thread wait for room when an export is "
+         "running and another is queued (no version is dropped); 'skip' lets "
+         'the newest due version replace the queued one.')):
+      if not isinstance(value, str) or value not in choices:
+        raise ValueError(f'ExportCallback: {name} must be one of {choices}, '
+                         f'got {value!r}. {hint}')
     if export_on_final_step and num_train_steps is not None:
       steps.append(num_train_steps)
     if export_every_steps is None and every_secs is None and not steps:
@@ -142,20 +122,28 @@ class ExportCallback:
     self.every_secs = every_secs
     self.on_steps = list(self._trigger.on_steps)
     self.when_busy = when_busy
-    self._publisher = publisher_lib.Publisher(
-        exporter, async_export=bool(async_export), on_error=on_error,
-        when_busy=when_busy, metric_writer=metric_writer,
-        timeout_secs=multiprocess_timeout_secs)
-    self.worker = self._publisher.worker
-    self._outcomes = self._publisher.outcomes
+    self._on_error = on_error
+    self._metric_writer = metric_writer
     self._num_train_steps = num_train_steps
     self._closed = False
+    self._coordinator = distributed.ExportCoordinator(
+        timeout_secs=multiprocess_timeout_secs)
+    self._is_writer = self._coordinator.is_writer
+    published = self._coordinator.run(
+        exporter.versions, what=f'prepare {exporter.export_dir}')
+    self._outcomes = outcomes_lib.Outcomes(published_steps=published or ())
+    self.worker = (async_lib.AsyncWorker(self._write, on_error=on_error,
+                                         when_busy=when_busy)
+                   if self._is_writer and async_export else None)
+    self._sync = not async_export
+    self._waited = 0.0  # The training thread's wait for room, this export.
+    self._step_mismatch_warned = False
     logging.info(
         't5export: ExportCallback on %s (every_steps=%s, every_secs=%s, '
         'on_steps=%s, async=%s, when_busy=%s, on_error=%s, process %d%s).',
         exporter.export_dir, export_every_steps, every_secs, self.on_steps,
         async_export, when_busy, on_error, jax.process_index(),
-        '' if self._publisher.is_writer else ', not the writer')
+        '' if self._is_writer else ', not the writer')
 
   def __call__(self, step: int, t: float | None = None, *,
                train_state: Any = None,
@@ -163,12 +151,9 @@ class ExportCallback:
     """CLU / plain-loop hook: call after every step, or after each chunk.
 
     Args:
-      step: the step just finished; an export is due when a multiple of
-        `export_every_steps` (or an `on_steps` entry) was reached since the
-        previous call.
+      step: the step just finished.
       t: a timestamp for `every_secs` (default `time.monotonic()`).
-      train_state: the current train state (required when an export is
-        due; pass it on every call). The version is named after its step.
+      train_state: the current train state; its step names the version.
       metrics: optional `{name: value}` stored with the version.
 
     Returns:
@@ -179,23 +164,18 @@ class ExportCallback:
       errors.ExportFailedError: an earlier export failed (on_error='raise').
     """
     self._before_call()
-    t = time.monotonic() if t is None else t
-    if not self._trigger.due(step, t,
-                             agree=self._publisher.coordinator.agree):
+    if not self._due(step, t):
       return False
     if train_state is None:
       raise ValueError(
           f'ExportCallback: an export is due at step {step} but no '
           'train_state was passed. Call it as cb(step, train_state=state).')
-    self._publisher.export(train_state, step, metrics)
+    self._export(train_state, step, metrics)
     return True
 
   def run(self, train_state: Any,
           metrics_by_task: Mapping[str, Any] | None = None) -> bool:
-    """T5X action hook: exports if one is due at `train_state.step`.
-
-    At `num_train_steps` this waits until the export is published (T5X
-    never closes its actions).
+    """T5X action hook; waits for the export at `num_train_steps`.
 
     Args:
       train_state: the current train state.
@@ -209,86 +189,192 @@ class ExportCallback:
       errors.ExportFailedError: an earlier export failed (on_error='raise').
     """
     self._before_call()
-    if metrics_by_task is not None and not isinstance(metrics_by_task,
-                                                      Mapping):
+    if not isinstance(metrics_by_task, (Mapping, type(None))):
       raise TypeError(f'metrics_by_task must be a mapping {{task: {{metric: '
                       f'value}}}}, got {type(metrics_by_task).__name__}.')
     step = int(train_state.step)
-    if self._trigger.due(step, time.monotonic(),
-                         agree=self._publisher.coordinator.agree):
-      self._publisher.export(train_state, step,
-                             versions.flatten_metrics(metrics_by_task))
+    if self._due(step, None):
+      self._export(train_state, step,
+                   versions.flatten_metrics(metrics_by_task))
     if self._num_train_steps is not None and step >= self._num_train_steps:
       self.wait()
     return False
 
   def export_now(self, train_state: Any,
                  metrics: Mapping[str, Any] | None = None) -> str | None:
-    """Exports `train_state` now (queued exports first) and waits for it.
-
-    A step already published is not written again. The periodic triggers
-    count from this export.
+    """Exports `train_state` now (after queued exports) and waits for it.
 
     Args:
       train_state: the state to export (its `step` is the version).
       metrics: optional `{name: value}` stored with the version.
 
     Returns:
-      The version directory, or None on processes other than 0 (and with
-      on_error='log' when it failed).
+      The version directory; None off process 0 or if it failed (on_error=
+      'log').
 
     Raises:
-      errors.ExportFailedError: this or an earlier export failed
-        (on_error='raise').
+      errors.ExportFailedError: an export failed (on_error='raise').
     """
     self._before_call()
     step = int(train_state.step)
-    path = self._publisher.export(train_state, step, metrics, now=True)
+    path = self._export(train_state, step, metrics, now=True)
     self._trigger.record_export(step, time.monotonic())
     return path
 
   def _before_call(self) -> None:
     if self._closed:
       raise RuntimeError('ExportCallback is closed; create a new one.')
-    self._publisher.check()
+    self._flush_scalars()
+    # Under jax.distributed a failure surfaces at the next export, wait() or
+    # close() on every process at once, never on process 0 alone.
+    if self.worker is not None and not self._coordinator.active:
+      self.worker.check()
+
+  def _due(self, step: int, t: float | None) -> bool:
+    return self._trigger.due(step, time.monotonic() if t is None else t,
+                             agree=self._coordinator.agree)
+
+  def _export(self, train_state: Any, step: int,
+              metrics: Mapping[str, Any] | None, *,
+              now: bool = False) -> str | None:
+    """One due export, on every process; `now` settles queued ones first.
+
+    Make room (`when_busy`), snapshot here, then on process 0 skip a published
+    step or hand off (or write inline), through the `ExportCoordinator`.
+    """
+    start = time.perf_counter()
+    sync = now or self._sync
+    self._waited = 0.0
+    if now:
+      self._coordinator.settle(self._drain)
+    elif self.worker is not None and not self._coordinator.active:
+      # Free the queue slot before the snapshot (under jax.distributed the
+      # coordinator settles the previous export instead).
+      self._waited, dropped = self.worker.make_room()
+      if dropped is not None:
+        self._outcomes.record('replaced', dropped[0].step, 'dropped from the '
+                              f'queue for the export due at step {step} '
+                              "(when_busy='skip')")
+        del dropped  # Free the dropped snapshot before taking the next one.
+    self._outcomes.add_due()
+    try:
+      # The loop runs on (donating buffers) while the worker reads the
+      # snapshot: owned=None copies only where a view would not survive.
+      snap = snapshot_lib.take_snapshot(
+          train_state, rules=self.exporter.options.logical_axis_rules,
+          owned=False if sync else None, shapes_only=not self._is_writer)
+    except Exception as e:
+      self._outcomes.record('failed', step, f'the snapshot failed: '
+                            f'{type(e).__name__}: {e}')
+      raise
+    if snap.step != step and not self._step_mismatch_warned:
+      self._step_mismatch_warned = True
+      logging.warning(
+          't5export: the loop passed step %d but train_state.step is %d; the '
+          'version is named after train_state.step.', step, snap.step)
+    path = self._coordinator.publish(
+        snap.step, lambda: self._publish_local(snap, metrics, sync=sync),
+        sync=sync, drain=self._drain)  # May drain: waits.
+    self._outcomes.record_blocking(snap.step, time.perf_counter() - start,
+                                   0.0 if now else self._waited)
+    self._flush_scalars()
+    return path
+
+  def _drain(self) -> bool:
+    """Waits for the background export; False if one failed and was logged."""
+    if self.worker is None:
+      return True
+    failed = self.worker.stats['failed']
+    start = time.perf_counter()
+    try:
+      self.worker.wait()
+    finally:
+      self._waited += time.perf_counter() - start
+    return self.worker.stats['failed'] == failed
+
+  def _publish_local(self, snap: snapshot_lib.HostSnapshot,
+                     metrics: Mapping[str, Any] | None, *,
+                     sync: bool) -> str | None:
+    """Process 0: skip if published, else hand off (or write, if `sync`)."""
+    step = snap.step
+    if not self._outcomes.claim(step):
+      self._outcomes.record(
+          'skipped', step, f'already published in {self.exporter.export_dir} '
+          '(or being written); not exporting it again')
+      return os.path.join(self.exporter.export_dir, str(step)) if sync else (
+          None)
+    item = (snap, dict(metrics or {}))
+    if not sync:
+      try:
+        self.worker.submit(item)  # Room was made: nothing is replaced.
+      except Exception as e:
+        self._outcomes.record('failed', step, f'not handed off: '
+                              f'{type(e).__name__}: {e}')
+        raise
+      return None
+    try:
+      return self._write(item)
+    except Exception as e:  # pylint: disable=broad-except
+      if self._on_error == 'log':
+        logging.error('t5export: export of step %d failed (on_error=\'log\', '
+                      'training continues): %s: %s', step, type(e).__name__,
+                      e, exc_info=(type(e), e, e.__traceback__))
+        return None
+      raise errors.ExportFailedError(
+          f'Export of step {step} failed: {type(e).__name__}: {e}') from e
+
+  def _write(self, item: tuple[snapshot_lib.HostSnapshot, dict[str, Any]]
+             ) -> str:
+    """On the worker (or inline): write, check and publish one snapshot."""
+    snap, metrics = item
+    start = time.perf_counter()
+    try:
+      path = self.exporter.export_snapshot(snap, metrics or None)
+    except Exception as e:
+      self._outcomes.record('failed', snap.step, f'{type(e).__name__}: {e}')
+      raise
+    self._outcomes.record_published(
+        snap.step, path, secs=time.perf_counter() - start,
+        nbytes=versions.dir_nbytes(path))
+    return path
+
+  def _flush_scalars(self) -> None:
+    """Writes queued scalars here: writers need not be thread-safe."""
+    for step, scalars in self._outcomes.take_scalars():
+      if self._metric_writer is not None:
+        self._metric_writer.write_scalars(step, scalars)
 
   def wait(self) -> None:
-    """Waits until the queued export is published (all processes call it).
+    """Waits until the queued export is published (on all processes).
 
     Raises:
       errors.ExportFailedError: an export failed (on_error='raise').
-      errors.WriterFailedError: on processes other than 0, process 0's
-        export failed or it did not report in time.
+      errors.WriterFailedError: off process 0, process 0's export failed.
     """
-    self._publisher.wait()
+    self._coordinator.settle(self._drain)
+    self._flush_scalars()
 
   def close(self) -> None:
-    """Waits for the last export, stops the worker, logs `summary()`.
-
-    Idempotent.
+    """Waits for the last export, stops the worker, logs `summary()` (once).
 
     Raises:
       errors.ExportFailedError: an export failed (on_error='raise').
-      errors.WriterFailedError: on processes other than 0, process 0's
-        export failed or it did not report in time.
+      errors.WriterFailedError: off process 0, process 0's export failed.
     """
     if self._closed:
       return
     self._closed = True
     try:
-      self._publisher.close()
+      self._coordinator.close(self.worker.close if self.worker else None)
     finally:
+      self._flush_scalars()
+      if self._metric_writer is not None:
+        self._metric_writer.flush()
       logging.info('t5export: ExportCallback closed: %s', self.summary())
 
   def summary(self) -> str:
-    """One line with the outcome counts of every due export.
-
-    Returns:
-      E.g. "6 due: 4 published, 1 skipped (already published), 0 replaced
-      (when_busy='wait'), 1 failed; waited 2.31s for room"; on processes
-      other than 0, the due count.
-    """
-    if not self._publisher.is_writer:
+    """Returns one line counting the due exports' outcomes."""
+    if not self._is_writer:
       return (f'{self.exports_due} due on process {jax.process_index()}; '
               'process 0 (the writer) counts their outcomes.')
     return self._outcomes.summary(when_busy=self.when_busy)
@@ -297,53 +383,33 @@ class ExportCallback:
     return self
 
   def __exit__(self, exc_type, exc, tb) -> None:
-    # Incl. WriterFailedError on processes other than the writer.
-    async_lib.close_on_exit(self.close, exc_type, name='t5export',
-                            errors_to_log=(errors.T5ExportError,))
+    try:
+      self.close()
+    except errors.T5ExportError as e:  # Incl. WriterFailedError off process 0.
+      if exc_type is None:
+        raise
+      logging.error('t5export: %s (while handling %s)', e, exc_type.__name__)
 
-  # --- introspection --------------------------------------------------------
-
-  exports_due = _outcomes_view(
-      lambda o: o.counts()['due'],
-      'Exports that became due (including `export_now`).')
-  exports_done = _outcomes_view(
-      lambda o: o.counts()['published'], 'Due exports published.')
-  exports_skipped = _outcomes_view(
-      lambda o: o.counts()['skipped'],
-      'Due exports skipped: the version was already published (resume).')
-  exports_replaced = _outcomes_view(
-      lambda o: o.counts()['replaced'],
-      "Due exports dropped from the queue for a newer one ('skip' only).")
-  exports_failed = _outcomes_view(
-      lambda o: o.counts()['failed'],
-      'Due exports that failed (logged, or raised).')
-  published = _outcomes_view(lambda o: list(o.published),
-                             'The paths published, in order.')
-  bytes_written = _outcomes_view(lambda o: o.bytes_written,
-                                 'Total bytes of the versions published.')
-  blocking_secs = _outcomes_view(
-      lambda o: list(o.blocking_secs),
-      'Per export, seconds the training thread was held (incl. waiting).')
-  wait_secs = _outcomes_view(
-      lambda o: list(o.wait_secs),
-      'Per export, seconds the training thread waited for queue room.')
+  exports_due = _view(lambda o: o.counts()['due'], 'Exports that came due.')
+  exports_done = _view(lambda o: o.counts()['published'], 'Exports published.')
+  exports_skipped = _view(lambda o: o.counts()['skipped'],
+                          'Due exports skipped: already published.')
+  exports_replaced = _view(lambda o: o.counts()['replaced'],
+                           "Due exports replaced by newer ones ('skip').")
+  exports_failed = _view(lambda o: o.counts()['failed'], 'Exports failed.')
+  published = _view(lambda o: list(o.published), 'The paths published.')
+  bytes_written = _view(lambda o: o.bytes_written, 'Bytes published.')
+  blocking_secs = _view(lambda o: list(o.blocking_secs),
+                        'Per export, seconds the training thread was held.')
+  wait_secs = _view(lambda o: list(o.wait_secs),
+                    'Per export, seconds the training thread waited for room.')
 
   @property
   def stats(self) -> dict[str, Any]:
-    """This callback's counters, and its worker's when async.
-
-    Keys: exports_due, exports_done (published), exports_skipped,
-    exports_replaced, exports_failed, bytes_written, blocking_secs_last,
-    blocking_secs_max, wait_secs_total, export_secs_total, when_busy and,
-    when async, 'worker' (submitted, completed, replaced, failed, waits,
-    ...). On process 0, once `close()` returned, exports_due ==
-    exports_done + exports_skipped + exports_replaced + exports_failed.
-    """
-    out = {**self._outcomes.stats(), 'when_busy': self.when_busy}
-    if self.worker is not None:
-      out['worker'] = self.worker.stats
-    return out
+    """The counters above, timing totals, when_busy and the worker's."""
+    worker = {} if self.worker is None else {'worker': self.worker.stats}
+    return {**self._outcomes.stats(), 'when_busy': self.when_busy, **worker}
 
   def versions(self) -> list[int]:
     """The published versions in export_dir, ascending ([] if not writer)."""
-    return self.exporter.versions() if self._publisher.is_writer else []
+    return self.exporter.versions() if self._is_writer else []

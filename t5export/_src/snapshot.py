@@ -1,8 +1,4 @@
-"""Host snapshots of a state: what an export does on the training thread.
-
-Strip the optimizer state, resolve axes, gather to host (data-flow steps
-1-3; docs/internals.md, "Snapshot"). Light: never imports TensorFlow.
-"""
+"""Host snapshots: strip a state, resolve its axes, gather it (no TF)."""
 
 from __future__ import annotations
 
@@ -25,21 +21,17 @@ AxesByPath = dict[str, tuple[Any, ...]]
 
 @dataclasses.dataclass(frozen=True)
 class HostSnapshot:
-  """The exportable part of a state, on host, at one step."""
+  """The exportable variables (numpy, or ShapeDtypeStructs) at one step.
+
+  Axes are by variable path (None: unknown); `owned`: nobody else references
+  the arrays, so TensorFlow may adopt their memory.
+  """
   step: int
-  # {'params': ..., **flax_mutables}: nested dicts of numpy arrays
-  # (ShapeDtypeStructs on a process that only joined the gather).
   variables: dict[str, Any]
-  # Variable path -> logical / mesh axis names; None when not known.
   logical_axes: AxesByPath | None
   mesh_axes: AxesByPath | None
   nbytes: int
-  # Nobody else references the arrays: TensorFlow may adopt their memory.
   owned: bool = False
-
-  def flat_variables(self) -> dict[str, np.ndarray]:
-    """`{path: array}` in `paths.flatten` order (the export's order)."""
-    return paths.flatten(self.variables)
 
 
 def _axes_by_path(spec_state: train_state.InferenceState) -> AxesByPath:
@@ -83,6 +75,4 @@ def take_snapshot(state: Any, *,
   logging.info('Snapshot of step %d: %d arrays, %.1f MiB (%s) in %.3fs.',
                step, len(jax.tree_util.tree_leaves(variables)), nbytes / 2**20,
                'owned' if owned else 'not copied', time.perf_counter() - start)
-  return HostSnapshot(step=step, variables=variables,
-                      logical_axes=logical_axes, mesh_axes=mesh_axes,
-                      nbytes=nbytes, owned=owned)
+  return HostSnapshot(step, variables, logical_axes, mesh_axes, nbytes, owned)
