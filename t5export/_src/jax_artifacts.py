@@ -8,7 +8,6 @@ trace: docs/internals.md, "Back to JAX".
 from __future__ import annotations
 
 from collections.abc import Callable
-import contextlib
 import os
 from typing import Any
 
@@ -49,8 +48,7 @@ def serialize(fn: Callable[[Any, Any], Any], variables: Any, inputs: Any, *,
       (jax.tree_util.tree_map(_abstract, variables),
        jax.tree_util.tree_map(_abstract, inputs)), [None, polymorphic_shapes])
   exporting = jax.export.export(jax.jit(fn), platforms=platforms)
-  with (contextlib.nullcontext() if target is None else
-        serving_compat.targeting(target)):
+  with serving_compat.targeting(target):
     return bytes(exporting(*specs).serialize())
 
 
