@@ -1,9 +1,5 @@
-"""Writes `assets.extra/` of a staged version beside the SavedModel.
-
-`t5export.json` (the `metadata.Metadata`), `config.gin` when gin is in use,
-each signature's `jax.export` artifact, and the warm-up requests; see
-docs/internals.md, "One export, step by step".
-"""
+"""Writes a staged version's `assets.extra/`: `t5export.json`, `config.gin`
+(with gin), the `jax.export` artifacts and the warm-up requests."""
 
 from __future__ import annotations
 
@@ -31,20 +27,6 @@ from t5export._src import writer as writer_lib
 from tensorflow.core.protobuf import saved_model_pb2
 
 
-def _tensor_info_json(info: Any) -> dict[str, Any]:
-  shape = tf.TensorShape(info.tensor_shape)
-  return {'shape': None if shape.rank is None else shape.as_list(),
-          'dtype': tf.as_dtype(info.dtype).name}
-
-
-def _signature_defs(saved_model_dir: str) -> Mapping[str, Any]:
-  """The SignatureDefs as saved: the functions would trace them again."""
-  proto = saved_model_pb2.SavedModel()
-  with open(os.path.join(saved_model_dir, 'saved_model.pb'), 'rb') as f:
-    proto.ParseFromString(f.read())
-  return proto.meta_graphs[0].signature_def
-
-
 def _jsonable(value: Any) -> Any:
   """Tuples as lists, PartitionSpecs and other leaves as strings."""
   if value is None or isinstance(value, (bool, int, float, str)):
@@ -57,10 +39,13 @@ def _jsonable(value: Any) -> Any:
 def _signature(sig: serving.Signature, signature_def: Any,
                artifact: Mapping[str, Any] | None) -> metadata.Signature:
   d = sig.describe()
+  shapes = {k: tf.TensorShape(v.tensor_shape)
+            for k, v in sorted(signature_def.outputs.items())}
   return metadata.Signature(
       inputs=d['inputs'], method_inputs=d['method_inputs'],
-      outputs={k: _tensor_info_json(v)
-               for k, v in sorted(signature_def.outputs.items())},
+      outputs={k: {'shape': None if s.rank is None else s.as_list(),
+                   'dtype': tf.as_dtype(signature_def.outputs[k].dtype).name}
+               for k, s in shapes.items()},
       preprocessor=d['preprocessor'], postprocessor=d['postprocessor'],
       has_sample_inputs=sig.sample_inputs is not None, jax_artifact=artifact)
 
@@ -71,7 +56,7 @@ def _params(module: Any,
   params = {}
   for path, var in zip(module.param_paths, module.param_vars):
     logical = (snap.logical_axes or {}).get(path)
-    mesh = (snap.mesh_axes or {}).get(path)
+    mesh = (snap.mesh_axes or {}).get(path)  # A PartitionSpec or None.
     params[path] = metadata.Param(
         shape=tuple(var.shape.as_list()), dtype=var.dtype.name,
         source_dtype=np.dtype(np.asarray(source[path]).dtype).name,
@@ -86,17 +71,19 @@ def write(staging: str, *, module: Any,
           snap: snapshot_lib.HostSnapshot, check: metadata.Check,
           metrics: dict[str, Any], options: options_lib.ExportOptions,
           model_name: str) -> int:
-  """Writes `assets.extra/` of a staged, checked version.
-
-  `artifacts` is `{signature: (jax.export bytes, metadata entry)}` ({} with
-  `jax_artifacts=False`). Returns how many warm-up requests were written.
-  """
+  """Writes `assets.extra/` of a staged, checked version; `artifacts` is
+  `{signature: (jax.export bytes, metadata entry)}`. Returns the number of
+  warm-up requests written."""
   for name, (data, _) in artifacts.items():
     path = os.path.join(staging, jax_artifacts.artifact_file(name))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, 'wb') as f:
       f.write(data)
-  defs = _signature_defs(staging)
+  # The SignatureDefs as saved (the functions would trace them again).
+  proto = saved_model_pb2.SavedModel()
+  with open(os.path.join(staging, 'saved_model.pb'), 'rb') as f:
+    proto.ParseFromString(f.read())
+  defs = proto.meta_graphs[0].signature_def
   o = options
   metadata.write(staging, metadata.Metadata(
       step=int(snap.step),

@@ -1,14 +1,10 @@
-"""Each signature's JAX method as a serialized `jax.export.Exported`.
-
-Written per version at `assets.extra/jax_exported/<signature>.bin` and
-read back without TensorFlow (`verify.load_function`); why it is a second
-trace: docs/internals.md, "Back to JAX".
-"""
+"""Each signature's JAX method as a serialized `jax.export.Exported` at
+`assets.extra/jax_exported/<signature>.bin`, read back without TensorFlow
+(docs/internals.md, "Back to JAX")."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-import contextlib
 import os
 from typing import Any
 
@@ -21,7 +17,6 @@ from t5export._src import serving_compat
 from t5export._src import versions
 
 ARTIFACT_DIR = os.path.join(versions.ASSETS_EXTRA, 'jax_exported')
-# The key of each signature's entry in the metadata.
 METADATA_KEY = 'jax_artifact'
 
 
@@ -40,17 +35,13 @@ def _abstract(leaf: Any) -> jax.ShapeDtypeStruct:
 def serialize(fn: Callable[[Any, Any], Any], variables: Any, inputs: Any, *,
               polymorphic_shapes: Any, platforms: tuple[str, ...],
               target: serving_compat.ServingTarget | None) -> bytes:
-  """`fn(variables, inputs)` exported with `jax.export`, serialized.
-
-  `variables` and `inputs` are trees of anything with `.shape` and `.dtype`
-  (tf.Variables, tf.TensorSpecs); argument specs are built as jax2tf does.
-  """
+  """`fn(variables, inputs)` exported with `jax.export`, serialized; the
+  trees hold tf.Variables / TensorSpecs, made abstract as jax2tf does."""
   specs = jax.export.symbolic_args_specs(
       (jax.tree_util.tree_map(_abstract, variables),
        jax.tree_util.tree_map(_abstract, inputs)), [None, polymorphic_shapes])
   exporting = jax.export.export(jax.jit(fn), platforms=platforms)
-  with (contextlib.nullcontext() if target is None else
-        serving_compat.targeting(target)):
+  with serving_compat.targeting(target):
     return bytes(exporting(*specs).serialize())
 
 
@@ -69,11 +60,8 @@ def describe(data: bytes, signature_name: str,
 
 def read(version_dir: str, signature_name: str,
          meta: metadata.Metadata) -> jax.export.Exported:
-  """One signature's artifact of a version, read and checked.
-
-  SignatureError for an unknown signature; NoJaxArtifactError when it was
-  not recorded, is None, or the file is missing or of another size.
-  """
+  """One signature's artifact of a version, read and checked against its
+  metadata entry (SignatureError, NoJaxArtifactError)."""
   if signature_name not in meta.signatures:
     raise errors.SignatureError(
         f'signature_name={signature_name!r} is not a signature of the '

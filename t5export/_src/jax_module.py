@@ -1,14 +1,11 @@
-"""JaxModule: JAX variables as tf.Variables plus jax2tf-converted methods.
+"""JaxModule: one host-CPU tf.Variable per leaf plus jax2tf-converted methods.
 
-The `tf.Module` that `tf.saved_model.save` writes: one host-CPU variable per
-leaf (so weights live in variables/, never in the graph) and one
-`tf.function` per method, bound to those variables (docs/internals.md).
+Weights live in variables/, never in the graph (docs/internals.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-import contextlib
 import dataclasses
 import re
 from typing import Any
@@ -56,11 +53,8 @@ def _host_array(leaf: Any) -> np.ndarray:
 
 def _tf_value(array: np.ndarray, *, cast: bool, owned: bool,
               own_copy: bool = False) -> Any:
-  """The value to build or assign a variable from.
-
-  An owned, adoptable array becomes a tf.Tensor sharing its memory; with
-  `own_copy` anything else is first copied into aligned memory TF adopts.
-  """
+  """An owned, adoptable array as a tf.Tensor sharing its memory; with
+  `own_copy` anything else is first copied into aligned memory TF adopts."""
   if cast or (own_copy and not (owned and host_buffers.adoptable(array))):
     array = host_buffers.aligned_copy(array, np.float32 if cast else None)
     owned = True
@@ -73,15 +67,9 @@ def _tf_value(array: np.ndarray, *, cast: bool, owned: bool,
   return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
 
 
-def _check_options() -> dict[str, str] | None:
-  """XLA options of `jax_methods`: on CPU, the memory-optimized schedule."""
-  return ({'xla_cpu_scheduler_type': 'CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED'}
-          if jax.default_backend() == 'cpu' else None)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Meta:
-  """Untracked metadata (kept out of tf.Module's attribute conversion)."""
+  """Kept out of tf.Module's attribute tracking."""
   treedef: Any
   paths: tuple[str, ...]
   shapes: tuple[tuple[int, ...], ...]
@@ -99,7 +87,7 @@ class JaxModule(tf.Module):
   """JAX variables as tf.Variables and JAX methods as tf.functions.
 
   Attributes:
-    param_vars: the tf.Variables (tracked), in `param_paths` order.
+    param_vars: the tf.Variables, in `param_paths` order.
   """
 
   def __init__(self, variables: Any,
@@ -116,24 +104,22 @@ class JaxModule(tf.Module):
     """Creates the variables (leaf by leaf) and converts the methods.
 
     Args:
-      variables: `{'params': ..., **flax_mutables}` with numpy or JAX array
-        leaves; leaf paths name the variables.
+      variables: `{'params': ..., **flax_mutables}` of numpy or JAX arrays;
+        leaf paths name the variables.
       methods: name -> `fn(variables, inputs) -> outputs`, pure JAX.
       input_signatures: name -> pytree of `tf.TensorSpec` (None for
-        polymorphic dimensions), the structure of that method's `inputs`.
+        polymorphic dimensions) shaped like that method's `inputs`.
       polymorphic_shapes: name -> pytree of jax2tf shape strings such as
         '(b, 16)' (None = static).
-      trainable: make the variables trainable (methods get gradients).
+      trainable: trainable variables (methods get gradients).
       jit_compile: `tf.function(jit_compile=...)` of each method.
-      platforms: jax2tf lowering platforms, e.g. ('cpu', 'cuda'); default:
-        the current JAX backend.
-      cast_bfloat16: store bfloat16 leaves as float32 variables, cast back
-        to bfloat16 inside the converted function (exact).
-      owned: nobody else references the numpy arrays of `variables`: the
-        variables take their memory without a copy, so the caller must not
-        change or reuse them. Never for views of live JAX arrays.
-      serving_target: the oldest TensorFlow the methods must run on
-        (applied on the tracing thread only); None: JAX's defaults.
+      platforms: jax2tf lowering platforms; default: the JAX backend's.
+      cast_bfloat16: store bfloat16 leaves as float32, cast back inside
+        the converted function (exact).
+      owned: nobody else references the numpy arrays: the variables take
+        their memory without a copy. Never for views of live JAX arrays.
+      serving_target: the oldest TensorFlow the methods must run on;
+        None: JAX's defaults.
       name: the tf.Module name.
 
     Raises:
@@ -160,23 +146,24 @@ class JaxModule(tf.Module):
     leaf_paths, shapes, dtypes, casts, tf_vars = [], [], [], [], []
     with tf.device('/CPU:0'):
       for keypath, leaf in flat:
-        path = paths.path_str(keypath)
-        array = _host_array(leaf)
+        array = _host_array(leaf)  # At most one extra leaf buffer at a time.
         cast = bool(cast_bfloat16 and array.dtype == jnp.bfloat16)
-        leaf_paths.append(path)
+        leaf_paths.append(paths.path_str(keypath))
         shapes.append(tuple(array.shape))
         dtypes.append(array.dtype)
         casts.append(cast)
         tf_vars.append(tf.Variable(
             _tf_value(array, cast=cast, owned=owned, own_copy=True),
-            trainable=trainable, name=tf_variable_name(path)))
-        del array  # At most one extra leaf-sized buffer at a time.
+            trainable=trainable, name=tf_variable_name(leaf_paths[-1])))
     self.param_vars = tf_vars
+    # On CPU the checks' jitted methods use the memory-optimized schedule.
+    xla = ({'xla_cpu_scheduler_type': 'CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED'}
+           if jax.default_backend() == 'cpu' else None)
     self._meta = _Meta(
         treedef=treedef, paths=tuple(leaf_paths), shapes=tuple(shapes),
         dtypes=tuple(dtypes), cast_to_f32=tuple(casts),
         raw_methods=dict(methods),
-        jitted_methods={k: jax.jit(fn, compiler_options=_check_options())
+        jitted_methods={k: jax.jit(fn, compiler_options=xla)
                         for k, fn in methods.items()},
         platforms=platforms, input_signatures=dict(input_signatures),
         polymorphic_shapes=dict(polymorphic_shapes),
@@ -194,18 +181,14 @@ class JaxModule(tf.Module):
     """Casts the float32-stored bfloat16 leaves back (inside JAX)."""
     if not any(self._meta.cast_to_f32):
       return variables
-    leaves, treedef = jax.tree_util.tree_flatten(variables)
-    leaves = [leaf.astype(jnp.bfloat16) if cast else leaf
-              for leaf, cast in zip(leaves, self._meta.cast_to_f32)]
-    return jax.tree_util.tree_unflatten(treedef, leaves)
+    casts = iter(self._meta.cast_to_f32)
+    return jax.tree_util.tree_map(
+        lambda x: x.astype(jnp.bfloat16) if next(casts) else x, variables)
 
   def _convert(self, method_name: str, fn: Callable[[Any, Any], Any], *,
                with_gradient: bool, jit_compile: bool) -> Any:
-    """jax2tf-converts one method and binds it to the variables.
-
-    jax2tf lowers whenever TF traces (a save, a concrete function), on any
-    thread; the serving target applies around that call alone.
-    """
+    """jax2tf-converts one method, bound to the variables; the serving
+    target applies around each TF trace alone (any thread may trace)."""
     meta = self._meta
 
     def counted(variables, inputs):
@@ -220,8 +203,7 @@ class JaxModule(tf.Module):
         native_serialization_platforms=meta.platforms)
 
     def bound(inputs):
-      with (contextlib.nullcontext() if meta.serving_target is None else
-            serving_compat.targeting(meta.serving_target)):
+      with serving_compat.targeting(meta.serving_target):
         return converted(self._variable_tree(), inputs)
 
     return tf.function(bound,
@@ -268,16 +250,8 @@ class JaxModule(tf.Module):
     return {k: bind(f) for k, f in self._meta.jitted_methods.items()}
 
   def serialize_method(self, method_name: str) -> bytes:
-    """The method as jax2tf converts it, serialized with `jax.export`.
-
-    Traced again, with the same polymorphic shapes, platforms and target.
-
-    Args:
-      method_name: one of `methods`.
-
-    Returns:
-      The serialized `jax.export.Exported`.
-    """
+    """The method traced again by `jax.export` (same shapes, platforms and
+    target) and serialized."""
     meta, fn = self._meta, self._meta.raw_methods[method_name]
     return jax_artifacts.serialize(
         lambda variables, inputs: fn(self._to_jax_dtypes(variables), inputs),
@@ -286,24 +260,21 @@ class JaxModule(tf.Module):
         platforms=meta.platforms, target=meta.serving_target)
 
   def jax_variables(self) -> Any:
-    """The current variable values as a pytree of JAX arrays.
+    """The current values as a pytree of JAX arrays (bfloat16 as given).
 
-    bfloat16 leaves stored as float32 come back as bfloat16. On a CPU
-    backend the arrays share the variables' memory (DLPack): a later
+    On CPU they share the variables' memory (DLPack), and a later
     `update_variables` leaves them as they were. Do not donate them.
 
     Returns:
       A pytree like the constructor's `variables`.
     """
     share = jax.default_backend() == 'cpu'
-    leaves = []
-    for var, cast, dtype in zip(self.param_vars, self._meta.cast_to_f32,
-                                self._meta.dtypes):
-      # var.numpy() would copy the buffer, and jnp.asarray might copy again.
-      value = (jnp.from_dlpack(var.value()) if share else
-               jnp.asarray(var.numpy()))
-      leaves.append(value.astype(dtype) if cast else value)
-    return jax.tree_util.tree_unflatten(self._meta.treedef, leaves)
+    # var.numpy() would copy the buffer, and jnp.asarray might copy again.
+    values = [jnp.from_dlpack(v.value()) if share else jnp.asarray(v.numpy())
+              for v in self.param_vars]
+    return jax.tree_util.tree_unflatten(self._meta.treedef, [
+        x.astype(dtype) if cast else x for x, cast, dtype in zip(
+            values, self._meta.cast_to_f32, self._meta.dtypes)])
 
   def update_variables(self, variables: Any, *, owned: bool = False) -> None:
     """Assigns new values into the variables, leaf by leaf, without tracing.
@@ -311,8 +282,7 @@ class JaxModule(tf.Module):
     Args:
       variables: a pytree with the constructor's structure, leaf shapes and
         dtypes (numpy or JAX arrays).
-      owned: as in the constructor: each variable takes its new array's
-        memory instead of copying it.
+      owned: as in the constructor (take the arrays' memory, no copy).
 
     Raises:
       errors.VariableMismatchError: the structure, a shape or a dtype

@@ -1,8 +1,6 @@
-"""Signature: one serving entry point of an exported SavedModel.
+"""Signature: a name, a JAX method, its input specs and TF pre/post-processors.
 
-A `Signature` ties a name to a JAX method and its input specs (parsed by
-`specs`), with optional TF pre/post-processors; `make_module` builds the
-JaxModule for a list of them (docs/internals.md).
+`make_module` builds the JaxModule for a list of them (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -61,18 +59,17 @@ class Signature:
         '_', '.' and '-', starting with a letter or '_'.
       method: `method(variables, inputs) -> outputs`; `variables` is
         `{'params': ..., **flax_mutables}`.
-      input_specs: pytree whose leaves are `(shape, dtype)` string pairs
-        such as `('b, 16', 'float32')` or `tf.TensorSpec`s; a named
-        dimension is polymorphic and shared by the inputs that name it.
-      preprocessor: TF function `serving inputs -> method inputs` run in
-        the serving graph (e.g. strings -> token ids); a `tf.Module` (or
-        its method) if it owns resources such as lookup tables.
+      input_specs: pytree of `(shape, dtype)` string pairs such as
+        `('b, 16', 'float32')` or `tf.TensorSpec`s; a named dimension is
+        polymorphic and shared by the inputs that name it.
+      preprocessor: TF function `serving inputs -> method inputs` in the
+        serving graph (e.g. strings -> token ids); a `tf.Module` (or its
+        method) if it owns resources such as lookup tables.
       postprocessor: TF function `method outputs -> serving outputs`.
-      sample_inputs: input name -> array (or list) for the export check and
-        warm-up requests.
+      sample_inputs: input name -> array for the export check and warm-up.
       method_input_specs: the method's input specs when a preprocessor
-        changes them (default: traced from the preprocessor; pass them when
-        two of its outputs share an unknown dimension).
+        changes them (default: traced from it; needed when two of its
+        outputs share an unknown dimension).
 
     Raises:
       errors.SignatureError: an invalid name, shape, dtype or input name, a
@@ -97,7 +94,6 @@ class Signature:
     self.input_specs = input_specs
     self.preprocessor = preprocessor
     self.postprocessor = postprocessor
-
     self._serving_tree = specs.parse_tree(input_specs, where=where,
                                           arg='input_specs')
     self.input_names = tuple(specs.flat_input_names(input_specs))
@@ -129,30 +125,25 @@ class Signature:
     elif method_input_specs is not None:
       self.method_inputs = specs.parse_tree(
           method_input_specs, where=where, arg='method_input_specs')
-    else:
-      self.method_inputs = self._trace_preprocessor()
+    else:  # The method's specs from the preprocessor's traced outputs.
+      leading = {s.dims[0] for s in self.inputs.values()
+                 if s.dims and isinstance(s.dims[0], str)}
+      try:
+        concrete = tf.function(
+            lambda *args: preprocessor(self._to_serving_tree(args)),
+            input_signature=self.serving_input_signature,
+            autograph=False).get_concrete_function()
+      except Exception as e:  # pylint: disable=broad-except
+        raise errors.SignatureError(
+            f'{where}: the preprocessor failed on the serving input specs '
+            f'{self._describe_inputs()}: {type(e).__name__}: {e}') from e
+      self.method_inputs = specs.specs_of_tensors(
+          concrete.structured_outputs, where=where,
+          batch=sorted(leading)[0] if len(leading) == 1 else None)
     self.sample_inputs = (None if sample_inputs is None else
                           specs.check_samples(
                               sample_inputs, self.inputs,
                               where=f'{where}: sample_inputs'))
-
-  def _trace_preprocessor(self) -> Any:
-    """The method's input specs from the preprocessor's traced outputs."""
-    leading = {s.dims[0] for s in self.inputs.values()
-               if s.dims and isinstance(s.dims[0], str)}
-    batch = sorted(leading)[0] if len(leading) == 1 else None
-    try:
-      concrete = tf.function(
-          lambda *args: self.preprocessor(self._to_serving_tree(args)),
-          input_signature=self.serving_input_signature,
-          autograph=False).get_concrete_function()
-    except Exception as e:  # pylint: disable=broad-except
-      raise errors.SignatureError(
-          f'Signature {self.name!r}: the preprocessor failed on the serving '
-          f'input specs {self._describe_inputs()}: {type(e).__name__}: {e}'
-      ) from e
-    return specs.specs_of_tensors(concrete.structured_outputs, batch=batch,
-                                  where=f'Signature {self.name!r}')
 
   def _to_serving_tree(self, flat_values: Sequence[Any]) -> Any:
     treedef = jax.tree_util.tree_structure(
@@ -167,13 +158,10 @@ class Signature:
   @property
   def method_input_signature(self) -> Any:
     """The method's inputs tree with `tf.TensorSpec` leaves (JaxModule)."""
-    flat = paths.flatten(self.method_inputs, is_leaf=_is_parsed)
-    tensor_specs = [
-        s.tensor_spec(re.sub(r'[^A-Za-z0-9_]', '_', p) or 'input')
-        for p, s in flat.items()]
-    treedef = jax.tree_util.tree_structure(
+    return jax.tree_util.tree_map_with_path(
+        lambda kp, s: s.tensor_spec(
+            re.sub(r'[^A-Za-z0-9_]', '_', paths.path_str(kp)) or 'input'),
         self.method_inputs, is_leaf=_is_parsed)
-    return jax.tree_util.tree_unflatten(treedef, tensor_specs)
 
   @property
   def method_polymorphic_shapes(self) -> Any:
@@ -198,9 +186,8 @@ class Signature:
     }
 
   def check_method(self, variables: Any) -> Any:
-    """The method's output tree of `jax.ShapeDtypeStruct`, traced by
-    `jax.eval_shape` on symbolic inputs matching its specs (the ones jax2tf
-    uses); a method that rejects them is a SignatureError."""
+    """The method's output `jax.ShapeDtypeStruct`s on symbolic inputs as
+    jax2tf makes them; a method that rejects them is a SignatureError."""
     var_specs = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), variables)
     try:
@@ -218,13 +205,9 @@ class Signature:
           f'{type(e).__name__}: {e}') from e
 
   def make_serving_fn(self, module: jax_module.JaxModule) -> Any:
-    """The serving `tf.function` around `module.methods[self.name]`.
-
-    Flat keyword inputs -> preprocessor -> converted method ->
-    postprocessor -> flat named outputs. Cheap to build again: the
-    method is not traced again. The processors' TF resources are attached
-    to `module` so they are saved with it.
-    """
+    """The serving `tf.function`: flat inputs -> preprocessor -> converted
+    method (not traced again) -> postprocessor -> flat named outputs. The
+    processors' TF resources are attached to `module`, to be saved."""
     methods = module.methods
     if self.name not in methods:
       raise errors.SignatureError(
@@ -251,8 +234,8 @@ class Signature:
 
   def reference_outputs(self, module: jax_module.JaxModule,
                         inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """What the signature should return for `inputs`: the JAX method on the
-    module's variables, the processors run eagerly in TensorFlow."""
+    """What the signature should return for `inputs`: the JAX method, with
+    the processors run eagerly in TensorFlow."""
     tree = self._to_serving_tree([inputs[n] for n in self.input_names])
     if self.preprocessor is not None:
       tree = jax.tree_util.tree_map(
@@ -272,14 +255,12 @@ class Signature:
 
 
 def _callable_name(fn: Any) -> str | None:
-  if fn is None:
-    return None
-  return getattr(fn, '__qualname__', None) or type(fn).__name__
+  return None if fn is None else (getattr(fn, '__qualname__', None) or
+                                  type(fn).__name__)
 
 
 def check_signatures(signatures: Any) -> list[Signature]:
-  """`signatures` as a list, checked once wherever it is given: a non-empty
-  list of Signatures with distinct names (TypeError / SignatureError)."""
+  """`signatures` as a non-empty list of distinctly named Signatures."""
   if isinstance(signatures, (str, bytes, Mapping)) or not isinstance(
       signatures, Iterable):
     raise TypeError(f'signatures must be a list of t5export.Signature, got '
@@ -304,8 +285,7 @@ def check_signatures(signatures: Any) -> list[Signature]:
 
 def make_module(variables: Any, signatures: Sequence[Signature],
                 **module_options: Any) -> jax_module.JaxModule:
-  """Checks the signatures and their methods, then builds a JaxModule with
-  one method per signature; `module_options` are JaxModule's."""
+  """A JaxModule with one (checked) method per signature."""
   signatures = check_signatures(signatures)
   for sig in signatures:
     sig.check_method(variables)

@@ -1,9 +1,8 @@
-"""Which TensorFlow (Serving) versions can load an export: the target.
+"""The serving target: the oldest TensorFlow (Serving) that must load an export.
 
-`resolve` maps the oldest release that must load a version to the
-calling-convention and StableHLO versions it reads (`TF_TARGETS`);
-`targeting` makes jax2tf / jax.export on this thread write them. Why and
-how: docs/internals.md, "Serving target". Light: no TensorFlow.
+`resolve` maps it to the calling-convention and StableHLO versions it reads;
+`targeting` makes jax2tf / jax.export on this thread write them
+(docs/internals.md, "Serving target"). Light: no TensorFlow.
 """
 
 from __future__ import annotations
@@ -15,8 +14,7 @@ import re
 import threading
 
 import jax
-# JAX's private pieces this module relies on, all here: the scoped setter
-# of the calling-convention option, and the serializer it hooks.
+# JAX's private pieces this module relies on, all here.
 from jax._src import config as jax_config
 from jax._src import xla_bridge
 from jax._src.export import _export as jax_export_impl
@@ -24,9 +22,8 @@ from jax._src.lib import _jax as jax_lib
 
 from t5export import errors
 
-# TensorFlow (Serving) minor release -> (the newest calling-convention
-# version its XlaCallModule kernel accepts, the StableHLO version it reads).
-# Oldest first.
+# (TF minor release, newest calling-convention version its XlaCallModule
+# accepts, StableHLO version it reads), oldest first.
 TF_TARGETS: tuple[tuple[tuple[int, int], int, str], ...] = (
     ((2, 19), 9, '1.9.1'),
     ((2, 20), 10, '1.12.1'),
@@ -53,37 +50,28 @@ class ServingTarget:
     }
 
 
-def _jax_range() -> tuple[int, int]:
-  return (jax.export.minimum_supported_calling_convention_version,
-          jax.export.maximum_supported_calling_convention_version)
-
-
 def _reachable() -> list[tuple[tuple[int, int], int, str]]:
-  """The table rows this JAX can write, oldest first."""
-  low, high = _jax_range()
-  return [(tf, min(cc, high), shlo) for tf, cc, shlo in TF_TARGETS
+  """The TF_TARGETS rows this JAX can write, oldest first."""
+  low = jax.export.minimum_supported_calling_convention_version
+  high = jax.export.maximum_supported_calling_convention_version
+  rows = [(tf, min(cc, high), shlo) for tf, cc, shlo in TF_TARGETS
           if cc >= low]
-
-
-def _name(tf: tuple[int, int]) -> str:
-  return f'{tf[0]}.{tf[1]}'
-
-
-def oldest_supported() -> str:
-  """The oldest release ('MAJOR.MINOR') an export of this JAX can target."""
-  rows = _reachable()
   if not rows:
-    low, high = _jax_range()
     raise errors.ServingTargetError(
         f'This JAX ({jax.__version__}) writes calling-convention versions '
         f'{low}..{high}, none of which t5export knows a TensorFlow release '
         f'for (table: {TF_TARGETS}). Upgrade t5export.')
-  return _name(rows[0][0])
+  return rows
+
+
+def oldest_supported() -> str:
+  """The oldest release ('MAJOR.MINOR') an export of this JAX can target."""
+  return '%d.%d' % _reachable()[0][0]
 
 
 def resolve(serving_tf_version: str | None = None) -> ServingTarget:
   """The target for 'MAJOR.MINOR[.PATCH]' (None: the oldest reachable)."""
-  oldest = oldest_supported()
+  rows, oldest = _reachable(), oldest_supported()
   if serving_tf_version is None:
     serving_tf_version = oldest
   if not isinstance(serving_tf_version, str):
@@ -97,7 +85,6 @@ def resolve(serving_tf_version: str | None = None) -> ServingTarget:
         f'serving_tf_version={serving_tf_version!r} is not a TensorFlow '
         f"release; write 'MAJOR.MINOR', e.g. {oldest!r}.")
   wanted = (int(match.group(1)), int(match.group(2)))
-  rows = _reachable()
   if wanted < rows[0][0]:
     raise errors.ServingTargetError(
         f'serving_tf_version={serving_tf_version!r} cannot be targeted: the '
@@ -108,7 +95,7 @@ def resolve(serving_tf_version: str | None = None) -> ServingTarget:
   # The newest row at or below the target: a newer release loads whatever
   # an older one does.
   _, version, stablehlo = [row for row in rows if row[0] <= wanted][-1]
-  return ServingTarget(tf_version=_name(wanted),
+  return ServingTarget(tf_version='%d.%d' % wanted,
                        calling_convention_version=version,
                        stablehlo_version=stablehlo)
 
@@ -137,8 +124,12 @@ def _install_serializer_hook() -> None:
 
 
 @contextlib.contextmanager
-def targeting(target: ServingTarget) -> Iterator[None]:
-  """Inside, jax2tf / jax.export on this thread (only) write `target`."""
+def targeting(target: ServingTarget | None) -> Iterator[None]:
+  """Inside, jax2tf / jax.export on this thread (only) write `target`;
+  None: JAX's defaults."""
+  if target is None:
+    yield
+    return
   _install_serializer_hook()
   outer = getattr(_THREAD, 'stablehlo_version', None)
   _THREAD.stablehlo_version = target.stablehlo_version
