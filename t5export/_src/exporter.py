@@ -239,8 +239,8 @@ class SavedModelExporter:
     filling = self._ensure_module(snap.variables, owned=snap.owned)
     staging = self._dir.staging_dir(step)
     # The check's JAX side runs while the version is written.
-    pending = (staged_check.begin(self._signatures, self._module, atol=o.atol,
-                                  rtol=o.rtol, after=filling)
+    pending = (staged_check.Pending(self._signatures, self._module,
+                                    atol=o.atol, rtol=o.rtol, after=filling)
                if o.validate else None)
     try:
       written = self._writer.write(staging, after=filling)
