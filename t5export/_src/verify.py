@@ -114,20 +114,10 @@ def load_function(version_dir: str | os.PathLike[str],
   variables = jax.tree_util.tree_unflatten(
       variables_tree, [jnp.asarray(v) for v in flat.values()])
 
-  jitted = jax.jit(exported.call)
-
-  def call(inputs: Any) -> Any:
-    return jitted(variables, inputs)
-
+  call = functools.partial(jax.jit(exported.call), variables)
   call.exported = exported  # type: ignore[attr-defined]
   call.variables = variables  # type: ignore[attr-defined]
   return call
-
-
-def _to_numpy(value: Any) -> np.ndarray:
-  if not isinstance(value, np.ndarray) and hasattr(value, 'numpy'):
-    return value.numpy()  # A tf.Tensor or tf.Variable.
-  return np.asarray(value)
 
 
 def _named_outputs(outputs: Any) -> dict[str, Any]:
@@ -160,7 +150,7 @@ def compare_outputs(signature_name: str, actual: Mapping[str, Any],
         f'{sorted(expected)}')
   result = {}
   for name in sorted(actual):
-    a, e = _to_numpy(actual[name]), _to_numpy(expected[name])
+    a, e = np.asarray(actual[name]), np.asarray(expected[name])
     if a.shape != e.shape:
       raise fail(name, kind='shape',
                  detail=f'shape mismatch: {a.shape} vs JAX {e.shape}')
@@ -229,7 +219,7 @@ def run_signatures_isolated(
           raise errors.SignatureError(
               f'Signature {name!r} of {version_dir!r} has no input(s) '
               f'{unknown}; its inputs are {sorted(sig_def.inputs)}.')
-        feed = {sig_def.inputs[k].name: _to_numpy(v)
+        feed = {sig_def.inputs[k].name: np.asarray(v)
                 for k, v in inputs.items()}
         fetch = {k: v.name for k, v in sig_def.outputs.items()}
         results.append(session.run(fetch, feed))
