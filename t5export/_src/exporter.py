@@ -61,10 +61,9 @@ class SavedModelExporter:
 
     Raises:
       SignatureError: `signatures` is empty or has duplicate names.
-      MissingSampleInputsError: `options.validate` is True (the default)
-        and a signature has no `sample_inputs`.
-      TypeError: a signature is not a `t5export.Signature`, or `options` is
-        not an `ExportOptions`.
+      MissingSampleInputsError: `options.validate` and a signature has no
+        `sample_inputs`.
+      TypeError: a signature or `options` is of the wrong type.
       ValueError: a gin macro (EXPORT_DIR, SIGNATURES) was left unset.
     """
     for name, value in (('export_dir', export_dir), ('signatures', signatures)):

@@ -1,10 +1,8 @@
 """The exporter's checks of a version before it is published.
 
-`check_finite` refuses NaN/Inf params before anything is written. `Pending`
-starts a staged version's check: the JAX references run beside the write,
-then `Pending.finish` runs the staged SavedModel in a throw-away TF session
-and compares every output (`ExportCheckError` on a mismatch). Memory and
-phases: docs/internals.md. Importing this module does not import TensorFlow.
+`check_finite` refuses NaN/Inf params before anything is written; `Pending`
+compares the staged SavedModel's outputs with JAX's (docs/internals.md).
+Importing this module does not import TensorFlow.
 """
 
 from __future__ import annotations

@@ -138,8 +138,7 @@ def compare_outputs(signature_name: str, actual: Mapping[str, Any],
   (its `kind` says which) for the first output by name.
   """
   fail = functools.partial(errors.ExportCheckError, signature_name)
-  actual = _named_outputs(actual)
-  expected = _named_outputs(expected)
+  actual, expected = _named_outputs(actual), _named_outputs(expected)
   for name in sorted(set(actual) ^ set(expected)):
     missing = name not in actual
     where = ('missing from the SavedModel' if missing else
