@@ -301,10 +301,8 @@ def _in_background(fn: Any, name: str) -> concurrent.futures.Future:
 
   def run() -> None:
     try:
-      fn()
+      future.set_result(fn())
     except BaseException as e:  # pylint: disable=broad-except
       future.set_exception(e)
-    else:
-      future.set_result(None)
   threading.Thread(target=run, name=name, daemon=True).start()
   return future
