@@ -1,10 +1,6 @@
 """SavedModelExporter: publishes versioned, checked SavedModels atomically.
 
-One export: refuse early (existing version, non-finite params), build or
-update the `JaxModule`, write into a staging directory (`writer`), check it
-against JAX (`staged_check`), write `assets.extra/` (`assets_extra`), fsync,
-publish by one rename and apply retention (`versions`). The steps are in
-docs/internals.md, "One export, step by step".
+The steps of one export are in docs/internals.md, "One export, step by step".
 """
 
 from __future__ import annotations
@@ -12,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import shutil
 import threading
@@ -37,10 +34,6 @@ from t5export._src import train_state
 from t5export._src import versions as versions_lib
 from t5export._src import writer as writer_lib
 
-_NOT_CHECKED = metadata.Check(checked=False,
-                              reason='ExportOptions(validate=False)')
-
-
 @gin.configurable('SavedModelExporter', module='t5export')
 class SavedModelExporter:
   """Publishes JAX/Flax variables as versioned TensorFlow SavedModels.
@@ -51,29 +44,26 @@ class SavedModelExporter:
     path = exporter.export(inference_state, metrics={'accuracy': 0.9})
     # -> '/models/t5/1000' (the state's step), servable by TF Serving.
 
-  Creating one touches no file and traces nothing (every process may); the
-  first use prepares `export_dir` and resumes from what it holds.
+  Creating one touches no file and traces nothing; the first use prepares
+  `export_dir` and resumes from what it holds.
   """
 
   def __init__(self, export_dir: str | os.PathLike[str],
                signatures: Sequence[serving.Signature], *,
                options: options_lib.ExportOptions | None = None):
-    """Checks the arguments; the directory is prepared on first use.
+    """Checks the arguments.
 
     Args:
-      export_dir: the directory TF Serving watches; versions are its integer
-        subdirectories. Created (on first use) if missing.
-      signatures: the `t5export.Signature`s every version serves (unique
-        names).
-      options: how versions are written, checked and kept; default
-        `ExportOptions()`.
+      export_dir: the directory TF Serving watches (versions are its integer
+        subdirectories); created on first use if missing.
+      signatures: the `t5export.Signature`s every version serves.
+      options: how versions are written, checked and kept.
 
     Raises:
       SignatureError: `signatures` is empty or has duplicate names.
-      MissingSampleInputsError: `options.validate` is True (the default)
-        and a signature has no `sample_inputs`.
-      TypeError: a signature is not a `t5export.Signature`, or `options` is
-        not an `ExportOptions`.
+      MissingSampleInputsError: `options.validate` and a signature has no
+        `sample_inputs`.
+      TypeError: a signature or `options` is of the wrong type.
       ValueError: a gin macro (EXPORT_DIR, SIGNATURES) was left unset.
     """
     for name, value in (('export_dir', export_dir), ('signatures', signatures)):
@@ -85,8 +75,7 @@ class SavedModelExporter:
             'parse time).')
     self._export_dir = os.path.abspath(os.fspath(export_dir))
     self._signatures = serving.check_signatures(signatures)
-    if options is None:
-      options = options_lib.ExportOptions()
+    options = options_lib.ExportOptions() if options is None else options
     if not isinstance(options, options_lib.ExportOptions):
       raise TypeError(
           f'options must be a t5export.ExportOptions, got {options!r}. In '
@@ -94,12 +83,10 @@ class SavedModelExporter:
     self._options = options
     if options.validate:
       staged_check.require_samples(self._signatures)
-    # Signature name -> (serialized jax.export artifact, its metadata entry),
-    # made on the first export.
+    # Signature name -> (jax.export artifact, its metadata entry).
     self._artifacts: dict[str, tuple[bytes, dict[str, Any]]] = {}
     self._module: jax_module.JaxModule | None = None
     self._writer: writer_lib.SavedModelWriter | None = None
-    self._dir_state: versions_lib.VersionDirectory | None = None
 
   @property
   def options(self) -> options_lib.ExportOptions:
@@ -121,26 +108,21 @@ class SavedModelExporter:
     """The JaxModule (None before the first export)."""
     return self._module
 
-  @property
+  @functools.cached_property
   def _dir(self) -> versions_lib.VersionDirectory:
     """The version directory, prepared and resumed on first use."""
-    if self._dir_state is None:
-      o = self._options
-      directory = versions_lib.VersionDirectory(
-          self._export_dir, keep=o.keep, keep_best=o.keep_best,
-          overwrite=o.overwrite, durable=o.durable)
-      stale = directory.resume()
-      logging.info('t5export: export_dir %s holds versions %s; removed %d '
-                   'stale staging dir(s).', self._export_dir,
-                   directory.versions(), len(stale))
-      self._dir_state = directory
-    return self._dir_state
+    o = self._options
+    directory = versions_lib.VersionDirectory(
+        self._export_dir, keep=o.keep, keep_best=o.keep_best,
+        overwrite=o.overwrite, durable=o.durable)
+    stale = directory.resume()
+    logging.info('t5export: export_dir %s holds versions %s; removed %d '
+                 'stale staging dir(s).', self._export_dir,
+                 directory.versions(), len(stale))
+    return directory
 
   def versions(self) -> list[int]:
-    """The published versions, ascending (prepares `export_dir` first).
-
-    Returns:
-      Sorted version numbers.
+    """The published versions, ascending.
 
     Raises:
       ExportDirError: `export_dir` is a file or not writable.
@@ -148,10 +130,7 @@ class SavedModelExporter:
     return self._dir.versions()
 
   def metrics(self) -> dict[int, dict[str, Any]]:
-    """The metrics recorded for each published version.
-
-    Returns:
-      `{version: {metric: value}}`.
+    """`{version: {metric: value}}` for each published version.
 
     Raises:
       ExportDirError: as `versions`.
@@ -162,16 +141,15 @@ class SavedModelExporter:
              owned: bool = False) -> str:
     """Exports a train or inference state as version `int(state.step)`.
 
-    Strips the optimizer state, resolves axes, brings the params to the host
-    (no copy on CPU: the export is synchronous) and runs `export_snapshot`.
+    Takes a host snapshot (no copy on CPU) and runs `export_snapshot`.
 
     Args:
       state: a `TrainState`, an `InferenceState` or a `HostSnapshot` (which
         carries its own `owned`).
-      metrics: optional `{name: value}` recorded in the metadata and used by
-        `keep_best` (numbers, 0-d arrays and CLU values become numbers).
-      owned: the params and mutables are numpy arrays nobody else references
-        (e.g. read from a checkpoint): TensorFlow may take their memory.
+      metrics: optional `{name: value}` (numbers, 0-d arrays, CLU values)
+        recorded in the metadata and used by `keep_best`.
+      owned: the variables are numpy arrays nobody else references (e.g.
+        read from a checkpoint): TensorFlow may take their memory.
 
     Returns:
       The published version directory `<export_dir>/<step>`.
@@ -203,8 +181,8 @@ class SavedModelExporter:
     """Writes, checks and publishes one host snapshot.
 
     Args:
-      snap: the host snapshot (variables as numpy, axes, step).
-      metrics: optional `{name: value}`, as for `export`.
+      snap: the host snapshot.
+      metrics: as for `export`.
 
     Returns:
       The published version directory `<export_dir>/<step>`.
@@ -216,8 +194,7 @@ class SavedModelExporter:
       NonFiniteParamsError: a param holds NaN/Inf (`allow_non_finite`).
       VariableMismatchError: the params changed structure, shape or dtype
         since the first export.
-      ExportCheckError: the staged SavedModel differs from JAX; nothing was
-        published.
+      ExportCheckError: the staged SavedModel differs from JAX.
     """
     step, o = int(snap.step), self._options
     if step < 0:
@@ -239,15 +216,16 @@ class SavedModelExporter:
     filling = self._ensure_module(snap.variables, owned=snap.owned)
     staging = self._dir.staging_dir(step)
     # The check's JAX side runs while the version is written.
-    pending = (staged_check.begin(self._signatures, self._module, atol=o.atol,
-                                  rtol=o.rtol, after=filling)
+    pending = (staged_check.Pending(self._signatures, self._module,
+                                    atol=o.atol, rtol=o.rtol, after=filling)
                if o.validate else None)
     try:
       written = self._writer.write(staging, after=filling)
       logging.info('t5export: step %d: saved to %s in %.2fs (%s).', step,
                    staging, time.monotonic() - start,
                    'new variables' if written == 'variables' else 'full save')
-      check = _NOT_CHECKED
+      check = metadata.Check(checked=False,
+                             reason='ExportOptions(validate=False)')
       if pending is not None:
         # The disk flushes the weights while TensorFlow runs the check.
         syncing = (_in_background(lambda: versions_lib.fsync_tree(staging),
@@ -283,10 +261,10 @@ class SavedModelExporter:
 
   def _ensure_module(self, variables: Any, *,
                      owned: bool) -> concurrent.futures.Future | None:
-    """Builds the JaxModule on first use; assigns new values afterwards.
+    """Builds the JaxModule on first use, else assigns the new values.
 
-    A first module built from views gets empty variables that a thread
-    fills beside the tracing; returns that thread's future (else None).
+    A first module built from views gets empty variables that a thread fills
+    beside the tracing; returns that thread's future.
     """
     if self._module is not None:
       self._module.update_variables(variables, owned=owned)
@@ -318,15 +296,13 @@ class SavedModelExporter:
 
 
 def _in_background(fn: Any, name: str) -> concurrent.futures.Future:
-  """Runs `fn()` in a new thread called `name`; its future."""
+  """Runs `fn()` in a daemon thread called `name`; returns its future."""
   future: concurrent.futures.Future = concurrent.futures.Future()
 
   def run() -> None:
     try:
-      fn()
+      future.set_result(fn())
     except BaseException as e:  # pylint: disable=broad-except
       future.set_exception(e)
-    else:
-      future.set_result(None)
   threading.Thread(target=run, name=name, daemon=True).start()
   return future

@@ -1,14 +1,13 @@
 """The exporter's checks of a version before it is published.
 
-`check_finite` refuses NaN/Inf params before anything is written. `begin`
-starts a staged version's check: the JAX references run beside the write,
-then `Pending.finish` runs the staged SavedModel in a throw-away TF session
-and compares every output (`ExportCheckError` on a mismatch). Memory and
-phases: docs/internals.md. Importing this module does not import TensorFlow.
+`check_finite` refuses NaN/Inf params before anything is written; `Pending`
+compares the staged SavedModel's outputs with JAX's (docs/internals.md).
+Importing this module does not import TensorFlow.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Mapping, Sequence
 import concurrent.futures
 import time
@@ -41,11 +40,9 @@ def check_finite(variables: Any) -> None:
 def sample_batches(sig: Any) -> list[dict[str, Any]]:
   """A signature's sample inputs as a list of `{input_name: array}`."""
   samples = sig.sample_inputs
-  if samples is None:
-    return []
   if isinstance(samples, Mapping):
     return [dict(samples)]
-  return [dict(s) for s in samples]  # Several batches, if ever given.
+  return [dict(s) for s in samples or ()]  # Several batches, if ever given.
 
 
 def require_samples(signatures: Sequence[Any]) -> None:
@@ -55,30 +52,29 @@ def require_samples(signatures: Sequence[Any]) -> None:
       raise errors.MissingSampleInputsError(sig.name)
 
 
-def _references(requests: Sequence[tuple[Any, Mapping[str, Any]]],
-                module: Any, after: concurrent.futures.Future | None
-                ) -> tuple[list[Any], float]:
-  """Each request's JAX outputs (numpy: no JAX buffer outlives this)."""
-  if after is not None:
-    after.result()  # The module's values are there.
-  start = time.monotonic()
-  expected = [sig.reference_outputs(module, inputs)
-              for sig, inputs in requests]
-  return expected, time.monotonic() - start
-
-
 class Pending:
-  """A check whose JAX references are being computed; see `begin`."""
+  """A started check of the version about to be written from `module`.
+
+  The JAX references (as numpy) run in a background thread once `after` is
+  done; the module's variables must not change until `finish` or `abandon`.
+  """
 
   def __init__(self, signatures: Sequence[Any], module: Any, *, atol: float,
                rtol: float, after: concurrent.futures.Future | None = None):
     self._requests = [(sig, inputs) for sig in signatures
                       for inputs in sample_batches(sig)]
     self._atol, self._rtol = atol, rtol
+
+    def references() -> tuple[list[Any], float]:
+      if after is not None:
+        after.result()  # The module's values are there.
+      start = time.monotonic()
+      return ([sig.reference_outputs(module, inputs)
+               for sig, inputs in self._requests], time.monotonic() - start)
+
     self._pool = concurrent.futures.ThreadPoolExecutor(
         1, thread_name_prefix='t5export-check')
-    self._future = self._pool.submit(_references, self._requests, module,
-                                     after)
+    self._future = self._pool.submit(references)
 
   def finish(self, staging: str) -> metadata.Check:
     """Runs the staged version in TensorFlow and compares with the JAX side.
@@ -94,14 +90,12 @@ class Pending:
     logging.info('t5export: check of %s: JAX references in %.2fs (beside '
                  'the write), TensorFlow load and run in %.2fs.', staging,
                  jax_seconds, time.monotonic() - start)
-    batches: dict[str, int] = {}
+    batches = collections.Counter(sig.name for sig, _ in self._requests)
     worst: dict[str, dict[str, metadata.OutputCheck]] = {}
     for (sig, _), actual, want in zip(self._requests, actuals, expected):
-      errs = verify.compare_outputs(sig.name, actual, want, atol=self._atol,
-                                    rtol=self._rtol)
-      batches[sig.name] = batches.get(sig.name, 0) + 1
       seen = worst.setdefault(sig.name, {})
-      for name, err in errs.items():
+      for name, err in verify.compare_outputs(
+          sig.name, actual, want, atol=self._atol, rtol=self._rtol).items():
         old = seen.get(name, err)
         seen[name] = metadata.OutputCheck(
             max(err.max_abs_error, old.max_abs_error),
@@ -123,15 +117,3 @@ class Pending:
       return self._future.result()
     finally:
       self._pool.shutdown(wait=True)
-
-
-def begin(signatures: Sequence[Any], module: Any, *, atol: float,
-          rtol: float,
-          after: concurrent.futures.Future | None = None) -> Pending:
-  """Starts the check of the version about to be written from `module`.
-
-  Returns at once; the JAX references run in a background thread, once
-  `after` is done. The module's variables must not change until `finish`
-  or `abandon` returns.
-  """
-  return Pending(signatures, module, atol=atol, rtol=rtol, after=after)

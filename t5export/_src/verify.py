@@ -1,15 +1,14 @@
 """Reads a published version back: params, the JAX function, comparisons.
 
-`load_params` and `load_function` (public) read the version's variables
-checkpoint (`tensor_bundle`) and `jax.export` artifacts without TensorFlow;
-`compare_outputs` is the check's comparison (`staged_check`);
-`run_signatures_isolated`, `compare_with_jax` and `call_exported` run the
-SavedModel and import TensorFlow when called, never at import.
+`load_params` and `load_function` read the variables and `jax.export`
+artifacts without TensorFlow; `run_signatures_isolated`, `compare_with_jax`
+and `call_exported` import TensorFlow when called, never at import.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+import functools
 import os
 from typing import Any
 
@@ -26,11 +25,6 @@ from t5export._src import xla_schedule
 
 # The tracked attribute of JaxModule that holds the params, in order.
 _PARAM_VARS_ATTR = 'param_vars'
-
-
-def _tensorflow() -> Any:
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  return tf
 
 
 def _read_variables(version_dir: str,
@@ -58,8 +52,8 @@ def _read_variables(version_dir: str,
 def load_params(version_dir: str | os.PathLike[str]) -> dict[str, Any]:
   """Loads the exported variables of a version back as a JAX pytree.
 
-  Read from the SavedModel's variables checkpoint with numpy (checksummed),
-  so bit-exact, bfloat16 included, with no TensorFlow.
+  Bit-exact (bfloat16 included), read with numpy from the checksummed
+  variables checkpoint, without TensorFlow.
 
   Args:
     version_dir: a version directory such as `<export_dir>/1000`.
@@ -82,13 +76,11 @@ def load_function(version_dir: str | os.PathLike[str],
                   signature_name: str) -> Callable[[Any], Any]:
   """The JAX function a version serves, bound to that version's weights.
 
-  Deserializes the signature's `jax.export` artifact and binds it to the
-  version's own variables: the exact StableHLO the SavedModel runs, in JAX,
-  without TensorFlow. It is the JAX method only: TF pre/post-processors do
-  not run, so `fn` takes the metadata's `method_inputs` (e.g. token ids, not
-  text). Inside your own `jax.jit`, call `fn.exported.call(fn.variables,
-  inputs)` with the variables as arguments: closed over, XLA may fold them
-  and change the last bits.
+  The exact StableHLO the SavedModel runs, in JAX, without TensorFlow. It is
+  the JAX method only (no TF pre/post-processing): `fn` takes the metadata's
+  `method_inputs` (e.g. token ids, not text). Inside your own `jax.jit`, call
+  `fn.exported.call(fn.variables, inputs)`: closed-over variables may be
+  folded by XLA, changing the last bits.
 
   Args:
     version_dir: a version directory such as `<export_dir>/1000`.
@@ -122,20 +114,10 @@ def load_function(version_dir: str | os.PathLike[str],
   variables = jax.tree_util.tree_unflatten(
       variables_tree, [jnp.asarray(v) for v in flat.values()])
 
-  jitted = jax.jit(exported.call)
-
-  def call(inputs: Any) -> Any:
-    return jitted(variables, inputs)
-
+  call = functools.partial(jax.jit(exported.call), variables)
   call.exported = exported  # type: ignore[attr-defined]
   call.variables = variables  # type: ignore[attr-defined]
   return call
-
-
-def _to_numpy(value: Any) -> np.ndarray:
-  if not isinstance(value, np.ndarray) and hasattr(value, 'numpy'):
-    return value.numpy()  # A tf.Tensor or tf.Variable.
-  return np.asarray(value)
 
 
 def _named_outputs(outputs: Any) -> dict[str, Any]:
@@ -146,51 +128,42 @@ def _named_outputs(outputs: Any) -> dict[str, Any]:
   return paths.flatten(outputs)
 
 
-def _check_error(signature_name: str, name: str, kind: str,
-                 detail: str) -> errors.ExportCheckError:
-  return errors.ExportCheckError(signature_name, name, kind=kind,
-                                 detail=detail)
-
-
 def compare_outputs(signature_name: str, actual: Mapping[str, Any],
                     expected: Any, *, atol: float,
                     rtol: float) -> dict[str, metadata.OutputCheck]:
-  """Compares a signature's outputs with JAX's; returns each output's errors.
+  """Each output's errors against JAX's (`expected` may be a pytree).
 
-  Names, shapes and dtypes must match; numbers must satisfy
-  `|a - e| <= atol + rtol * |e|` (equal infinities and NaN in both agree),
-  strings must be equal. `expected` may be a pytree named by '/'-joined
-  path. Raises ExportCheckError (its `kind` says which) for the first
-  output, by name, that does not match.
+  Names, shapes, dtypes and strings must match, numbers satisfy `|a - e| <=
+  atol + rtol * |e|` (equal infinities and NaNs agree); else ExportCheckError
+  (its `kind` says which) for the first output by name.
   """
-  actual = _named_outputs(actual)
-  expected = _named_outputs(expected)
+  fail = functools.partial(errors.ExportCheckError, signature_name)
+  actual, expected = _named_outputs(actual), _named_outputs(expected)
   for name in sorted(set(actual) ^ set(expected)):
     missing = name not in actual
     where = ('missing from the SavedModel' if missing else
              'not returned by JAX')
-    raise _check_error(
-        signature_name, name, 'missing_output' if missing else 'extra_output',
-        f'{where}; SavedModel outputs {sorted(actual)}, JAX outputs '
+    raise fail(
+        name, kind='missing_output' if missing else 'extra_output',
+        detail=f'{where}; SavedModel outputs {sorted(actual)}, JAX outputs '
         f'{sorted(expected)}')
   result = {}
   for name in sorted(actual):
-    a, e = _to_numpy(actual[name]), _to_numpy(expected[name])
+    a, e = np.asarray(actual[name]), np.asarray(expected[name])
     if a.shape != e.shape:
-      raise _check_error(signature_name, name, 'shape',
-                         f'shape mismatch: {a.shape} vs JAX {e.shape}')
+      raise fail(name, kind='shape',
+                 detail=f'shape mismatch: {a.shape} vs JAX {e.shape}')
     strings = a.dtype.kind in 'OSU', e.dtype.kind in 'OSU'
     if strings[0] != strings[1] or (not any(strings) and a.dtype != e.dtype):
-      raise _check_error(signature_name, name, 'dtype',
-                         f'dtype mismatch: {a.dtype} vs JAX {e.dtype}')
+      raise fail(name, kind='dtype',
+                 detail=f'dtype mismatch: {a.dtype} vs JAX {e.dtype}')
     if all(strings):
       equal = np.asarray(a.astype(object) == e.astype(object))
       if not np.all(equal):
         first = tuple(int(i) for i in np.argwhere(~equal)[0])
-        raise _check_error(
-            signature_name, name, 'strings',
+        raise fail(name, kind='strings', detail=(
             f'strings differ at index {first}: {a[first]!r} vs JAX '
-            f'{e[first]!r}')
+            f'{e[first]!r}'))
       result[name] = metadata.OutputCheck(0.0, 0.0)
       continue
     a64, e64 = a.astype(np.float64), e.astype(np.float64)
@@ -200,8 +173,8 @@ def compare_outputs(signature_name: str, actual: Mapping[str, Any],
     max_err = float(np.max(diff)) if diff.size else 0.0
     if np.isnan(max_err) or np.any(
         (diff > atol + rtol * np.abs(e64)) | ~np.isfinite(diff)):
-      raise errors.ExportCheckError(
-          signature_name, name, kind='values', max_abs_error=max_err,
+      raise fail(
+          name, kind='values', max_abs_error=max_err,
           detail=f'values differ beyond atol={atol:g}, rtol={rtol:g}: max '
           f'abs error {max_err:.6g} vs JAX')
     scale = (e64 != 0) & np.isfinite(e64)  # Where |jax| can divide.
@@ -224,13 +197,12 @@ def run_signatures_isolated(
     requests: Sequence[tuple[str, Mapping[str, Any]]]) -> list[dict[str, Any]]:
   """Runs `(signature, inputs)` requests in a throw-away TF graph and session.
 
-  Loaded as TF Serving loads it (SignatureDefs fed by tensor name); unlike
-  `tf.saved_model.load`, nothing stays cached in the process, so one check
-  per export keeps memory flat. Raises SignatureError for an unknown
-  signature or input.
+  Loaded as TF Serving does (SignatureDefs fed by tensor name); unlike
+  `tf.saved_model.load` nothing stays cached, so memory stays flat across
+  exports. Raises SignatureError for an unknown signature or input.
   """
   version_dir = os.fspath(version_dir)
-  tf = _tensorflow()
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   xla_schedule.use_memory_optimized_schedule(tf)
   results = []
   with tf.Graph().as_default() as graph:
@@ -246,7 +218,7 @@ def run_signatures_isolated(
           raise errors.SignatureError(
               f'Signature {name!r} of {version_dir!r} has no input(s) '
               f'{unknown}; its inputs are {sorted(sig_def.inputs)}.')
-        feed = {sig_def.inputs[k].name: _to_numpy(v)
+        feed = {sig_def.inputs[k].name: np.asarray(v)
                 for k, v in inputs.items()}
         fetch = {k: v.name for k, v in sig_def.outputs.items()}
         results.append(session.run(fetch, feed))
@@ -257,10 +229,7 @@ def compare_with_jax(version_dir: str | os.PathLike[str], signature_name: str,
                      jax_fn: Callable[[Mapping[str, Any]], Any],
                      inputs: Mapping[str, Any], *, atol: float = 1e-5,
                      rtol: float = 1e-5) -> dict[str, metadata.OutputCheck]:
-  """Runs a signature of a SavedModel and compares it with `jax_fn(inputs)`.
-
-  See `compare_outputs` for what it returns and raises.
-  """
+  """Runs a SavedModel's signature and `compare_outputs` with `jax_fn`."""
   actual, = run_signatures_isolated(version_dir, [(signature_name, inputs)])
   expected = jax.tree_util.tree_map(np.asarray, jax_fn(dict(inputs)))
   return compare_outputs(signature_name, actual, expected, atol=atol,
@@ -272,14 +241,12 @@ def call_exported(version_dir: str | os.PathLike[str], signature_name: str,
                   ) -> Callable[[Mapping[str, Any]], dict[str, jax.Array]]:
   """A JAX-callable running an exported signature in TF (`jax2tf.call_tf`).
 
-  Under `jax.jit` the outputs' shapes must be static: pass
-  `output_shape_dtype` (`{output: jax.ShapeDtypeStruct}`) when they depend
-  on polymorphic inputs. (`tf2jax` cannot load jax2tf's `XlaCallModule`
-  ops under jax 0.10; `call_tf` can.) The loaded SavedModel stays alive as
-  `fn.saved_model`.
+  Under `jax.jit`, pass `output_shape_dtype` (`{output: ShapeDtypeStruct}`)
+  if the output shapes depend on polymorphic inputs. (`tf2jax` cannot load
+  `XlaCallModule` ops under jax 0.10.) `fn.saved_model` keeps it alive.
   """
   from jax.experimental import jax2tf  # pylint: disable=g-import-not-at-top
-  tf = _tensorflow()
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   version_dir = os.fspath(version_dir)
   loaded = tf.saved_model.load(version_dir)
   if signature_name not in loaded.signatures:
