@@ -135,10 +135,8 @@ class ExportCheckError(T5ExportError, AssertionError):
   Attributes:
     signature: the signature name.
     output: the output name (or path) that differs.
-    kind: one of `FIXES`: 'values' (numbers differ beyond atol/rtol),
-      'strings' (compared exactly), 'missing_output' (JAX returns it, the
-      SavedModel does not), 'extra_output' (the other way round), 'shape',
-      'dtype'.
+    kind: one of `FIXES` ('values' differ beyond atol/rtol; 'strings',
+      'shape' and 'dtype' compare exactly; '{missing,extra}_output').
     max_abs_error: the largest absolute difference ('values'), else None.
   """
 

@@ -104,8 +104,8 @@ class Outcomes:
       return dict(self._counts)
 
   def stats(self) -> dict[str, Any]:
-    c = self.counts()
     with self._lock:
+      c = self._counts
       return {
           'exports_due': c['due'], 'exports_done': c['published'],
           'exports_skipped': c['skipped'], 'exports_replaced': c['replaced'],
@@ -119,8 +119,8 @@ class Outcomes:
 
   def summary(self, *, when_busy: str) -> str:
     """One line with every count, e.g. for the closing log line."""
-    c = self.counts()
     with self._lock:
+      c = dict(self._counts)
       in_flight, waited_secs = len(self._in_flight), sum(self.wait_secs)
     line = (f"{c['due']} due: {c['published']} published, {c['skipped']} "
             f"skipped (already published), {c['replaced']} replaced "
