@@ -1,26 +1,15 @@
 """t5export: servable TensorFlow SavedModels from JAX/Flax training runs.
 
-The public face is the names in `__all__`; the implementation lives in
-`t5export._src` and is private. `t5export.errors` (the exceptions users
-meet) is a public submodule; `python -m t5export.offline` is the command
-line around `export_checkpoint`.
-
-Nothing heavy is imported here: each name is resolved from its module on
-first access (PEP 562 `__getattr__`), so `import t5export` never imports
-TensorFlow, while `t5export.ExportCallback` does, when first used.
-
-Gin: with `from __gin__ import dynamic_registration` a gin file can say
-`import t5export` and `@t5export.ExportCallback()`. Classic gin files
-`include 't5export/gin/export.gin'` (a package path, resolved wherever
-t5export is installed), which registers the classes under `t5export`.
+Public: `__all__`, `t5export.errors` and `python -m t5export.offline`; the
+rest (`t5export._src`) is private. Names resolve lazily (PEP 562), so
+`import t5export` never imports TensorFlow. Gin: `import t5export` (dynamic
+registration) or `include 't5export/gin/export.gin'`.
 """
 
 from __future__ import annotations
 
 import importlib
-# gin 0.5's package-path reader calls importlib.util.find_spec without
-# importing importlib.util; a gin file that only did `import t5export` (lazy)
-# before `include 't5export/gin/...'` would fail with an AttributeError.
+# gin 0.5's package-path `include` uses importlib.util without importing it.
 import importlib.util  # noqa: F401  pylint: disable=unused-import
 from typing import TYPE_CHECKING, Any
 

@@ -1,8 +1,7 @@
 """The errors t5export raises on purpose, one class per thing to act on.
 
-Each derives from `T5ExportError` and from the builtin that best describes
-it (`except ValueError:` keeps working). Messages name the offending
-thing and the fix; docs/errors.md lists every case.
+Each also derives from the fitting builtin (`except ValueError:` works);
+messages name the offending thing and the fix (docs/errors.md).
 """
 
 from __future__ import annotations
@@ -25,8 +24,6 @@ def _listing(items: Iterable[str], limit: int = 50) -> str:
 
 class MissingAxesError(T5ExportError, ValueError):
   """Parameters (or mutable variables) have no logical axis names.
-
-  Raised when a state is created; declare axes for each path listed.
 
   Attributes:
     paths: every path ('params/encoder/...') that lacks axis names.
@@ -70,8 +67,6 @@ class UnmappedLogicalAxisError(T5ExportError, ValueError):
 class AxesTreeMismatchError(T5ExportError, ValueError):
   """A state's axes tree (`params_axes`, ...) does not mirror its values.
 
-  Build the state with `create(...)` or `from_train_state(...)`.
-
   Attributes:
     what: 'params' or 'flax_mutables'.
     missing: value paths that have no entry in the axes tree.
@@ -107,39 +102,24 @@ class AxesTreeMismatchError(T5ExportError, ValueError):
 class NoOptimizerStateError(T5ExportError, NotImplementedError):
   """An optimizer-only operation was asked of an InferenceState.
 
-  Use the training state for it. A NotImplementedError (as in T5X): an
-  InferenceState must still look like a `TrainState` to `hasattr`.
+  A NotImplementedError (as in T5X), so `hasattr` still works on it.
   """
 
 
 class HyperparamNotInjectedError(T5ExportError, ValueError):
-  """`apply_gradient(learning_rate=...)` without `optax.inject_hyperparams`.
-
-  Wrap the optimizer in `optax.inject_hyperparams` to set it per step.
-  """
+  """`apply_gradient(learning_rate=...)` without `optax.inject_hyperparams`."""
 
 
 class SignatureError(T5ExportError, ValueError):
-  """A Signature's name, specs, method or sample inputs are invalid.
-
-  Raised by `Signature(...)`, or at the first export when the method does
-  not accept its input specs; the message names the signature and the fix.
-  """
+  """A Signature's name, specs, method or sample inputs are invalid."""
 
 
 class T5XModelError(T5ExportError, TypeError):
-  """A T5X signature helper got no T5X model or unusable lengths/options.
-
-  Pass a T5X `BaseTransformerModel` and positive `task_feature_lengths`.
-  """
+  """A T5X signature helper got no T5X model or unusable lengths/options."""
 
 
 class VariableMismatchError(T5ExportError, ValueError):
-  """New params differ in structure, shape or dtype from the first export's.
-
-  Raised before anything is written; cast the values, or use a new
-  exporter for a new model.
-  """
+  """New params differ in structure, shape or dtype from the first export's."""
 
 
 _SAME_NAMES = ("Both sides must return the same output names: check the "
@@ -150,17 +130,13 @@ _SAME_NAMES = ("Both sides must return the same output names: check the "
 class ExportCheckError(T5ExportError, AssertionError):
   """The staged SavedModel's outputs differ from JAX; nothing was published.
 
-  The message says which kind of mismatch it is and the fix for that kind
-  (`FIXES`); only a difference of values within a tolerance's reach
-  advises loosening atol/rtol.
+  The message gives the fix for its kind of mismatch (`FIXES`).
 
   Attributes:
     signature: the signature name.
     output: the output name (or path) that differs.
-    kind: one of `FIXES`: 'values' (numbers differ beyond atol/rtol),
-      'strings' (compared exactly), 'missing_output' (JAX returns it, the
-      SavedModel does not), 'extra_output' (the other way round), 'shape',
-      'dtype'.
+    kind: one of `FIXES` ('values' differ beyond atol/rtol; 'strings',
+      'shape' and 'dtype' compare exactly; '{missing,extra}_output').
     max_abs_error: the largest absolute difference ('values'), else None.
   """
 
@@ -183,18 +159,7 @@ class ExportCheckError(T5ExportError, AssertionError):
 
   def __init__(self, signature: str, output: str, *, kind: str, detail: str,
                max_abs_error: float | None = None):
-    """Builds the message from the kind's fix.
-
-    Args:
-      signature: the signature name.
-      output: the output that differs.
-      kind: one of `FIXES`.
-      detail: what differs, e.g. "shape mismatch: (2, 3) vs JAX (2, 4)".
-      max_abs_error: for kind 'values', the largest absolute difference.
-
-    Raises:
-      ValueError: `kind` is not one of `FIXES`.
-    """
+    """`detail` says what differs; a `kind` not in `FIXES`: ValueError."""
     if kind not in self.FIXES:
       raise ValueError(f'ExportCheckError kind must be one of '
                        f'{sorted(self.FIXES)}, got {kind!r}.')
@@ -238,24 +203,15 @@ class ExportDirError(T5ExportError, OSError):
 
 
 class ExportFailedError(T5ExportError, RuntimeError):
-  """A background export failed; raised on the next call or on close().
-
-  Its cause is chained (`__cause__`); `on_error='log'` logs it instead.
-  """
+  """A background export failed (`__cause__`); raised on the next call."""
 
 
 class WriterFailedError(T5ExportError, RuntimeError):
-  """In a multi-process run, process 0 (the writer) failed or went silent.
-
-  Raised on the other processes; process 0's log holds the cause.
-  """
+  """Process 0 (the writer) failed or went silent; its log has the cause."""
 
 
 class CheckpointNotFoundError(T5ExportError, FileNotFoundError):
-  """The checkpoint path does not exist or holds no checkpoint step.
-
-  Pass the checkpoint directory or file (offline: `--ckpt`, and `--step`).
-  """
+  """The checkpoint path does not exist or holds no checkpoint step."""
 
 
 class UnknownCheckpointFormatError(T5ExportError, ValueError):
@@ -272,8 +228,6 @@ class NoParamsInCheckpointError(T5ExportError, KeyError):
 class ParamsMismatchError(T5ExportError, ValueError):
   """A params tree does not match the model's expected params.
 
-  Raised before exporting; the message lists the paths to fix.
-
   Attributes:
     missing: paths the model needs that the params lack.
     unexpected: paths the params have that the model does not use.
@@ -284,8 +238,7 @@ class ParamsMismatchError(T5ExportError, ValueError):
                unexpected: Sequence[str] = (),
                wrong_shape: Sequence[tuple[str, str, str]] = (),
                *, source: str = 'params'):
-    self.missing = list(missing)
-    self.unexpected = list(unexpected)
+    self.missing, self.unexpected = list(missing), list(unexpected)
     self.wrong_shape = list(wrong_shape)
     parts = [f'The {source} do not match the model:']
     if self.missing:
@@ -305,26 +258,15 @@ class VersionNotFoundError(T5ExportError, FileNotFoundError):
 
 
 class VariablesFormatError(T5ExportError, ValueError):
-  """A version's variables checkpoint is damaged or cannot be read.
-
-  Raised by `load_params` / `load_function` (a missing or truncated file, a
-  failed checksum, a form they do not read); export the version again.
-  """
+  """A version's variables checkpoint is damaged or cannot be read."""
 
 
 class NoJaxArtifactError(T5ExportError, FileNotFoundError):
-  """A version has no `jax.export` artifact for a signature.
-
-  Written before t5export wrote them, or with `jax_artifacts=False`:
-  export it again with `jax_artifacts=True`, or run it in TensorFlow.
-  """
+  """A version has no `jax.export` artifact for a signature."""
 
 
 class IndivisibleShardingError(T5ExportError, ValueError):
-  """A parameter dimension is not divisible by the mesh axes sharding it.
-
-  Change the mesh, the model size or the rules (e.g. map that name to None).
-  """
+  """A parameter dimension is not divisible by the mesh axes sharding it."""
 
   def __init__(self, path: str, shape: Sequence[int], spec: object,
                dim: int, parts: int):
@@ -339,45 +281,23 @@ class IndivisibleShardingError(T5ExportError, ValueError):
 
 
 class ServingTargetError(T5ExportError, ValueError):
-  """`serving_tf_version` names a TensorFlow release an export cannot target.
-
-  Raised when the exporter is created, before any tracing; the message
-  names the oldest release this JAX can target.
-  """
-
-
-# --- multi-process coordination (distributed) -------------------------------
+  """`serving_tf_version` names a TensorFlow release exports cannot target."""
 
 
 class WriterTimeoutError(WriterFailedError, TimeoutError):
-  """Process 0 did not report the outcome of an export in time.
-
-  A `WriterFailedError` too, so `except errors.WriterFailedError` covers
-  both a reported failure and a writer that went silent.
-  """
+  """Process 0 did not report an export's outcome in time."""
 
 
 class BarrierTimeoutError(T5ExportError, TimeoutError):
   """Not every process reached an export's closing barrier in time."""
 
 
-# --- offline export configuration -------------------------------------------
-
-
 class GinConfigError(T5ExportError, ValueError):
   """The gin files or bindings given to an offline export are not usable."""
 
 
-# --- the pre-publish check --------------------------------------------------
-
-
 class MissingSampleInputsError(T5ExportError, ValueError):
-  """`validate=True` (the default) but a signature has no sample inputs.
-
-  Raised when the exporter is created, before anything is written: the
-  check runs every signature on its sample inputs, so a signature without
-  them would be published unchecked.
-  """
+  """`validate=True` (the default) but a signature has no sample inputs."""
 
   def __init__(self, signature_name: str):
     self.signature_name = signature_name

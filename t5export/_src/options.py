@@ -1,8 +1,6 @@
 """ExportOptions: how a SavedModelExporter writes, checks and keeps versions.
 
-One frozen, keyword-only dataclass shared by the exporter, the callback
-and the offline CLI; each value is checked once, when the options are
-created. Light: never imports TensorFlow.
+Shared by the exporter, the callback and the offline CLI. Light.
 """
 
 from __future__ import annotations
@@ -26,9 +24,8 @@ _FLAGS = ('validate', 'warmup', 'overwrite', 'allow_non_finite', 'trainable',
 class ExportOptions:
   """How an exporter writes, checks and keeps versions (all optional).
 
-  Each value is checked when the options are created, also by
-  `dataclasses.replace`. Gin: `SavedModelExporter.options =
-  @t5export.ExportOptions()`.
+  Checked on creation (also by `dataclasses.replace`). Gin:
+  `SavedModelExporter.options = @t5export.ExportOptions()`.
 
   Example:
     options = ExportOptions(keep=3, keep_best=(1, 'eval/accuracy', 'max'))
@@ -65,10 +62,8 @@ class ExportOptions:
       target.
     jax_artifacts: also write each signature's JAX method as a `jax.export`
       artifact (read back without TensorFlow by `t5export.load_function`).
-    durable: fsync each version's files before the atomic publish, and the
-      export dir after it, so a published version survives a power loss;
-      False skips every fsync (as orbax-export does): faster, and a crash
-      of the machine may leave a published version with missing bytes.
+    durable: fsync each version's files and the export dir, so a published
+      version survives a power loss; False is faster, skipping every fsync.
     serving_target: what `serving_tf_version` resolved to (derived, not an
       argument).
   """
@@ -93,14 +88,7 @@ class ExportOptions:
       init=False, repr=False, compare=False)
 
   def __post_init__(self) -> None:
-    """Checks every option; sequences become tuples.
-
-    Raises:
-      ValueError: `keep`, `atol`, `rtol` or `keep_best` has a bad value.
-      TypeError: a flag is not a bool, `keep_best`, `platforms` or
-        `logical_axis_rules` has the wrong type.
-      errors.ServingTargetError: `serving_tf_version` cannot be targeted.
-    """
+    """Checks every option (ValueError, TypeError, ServingTargetError)."""
     keep = self.keep
     if keep is not None and (not isinstance(keep, int) or
                              isinstance(keep, bool) or keep < 1):

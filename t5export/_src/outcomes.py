@@ -1,10 +1,7 @@
-"""The outcome of every due export: counted, logged, written as metrics.
+"""The outcome of every due export (one of `KINDS`): counted, logged, metrics.
 
-A due export ends as one of `KINDS`: published, skipped (already published
-or being written), replaced (dropped for a newer one, `when_busy='skip'`)
-or failed. `Outcomes` counts and logs them, queues `t5export/...` scalars
-for the training thread to write, and keeps the ledger of published and
-in-flight steps (a step is never written twice). Thread-safe; light.
+`Outcomes` also keeps the ledger of published and in-flight steps, so a
+step is never written twice. Thread-safe; light.
 """
 
 from __future__ import annotations
@@ -35,10 +32,7 @@ class Outcomes:
     self.wait_secs: list[float] = []  # Per export, waiting for room.
 
   def claim(self, step: int) -> bool:
-    """Marks `step` as being written; False if published or claimed already.
-
-    After True the caller must end it with `record` (or `record_published`).
-    """
+    """Marks `step` as being written (end it with `record`); False if taken."""
     with self._lock:
       if step in self._published_steps or step in self._in_flight:
         return False
@@ -63,7 +57,6 @@ class Outcomes:
                 f'({nbytes / 2**20:.1f} MiB) in {secs:.2f}s: {path}')
 
   def record_blocking(self, step: int, secs: float, waited: float) -> None:
-    """How long one export held the training thread (`waited` for room)."""
     with self._lock:
       self.blocking_secs.append(secs)
       self.wait_secs.append(waited)
@@ -97,7 +90,6 @@ class Outcomes:
     return count
 
   def queue_scalars(self, step: int, scalars: dict[str, float]) -> None:
-    """Queues `{name: value}` (names with `METRIC_PREFIX`) at `step`."""
     with self._lock:
       self._scalars.append((step, dict(scalars)))
 
@@ -108,14 +100,12 @@ class Outcomes:
     return taken
 
   def counts(self) -> dict[str, int]:
-    """'due' and one count per kind in `KINDS`."""
     with self._lock:
       return dict(self._counts)
 
   def stats(self) -> dict[str, Any]:
-    """The counts and numbers `ExportCallback.stats` reports."""
-    c = self.counts()
     with self._lock:
+      c = self._counts
       return {
           'exports_due': c['due'], 'exports_done': c['published'],
           'exports_skipped': c['skipped'], 'exports_replaced': c['replaced'],
@@ -129,10 +119,9 @@ class Outcomes:
 
   def summary(self, *, when_busy: str) -> str:
     """One line with every count, e.g. for the closing log line."""
-    c = self.counts()
-    in_flight = self.in_flight
     with self._lock:
-      waited_secs = sum(self.wait_secs)
+      c = dict(self._counts)
+      in_flight, waited_secs = len(self._in_flight), sum(self.wait_secs)
     line = (f"{c['due']} due: {c['published']} published, {c['skipped']} "
             f"skipped (already published), {c['replaced']} replaced "
             f"(when_busy={when_busy!r}), {c['failed']} failed")

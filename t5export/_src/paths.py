@@ -1,8 +1,6 @@
-"""Parameter paths: the '/'-joined names every module uses for a pytree leaf.
+"""Parameter paths: a pytree leaf's keys joined by '/', e.g. 'params/mlp/wi'.
 
-The keys from the root to the leaf joined by '/', e.g.
-'params/encoder/layers_0/mlp/wi/kernel', in error messages, tf.Variable
-names, metadata and checkpoint matching. Light: no TensorFlow.
+Used in error messages, tf.Variable names, metadata and checkpoints. Light.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""When an export is due: one rule for every way the callback is called.
+"""When an export is due (docs/internals.md): one rule for every call.
 
-A call at `step` (the previous call at `previous`) is due when a multiple of
-`every_steps` or an `on_steps` entry lies in (previous, step], or else when
-`every_secs` passed since the last export. The rule and its multi-process
-`agree` hook: docs/internals.md. Light: no TensorFlow or JAX.
+Due when a multiple of `every_steps` or an `on_steps` entry lies in
+(previous call's step, step], or else when `every_secs` passed. Light.
 """
 
 from __future__ import annotations
@@ -31,10 +29,7 @@ def check_positive_int(name: str, value: Any) -> None:
 
 def check_options(*, every_steps: Any, every_secs: Any,
                   on_steps: Any) -> list[int]:
-  """Validates the trigger options (as `ExportCallback` names them).
-
-  Returns `on_steps` as a list.
-  """
+  """Validates the trigger options; returns `on_steps` as a list."""
   check_positive_int('export_every_steps', every_steps)
   if every_secs is not None:
     if isinstance(every_secs, bool) or not isinstance(every_secs,
@@ -58,12 +53,7 @@ def check_options(*, every_steps: Any, every_secs: Any,
 
 
 class Trigger:
-  """Decides at which calls an export is due (options as checked above).
-
-  Example:
-    trigger = Trigger(every_steps=5)
-    [s for s in (3, 7, 12, 13) if trigger.due(s, t=0.0)]   # [7, 12]
-  """
+  """Decides at which calls an export is due (options as checked above)."""
 
   def __init__(self, *, every_steps: int | None = None,
                every_secs: float | None = None,
@@ -111,7 +101,6 @@ class Trigger:
 
   def _crossed(self, previous: int, step: int) -> bool:
     """Whether a trigger step lies in (previous, step]."""
-    if self.every_steps is not None and (
-        step // self.every_steps > previous // self.every_steps):
-      return True
-    return any(previous < s <= step for s in self.on_steps)
+    every = self.every_steps
+    return (every is not None and step // every > previous // every) or any(
+        previous < s <= step for s in self.on_steps)

@@ -1,10 +1,8 @@
 """TensorFlow's XLA on CPU schedules the check for memory, not concurrency.
 
-By default TensorFlow's XLA orders a CPU program to run ops concurrently;
-for a bfloat16 model that converts every kernel to float32 before the first
-dot (about 2x the param bytes of temporaries). XLA reads XLA_FLAGS once per
-process, at TensorFlow's first compile: `use_memory_optimized_schedule`
-makes that compile see the flag below, then restores XLA_FLAGS.
+XLA's concurrent CPU schedule converts every bfloat16 kernel to float32 up
+front (~2x the param bytes). XLA reads XLA_FLAGS once, at TensorFlow's first
+compile: we make that compile see `FLAG=false`, then restore XLA_FLAGS.
 """
 
 from __future__ import annotations
@@ -21,11 +19,7 @@ _applied: list[bool] = []
 
 
 def use_memory_optimized_schedule(tf: Any) -> bool:
-  """Sets `FLAG=false` for TensorFlow's XLA; False if not ours to set.
-
-  Not set when XLA_FLAGS already names the flag (the user's choice); no
-  effect if TensorFlow compiled with XLA earlier in the process.
-  """
+  """Sets `FLAG=false` for TensorFlow's XLA; False if XLA_FLAGS names it."""
   with _lock:
     if _applied:
       return _applied[0]
