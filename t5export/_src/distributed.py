@@ -55,6 +55,7 @@ class ExportCoordinator:
           f'> 0, got {timeout_secs!r}; it bounds how long processes wait '
           'for process 0.')
     self._timeout_secs = float(timeout_secs)
+    self._timeout_ms = int(self._timeout_secs * 1000)
     self._index = jax.process_index()
     self._count = jax.process_count()
     self.active = self._count > 1
@@ -90,18 +91,9 @@ class ExportCoordinator:
       raise RuntimeError(
           f'ExportCoordinator: round {self._open[0]} ({self._open[1]}) is '
           'still open; settle() it before starting another.')
-    return self._round(fn, what, lambda r: r if isinstance(r, str) else '')
-
-  def _round(self, fn: Callable[[], Any], what: str,
-             path: Callable[[Any], str | None]) -> Any:
-    """A new synchronous round: `fn` on the writer, then all agree."""
     self.rounds += 1
-    if not self.is_writer:
-      self._follow(self.rounds, what)
-      return None
-    result = self._run_reporting(self.rounds, fn)
-    self._finish(self.rounds, what, path(result))
-    return result
+    return self._play(self.rounds, what, fn,
+                      lambda r: r if isinstance(r, str) else '')
 
   def publish(self, step: int, publish_locally: Callable[[], str | None], *,
               sync: bool, drain: Callable[[], Any] | None = None
@@ -116,9 +108,9 @@ class ExportCoordinator:
       return publish_locally()
     self.settle(drain)
     what = f'publish step {step}'
-    if sync:
-      return self._round(publish_locally, what, lambda r: r)
     self.rounds += 1
+    if sync:
+      return self._play(self.rounds, what, publish_locally, lambda r: r)
     if self.is_writer:
       self._run_reporting(self.rounds, publish_locally)
     self._open = (self.rounds, what)
@@ -136,11 +128,8 @@ class ExportCoordinator:
       return
     index, what = self._open
     self._open = None
-    if not self.is_writer:
-      self._follow(index, what)
-      return
-    ok = self._run_reporting(index, drain or (lambda: None))
-    self._finish(index, what, None if ok is False else '')
+    self._play(index, what, drain or (lambda: None),
+               lambda ok: None if ok is False else '')
 
   def close(self, drain: Callable[[], Any] | None = None) -> None:
     """Settles the open round (if any); later calls do nothing."""
@@ -148,13 +137,10 @@ class ExportCoordinator:
       self._closed = True
       self.settle(drain)
 
-  def _key(self, index: int) -> str:
-    return f'{self._prefix}/{index}'
-
   def _report(self, index: int, value: str) -> None:
     logging.info('t5export: process 0 reports round %d: %s', index,
                  value[:500])
-    self._client.key_value_set(self._key(index), value)
+    self._client.key_value_set(f'{self._prefix}/{index}', value)
 
   def _run_reporting(self, index: int, fn: Callable[[], Any]) -> Any:
     """`fn()`; its failure is reported for round `index`."""
@@ -164,18 +150,27 @@ class ExportCoordinator:
       self._report(index, _ERROR + _one_line(e))
       raise
 
-  def _finish(self, index: int, what: str, path: str | None) -> None:
-    """The writer reports success (`path`) or a logged failure (None)."""
-    self._report(index, _OK + path if path is not None else _LOGGED + (
+  def _play(self, index: int, what: str, fn: Callable[[], Any],
+            path: Callable[[Any], str | None]) -> Any:
+    """Round `index`: the writer runs `fn`, reports `path(result)` (None:
+    a logged failure), and the others follow that report.
+    """
+    if not self.is_writer:
+      self._follow(index, what)
+      return None
+    result = self._run_reporting(index, fn)
+    outcome = path(result)
+    self._report(index, _OK + outcome if outcome is not None else _LOGGED + (
         f"{what} failed on process 0 (logged there; on_error='log')"))
     self._barrier(index, what)
+    return result
 
   def _follow(self, index: int, what: str) -> None:
     """A non-writer waits for round `index`'s report and does likewise."""
     start = time.monotonic()
     try:
       value = self._client.blocking_key_value_get(
-          self._key(index), int(self._timeout_secs * 1000))
+          f'{self._prefix}/{index}', self._timeout_ms)
     except Exception as e:  # pylint: disable=broad-except
       waited = time.monotonic() - start
       if waited >= self._timeout_secs * 0.9:
@@ -202,8 +197,8 @@ class ExportCoordinator:
   def _barrier(self, index: int, what: str) -> None:
     """All processes leave round `index` together; the report is dropped."""
     try:
-      self._client.wait_at_barrier(f'{self._key(index)}/done',
-                                   int(self._timeout_secs * 1000))
+      self._client.wait_at_barrier(f'{self._prefix}/{index}/done',
+                                   self._timeout_ms)
     except Exception as e:  # pylint: disable=broad-except
       raise errors.BarrierTimeoutError(
           f'Process {self._index}: not all {self._count} processes reached '
@@ -212,6 +207,6 @@ class ExportCoordinator:
           'at the same steps.') from e
     if self.is_writer:
       try:
-        self._client.key_value_delete(self._key(index))
+        self._client.key_value_delete(f'{self._prefix}/{index}')
       except Exception:  # pylint: disable=broad-except
         pass

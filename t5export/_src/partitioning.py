@@ -26,12 +26,9 @@ LogicalAxisRules = tuple[tuple[str, MeshAxes], ...]
 # third in 1-D/1-D), 'embed' by (activation, parameter) dims, replicated.
 _COMMON = (('batch', 'data'), ('vocab', 'model'), ('mlp', 'model'),
            ('heads', 'model'), ('kv', None), ('joined_kv', 'model'))
-_EMBED = {
-    (1, 1): (('embed', None),),
-    (2, 1): (('embed', 'model'),),
-    (1, 2): (('embed', 'data'),),
-    (2, 2): (('embed', 'model'), ('embed', 'data')),
-}
+_EMBED = {(1, 1): (('embed', None),), (2, 1): (('embed', 'model'),),
+          (1, 2): (('embed', 'data'),),
+          (2, 2): (('embed', 'model'), ('embed', 'data'))}
 _REPLICATED = tuple((name, None) for name in (
     'relpos_buckets', 'abspos_buckets', 'length', 'layers', 'stack',
     'mlp_activations'))

@@ -1,7 +1,5 @@
-"""The train states: `TrainState`, `FlaxOptimTrainState`, `InferenceState`.
+"""The train states: T5X's API on optax. Axis names are `state_axes`'.
 
-T5X's train state API rebuilt on optax. How the axis names are stored, read
-and turned into logical specs is `state_axes` (docs/internals.md, "State").
 Light module: never imports tensorflow.
 """
 
