@@ -85,31 +85,6 @@ class TrainState(Protocol):
     """The same state with logical `PartitionSpec`s in place of arrays."""
 
 
-def _set_learning_rate(opt_state: Any, learning_rate: Any) -> Any:
-  """Sets the 'learning_rate' of every `optax.inject_hyperparams` state."""
-  found = []
-
-  def visit(x: Any) -> Any:
-    if isinstance(x, _INJECT_STATES) and 'learning_rate' in x.hyperparams:
-      found.append(x)
-      dtype = getattr(x.hyperparams['learning_rate'], 'dtype', None)
-      return x._replace(hyperparams={
-          **x.hyperparams,
-          'learning_rate': jnp.asarray(learning_rate, dtype=dtype)})
-    return x
-
-  new_state = jax.tree.map(
-      visit, opt_state, is_leaf=lambda x: isinstance(x, _INJECT_STATES))
-  if not found:
-    raise errors.HyperparamNotInjectedError(
-        f'apply_gradient(learning_rate={learning_rate!r}): the optax state '
-        'has no optax.inject_hyperparams state with a learning_rate. Wrap '
-        'the optimizer in optax.inject_hyperparams, e.g. optax.'
-        'inject_hyperparams(optax.adamw)(learning_rate=1e-3), or call '
-        'apply_gradient without learning_rate.')
-  return new_state
-
-
 class _StateMethods:
   """What both states do alike; `self.replace` is flax.struct's."""
 
@@ -280,8 +255,27 @@ class FlaxOptimTrainState(_StateMethods, flax.struct.PyTreeNode):
         optimizer is not wrapped in `optax.inject_hyperparams`.
     """
     opt_state = self.param_states
+    found = []
+
+    def set_rate(x: Any) -> Any:
+      if isinstance(x, _INJECT_STATES) and 'learning_rate' in x.hyperparams:
+        found.append(x)
+        dtype = getattr(x.hyperparams['learning_rate'], 'dtype', None)
+        return x._replace(hyperparams={
+            **x.hyperparams,
+            'learning_rate': jnp.asarray(learning_rate, dtype=dtype)})
+      return x
+
     if learning_rate is not None:
-      opt_state = _set_learning_rate(opt_state, learning_rate)
+      opt_state = jax.tree.map(
+          set_rate, opt_state, is_leaf=lambda x: isinstance(x, _INJECT_STATES))
+      if not found:
+        raise errors.HyperparamNotInjectedError(
+            f'apply_gradient(learning_rate={learning_rate!r}): the optax '
+            'state has no optax.inject_hyperparams state with a '
+            'learning_rate. Wrap the optimizer in optax.inject_hyperparams, '
+            'e.g. optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3), '
+            'or call apply_gradient without learning_rate.')
     updates, opt_state = self.tx.update(state_axes.plain(grads), opt_state,
                                         self.params)
     if flax_mutables is KEEP:
