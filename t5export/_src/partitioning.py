@@ -156,16 +156,14 @@ def get_mesh_axes(state: Any, rules: Sequence[tuple[str, MeshAxes]]) -> Any:
   rules = tuple(rules)
   if all(_is_spec(leaf) for leaf in
          jax.tree_util.tree_leaves(state, is_leaf=_is_spec)):
-    logical, arrays = state, None
+    logical, shapes = state, {}
   elif callable(getattr(state, 'as_logical_axes', None)):
-    logical, arrays = state.as_logical_axes(), state
+    logical = state.as_logical_axes()
+    shapes = {p: np.shape(x) for p, x in paths.flatten(state).items()}
   else:
     raise TypeError(
         f'state must be a train state (with as_logical_axes()) or a pytree '
         f'of PartitionSpec, got {type(state).__name__}.')
-  shapes = {} if arrays is None else {
-      paths.path_str(kp): np.shape(leaf)
-      for kp, leaf in jax.tree_util.tree_flatten_with_path(arrays)[0]}
 
   def resolve(keypath, spec):
     path = paths.path_str(keypath)

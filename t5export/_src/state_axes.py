@@ -68,7 +68,7 @@ def _axis_names(axes: Any, values: Any, what: str
     base = path.removesuffix(_AXES_SUFFIX)
     if path in known:
       names[path] = tuple(md.names)
-    elif path.endswith(_AXES_SUFFIX) and base in known:
+    elif base in known:
       names[base] = tuple(md.names)
     else:
       unknown.append(path)
