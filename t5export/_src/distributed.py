@@ -1,11 +1,9 @@
 """Multi-process export: one writer, and every process agrees on the outcome.
 
 Each thing process 0 does alone is a numbered round: it reports `ok:<path>`,
-`error:<message>` or `logged:<message>` through the `jax.distributed`
-key-value store, the others wait for that report (bounded) and do likewise,
-then all meet at a barrier. An asynchronous export's round stays open until
-the next sync point. docs/multiprocess.md has the protocol.
-Light: never imports TensorFlow.
+`error:<message>` or `logged:<message>` in the `jax.distributed` key-value
+store, the others wait for it (bounded) and do likewise, then all meet at a
+barrier. docs/multiprocess.md has the protocol. Light: never imports TF.
 """
 
 from __future__ import annotations
@@ -17,8 +15,7 @@ from typing import Any, TypeVar
 
 from absl import logging
 import jax
-# Private API: JAX has no public key-value store; the client methods used
-# are the ones jax.experimental.multihost_utils uses.
+# Private API: JAX has no public key-value store (multihost_utils uses it).
 from jax._src import distributed as jax_distributed
 from jax.experimental import multihost_utils
 import numpy as np
@@ -29,8 +26,7 @@ T = TypeVar('T')
 
 DEFAULT_TIMEOUT_SECS = 600.0
 _OK, _ERROR, _LOGGED = 'ok:', 'error:', 'logged:'
-# Processes create coordinators in the same order (the same program), so the
-# n-th coordinator has the same keys on every process.
+# Every process creates coordinators in the same order: same keys everywhere.
 _INSTANCES = itertools.count()
 
 
@@ -41,9 +37,8 @@ def _one_line(e: BaseException) -> str:
 class ExportCoordinator:
   """Makes N `jax.distributed` processes follow process 0, the writer.
 
-  Every process creates its coordinators in the same order and calls `run`,
-  `publish`, `settle` and `close` at the same points. In one process it is
-  inactive: rounds just run the local function.
+  Every process calls `run`, `publish`, `settle` and `close` at the same
+  points. In one process it is inactive: rounds just run the local function.
   """
 
   def __init__(self, *, timeout_secs: float = DEFAULT_TIMEOUT_SECS,
@@ -60,6 +55,7 @@ class ExportCoordinator:
           f'> 0, got {timeout_secs!r}; it bounds how long processes wait '
           'for process 0.')
     self._timeout_secs = float(timeout_secs)
+    self._timeout_ms = int(self._timeout_secs * 1000)
     self._index = jax.process_index()
     self._count = jax.process_count()
     self.active = self._count > 1
@@ -68,22 +64,19 @@ class ExportCoordinator:
     self._prefix = f't5export/{name}/{next(_INSTANCES)}'
     self._open: tuple[int, str] | None = None  # (round, what) not settled.
     self._closed = False
-    self._client = None
-    if self.active:
-      self._client = jax_distributed.global_state.client
-      if self._client is None:
-        raise RuntimeError(
-            f'This run has {self._count} JAX processes but no '
-            'jax.distributed client; multi-process export coordinates '
-            'through jax.distributed. Call jax.distributed.initialize(...) '
-            'at start-up, before any other JAX call.')
+    self._client = jax_distributed.global_state.client
+    if self.active and self._client is None:
+      raise RuntimeError(
+          f'This run has {self._count} JAX processes but no '
+          'jax.distributed client; multi-process export coordinates '
+          'through jax.distributed. Call jax.distributed.initialize(...) '
+          'at start-up, before any other JAX call.')
 
   def agree(self, flag: bool) -> bool:
     """Process 0's `flag` on every process (a collective when active)."""
     if not self.active:
       return bool(flag)
-    # A device collective: no key-value cleanup, and ordered with the
-    # training step's own collectives.
+    # A device collective: ordered with the training step's, no cleanup.
     return bool(multihost_utils.broadcast_one_to_all(np.int32(bool(flag))))
 
   def run(self, fn: Callable[[], T], *, what: str) -> T | None:
@@ -99,12 +92,8 @@ class ExportCoordinator:
           f'ExportCoordinator: round {self._open[0]} ({self._open[1]}) is '
           'still open; settle() it before starting another.')
     self.rounds += 1
-    if not self.is_writer:
-      self._follow(self.rounds, what)
-      return None
-    result = self._run_reporting(self.rounds, fn)
-    self._finish(self.rounds, what, result if isinstance(result, str) else '')
-    return result
+    return self._play(self.rounds, what, fn,
+                      lambda r: r if isinstance(r, str) else '')
 
   def publish(self, step: int, publish_locally: Callable[[], str | None], *,
               sync: bool, drain: Callable[[], Any] | None = None
@@ -120,17 +109,12 @@ class ExportCoordinator:
     self.settle(drain)
     what = f'publish step {step}'
     self.rounds += 1
-    if not sync:
-      if self.is_writer:
-        self._run_reporting(self.rounds, publish_locally)
-      self._open = (self.rounds, what)
-      return None
-    if not self.is_writer:
-      self._follow(self.rounds, what)
-      return None
-    result = self._run_reporting(self.rounds, publish_locally)
-    self._finish(self.rounds, what, result)
-    return result
+    if sync:
+      return self._play(self.rounds, what, publish_locally, lambda r: r)
+    if self.is_writer:
+      self._run_reporting(self.rounds, publish_locally)
+    self._open = (self.rounds, what)
+    return None
 
   def settle(self, drain: Callable[[], Any] | None = None) -> None:
     """Finishes the open asynchronous round, if any, on every process.
@@ -144,11 +128,8 @@ class ExportCoordinator:
       return
     index, what = self._open
     self._open = None
-    if not self.is_writer:
-      self._follow(index, what)
-      return
-    ok = self._run_reporting(index, drain or (lambda: None))
-    self._finish(index, what, None if ok is False else '')
+    self._play(index, what, drain or (lambda: None),
+               lambda ok: None if ok is False else '')
 
   def close(self, drain: Callable[[], Any] | None = None) -> None:
     """Settles the open round (if any); later calls do nothing."""
@@ -156,37 +137,40 @@ class ExportCoordinator:
       self._closed = True
       self.settle(drain)
 
-  def _key(self, index: int) -> str:
-    return f'{self._prefix}/{index}'
-
   def _report(self, index: int, value: str) -> None:
     logging.info('t5export: process 0 reports round %d: %s', index,
                  value[:500])
-    self._client.key_value_set(self._key(index), value)
+    self._client.key_value_set(f'{self._prefix}/{index}', value)
 
   def _run_reporting(self, index: int, fn: Callable[[], Any]) -> Any:
-    """`fn()` on the writer; its failure is reported for round `index`."""
+    """`fn()`; its failure is reported for round `index`."""
     try:
       return fn()
     except Exception as e:
       self._report(index, _ERROR + _one_line(e))
       raise
 
-  def _finish(self, index: int, what: str, path: str | None) -> None:
-    """The writer reports success (`path`) or a logged failure (None)."""
-    if path is None:
-      self._report(index, _LOGGED + f"{what} failed on process 0 (logged "
-                   "there; on_error='log')")
-    else:
-      self._report(index, _OK + path)
+  def _play(self, index: int, what: str, fn: Callable[[], Any],
+            path: Callable[[Any], str | None]) -> Any:
+    """Round `index`: the writer runs `fn`, reports `path(result)` (None:
+    a logged failure), and the others follow that report.
+    """
+    if not self.is_writer:
+      self._follow(index, what)
+      return None
+    result = self._run_reporting(index, fn)
+    outcome = path(result)
+    self._report(index, _OK + outcome if outcome is not None else _LOGGED + (
+        f"{what} failed on process 0 (logged there; on_error='log')"))
     self._barrier(index, what)
+    return result
 
   def _follow(self, index: int, what: str) -> None:
     """A non-writer waits for round `index`'s report and does likewise."""
     start = time.monotonic()
     try:
       value = self._client.blocking_key_value_get(
-          self._key(index), int(self._timeout_secs * 1000))
+          f'{self._prefix}/{index}', self._timeout_ms)
     except Exception as e:  # pylint: disable=broad-except
       waited = time.monotonic() - start
       if waited >= self._timeout_secs * 0.9:
@@ -211,10 +195,10 @@ class ExportCoordinator:
     self._barrier(index, what)
 
   def _barrier(self, index: int, what: str) -> None:
-    """All processes leave round `index` together."""
+    """All processes leave round `index` together; the report is dropped."""
     try:
-      self._client.wait_at_barrier(f'{self._key(index)}/done',
-                                   int(self._timeout_secs * 1000))
+      self._client.wait_at_barrier(f'{self._prefix}/{index}/done',
+                                   self._timeout_ms)
     except Exception as e:  # pylint: disable=broad-except
       raise errors.BarrierTimeoutError(
           f'Process {self._index}: not all {self._count} processes reached '
@@ -222,7 +206,7 @@ class ExportCoordinator:
           f'({_one_line(e)}). Every process must call the export callback '
           'at the same steps.') from e
     if self.is_writer:
-      try:  # Everyone has read the report; keep the store small.
-        self._client.key_value_delete(self._key(index))
+      try:
+        self._client.key_value_delete(f'{self._prefix}/{index}')
       except Exception:  # pylint: disable=broad-except
         pass

@@ -1,13 +1,12 @@
-"""Logical axis rules, mesh axes for a state, and placement on a mesh.
+"""Logical axis rules, their resolution to mesh axes, placement on a mesh.
 
-T5X's rules (`standard_logical_axis_rules`), their resolution for one
-parameter (`logical_to_mesh_spec`) and a whole state (`get_mesh_axes`), and
-placement (`shardings_for`, `shard_state`). Light: never imports TensorFlow.
+Light: never imports TensorFlow.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+import math
 from typing import Any
 
 from absl import logging
@@ -23,24 +22,20 @@ PartitionSpec = jax.sharding.PartitionSpec
 MeshAxes = str | tuple[str, ...] | None
 LogicalAxisRules = tuple[tuple[str, MeshAxes], ...]
 
-# T5X's rules, in its order: the names every variant shards alike ('embed'
-# goes third in the 1-D/1-D variant), then 'embed' by (activation,
-# parameter) partitioning dims, then the names always replicated.
+# T5X's rules in its order: names all variants shard alike ('embed' goes
+# third in 1-D/1-D), 'embed' by (activation, parameter) dims, replicated.
 _COMMON = (('batch', 'data'), ('vocab', 'model'), ('mlp', 'model'),
            ('heads', 'model'), ('kv', None), ('joined_kv', 'model'))
-_EMBED = {
-    (1, 1): (('embed', None),),
-    (2, 1): (('embed', 'model'),),
-    (1, 2): (('embed', 'data'),),
-    (2, 2): (('embed', 'model'), ('embed', 'data')),
-}
+_EMBED = {(1, 1): (('embed', None),), (2, 1): (('embed', 'model'),),
+          (1, 2): (('embed', 'data'),),
+          (2, 2): (('embed', 'model'), ('embed', 'data'))}
 _REPLICATED = tuple((name, None) for name in (
     'relpos_buckets', 'abspos_buckets', 'length', 'layers', 'stack',
     'mlp_activations'))
 
 
 def _check_rule(rule: Any, index: int) -> tuple[str, MeshAxes]:
-  """Validates one (logical name, mesh axes) pair of `additional_rules`."""
+  """One (logical name, mesh axes) pair of `additional_rules`, checked."""
   if not isinstance(rule, (tuple, list)) or len(rule) != 2:
     raise TypeError(
         f'additional_rules[{index}] = {rule!r} is not a (logical_name, '
@@ -67,12 +62,11 @@ def standard_logical_axis_rules(
 ) -> LogicalAxisRules:
   """T5X's default rules from logical axis names to the 'data'/'model' mesh.
 
-  The same lists as T5X's `partitioning.standard_logical_axis_rules`, so a
-  model partitioned by T5X resolves to the same mesh axes here. Rules are in
-  priority order: a rule gives its mesh axes to the dimension with its
-  logical name if that dimension is still unassigned and the mesh axes are
-  unused by the other dimensions (flax's semantics); a name without any
-  rule is an error.
+  The same lists as T5X's, so a model resolves to the same mesh axes. Rules
+  are in priority order: a rule gives its mesh axes to the dimension with
+  its logical name if that dimension is unassigned and the axes are unused
+  by the other dimensions (flax's semantics); a name without a rule is an
+  error.
 
   Args:
     activation_partitioning_dims: 1, or 2 to also shard activations' 'embed'
@@ -106,9 +100,7 @@ def standard_logical_axis_rules(
 
 
 def _mesh_leaves(mesh_axes: MeshAxes) -> set[str]:
-  if mesh_axes is None:
-    return set()
-  return {mesh_axes} if isinstance(mesh_axes, str) else set(mesh_axes)
+  return {mesh_axes} if isinstance(mesh_axes, str) else set(mesh_axes or ())
 
 
 def logical_to_mesh_spec(names: Sequence[str | None],
@@ -123,11 +115,11 @@ def logical_to_mesh_spec(names: Sequence[str | None],
   names = tuple(names)
   if shape is not None and len(tuple(shape)) != len(names):
     raise errors.AxisRankMismatchError(path, tuple(shape), names)
-  for name in names:
-    if name is not None and not isinstance(name, str):
-      raise ValueError(
-          f'Parameter {path!r} has logical axis names {names}; each must be '
-          f'a str or None, got {name!r}.')
+  bad = [n for n in names if n is not None and not isinstance(n, str)]
+  if bad:
+    raise ValueError(
+        f'Parameter {path!r} has logical axis names {names}; each must be '
+        f'a str or None, got {bad[0]!r}.')
   dups = sorted({n for n in names if n is not None and names.count(n) > 1})
   if dups:
     raise ValueError(
@@ -142,13 +134,12 @@ def logical_to_mesh_spec(names: Sequence[str | None],
   result: list[Any] = [unassigned] * len(names)
   used: set[str] = set()
   for rule_name, mesh_axes in rules:
-    if rule_name not in names:
-      continue
-    pos = names.index(rule_name)
     wanted = _mesh_leaves(mesh_axes)
-    if result[pos] is unassigned and not wanted & used:
-      result[pos] = mesh_axes
-      used |= wanted
+    if rule_name in names and not wanted & used:
+      pos = names.index(rule_name)
+      if result[pos] is unassigned:
+        result[pos] = mesh_axes
+        used |= wanted
   return PartitionSpec(*(None if r is unassigned else r for r in result))
 
 
@@ -157,28 +148,22 @@ def _is_spec(x: Any) -> bool:
 
 
 def get_mesh_axes(state: Any, rules: Sequence[tuple[str, MeshAxes]]) -> Any:
-  """Mesh-axis `PartitionSpec`s for a state, its logical axes or a spec tree.
+  """Mesh-axis specs for a state (with `as_logical_axes()`) or a spec tree.
 
-  `state` is a state with `as_logical_axes()` (t5export's or T5X's), or a
-  pytree of logical specs; the result has the logical tree's structure. A
-  None logical spec (T5X's replicated) is `PartitionSpec()` at a state's
+  A None logical spec (T5X's replicated) is `PartitionSpec()` at a state's
   array, and stays None in a spec tree given directly.
   """
   rules = tuple(rules)
   if all(_is_spec(leaf) for leaf in
          jax.tree_util.tree_leaves(state, is_leaf=_is_spec)):
-    logical, arrays = state, None
+    logical, shapes = state, {}
   elif callable(getattr(state, 'as_logical_axes', None)):
-    logical, arrays = state.as_logical_axes(), state
+    logical = state.as_logical_axes()
+    shapes = {p: np.shape(x) for p, x in paths.flatten(state).items()}
   else:
     raise TypeError(
         f'state must be a train state (with as_logical_axes()) or a pytree '
         f'of PartitionSpec, got {type(state).__name__}.')
-  # The arrays' shapes check ranks; a None spec at an array's path is a
-  # replicated array (T5X's spelling), not an empty node.
-  shapes = {} if arrays is None else {
-      paths.path_str(kp): np.shape(leaf)
-      for kp, leaf in jax.tree_util.tree_flatten_with_path(arrays)[0]}
 
   def resolve(keypath, spec):
     path = paths.path_str(keypath)
@@ -218,10 +203,9 @@ def shard_state(state: Any, mesh: jax.sharding.Mesh,
                 rules: Sequence[tuple[str, MeshAxes]]) -> Any:
   """Places a state's arrays on `mesh` as its logical axes and `rules` say.
 
-  Works in one process and under `jax.distributed`: when the mesh spans
-  other processes, every process must hold the same full values (e.g. the
-  same init seed) and call this at the same point; each keeps only its own
-  shards.
+  Works in one process and under `jax.distributed`, where every process
+  must hold the same full values (e.g. the same init seed) and call this at
+  the same point; each keeps only its own shards.
 
   Args:
     state: a train state with `as_logical_axes()` (t5export's or T5X's)
@@ -241,13 +225,12 @@ def shard_state(state: Any, mesh: jax.sharding.Mesh,
     ValueError: if a spec names an axis the mesh lacks.
   """
   specs = get_mesh_axes(state, rules)
-  sizes = dict(mesh.shape)
 
   def check(keypath, spec, x):
     shape = np.shape(x)
-    for dim, entry in enumerate(spec):
-      parts = int(np.prod([sizes.get(a, 1) for a in _mesh_leaves(entry)]))
-      if dim < len(shape) and shape[dim] % parts:
+    for dim, entry in enumerate(spec[:len(shape)]):
+      parts = math.prod(mesh.shape.get(a, 1) for a in _mesh_leaves(entry))
+      if shape[dim] % parts:
         raise errors.IndivisibleShardingError(
             paths.path_str(keypath), shape, spec, dim, parts)
 

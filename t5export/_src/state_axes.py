@@ -1,10 +1,6 @@
-"""A state's axis names: read into one layout, turned into logical specs.
+"""A state's axis names: read into the mirror layout, turned into specs.
 
-`split_variables` and `foreign_axes` read axis names (from `model.init`'s
-variables, or another state's axes trees in either layout) into the mirror
-layout of docs/internals.md, "State"; `param_specs`, `mutable_specs` and
-`optimizer_specs` give the logical specs of `as_logical_axes()`.
-Light module: never imports tensorflow.
+The layout is docs/internals.md's, "State". Light: never imports TensorFlow.
 """
 
 from __future__ import annotations
@@ -58,9 +54,7 @@ def _axis_names(axes: Any, values: Any, what: str
                 ) -> tuple[dict[str, tuple[Any, ...]], list[str]]:
   """({value path: names}, unknown axes paths) of an axes tree or None.
 
-  The one reader of T5X's layout: an entry sits at its value's own path or
-  at that path plus the `_axes` suffix (`{'kernel_axes': AxisMetadata}`).
-  Unknown entries are logged and ignored.
+  An entry sits at its value's path, or that path + '_axes' (T5X's layout).
   """
   known = set(paths.flatten(values))
   names, unknown = {}, []
@@ -74,7 +68,7 @@ def _axis_names(axes: Any, values: Any, what: str
     base = path.removesuffix(_AXES_SUFFIX)
     if path in known:
       names[path] = tuple(md.names)
-    elif path.endswith(_AXES_SUFFIX) and base in known:
+    elif base in known:
       names[base] = tuple(md.names)
     else:
       unknown.append(path)
@@ -121,10 +115,10 @@ def split_variables(model_variables: Mapping[str, Any]) -> dict[str, Any]:
         'model.init(...).')
   collections, sown = {}, {}
   for name, value in model_variables.items():
-    base = name[:-len(_AXES_SUFFIX)] if name.endswith(_AXES_SUFFIX) else None
-    if base is not None and base in model_variables:
+    base = name.removesuffix(_AXES_SUFFIX)
+    if base != name and base in model_variables:
       sown[base] = value
-    elif base is not None and not jax.tree_util.tree_leaves(value):
+    elif base != name and not jax.tree_util.tree_leaves(value):
       logging.warning('Ignoring %r: axes for a collection %r that the '
                       'variables do not hold.', name, base)
     else:
@@ -167,9 +161,6 @@ def foreign_axes(params: Any, params_axes: Any, flax_mutables: Any,
       _axes_tree(flax_mutables, mutable_names) if mutable_names else None)
 
 
-# --- logical specs ----------------------------------------------------------
-
-
 def replicated(x: Any) -> PartitionSpec:
   """One None per dimension (PartitionSpec() if 0-d): rank checks pass."""
   return PartitionSpec(*([None] * np.ndim(x)))
@@ -184,18 +175,14 @@ def param_specs(params: Any, params_axes: Any) -> Any:
         'the model declares none. Declare them with flax.linen.partitioning.'
         'param_with_axes(..., axes=(...)) (T5X style) or '
         'nn.with_logical_partitioning(init_fn, (...)).')
-  return _map_axes(params, params_axes, what='params')
+  return mutable_specs(params, params_axes, what='params')
 
 
-def mutable_specs(flax_mutables: Any, flax_mutables_axes: Any) -> Any:
-  """The mutables' logical specs; replicated where they declare none."""
-  if flax_mutables_axes is None:
-    return jax.tree.map(replicated, flax_mutables)
-  return _map_axes(flax_mutables, flax_mutables_axes, what='flax_mutables')
-
-
-def _map_axes(values: Any, axes: Any, *, what: str) -> Any:
-  """Specs from values and their axes mirror, naming any difference."""
+def mutable_specs(values: Any, axes: Any, *, what: str = 'flax_mutables'
+                  ) -> Any:
+  """Specs from values and their axes mirror (or None: all replicated)."""
+  if axes is None:
+    return jax.tree.map(replicated, values)
   try:
     return jax.tree.map(
         lambda x, md: replicated(x) if md is None else PartitionSpec(
@@ -212,11 +199,8 @@ def _map_axes(values: Any, axes: Any, *, what: str) -> Any:
 
 
 def _opt_leaf_spec(leaf: Any, param: Any, spec: PartitionSpec) -> Any:
-  """An optimizer leaf's spec from its param's.
-
-  Same shape: the param's spec. One dimension fewer, and which one is
-  unambiguous (adafactor's factored moments): the param's names without it.
-  Anything else (placeholders, a square param's factors): replicated.
+  """An optimizer leaf's spec: its param's if shaped alike, without the
+  dimension it lacks if that is unambiguous (adafactor), else replicated.
   """
   if isinstance(leaf, optax.MaskedNode):
     return leaf
@@ -227,8 +211,8 @@ def _opt_leaf_spec(leaf: Any, param: Any, spec: PartitionSpec) -> Any:
     dropped = [i for i in range(len(pshape))
                if pshape[:i] + pshape[i + 1:] == shape]
     if len(dropped) == 1:
-      i = dropped[0]
-      return PartitionSpec(*(names[:i] + names[i + 1:]))
+      return PartitionSpec(*(n for i, n in enumerate(names)
+                             if i != dropped[0]))
   return replicated(leaf)
 
 
@@ -241,8 +225,7 @@ def optimizer_specs(tx: optax.GradientTransformation, opt_state: Any,
         transform_non_params=replicated,
         is_leaf=lambda x: isinstance(x, optax.MaskedNode))
   except Exception as e:  # pylint: disable=broad-except
-    # Init can't run on optax's placeholder, or the state is not shaped
-    # like params: replicate it rather than fail the export of params.
+    # A state not shaped like params: replicate it, export the params.
     logging.warning(
         'optax.tree_map_params could not map the state of %r (%s: %s); its '
         'optimizer state is treated as replicated.', tx, type(e).__name__, e)

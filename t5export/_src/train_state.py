@@ -1,7 +1,5 @@
-"""The train states: `TrainState`, `FlaxOptimTrainState`, `InferenceState`.
+"""The train states: T5X's API on optax. Axis names are `state_axes`'.
 
-T5X's train state API rebuilt on optax. How the axis names are stored, read
-and turned into logical specs is `state_axes` (docs/internals.md, "State").
 Light module: never imports tensorflow.
 """
 
@@ -17,9 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 import optax
-# typing_extensions' runtime Protocol checks members with getattr_static (as
-# Python 3.12+ does), so a property that raises, like InferenceState's
-# param_states, still counts as present on Python 3.10 and 3.11.
+# Its runtime Protocol checks use getattr_static (as Python 3.12+ does), so
+# InferenceState's raising param_states counts as present on 3.10 and 3.11.
 from typing_extensions import Protocol
 from typing_extensions import runtime_checkable
 from typing_extensions import Self
@@ -45,81 +42,47 @@ class TrainState(Protocol):
   """T5X's TrainState interface, which t5export's states implement.
 
   An export reads only `step`, `params` and, when present, `flax_mutables`,
-  `params_axes` and `flax_mutables_axes` (T5X's own states work as they
-  are); `shard_state` reads `as_logical_axes()`. Nothing else is read, so
-  the protocol check is not needed to export.
+  `params_axes` and `flax_mutables_axes`, so T5X's own states work as they
+  are; `shard_state` reads `as_logical_axes()`.
   """
 
   @property
   def step(self) -> jax.Array:
     """The current training step, an integer scalar."""
-    ...
 
   @property
   def params(self) -> Any:
     """The model parameters, a pytree matching the flax module."""
-    ...
 
   @property
   def param_states(self) -> Any:
     """The optimizer state."""
-    ...
 
   @property
   def flax_mutables(self) -> Any:
     """Mutable flax collections other than params (e.g. batch_stats)."""
-    ...
 
   def state_dict(self) -> dict[str, Any]:
     """A nested dict of arrays for checkpointing (T5X layout)."""
-    ...
 
   def restore_state(self, state_dict: Mapping[str, Any]) -> TrainState:
     """The state with values from `state_dict`."""
-    ...
 
   def replace_params(self, params: Any) -> TrainState:
-    ...
+    """The state with `params`."""
 
   def replace_step(self, step: Any) -> TrainState:
-    ...
+    """The state with `step`."""
 
   def replace_flax_mutables(self, flax_mutables: Any) -> TrainState:
-    ...
+    """The state with `flax_mutables`."""
 
   def apply_gradient(self, grads: Any, learning_rate: Any = None,
                      flax_mutables: Any = KEEP) -> TrainState:
     """Applies gradients, increments step."""
-    ...
 
   def as_logical_axes(self) -> TrainState:
     """The same state with logical `PartitionSpec`s in place of arrays."""
-    ...
-
-
-def _set_learning_rate(opt_state: Any, learning_rate: Any) -> Any:
-  """Sets the 'learning_rate' of every `optax.inject_hyperparams` state."""
-  found = []
-
-  def visit(x: Any) -> Any:
-    if isinstance(x, _INJECT_STATES) and 'learning_rate' in x.hyperparams:
-      old = x.hyperparams['learning_rate']
-      found.append(x)
-      return x._replace(hyperparams={
-          **x.hyperparams, 'learning_rate': jnp.asarray(
-              learning_rate, dtype=getattr(old, 'dtype', None))})
-    return x
-
-  new_state = jax.tree.map(
-      visit, opt_state, is_leaf=lambda x: isinstance(x, _INJECT_STATES))
-  if not found:
-    raise errors.HyperparamNotInjectedError(
-        f'apply_gradient(learning_rate={learning_rate!r}): the optax state '
-        'has no optax.inject_hyperparams state with a learning_rate. Wrap '
-        'the optimizer in optax.inject_hyperparams, e.g. optax.'
-        'inject_hyperparams(optax.adamw)(learning_rate=1e-3), or call '
-        'apply_gradient without learning_rate.')
-  return new_state
 
 
 class _StateMethods:
@@ -129,10 +92,9 @@ class _StateMethods:
     """T5X's checkpoint layout.
 
     Returns:
-      `{'target': params, 'state': {'step': step, 'param_states':
-      flax.serialization.to_state_dict(opt_state)}, 'flax_mutables': ...}`;
-      'param_states' only for a FlaxOptimTrainState, 'flax_mutables' only
-      when there are any.
+      `{'target': params, 'state': {'step', 'param_states'},
+      'flax_mutables'}`; 'param_states' (flax state dict of the optax state)
+      only for a FlaxOptimTrainState, 'flax_mutables' only if there are any.
     """
     state = {'step': self.step}
     if isinstance(self, FlaxOptimTrainState):
@@ -148,12 +110,11 @@ class _StateMethods:
 
     Args:
       state_dict: as `state_dict()` returns, possibly after a msgpack or
-        orbax round trip. An InferenceState also takes a
-        FlaxOptimTrainState's and never reads its 'param_states'.
+        orbax round trip; an InferenceState also takes (and ignores the
+        'param_states' of) a FlaxOptimTrainState's.
 
     Returns:
-      A new state with the step, params, mutables and (FlaxOptimTrainState)
-      optimizer state of `state_dict`; tx and axes from this one.
+      A new state with the values of `state_dict`; tx and axes from this one.
 
     Raises:
       ValueError: if keys are missing or the trees do not match.
@@ -176,7 +137,6 @@ class _StateMethods:
     def restore(current, saved):
       return flax.serialization.from_state_dict(current,
                                                 state_axes.plain(saved))
-
     out = dict(step=jnp.asarray(state['step'], jnp.int32),
                params=state_axes.plain(restore(self.params,
                                                state_dict['target'])),
@@ -192,9 +152,8 @@ class _StateMethods:
   def as_logical_axes(self) -> Self:
     """The same structure with logical `PartitionSpec`s in place of arrays.
 
-    Params get their declared names. Optimizer leaves shaped like their
-    param (or factored, as adafactor's moments) follow the param; the step
-    and everything else without axes is replicated.
+    Params get their declared names; optimizer leaves shaped like their
+    param (or factored, as adafactor's) follow it; the rest is replicated.
 
     Returns:
       A state of the same class holding PartitionSpecs.
@@ -251,13 +210,12 @@ class FlaxOptimTrainState(_StateMethods, flax.struct.PyTreeNode):
     """Builds a state at step 0 from flax variables and an optax optimizer.
 
     Args:
-      tx: an optax GradientTransformation (e.g. `optax.adamw(1e-3)`; wrap in
-        `optax.inject_hyperparams` to pass learning rates to
-        `apply_gradient`).
-      model_variables: what `model.init` returns (dict or FrozenDict):
-        'params', optionally 'params_axes' (T5X `param_with_axes`), other
-        collections with their '<name>_axes'; params may be boxed by
-        `nn.with_logical_partitioning` / `nn.Partitioned`.
+      tx: an optax GradientTransformation, e.g. `optax.adamw(1e-3)` (wrap it
+        in `optax.inject_hyperparams` to pass `apply_gradient` learning
+        rates).
+      model_variables: what `model.init` returns: 'params', optionally
+        'params_axes' (T5X `param_with_axes`) and other collections with
+        their '<name>_axes'; params may be `nn.Partitioned` boxes.
 
     Returns:
       The new state; `param_states = tx.init(params)`.
@@ -283,12 +241,11 @@ class FlaxOptimTrainState(_StateMethods, flax.struct.PyTreeNode):
 
     Args:
       grads: gradients shaped like params.
-      learning_rate: if given, set as the 'learning_rate' hyperparameter of
-        every `optax.inject_hyperparams` state in the optimizer state before
-        the update (a learning rate that inject_hyperparams got as a
-        schedule is recomputed by optax and wins).
-      flax_mutables: new mutable collections (e.g. updated batch_stats);
-        by default the current ones are kept (T5X would clear them).
+      learning_rate: if given, set as the 'learning_rate' of every
+        `optax.inject_hyperparams` state before the update (one given to
+        inject_hyperparams as a schedule is recomputed by optax and wins).
+      flax_mutables: new mutable collections (e.g. updated batch_stats); by
+        default the current ones are kept (T5X would clear them).
 
     Returns:
       The updated state.
@@ -298,26 +255,41 @@ class FlaxOptimTrainState(_StateMethods, flax.struct.PyTreeNode):
         optimizer is not wrapped in `optax.inject_hyperparams`.
     """
     opt_state = self.param_states
+    found = []
+
+    def set_rate(x: Any) -> Any:
+      if isinstance(x, _INJECT_STATES) and 'learning_rate' in x.hyperparams:
+        found.append(x)
+        dtype = getattr(x.hyperparams['learning_rate'], 'dtype', None)
+        return x._replace(hyperparams={
+            **x.hyperparams,
+            'learning_rate': jnp.asarray(learning_rate, dtype=dtype)})
+      return x
+
     if learning_rate is not None:
-      opt_state = _set_learning_rate(opt_state, learning_rate)
+      opt_state = jax.tree.map(
+          set_rate, opt_state, is_leaf=lambda x: isinstance(x, _INJECT_STATES))
+      if not found:
+        raise errors.HyperparamNotInjectedError(
+            f'apply_gradient(learning_rate={learning_rate!r}): the optax '
+            'state has no optax.inject_hyperparams state with a '
+            'learning_rate. Wrap the optimizer in optax.inject_hyperparams, '
+            'e.g. optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3), '
+            'or call apply_gradient without learning_rate.')
     updates, opt_state = self.tx.update(state_axes.plain(grads), opt_state,
                                         self.params)
-    new = self.replace(step=self.step + 1,
-                       params=optax.apply_updates(self.params, updates),
-                       param_states=opt_state)
-    if flax_mutables is not KEEP:
-      new = new.replace(flax_mutables=state_axes.plain(flax_mutables))
-    return new
+    if flax_mutables is KEEP:
+      flax_mutables = self.flax_mutables
+    return self.replace(step=self.step + 1,
+                        params=optax.apply_updates(self.params, updates),
+                        param_states=opt_state,
+                        flax_mutables=state_axes.plain(flax_mutables))
+
 
 class InferenceState(_StateMethods, flax.struct.PyTreeNode):
   """A train state without optimizer state: what gets exported.
 
-  Attributes:
-    step: int32 scalar array.
-    params: the model params (plain nested dicts of arrays).
-    params_axes: `AxisMetadata` per param (mirrors `params`), or None.
-    flax_mutables: the other collections, e.g. {'batch_stats': ...}.
-    flax_mutables_axes: `AxisMetadata` or None per mutable leaf, or None.
+  Attributes: those of `FlaxOptimTrainState` but `param_states` and `tx`.
   """
 
   step: jax.Array
@@ -331,7 +303,7 @@ class InferenceState(_StateMethods, flax.struct.PyTreeNode):
     """Builds a step-0 state from flax variables (as FlaxOptimTrainState).
 
     Args:
-      model_variables: what `model.init` returns; see
+      model_variables: what `model.init` returns, as for
         `FlaxOptimTrainState.create`.
 
     Returns:
@@ -347,11 +319,10 @@ class InferenceState(_StateMethods, flax.struct.PyTreeNode):
   def from_train_state(cls, train_state: Any) -> InferenceState:
     """The strip: keeps step, params, mutables and axes; drops the optimizer.
 
-    No optimizer leaf is read; the result shares the param and mutable
-    buffers with `train_state`. T5X's states work as they are.
+    No optimizer leaf is read; param and mutable buffers are shared.
 
     Args:
-      train_state: a FlaxOptimTrainState, an InferenceState (returned as is)
+      train_state: an InferenceState (returned as is), a FlaxOptimTrainState
         or any object with `step`, `params` and optionally `flax_mutables`,
         `params_axes`, `flax_mutables_axes` (e.g. a T5X train state).
 
@@ -372,19 +343,17 @@ class InferenceState(_StateMethods, flax.struct.PyTreeNode):
           "with step and params (t5export's or T5X's FlaxOptimTrainState or "
           f'InferenceState); got {type(train_state).__name__}.')
     if isinstance(train_state, FlaxOptimTrainState):  # Already plain dicts.
-      return cls(step=train_state.step, params=train_state.params,
-                 params_axes=train_state.params_axes,
-                 flax_mutables=train_state.flax_mutables,
-                 flax_mutables_axes=train_state.flax_mutables_axes)
+      return cls(**{f: getattr(train_state, f) for f in (
+          'step', 'params', 'params_axes', 'flax_mutables',
+          'flax_mutables_axes')})
     params = state_axes.plain(train_state.params)
     flax_mutables = state_axes.plain(
         getattr(train_state, 'flax_mutables', None) or {})
-    params_axes, flax_mutables_axes = state_axes.foreign_axes(
+    params_axes, mutables_axes = state_axes.foreign_axes(
         params, getattr(train_state, 'params_axes', None), flax_mutables,
         getattr(train_state, 'flax_mutables_axes', None))
     return cls(step=train_state.step, params=params, params_axes=params_axes,
-               flax_mutables=flax_mutables,
-               flax_mutables_axes=flax_mutables_axes)
+               flax_mutables=flax_mutables, flax_mutables_axes=mutables_axes)
 
   @property
   def param_states(self) -> Any:
