@@ -188,8 +188,8 @@ def worker_phases(spec: dict[str, Any]) -> dict[str, Any]:
     verify.compare_outputs(sig.name, actual, expected, atol=1e-5, rtol=1e-5)
   gc.collect()
   with steps('whole check (exporter)'):
-    staged_check.begin([sig], exporter.module, atol=1e-5,
-                       rtol=1e-5).finish(path)
+    staged_check.Pending([sig], exporter.module, atol=1e-5,
+                         rtol=1e-5).finish(path)
   compiled = jax.jit(serve).lower(exporter.module.jax_variables(),
                                   inputs).compile()
   temp = compiled.memory_analysis().temp_size_in_bytes
