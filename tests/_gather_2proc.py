@@ -53,7 +53,8 @@ def main(process_id: int, num_processes: int, port: int,
   state = state.replace_step(7)
   expected = {p: np.array(x) for p, x in paths.flatten(state.params).items()}
 
-  rules = partitioning.standard_logical_axis_rules(1, 2)
+  rules = partitioning.standard_logical_axis_rules(
+      parameter_partitioning_dims=2)
   sharded = partitioning.shard_state(state, mesh, rules)
   host = host_buffers.gather_to_host(sharded.params)
 

@@ -43,7 +43,9 @@ def check(variables: dict, case: str) -> None:
   logical = paths.unflatten(
       {p: jax.sharding.PartitionSpec(*axes[p]) for p in paths.flatten(params)})
 
-  rules = partitioning.standard_logical_axis_rules(act_dims, param_dims)
+  rules = partitioning.standard_logical_axis_rules(
+      activation_partitioning_dims=act_dims,
+      parameter_partitioning_dims=param_dims)
   specs = partitioning.get_mesh_axes(logical, rules)
   mesh = jax.sharding.Mesh(
       np.array(jax.devices()).reshape(data, model), ('data', 'model'))
@@ -91,7 +93,9 @@ def check(variables: dict, case: str) -> None:
 def check_shard_state(variables: dict, case: str) -> None:
   """`shard_state` places a state's arrays as `get_mesh_axes` says."""
   act_dims, param_dims, data, model = (int(v) for v in case.split(','))
-  rules = partitioning.standard_logical_axis_rules(act_dims, param_dims)
+  rules = partitioning.standard_logical_axis_rules(
+      activation_partitioning_dims=act_dims,
+      parameter_partitioning_dims=param_dims)
   mesh = jax.sharding.Mesh(
       np.array(jax.devices()).reshape(data, model), ('data', 'model'))
   state = train_state.InferenceState.create(variables)

@@ -116,6 +116,26 @@ def test_public_name_resolves_and_is_documented(name):
     assert 'Args:' in doc and 'Returns:' in doc, f'{name}: Args/Returns'
 
 
+# Flax struct dataclasses: their fields are T5X's state layout, built with
+# `create(...)`; the constructor's order is the dataclass's own.
+_DATACLASS_STATES = {'FlaxOptimTrainState', 'InferenceState'}
+
+
+@pytest.mark.parametrize('name', sorted(set(t5export._EXPORTS) -
+                                        _DATACLASS_STATES))
+def test_public_options_are_keyword_only(name):
+  value = getattr(t5export, name)
+  if not callable(value):
+    return
+  signature = inspect.signature(value)
+  positional_options = [
+      p.name for p in signature.parameters.values()
+      if p.default is not inspect.Parameter.empty and
+      p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+  assert positional_options == [], (
+      f'{name}: options with defaults must be keyword-only (add `*,`)')
+
+
 def test_unknown_attribute_is_an_attribute_error():
   with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
     getattr(t5export, 'Nope')

@@ -49,13 +49,20 @@ def test_rules_1d_match_t5x():
       ('layers', None), ('stack', None), ('mlp_activations', None))
 
 
+def _rules(dims):
+  """The standard rules for (activation dims, parameter dims)."""
+  return partitioning.standard_logical_axis_rules(
+      activation_partitioning_dims=dims[0],
+      parameter_partitioning_dims=dims[1])
+
+
 @pytest.mark.parametrize('dims, embed_rules', [
     ((2, 1), [('embed', 'model')]),
     ((1, 2), [('embed', 'data')]),
     ((2, 2), [('embed', 'model'), ('embed', 'data')]),
 ])
 def test_rules_2d_variants_match_t5x(dims, embed_rules):
-  rules = partitioning.standard_logical_axis_rules(*dims)
+  rules = _rules(dims)
   head = [('batch', 'data'), ('vocab', 'model'), ('mlp', 'model'),
           ('heads', 'model'), ('kv', None), ('joined_kv', 'model')]
   assert list(rules[:len(head) + len(embed_rules)]) == head + embed_rules
@@ -75,7 +82,7 @@ def test_rules_unsupported_dims(dims):
   with pytest.raises(ValueError, match=(
       rf'activation_partitioning_dims={dims[0]} with '
       rf'parameter_partitioning_dims={dims[1]} is not supported')):
-    partitioning.standard_logical_axis_rules(*dims)
+    _rules(dims)
 
 
 @pytest.mark.parametrize('bad, match', [
@@ -101,7 +108,7 @@ def test_rules_gin_configurable():
         '@t5export.standard_logical_axis_rules()',
         't5export.standard_logical_axis_rules.parameter_partitioning_dims = 2',
     ])
-    assert _rules_consumer() == partitioning.standard_logical_axis_rules(1, 2)
+    assert _rules_consumer() == _rules((1, 2))
   finally:
     gin.clear_config()
 
@@ -124,7 +131,7 @@ def test_rules_gin_configurable():
     ((1, 1), ('batch', None, 'length'), P('data', None, None)),
 ])
 def test_logical_to_mesh_spec(dims, names, want):
-  rules = partitioning.standard_logical_axis_rules(*dims)
+  rules = _rules(dims)
   got = partitioning.logical_to_mesh_spec(names, rules, path='p')
   assert got == want
   assert got == nn.logical_to_mesh_axes(names, rules)  # flax semantics
@@ -140,7 +147,7 @@ def test_logical_to_mesh_spec_tuple_mesh_axes():
 
 @pytest.mark.parametrize('dims', ALL_DIMS)
 def test_logical_to_mesh_spec_agrees_with_flax_on_t5(t5_variables, dims):
-  rules = partitioning.standard_logical_axis_rules(*dims)
+  rules = _rules(dims)
   axes = paths.flatten(t5_variables['params_axes'],
                        is_leaf=lambda x: isinstance(
                            x, flax_partitioning.AxisMetadata))
@@ -203,7 +210,7 @@ _EXPECTED = [
 
 @pytest.mark.parametrize('dims, column', [((1, 1), 1), ((1, 2), 2)])
 def test_get_mesh_axes_train_state(adamw_state, dims, column):
-  rules = partitioning.standard_logical_axis_rules(*dims)
+  rules = _rules(dims)
   specs = partitioning.get_mesh_axes(adamw_state, rules)
   assert type(specs) is train_state.FlaxOptimTrainState
   flat = _flat_specs(specs)
@@ -220,7 +227,7 @@ def test_get_mesh_axes_train_state(adamw_state, dims, column):
 
 def test_get_mesh_axes_inference_state(t5_variables):
   state = train_state.InferenceState.create(t5_variables)
-  rules = partitioning.standard_logical_axis_rules(1, 2)
+  rules = _rules((1, 2))
   specs = partitioning.get_mesh_axes(state, rules)
   assert type(specs) is train_state.InferenceState
   assert specs.params['encoder_layers_0']['mlp']['wi'] == P('data', 'model')
@@ -320,7 +327,7 @@ def test_shardings_for_unknown_mesh_axis():
 def test_shard_state_one_device(adamw_state):
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1),
                            ('data', 'model'))
-  rules = partitioning.standard_logical_axis_rules(1, 2)
+  rules = _rules((1, 2))
   sharded = partitioning.shard_state(adamw_state, mesh, rules)
   assert type(sharded) is train_state.FlaxOptimTrainState
   wi = sharded.param_states[0].mu['encoder_layers_0']['mlp']['wi']

@@ -117,7 +117,8 @@ def test_snapshot_survives_donated_step(t5_variables):
 def test_axes_recorded_per_path_t5(t5_variables):
   state = train_state.InferenceState.create(t5_variables)
   snap = snapshot.take_snapshot(
-      state, rules=partitioning.standard_logical_axis_rules(1, 2))
+      state, rules=partitioning.standard_logical_axis_rules(
+          parameter_partitioning_dims=2))
   flat = paths.flatten(snap.variables)
   assert set(snap.logical_axes) == set(flat) == set(snap.mesh_axes)
   assert snap.logical_axes['params/encoder_layers_0/mlp/wi'] == ('embed',
@@ -186,7 +187,7 @@ import json, pickle, sys
 import jax, numpy as np, optax
 from t5export._src import partitioning, paths, snapshot, train_state
 variables = pickle.load(open(sys.argv[1], 'rb'))
-rules = partitioning.standard_logical_axis_rules(1, 2)
+rules = partitioning.standard_logical_axis_rules(parameter_partitioning_dims=2)
 mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2),
                          ('data', 'model'))
 ts = train_state.FlaxOptimTrainState.create(optax.adamw(1e-3), variables)

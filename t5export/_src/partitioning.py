@@ -56,6 +56,7 @@ def _check_rule(rule: Any, index: int) -> tuple[str, MeshAxes]:
 
 @gin.configurable(module='t5export')
 def standard_logical_axis_rules(
+    *,
     activation_partitioning_dims: int = 1,
     parameter_partitioning_dims: int = 1,
     additional_rules: Iterable[tuple[str, MeshAxes]] | None = None,
