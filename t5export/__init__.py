@@ -2,8 +2,8 @@
 
 Public: `__all__`, `t5export.errors` and `python -m t5export.offline`; the
 rest (`t5export._src`) is private. Names resolve lazily (PEP 562), so
-`import t5export` never imports TensorFlow. Gin: `import t5export` (dynamic
-registration) or `include 't5export/gin/export.gin'`.
+`import t5export` never imports TensorFlow. Gin: include one of the shipped
+gin files (`t5export/gin/export.gin`, ...): they register the configurables.
 """
 
 from __future__ import annotations

@@ -518,7 +518,11 @@ def test_check_error_on_the_jax_side_refuses_to_publish(tmp_path):
 @pytest.fixture
 def gin_keep_two():
   gin.clear_config()
-  gin.parse_config('t5export.ExportOptions.keep = 2')
+  # As README says: t5export's gin file registers the classes the bindings
+  # after it name (a bare `import t5export` registers nothing).
+  gin.parse_config("import t5export\n"
+                   "include 't5export/gin/export.gin'\n"
+                   't5export.ExportOptions.keep = 2')
   yield
   gin.clear_config()
 

@@ -44,15 +44,16 @@ class KeepBest:
   mode: str = 'max'
 
   def __post_init__(self):
-    problem = (
-        f'n must be an int >= 1, got {self.n!r}' if not isinstance(
-            self.n, int) or isinstance(self.n, bool) or self.n < 1 else
-        f'metric must be a non-empty metric name, got {self.metric!r}'
-        if not isinstance(self.metric, str) or not self.metric else
-        f"mode must be 'max' or 'min', got {self.mode!r}"
-        if self.mode not in ('max', 'min') else None)
-    if problem:
-      raise ValueError(f'keep_best {problem}.')
+    problems = (
+        (not isinstance(self.n, int) or isinstance(self.n, bool) or
+         self.n < 1, f'n must be an int >= 1, got {self.n!r}'),
+        (not isinstance(self.metric, str) or not self.metric,
+         f'metric must be a non-empty metric name, got {self.metric!r}'),
+        (self.mode not in ('max', 'min'),
+         f"mode must be 'max' or 'min', got {self.mode!r}"))
+    for failed, problem in problems:
+      if failed:
+        raise ValueError(f'keep_best {problem}.')
 
   def score(self, metrics: Mapping[str, Any], step: int) -> float | None:
     """The version's `metric` (None if absent); raises if not a number."""
