@@ -228,15 +228,14 @@ class SavedModelExporter:
                              reason='ExportOptions(validate=False)')
       if pending is not None:
         # The disk flushes the weights while TensorFlow runs the check.
-        syncing = (_in_background(lambda: versions_lib.fsync_tree(staging),
-                                  't5export-fsync') if o.durable else None)
+        syncing = [_in_background(lambda: versions_lib.fsync_tree(staging),
+                                  't5export-fsync')] if o.durable else []
         try:
           check, pending = pending.finish(staging), None
         finally:  # The check's error, if any, is the one to raise.
-          if syncing is not None:
-            concurrent.futures.wait([syncing])
-        if syncing is not None:
-          syncing.result()
+          concurrent.futures.wait(syncing)
+        for future in syncing:
+          future.result()
         logging.info('t5export: step %d: check %s.', step, check.summary())
       assets_extra.write(
           staging, module=self._module, signatures=self._signatures,

@@ -1,8 +1,8 @@
 """Reads a published version back: params, the JAX function, comparisons.
 
 `load_params` and `load_function` read the variables and `jax.export`
-artifacts without TensorFlow; `run_signatures_isolated`, `compare_with_jax`
-and `call_exported` import TensorFlow when called, never at import.
+artifacts without TensorFlow; `run_signatures_isolated` and `call_exported`
+import TensorFlow when called, never at import.
 """
 
 from __future__ import annotations
@@ -223,17 +223,6 @@ def run_signatures_isolated(
         fetch = {k: v.name for k, v in sig_def.outputs.items()}
         results.append(session.run(fetch, feed))
   return results
-
-
-def compare_with_jax(version_dir: str | os.PathLike[str], signature_name: str,
-                     jax_fn: Callable[[Mapping[str, Any]], Any],
-                     inputs: Mapping[str, Any], *, atol: float = 1e-5,
-                     rtol: float = 1e-5) -> dict[str, metadata.OutputCheck]:
-  """Runs a SavedModel's signature and `compare_outputs` with `jax_fn`."""
-  actual, = run_signatures_isolated(version_dir, [(signature_name, inputs)])
-  expected = jax.tree_util.tree_map(np.asarray, jax_fn(dict(inputs)))
-  return compare_outputs(signature_name, actual, expected, atol=atol,
-                         rtol=rtol)
 
 
 def call_exported(version_dir: str | os.PathLike[str], signature_name: str,
