@@ -81,8 +81,9 @@ class SavedModelExporter:
           f'options must be a t5export.ExportOptions, got {options!r}. In '
           'gin: SavedModelExporter.options = @t5export.ExportOptions().')
     self._options = options
-    if options.validate:
-      staged_check.require_samples(self._signatures)
+    for sig in self._signatures if options.validate else ():
+      if sig.sample_inputs is None:  # The check would have nothing to run.
+        raise errors.MissingSampleInputsError(sig.name)
     # Signature name -> (jax.export artifact, its metadata entry).
     self._artifacts: dict[str, tuple[bytes, dict[str, Any]]] = {}
     self._module: jax_module.JaxModule | None = None
