@@ -104,8 +104,9 @@ def check_version(version_dir: str) -> int:
   for path, value in want.items():
     np.testing.assert_array_equal(np.asarray(stored[path]), value,
                                   err_msg=f'{version_dir}: {path}')
-  verify.compare_with_jax(
-      version_dir, SIGNATURE,
-      lambda inputs: jax.jit(serve)(expected, inputs), {'x': SAMPLE_X},
+  actual, = verify.run_signatures_isolated(
+      version_dir, [(SIGNATURE, {'x': SAMPLE_X})])
+  verify.compare_outputs(
+      SIGNATURE, actual, jax.jit(serve)(expected, {'x': SAMPLE_X}),
       atol=1e-5, rtol=1e-5)
   return step

@@ -65,12 +65,12 @@ def test_decoder_only_logits_match_t5x(tmp_path):
   targets = rng.integers(1, t5x_setup.VOCAB_SIZE, (3, length), np.int32)
   dec_in = np.concatenate([np.zeros((3, 1), np.int32), targets[:, :-1]], 1)
   # T5X's own module with the real targets (no padding: ids >= 1).
-  errors_by_output = verify.compare_with_jax(
-      path, 'logits',
-      lambda inputs: {'logits': model.module.apply(
-          {'params': params}, inputs['decoder_input_tokens'], targets,
-          enable_dropout=False)},
-      {'decoder_input_tokens': dec_in}, atol=1e-5, rtol=0)
+  actual, = verify.run_signatures_isolated(
+      path, [('logits', {'decoder_input_tokens': dec_in})])
+  errors_by_output = verify.compare_outputs(
+      'logits', actual, {'logits': model.module.apply(
+          {'params': params}, dec_in, targets, enable_dropout=False)},
+      atol=1e-5, rtol=0)
   assert list(errors_by_output) == ['logits']
 
 

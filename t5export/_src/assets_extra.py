@@ -22,7 +22,6 @@ from t5export._src import options as options_lib
 from t5export._src import paths
 from t5export._src import serving
 from t5export._src import snapshot as snapshot_lib
-from t5export._src import staged_check
 from t5export._src import writer as writer_lib
 from tensorflow.core.protobuf import saved_model_pb2
 
@@ -112,5 +111,6 @@ def write(staging: str, *, module: Any,
     return 0
   return writer_lib.write_warmup_requests(
       os.path.join(staging, metadata.WARMUP_FILE), model_name,
-      [(sig.name, inputs, {k: sig.inputs[k].dtype for k in inputs})
-       for sig in signatures for inputs in staged_check.sample_batches(sig)])
+      [(sig.name, sig.sample_inputs,
+        {k: sig.inputs[k].dtype for k in sig.sample_inputs})
+       for sig in signatures if sig.sample_inputs is not None])

@@ -81,8 +81,9 @@ class SavedModelExporter:
           f'options must be a t5export.ExportOptions, got {options!r}. In '
           'gin: SavedModelExporter.options = @t5export.ExportOptions().')
     self._options = options
-    if options.validate:
-      staged_check.require_samples(self._signatures)
+    for sig in self._signatures if options.validate else ():
+      if sig.sample_inputs is None:  # The check would have nothing to run.
+        raise errors.MissingSampleInputsError(sig.name)
     # Signature name -> (jax.export artifact, its metadata entry).
     self._artifacts: dict[str, tuple[bytes, dict[str, Any]]] = {}
     self._module: jax_module.JaxModule | None = None
@@ -228,15 +229,14 @@ class SavedModelExporter:
                              reason='ExportOptions(validate=False)')
       if pending is not None:
         # The disk flushes the weights while TensorFlow runs the check.
-        syncing = (_in_background(lambda: versions_lib.fsync_tree(staging),
-                                  't5export-fsync') if o.durable else None)
+        syncing = [_in_background(lambda: versions_lib.fsync_tree(staging),
+                                  't5export-fsync')] if o.durable else []
         try:
           check, pending = pending.finish(staging), None
         finally:  # The check's error, if any, is the one to raise.
-          if syncing is not None:
-            concurrent.futures.wait([syncing])
-        if syncing is not None:
-          syncing.result()
+          concurrent.futures.wait(syncing)
+        for future in syncing:
+          future.result()
         logging.info('t5export: step %d: check %s.', step, check.summary())
       assets_extra.write(
           staging, module=self._module, signatures=self._signatures,
