@@ -19,7 +19,6 @@ import tensorflow as tf
 
 from t5export import errors
 from t5export._src import host_buffers
-from t5export._src import jax_artifacts
 from t5export._src import paths
 from t5export._src import serving_compat
 
@@ -49,6 +48,13 @@ def _host_array(leaf: Any) -> np.ndarray:
   array = np.asarray(leaf)
   dtype = jax.dtypes.canonicalize_dtype(array.dtype)
   return array if array.dtype == dtype else array.astype(dtype)
+
+
+def _abstract(leaf: Any) -> jax.ShapeDtypeStruct:
+  """A leaf with `.shape` and `.dtype` (numpy, JAX or TF) as jax2tf sees it."""
+  dtype = np.dtype(getattr(leaf.dtype, 'as_numpy_dtype', leaf.dtype))
+  shape = tuple(None if d is None else int(d) for d in leaf.shape)
+  return jax.ShapeDtypeStruct(shape, jax.dtypes.canonicalize_dtype(dtype))
 
 
 def _tf_value(array: np.ndarray, *, cast: bool, owned: bool,
@@ -245,16 +251,20 @@ class JaxModule(tf.Module):
     """The method traced again by `jax.export` (same shapes, platforms and
     target) and serialized."""
     meta, fn = self._meta, self._meta.raw_methods[method_name]
-    return jax_artifacts.serialize(
-        lambda variables, inputs: fn(self._to_jax_dtypes(variables), inputs),
-        self._variable_tree(), meta.input_signatures[method_name],
-        polymorphic_shapes=meta.polymorphic_shapes[method_name],
-        platforms=meta.platforms, target=meta.serving_target)
+    abstract = jax.tree_util.tree_map(
+        _abstract, (self._variable_tree(), meta.input_signatures[method_name]))
+    args = jax.export.symbolic_args_specs(
+        abstract, [None, meta.polymorphic_shapes[method_name]])
+    exporting = jax.export.export(
+        jax.jit(lambda v, inputs: fn(self._to_jax_dtypes(v), inputs)),
+        platforms=meta.platforms)
+    with serving_compat.targeting(meta.serving_target):
+      return bytes(exporting(*args).serialize())
 
   def jax_variables(self) -> Any:
     """The current values as a pytree of JAX arrays (bfloat16 as given).
 
-    On CPU they share the variables' memory (DLPack), and a later
+    On CPU they share the variables' memory (DLPack); a later
     `update_variables` leaves them as they were. Do not donate them.
 
     Returns:
@@ -264,9 +274,8 @@ class JaxModule(tf.Module):
     # var.numpy() would copy the buffer, and jnp.asarray might copy again.
     values = [jnp.from_dlpack(v.value()) if share else jnp.asarray(v.numpy())
               for v in self.param_vars]
-    return jax.tree_util.tree_unflatten(self._meta.treedef, [
-        x.astype(dtype) if cast else x for x, cast, dtype in zip(
-            values, self._meta.cast_to_f32, self._meta.dtypes)])
+    return self._to_jax_dtypes(
+        jax.tree_util.tree_unflatten(self._meta.treedef, values))
 
   def update_variables(self, variables: Any, *, owned: bool = False) -> None:
     """Assigns new values into the variables, leaf by leaf, without tracing.
