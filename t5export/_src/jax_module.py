@@ -122,7 +122,7 @@ class JaxModule(tf.Module):
       trainable: trainable variables (methods get gradients).
       jit_compile: `tf.function(jit_compile=...)` of each method.
       platforms: jax2tf lowering platforms; default: the JAX backend's.
-      cast_bfloat16: store bfloat16 leaves as float32 (cast back inside).
+      cast_bfloat16: store bfloat16 leaves as float32 (cast back inside, exact).
       owned: nobody else references the numpy arrays: the variables take
         their memory without a copy. Never for views of live JAX arrays.
       serving_target: the oldest TensorFlow to run on; None: JAX's defaults.
