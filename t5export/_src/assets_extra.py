@@ -83,31 +83,28 @@ def write(staging: str, *, module: Any,
   with open(os.path.join(staging, 'saved_model.pb'), 'rb') as f:
     proto.ParseFromString(f.read())
   defs = proto.meta_graphs[0].signature_def
-  o = options
   metadata.write(staging, metadata.Metadata(
       step=int(snap.step),
       time_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-      versions={'jax': jax.__version__, 'jaxlib': jaxlib.__version__,
-                'tensorflow': tf.__version__, 'flax': flax.__version__,
-                't5export': t5export.__version__},
-      serving=o.serving_target.describe(), platforms=tuple(module.platforms),
-      options={'trainable': o.trainable, 'jit_compile': o.jit_compile,
-               'cast_bfloat16': o.cast_bfloat16,
-               'reuse_graph': o.reuse_graph,
-               'jax_artifacts': o.jax_artifacts, 'durable': o.durable},
+      versions={m.__name__: m.__version__
+                for m in (jax, jaxlib, tf, flax, t5export)},
+      serving=options.serving_target.describe(),
+      platforms=tuple(module.platforms),
+      options={k: getattr(options, k) for k in (
+          'trainable', 'jit_compile', 'cast_bfloat16', 'reuse_graph',
+          'jax_artifacts', 'durable')},
       signatures={s.name: _signature(s, defs[s.name], artifacts.get(
           s.name, (None, None))[1]) for s in signatures},
       params=_params(module, snap), nbytes=int(snap.nbytes), check=check,
       metrics=metrics))
   # The operative config lists the defaults of every configurable called,
   # so it is never empty by itself: write it only when gin is in use.
-  if gin.config_str().strip() or gin.config_is_locked():
-    config = gin.operative_config_str()
-    if config.strip():
-      with open(os.path.join(staging, metadata.GIN_CONFIG_FILE), 'w',
-                encoding='utf-8') as f:
-        f.write(config)
-  if not o.warmup:
+  if (gin.config_str().strip() or gin.config_is_locked()) and (
+      config := gin.operative_config_str()).strip():
+    with open(os.path.join(staging, metadata.GIN_CONFIG_FILE), 'w',
+              encoding='utf-8') as f:
+      f.write(config)
+  if not options.warmup:
     return 0
   return writer_lib.write_warmup_requests(
       os.path.join(staging, metadata.WARMUP_FILE), model_name,

@@ -4,12 +4,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import os
 from typing import Any
 
 import jax
-import numpy as np
 
 from t5export import errors
 from t5export._src import metadata
@@ -17,7 +15,6 @@ from t5export._src import serving_compat
 from t5export._src import versions
 
 ARTIFACT_DIR = os.path.join(versions.ASSETS_EXTRA, 'jax_exported')
-METADATA_KEY = 'jax_artifact'
 
 
 def artifact_file(signature_name: str) -> str:
@@ -25,29 +22,9 @@ def artifact_file(signature_name: str) -> str:
   return os.path.join(ARTIFACT_DIR, f'{signature_name}.bin')
 
 
-def _abstract(leaf: Any) -> jax.ShapeDtypeStruct:
-  """A leaf with `.shape` and `.dtype` (numpy, JAX or TF) as jax2tf sees it."""
-  dtype = np.dtype(getattr(leaf.dtype, 'as_numpy_dtype', leaf.dtype))
-  shape = tuple(None if d is None else int(d) for d in leaf.shape)
-  return jax.ShapeDtypeStruct(shape, jax.dtypes.canonicalize_dtype(dtype))
-
-
-def serialize(fn: Callable[[Any, Any], Any], variables: Any, inputs: Any, *,
-              polymorphic_shapes: Any, platforms: tuple[str, ...],
-              target: serving_compat.ServingTarget | None) -> bytes:
-  """`fn(variables, inputs)` exported with `jax.export`, serialized; the
-  trees hold tf.Variables / TensorSpecs, made abstract as jax2tf does."""
-  specs = jax.export.symbolic_args_specs(
-      (jax.tree_util.tree_map(_abstract, variables),
-       jax.tree_util.tree_map(_abstract, inputs)), [None, polymorphic_shapes])
-  exporting = jax.export.export(jax.jit(fn), platforms=platforms)
-  with serving_compat.targeting(target):
-    return bytes(exporting(*specs).serialize())
-
-
 def describe(data: bytes, signature_name: str,
              target: serving_compat.ServingTarget | None) -> dict[str, Any]:
-  """The metadata entry of one artifact (`signatures[name][METADATA_KEY]`)."""
+  """The metadata entry of one artifact (`signatures[name]['jax_artifact']`)."""
   exported = jax.export.deserialize(bytearray(data))
   return {
       'file': artifact_file(signature_name),
@@ -74,13 +51,12 @@ def read(version_dir: str, signature_name: str,
   if entry == metadata.NOT_RECORDED:
     raise errors.NoJaxArtifactError(
         f'{where}: it was written before t5export wrote JAX artifacts (its '
-        f'metadata has no {METADATA_KEY!r} entry). {fix}')
+        f"metadata has no 'jax_artifact' entry). {fix}")
   if entry is None:
     raise errors.NoJaxArtifactError(
         f'{where}: it was exported with jax_artifacts=False. {fix}')
-  path = os.path.join(version_dir, entry['file'])
   try:
-    with open(path, 'rb') as f:
+    with open(os.path.join(version_dir, entry['file']), 'rb') as f:
       data = f.read()
   except OSError as e:
     raise errors.NoJaxArtifactError(

@@ -19,7 +19,6 @@ import tensorflow as tf
 
 from t5export import errors
 from t5export._src import host_buffers
-from t5export._src import jax_artifacts
 from t5export._src import paths
 from t5export._src import serving_compat
 
@@ -49,6 +48,13 @@ def _host_array(leaf: Any) -> np.ndarray:
   array = np.asarray(leaf)
   dtype = jax.dtypes.canonicalize_dtype(array.dtype)
   return array if array.dtype == dtype else array.astype(dtype)
+
+
+def _abstract(leaf: Any) -> jax.ShapeDtypeStruct:
+  """A leaf with `.shape` and `.dtype` (numpy, JAX or TF) as jax2tf sees it."""
+  dtype = np.dtype(getattr(leaf.dtype, 'as_numpy_dtype', leaf.dtype))
+  shape = tuple(None if d is None else int(d) for d in leaf.shape)
+  return jax.ShapeDtypeStruct(shape, jax.dtypes.canonicalize_dtype(dtype))
 
 
 def _tf_value(array: np.ndarray, *, cast: bool, owned: bool,
@@ -88,6 +94,8 @@ class JaxModule(tf.Module):
 
   Attributes:
     param_vars: the tf.Variables, in `param_paths` order.
+    trace_count: how many times jax2tf traced a method (saves do not trace
+      again).
   """
 
   def __init__(self, variables: Any,
@@ -114,12 +122,10 @@ class JaxModule(tf.Module):
       trainable: trainable variables (methods get gradients).
       jit_compile: `tf.function(jit_compile=...)` of each method.
       platforms: jax2tf lowering platforms; default: the JAX backend's.
-      cast_bfloat16: store bfloat16 leaves as float32, cast back inside
-        the converted function (exact).
+      cast_bfloat16: store bfloat16 leaves as float32 (cast back inside, exact).
       owned: nobody else references the numpy arrays: the variables take
         their memory without a copy. Never for views of live JAX arrays.
-      serving_target: the oldest TensorFlow the methods must run on;
-        None: JAX's defaults.
+      serving_target: the oldest TensorFlow to run on; None: JAX's defaults.
       name: the tf.Module name.
 
     Raises:
@@ -143,44 +149,39 @@ class JaxModule(tf.Module):
           f'some of {KNOWN_PLATFORMS}.')
 
     flat, treedef = jax.tree_util.tree_flatten_with_path(variables)
-    leaf_paths, shapes, dtypes, casts, tf_vars = [], [], [], [], []
-    with tf.device('/CPU:0'):
-      for keypath, leaf in flat:
-        array = _host_array(leaf)  # At most one extra leaf buffer at a time.
-        cast = bool(cast_bfloat16 and array.dtype == jnp.bfloat16)
-        leaf_paths.append(paths.path_str(keypath))
-        shapes.append(tuple(array.shape))
-        dtypes.append(array.dtype)
-        casts.append(cast)
-        tf_vars.append(tf.Variable(
-            _tf_value(array, cast=cast, owned=owned, own_copy=True),
-            trainable=trainable, name=tf_variable_name(leaf_paths[-1])))
-    self.param_vars = tf_vars
+    leaf_paths = tuple(paths.path_str(keypath) for keypath, _ in flat)
+    dtypes = tuple(jnp.result_type(leaf) for _, leaf in flat)
+    casts = tuple(bool(cast_bfloat16 and d == jnp.bfloat16) for d in dtypes)
+    with tf.device('/CPU:0'):  # At most one extra leaf buffer at a time.
+      self.param_vars = [
+          tf.Variable(_tf_value(_host_array(leaf), cast=cast, owned=owned,
+                                own_copy=True),
+                      trainable=trainable, name=tf_variable_name(path))
+          for (_, leaf), path, cast in zip(flat, leaf_paths, casts)]
     # On CPU the checks' jitted methods use the memory-optimized schedule.
     xla = ({'xla_cpu_scheduler_type': 'CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED'}
            if jax.default_backend() == 'cpu' else None)
     self._meta = _Meta(
-        treedef=treedef, paths=tuple(leaf_paths), shapes=tuple(shapes),
-        dtypes=tuple(dtypes), cast_to_f32=tuple(casts),
+        treedef=treedef, paths=leaf_paths,
+        shapes=tuple(tuple(np.shape(leaf)) for _, leaf in flat),
+        dtypes=dtypes, cast_to_f32=casts,
         raw_methods=dict(methods),
         jitted_methods={k: jax.jit(fn, compiler_options=xla)
                         for k, fn in methods.items()},
         platforms=platforms, input_signatures=dict(input_signatures),
         polymorphic_shapes=dict(polymorphic_shapes),
         serving_target=serving_target)
-    self._trace_count = 0
+    self.trace_count = 0
     # Tracked: `tf.saved_model.save` keeps them as functions of the module.
     self._tf_methods = {
         k: self._convert(k, fn, with_gradient=trainable,
                          jit_compile=jit_compile)
         for k, fn in methods.items()}
     logging.info('JaxModule: %d variables, methods %s, platforms %s.',
-                 len(tf_vars), sorted(methods), platforms)
+                 len(self.param_vars), sorted(methods), platforms)
 
   def _to_jax_dtypes(self, variables: Any) -> Any:
     """Casts the float32-stored bfloat16 leaves back (inside JAX)."""
-    if not any(self._meta.cast_to_f32):
-      return variables
     casts = iter(self._meta.cast_to_f32)
     return jax.tree_util.tree_map(
         lambda x: x.astype(jnp.bfloat16) if next(casts) else x, variables)
@@ -193,7 +194,7 @@ class JaxModule(tf.Module):
 
     def counted(variables, inputs):
       # Runs once per jax2tf trace, never when the saved function runs.
-      self._trace_count += 1
+      self.trace_count += 1
       logging.info('JaxModule: tracing method %r with jax2tf.', method_name)
       return fn(self._to_jax_dtypes(variables), inputs)
 
@@ -238,11 +239,6 @@ class JaxModule(tf.Module):
     return dict(self._tf_methods)
 
   @property
-  def trace_count(self) -> int:
-    """How many times jax2tf traced a method (saves do not trace again)."""
-    return self._trace_count
-
-  @property
   def jax_methods(self) -> dict[str, Callable[[Any], Any]]:
     """Name -> jitted JAX method(inputs) on the current variables (checks)."""
     def bind(jitted):
@@ -253,16 +249,20 @@ class JaxModule(tf.Module):
     """The method traced again by `jax.export` (same shapes, platforms and
     target) and serialized."""
     meta, fn = self._meta, self._meta.raw_methods[method_name]
-    return jax_artifacts.serialize(
-        lambda variables, inputs: fn(self._to_jax_dtypes(variables), inputs),
-        self._variable_tree(), meta.input_signatures[method_name],
-        polymorphic_shapes=meta.polymorphic_shapes[method_name],
-        platforms=meta.platforms, target=meta.serving_target)
+    abstract = jax.tree_util.tree_map(
+        _abstract, (self._variable_tree(), meta.input_signatures[method_name]))
+    args = jax.export.symbolic_args_specs(
+        abstract, [None, meta.polymorphic_shapes[method_name]])
+    exporting = jax.export.export(
+        jax.jit(lambda v, inputs: fn(self._to_jax_dtypes(v), inputs)),
+        platforms=meta.platforms)
+    with serving_compat.targeting(meta.serving_target):
+      return bytes(exporting(*args).serialize())
 
   def jax_variables(self) -> Any:
     """The current values as a pytree of JAX arrays (bfloat16 as given).
 
-    On CPU they share the variables' memory (DLPack), and a later
+    On CPU they share the variables' memory (DLPack); a later
     `update_variables` leaves them as they were. Do not donate them.
 
     Returns:
@@ -272,9 +272,8 @@ class JaxModule(tf.Module):
     # var.numpy() would copy the buffer, and jnp.asarray might copy again.
     values = [jnp.from_dlpack(v.value()) if share else jnp.asarray(v.numpy())
               for v in self.param_vars]
-    return jax.tree_util.tree_unflatten(self._meta.treedef, [
-        x.astype(dtype) if cast else x for x, cast, dtype in zip(
-            values, self._meta.cast_to_f32, self._meta.dtypes)])
+    return self._to_jax_dtypes(
+        jax.tree_util.tree_unflatten(self._meta.treedef, values))
 
   def update_variables(self, variables: Any, *, owned: bool = False) -> None:
     """Assigns new values into the variables, leaf by leaf, without tracing.
@@ -302,15 +301,10 @@ class JaxModule(tf.Module):
           'update_variables: the variables do not have the structure the '
           f'module was built with ({detail}). Pass the same tree as at '
           'construction, or build a new JaxModule for a new model.')
-    wrong = []
-    for path, shape, dtype in zip(meta.paths, meta.shapes, meta.dtypes):
-      leaf = flat[path]
-      got_shape = tuple(np.shape(leaf))
-      got_dtype = jax.dtypes.canonicalize_dtype(
-          leaf.dtype if hasattr(leaf, 'dtype') else np.asarray(leaf).dtype)
-      if got_shape != shape or got_dtype != dtype:
-        wrong.append(f'{path}: expected {shape} {np.dtype(dtype).name}, '
-                     f'got {got_shape} {np.dtype(got_dtype).name}')
+    got = {p: (tuple(np.shape(x)), jnp.result_type(x)) for p, x in flat.items()}
+    wrong = [f'{p}: expected {s} {d.name}, got {got[p][0]} {got[p][1].name}'
+             for p, s, d in zip(meta.paths, meta.shapes, meta.dtypes)
+             if got[p] != (s, d)]
     if wrong:
       raise errors.VariableMismatchError(
           f'update_variables: {len(wrong)} leaf/leaves changed shape or '

@@ -97,12 +97,12 @@ class Signature:
     self._serving_tree = specs.parse_tree(input_specs, where=where,
                                           arg='input_specs')
     self.input_names = tuple(specs.flat_input_names(input_specs))
-    for input_name in self.input_names:
-      if not specs.is_identifier(input_name):
-        raise errors.SignatureError(
-            f'{where}: input name {input_name!r} (from input_specs keys) is '
-            'not a valid TF argument name; use identifiers (letters, digits '
-            'and _, not starting with a digit).')
+    bad = [n for n in self.input_names if not specs.is_identifier(n)]
+    if bad:
+      raise errors.SignatureError(
+          f'{where}: input name {bad[0]!r} (from input_specs keys) is '
+          'not a valid TF argument name; use identifiers (letters, digits '
+          'and _, not starting with a digit).')
     if len(set(self.input_names)) != len(self.input_names):
       raise errors.SignatureError(
           f'{where}: input names {self.input_names} collide after joining '
@@ -188,8 +188,6 @@ class Signature:
   def check_method(self, variables: Any) -> Any:
     """The method's output `jax.ShapeDtypeStruct`s on symbolic inputs as
     jax2tf makes them; a method that rejects them is a SignatureError."""
-    var_specs = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), variables)
     try:
       abstract = jax.tree_util.tree_map(
           lambda s: jax.ShapeDtypeStruct(
@@ -197,7 +195,7 @@ class Signature:
               s.dtype.as_numpy_dtype), self.method_inputs, is_leaf=_is_parsed)
       args = jax.export.symbolic_args_specs(
           abstract, self.method_polymorphic_shapes)
-      return jax.eval_shape(self.method, var_specs, args)
+      return jax.eval_shape(self.method, variables, args)
     except Exception as e:  # pylint: disable=broad-except
       raise errors.SignatureError(
           f'Signature {self.name!r}: the method does not accept inputs '
