@@ -2,8 +2,10 @@
 
 Public: `__all__`, `t5export.errors` and `python -m t5export.offline`; the
 rest (`t5export._src`) is private. Names resolve lazily (PEP 562), so
-`import t5export` never imports TensorFlow. Gin: include one of the shipped
-gin files (`t5export/gin/export.gin`, ...): they register the configurables.
+`import t5export` never imports TensorFlow. Gin: a classic gin file includes
+a shipped one (`t5export/gin/export.gin`, ...), which registers the
+configurables; with `from __gin__ import dynamic_registration`, `import
+t5export` is enough.
 """
 
 from __future__ import annotations

@@ -520,8 +520,8 @@ def test_check_error_on_the_jax_side_refuses_to_publish(tmp_path):
 @pytest.fixture
 def gin_keep_two():
   gin.clear_config()
-  # As README says: t5export's gin file registers the classes the bindings
-  # after it name (a bare `import t5export` registers nothing).
+  # A classic gin file, as README says: t5export's gin file registers the
+  # classes the bindings after it name (a bare import registers nothing).
   gin.parse_config("import t5export\n"
                    "include 't5export/gin/export.gin'\n"
                    't5export.ExportOptions.keep = 2')
