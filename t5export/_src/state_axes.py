@@ -175,12 +175,12 @@ def param_specs(params: Any, params_axes: Any) -> Any:
         'the model declares none. Declare them with flax.linen.partitioning.'
         'param_with_axes(..., axes=(...)) (T5X style) or '
         'nn.with_logical_partitioning(init_fn, (...)).')
-  return mutable_specs(params, params_axes, what='params')
+  return specs_from_axes(params, params_axes, what='params')
 
 
-def mutable_specs(values: Any, axes: Any, *, what: str = 'flax_mutables'
-                  ) -> Any:
-  """Specs from values and their axes mirror (or None: all replicated)."""
+def specs_from_axes(values: Any, axes: Any, *, what: str) -> Any:
+  """Specs from values and their axes mirror (None: all replicated); `what`
+  ('params', 'flax_mutables') names the trees in a mismatch error."""
   if axes is None:
     return jax.tree.map(replicated, values)
   try:

@@ -163,8 +163,9 @@ class _StateMethods:
     """
     specs = dict(step=PartitionSpec(),
                  params=state_axes.param_specs(self.params, self.params_axes),
-                 flax_mutables=state_axes.mutable_specs(
-                     self.flax_mutables, self.flax_mutables_axes))
+                 flax_mutables=state_axes.specs_from_axes(
+                     self.flax_mutables, self.flax_mutables_axes,
+                     what='flax_mutables'))
     if isinstance(self, FlaxOptimTrainState):
       specs['param_states'] = state_axes.optimizer_specs(
           self.tx, self.param_states, self.params, specs['params'])
