@@ -188,11 +188,12 @@ def _table_entries(data: bytes) -> Iterator[tuple[bytes, bytes]]:
 
 def _entry(value: bytes) -> Entry | None:
   """Decodes a BundleEntryProto; None for a sliced (partitioned) tensor."""
-  fields = dict.fromkeys((1, 3, 4, 5, 6), 0)  # The fields but the shape.
+  names = {1: 'dtype', 3: 'shard_id', 4: 'offset', 5: 'size', 6: 'crc32c'}
+  fields = dict.fromkeys(names.values(), 0)
   shape: list[int] = []
   for number, field in _fields(value):
-    if number in fields:
-      fields[number] = field
+    if number in names:
+      fields[names[number]] = field
     elif number == 2:  # TensorShapeProto: dim = 2 {size = 1}.
       for dim_number, dim in _fields(field):
         if dim_number == 2:
@@ -200,7 +201,7 @@ def _entry(value: bytes) -> Entry | None:
           shape.append(sizes[0] if sizes else 0)
     elif number == 7:
       return None
-  return Entry(fields[1], tuple(shape), *(fields[n] for n in (3, 4, 5, 6)))
+  return Entry(shape=tuple(shape), **fields)
 
 
 class BundleReader:
