@@ -9,6 +9,7 @@ barrier. docs/multiprocess.md has the protocol. Light: never imports TF.
 from __future__ import annotations
 
 from collections.abc import Callable
+import contextlib
 import itertools
 import time
 from typing import Any, TypeVar
@@ -56,10 +57,8 @@ class ExportCoordinator:
           'for process 0.')
     self._timeout_secs = float(timeout_secs)
     self._timeout_ms = int(self._timeout_secs * 1000)
-    self._index = jax.process_index()
-    self._count = jax.process_count()
-    self.active = self._count > 1
-    self.is_writer = self._index == 0
+    self._index, self._count = jax.process_index(), jax.process_count()
+    self.active, self.is_writer = self._count > 1, self._index == 0
     self.rounds = 0
     self._prefix = f't5export/{name}/{next(_INSTANCES)}'
     self._open: tuple[int, str] | None = None  # (round, what) not settled.
@@ -156,8 +155,7 @@ class ExportCoordinator:
     a logged failure), and the others follow that report.
     """
     if not self.is_writer:
-      self._follow(index, what)
-      return None
+      return self._follow(index, what)
     result = self._run_reporting(index, fn)
     outcome = path(result)
     self._report(index, _OK + outcome if outcome is not None else _LOGGED + (
@@ -206,7 +204,5 @@ class ExportCoordinator:
           f'({_one_line(e)}). Every process must call the export callback '
           'at the same steps.') from e
     if self.is_writer:
-      try:
+      with contextlib.suppress(Exception):  # Only tidies the store.
         self._client.key_value_delete(f'{self._prefix}/{index}')
-      except Exception:  # pylint: disable=broad-except
-        pass

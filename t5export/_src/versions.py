@@ -184,10 +184,8 @@ class VersionDirectory:
                keep_best: KeepBest | None, overwrite: bool,
                durable: bool = True):
     self.export_dir = d = export_dir
-    self._durable = durable
-    self._keep = keep
-    self._keep_best = keep_best
-    self._overwrite = overwrite
+    self._durable, self._overwrite = durable, overwrite
+    self._keep, self._keep_best = keep, keep_best
     self._metrics: dict[int, dict[str, Any]] = {}
     if os.path.exists(d) and not os.path.isdir(d):
       raise errors.ExportDirError(

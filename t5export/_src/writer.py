@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 import concurrent.futures
-import inspect
 import os
 import pathlib
 import shutil
@@ -84,11 +83,9 @@ class SavedModelWriter:
         path = os.path.join(directory, rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         if not rel.endswith(os.sep):  # Else an empty directory (assets/).
-          try:
-            with open(path, 'wb') as f:
-              f.write(data)
+          try:  # A failed write() names no file; say which (full disk).
+            pathlib.Path(path).write_bytes(data)
           except OSError as e:
-            # A failed write() names no file; say which (full disk, quota).
             raise OSError(e.errno, e.strerror, path) from e
       self._write_weights(directory)
       return 'variables'
@@ -105,16 +102,11 @@ class SavedModelWriter:
 
   def _save_graph(self, directory: str) -> bool:
     """Saves and keeps all but the weights; False (none saved) if it can't."""
-    # pylint: disable=g-import-not-at-top
+    # pylint: disable-next=g-import-not-at-top
     from tensorflow.python.saved_model import save as save_lib
-    save = getattr(save_lib, 'save_and_return_nodes', None)
-    if save is None or 'experimental_skip_checkpoint' not in (
-        inspect.signature(save).parameters):
-      logging.info('t5export: every version is saved in full: this '
-                   'TensorFlow cannot save a SavedModel without weights.')
-      return False
-    save(self._module, directory, signatures=self._signatures,
-         experimental_skip_checkpoint=True)
+    save_lib.save_and_return_nodes(self._module, directory,
+                                   signatures=self._signatures,
+                                   experimental_skip_checkpoint=True)
     self._object_graph, keys = _param_keys(directory,
                                            len(self._module.param_vars))
     if keys is None:
