@@ -13,22 +13,15 @@ import jax
 
 def path_str(keypath: tuple[Any, ...]) -> str:
   """Joins a jax key path (DictKey, GetAttrKey, SequenceKey...) into 'a/b'."""
-  names = []
-  for key in keypath:
-    attr = next((a for a in ('key', 'name', 'idx') if hasattr(key, a)), None)
-    names.append(str(key if attr is None else getattr(key, attr)))
-  return '/'.join(names)
+  return jax.tree_util.keystr(tuple(keypath), simple=True, separator='/')
 
 
 def flatten(tree: Any, *, is_leaf: Any = None,
             prefix: str = '') -> dict[str, Any]:
   """{path: leaf} in `jax.tree_util.tree_leaves` order, under `prefix/`."""
   flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
-  out = {}
-  for keypath, leaf in flat:
-    path = path_str(keypath)
-    out[f'{prefix}/{path}' if prefix and path else (prefix or path)] = leaf
-  return out
+  return {'/'.join(filter(None, (prefix, path_str(keypath)))): leaf
+          for keypath, leaf in flat}
 
 
 def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
