@@ -805,3 +805,55 @@ def test_first_module_is_filled_in_the_background_and_a_failed_fill_publishes_no
     np.testing.assert_array_equal(loaded['params'][name],
                                   np.asarray(params[name]))
   assert t5export.read_metadata(path).check.checked
+
+
+def test_prepare_traces_from_shapes_then_the_first_export_writes_weights(
+    tmp_path):
+  # prepare() sees shapes and dtypes only (the offline export prepares while
+  # it reads the checkpoint): it builds the module, traces and saves the
+  # graph without touching export_dir; the first export assigns the params
+  # (owned: adopted, no copy) and writes the weights alone.
+  export_dir = tmp_path / 'm'
+  exporter = t5export.SavedModelExporter(export_dir, [_dense_signature()])
+  variables = host_buffers.gather_to_host({'params': _dense_params(11)})
+  expected = jax.tree_util.tree_map(np.copy, variables)
+  abstract = jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), variables)
+  exporter.prepare(t5export.InferenceState.create(abstract))
+  assert not export_dir.exists()
+  traces = exporter.module.trace_count
+  assert traces >= 1
+  assert exporter._writer.reuses_graph  # pylint: disable=protected-access
+  path = exporter.export(
+      t5export.InferenceState.create(variables).replace_step(3), owned=True)
+  assert exporter.module.trace_count == traces
+  assert exporter.module.shares_memory(variables)
+  assert sorted(os.listdir(path)) == [
+      'assets', 'assets.extra', 'fingerprint.pb', 'saved_model.pb',
+      'variables']
+  assert t5export.read_metadata(path).check.checked
+  for name in ('w', 'b'):
+    np.testing.assert_array_equal(verify.load_params(path)['params'][name],
+                                  expected['params'][name])
+  x = _rng_x(2, 12, 8)
+  actual, = verify.run_signatures_isolated(
+      path, [('serving_default', {'x': x})])
+  verify.compare_outputs('serving_default', actual, _dense(expected, {'x': x}),
+                         atol=1e-6, rtol=1e-6)
+  with pytest.raises(RuntimeError, match=(
+      r'already prepared or used; prepare a new exporter before its first')):
+    exporter.prepare(t5export.InferenceState.create(abstract))
+
+
+def test_export_after_prepare_refuses_other_shapes(tmp_path):
+  exporter = t5export.SavedModelExporter(tmp_path / 'm', [_dense_signature()])
+  exporter.prepare(t5export.InferenceState.create(jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+      {'params': _dense_params(12)})))
+  params = _dense_params(12)
+  params['b'] = params['b'].astype(np.float16)
+  with pytest.raises(errors.VariableMismatchError, match=(
+      r'params/b: expected \(4,\) float32, got \(4,\) float16')):
+    exporter.export(t5export.InferenceState.create(
+        {'params': params}).replace_step(1))
+  assert exporter.versions() == []

@@ -25,6 +25,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
 
 from absl import flags
 from absl import logging as absl_logging
@@ -483,6 +484,95 @@ def test_export_checkpoint_api_overwrites_a_version(background, work):
   for key, value in paths.flatten(
       {'params': state.params, **state.flax_mutables}).items():
     np.testing.assert_array_equal(paths.flatten(got)[key], value)
+
+
+def _mlp_options(**export_options) -> offline_export.OfflineOptions:
+  """What offline_gin.mlp binds, built in Python."""
+  import t5export  # pylint: disable=g-import-not-at-top
+  return offline_export.OfflineOptions(
+      signatures=[t5export.Signature(
+          name='serving_default',
+          method=models.make_mlp_serve_fn(models.MlpBn()),
+          input_specs={'x': ('b, 16', 'float32')},
+          sample_inputs={'x': _MLP_X[:2]})],
+      init_fn=functools.partial(models.init_mlp_bn, models.MlpBn()),
+      export_options=t5export.ExportOptions(**export_options))
+
+
+def test_the_model_is_traced_while_the_checkpoint_is_read(
+    background, work, monkeypatch):
+  """With an init_fn the exporter is prepared (traced, graph saved) beside
+  the read. Here the read waits for that preparation, which an export that
+  reads first and traces afterwards would never reach."""
+  from t5export._src import checkpoints  # pylint: disable=g-import-not-at-top
+  from t5export._src import exporter as exporter_lib  # pylint: disable=g-import-not-at-top
+  from t5export._src import verify  # pylint: disable=g-import-not-at-top
+
+  prepared, readers = threading.Event(), []
+  real_prepare, real_read = (exporter_lib.SavedModelExporter.prepare,
+                             checkpoints.read_params)
+
+  def prepare(self, state):
+    real_prepare(self, state)
+    prepared.set()
+
+  def read(*args, **kwargs):
+    readers.append(threading.current_thread().name)
+    # Only a deadlock guard: the preparation takes seconds.
+    assert prepared.wait(timeout=600), 'not prepared while reading'
+    return real_read(*args, **kwargs)
+
+  monkeypatch.setattr(exporter_lib.SavedModelExporter, 'prepare', prepare)
+  monkeypatch.setattr(checkpoints, 'read_params', read)
+  state = background['manager'].expected
+  path = offline_export.export_checkpoint(
+      work / 'manager', work / 'export_overlap', options=_mlp_options())
+  assert len(readers) == 1 and readers[0].startswith('t5export-read')
+  assert path == str(work / 'export_overlap' / '5')
+  got = paths.flatten(verify.load_params(path))
+  for key, value in paths.flatten(
+      {'params': state.params, **state.flax_mutables}).items():
+    np.testing.assert_array_equal(got[key], value)
+  actual, = verify.run_signatures_isolated(
+      path, [('serving_default', {'x': _MLP_X})])
+  verify.compare_outputs(
+      'serving_default', actual,
+      _mlp_jax({'params': state.params, **state.flax_mutables}),
+      atol=1e-5, rtol=1e-5)
+
+
+def test_a_checkpoint_in_other_dtypes_than_the_model_is_traced_again(
+    work, monkeypatch):
+  """The model (init_fn) is float32; the checkpoint holds bfloat16 params
+  and no --dtype is given: what was prepared from the model's dtypes is set
+  aside and the export traces for the checkpoint's."""
+  from t5export._src import verify  # pylint: disable=g-import-not-at-top
+
+  state = _mlp_variables(4)
+  params = _to_np(jax.tree_util.tree_map(
+      lambda x: x.astype(jnp.bfloat16), state.params))
+  ocp.PyTreeCheckpointer().save(work / 'bf16', {
+      'params': params, **_to_np(state.flax_mutables)})
+  built = []
+  real_exporter = offline_export._exporter  # pylint: disable=protected-access
+
+  def exporter(*args):
+    built.append(real_exporter(*args))
+    return built[-1]
+
+  monkeypatch.setattr(offline_export, '_exporter', exporter)
+  path = offline_export.export_checkpoint(
+      work / 'bf16', work / 'export_bf16', step=4, options=_mlp_options())
+  # The first exporter, prepared for float32, published nothing.
+  assert len(built) == 2 and built[0].module is not None
+  assert built[0].module.jax_variables()['params']['head'][
+      'kernel'].dtype == jnp.float32
+  assert built[1].module.jax_variables()['params']['head'][
+      'kernel'].dtype == jnp.bfloat16
+  loaded = verify.load_params(path)
+  assert loaded['params']['head']['kernel'].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(loaded['params']['head']['kernel'],
+                                params['head']['kernel'])
 
 
 # --- errors -----------------------------------------------------------------

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import os
 import shutil
+import tempfile
 import threading
 import time
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 from absl import logging
 import gin
 import jax
+import numpy as np
 
 from t5export import errors
 from t5export._src import assets_extra
@@ -137,6 +139,38 @@ class SavedModelExporter:
       ExportDirError: as `versions`.
     """
     return self._dir.metrics()
+
+  def prepare(self, state: Any) -> None:
+    """Builds the module, traces and saves the graph before the first export.
+
+    Uses only the shapes and dtypes of `state`, so it can run while the
+    values are still being read or trained (the offline export prepares
+    while it reads the checkpoint). The first `export` then only assigns
+    and writes the weights. Optional: the first `export` prepares itself.
+
+    Args:
+      state: a state like the ones to export; its leaves may be
+        `jax.ShapeDtypeStruct`s (e.g. from `jax.eval_shape`).
+
+    Raises:
+      RuntimeError: the exporter already prepared or exported.
+      ExportDirError: `export_dir` is unusable.
+    """
+    if self._module is not None:
+      raise RuntimeError(
+          'SavedModelExporter.prepare: this exporter was already prepared or '
+          'used; prepare a new exporter before its first export.')
+    start = time.monotonic()
+    variables = train_state.InferenceState.from_train_state(state).variables
+    self._ensure_module(jax.tree_util.tree_map(
+        lambda x: host_buffers.aligned_empty(
+            np.shape(x), jax.dtypes.canonicalize_dtype(x.dtype)), variables),
+                        owned=True)
+    with tempfile.TemporaryDirectory(prefix='t5export-graph-') as scratch:
+      # Not under export_dir: preparing leaves no trace there.
+      ahead = self._writer.save_graph_ahead(os.path.join(scratch, 'graph'))
+    logging.info('t5export: prepared the module%s in %.2fs.',
+                 ' and its graph' if ahead else '', time.monotonic() - start)
 
   def export(self, state: Any, metrics: Mapping[str, Any] | None = None, *,
              owned: bool = False) -> str:

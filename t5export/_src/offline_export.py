@@ -8,6 +8,7 @@ the training callback's `SavedModelExporter` (the one to import TensorFlow).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import concurrent.futures
 import dataclasses
 import inspect
 import os
@@ -18,6 +19,7 @@ from absl import logging
 import gin
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from t5export import errors
 from t5export._src import checkpoints
@@ -92,20 +94,42 @@ def cast_params(params: Any, dtype: str | None) -> Any:
           x.dtype, jnp.floating) and x.dtype != target else x, params)
 
 
+def _model_state(options: OfflineOptions,
+                 dtype: str | None) -> train_state.InferenceState | None:
+  """The model's variables as ShapeDtypeStructs (with `init_fn`), floating
+  ones as `dtype`: what the checkpoint should hold, known before reading."""
+  if options.init_fn is None:
+    return None
+  state = train_state.InferenceState.create(jax.eval_shape(
+      lambda: _call_init(options.init_fn, jax.random.PRNGKey(0))))
+  if dtype is None:
+    return state
+  return state.replace(params=jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, dtype) if jnp.issubdtype(
+          x.dtype, jnp.floating) else x, state.params))
+
+
+def _layout(state: train_state.InferenceState) -> Any:
+  """The structure, shapes and dtypes the exporter's module is built for."""
+  variables = state.variables
+  return jax.tree_util.tree_structure(variables), [
+      (np.shape(x), jax.dtypes.canonicalize_dtype(x.dtype))
+      for x in jax.tree_util.tree_leaves(variables)]
+
+
 def _build_state(contents: checkpoints.CheckpointContents, step: int,
                  options: OfflineOptions, dtype: str | None,
+                 model: train_state.InferenceState | None,
                  ) -> train_state.InferenceState:
-  """The checkpoint's variables at `step`, checked against the model (with
-  `init_fn`, the state has the model's logical axes)."""
+  """The checkpoint's variables at `step`, checked against the `model`'s
+  or `expected_params` (with a model, the state has its logical axes)."""
   params = cast_params(contents.params, dtype)
   mutables = dict(contents.flax_mutables)
-  if options.init_fn is not None:
-    state = train_state.InferenceState.create(jax.eval_shape(
-        lambda: _call_init(options.init_fn, jax.random.PRNGKey(0))))
+  if model is not None:
     checkpoints.check_params_match(
-        {'params': state.params, **state.flax_mutables},
+        {'params': model.params, **model.flax_mutables},
         {'params': params, **mutables}, source='checkpoint variables')
-    state = state.replace(params=params, flax_mutables=mutables)
+    state = model.replace(params=params, flax_mutables=mutables)
   else:
     if options.expected_params is not None:
       checkpoints.check_params_match(options.expected_params, params)
@@ -125,9 +149,10 @@ def export_checkpoint(
     export_dir: the export directory.
     step: the checkpoint step to read (default: the latest / its own).
     dtype: cast floating params to this dtype.
-    options: the `OfflineOptions`, or a function returning them, called once
-      the checkpoint was read (the CLI parses its gin files there); default
-      `OfflineOptions()` from the parsed gin config.
+    options: the `OfflineOptions`, or a function returning them, called
+      while the checkpoint is read (the CLI parses its gin files there);
+      default `OfflineOptions()` from the parsed gin config. With an
+      `init_fn`, the model is also traced while the checkpoint is read.
 
   Returns:
     The published version directory.
@@ -140,27 +165,43 @@ def export_checkpoint(
       False (checked before the params are converted).
     ExportCheckError: the SavedModel differs from JAX (nothing published).
   """
-  total = start = time.monotonic()
-  contents = checkpoints.read_params(ckpt, step=step)
+  total = time.monotonic()
+
+  def read() -> tuple[checkpoints.CheckpointContents, float]:
+    start = time.monotonic()
+    return checkpoints.read_params(ckpt, step=step), time.monotonic() - start
+
+  # The read runs beside the gin parsing, TensorFlow's import and (with an
+  # init_fn) the tracing; a failed read is the error to report.
+  with concurrent.futures.ThreadPoolExecutor(
+      1, thread_name_prefix='t5export-read') as pool:
+    reading = pool.submit(read)
+    try:
+      if not isinstance(options, OfflineOptions):
+        options = (options or OfflineOptions)()
+      exporter = _exporter(export_dir, options)
+      model = _model_state(options, dtype)
+      if model is not None and not (reading.done() and reading.exception()):
+        exporter.prepare(model)
+    finally:
+      contents, read_secs = reading.result()
   logging.info(
       'offline [read]: %s checkpoint %s, step %s: %d params and %d mutable '
       'arrays (%s) in %.2fs; %s read from storage.', contents.format,
       contents.path, contents.step, len(paths.flatten(contents.params)),
       len(paths.flatten(contents.flax_mutables)), _mib(contents.nbytes),
-      time.monotonic() - start, _mib(contents.bytes_read))
+      read_secs, _mib(contents.bytes_read))
   version = contents.step if contents.step is not None else step
   if version is None:
     raise errors.CheckpointNotFoundError(
         f'Checkpoint {contents.path!r} does not record its step; pass --step '
         'N to give the version number to publish.')
-  if not isinstance(options, OfflineOptions):
-    options = (options or OfflineOptions)()
   final = os.path.join(os.path.abspath(export_dir), str(version))
   if os.path.exists(final) and not options.export_options.overwrite:
     raise errors.VersionExistsError(final, version)
 
   start = time.monotonic()
-  state = _build_state(contents, version, options, dtype)
+  state = _build_state(contents, version, options, dtype, model)
   checked = options.init_fn or options.expected_params is not None
   logging.info(
       'offline [convert]: InferenceState at step %d (%s%s, %s) in %.2fs.',
@@ -168,12 +209,12 @@ def export_checkpoint(
       f'cast to {dtype}' if dtype else 'dtype as stored',
       _mib(host_buffers.tree_nbytes((state.params, state.flax_mutables))),
       time.monotonic() - start)
-
-  from t5export._src import exporter as exporter_lib  # pylint: disable=g-import-not-at-top
+  if model is not None and _layout(model) != _layout(state):
+    logging.info('offline: the checkpoint\'s dtypes differ from the '
+                 'model\'s (pass --dtype to cast them); tracing again.')
+    exporter = _exporter(export_dir, options)
 
   start = time.monotonic()
-  exporter = exporter_lib.SavedModelExporter(
-      export_dir, options.signatures, options=options.export_options)
   # Read for this export alone, the params are owned: TensorFlow may take
   # their memory instead of copying it (peak memory ~1x the params, not 3x).
   path = exporter.export(state, owned=True)
@@ -183,3 +224,10 @@ def export_checkpoint(
       '%.2fs in all.', version, path, _mib(versions.dir_nbytes(path)),
       time.monotonic() - start, time.monotonic() - total)
   return path
+
+
+def _exporter(export_dir: str, options: OfflineOptions) -> Any:
+  """A `SavedModelExporter` (the import that loads TensorFlow)."""
+  from t5export._src import exporter as exporter_lib  # pylint: disable=g-import-not-at-top
+  return exporter_lib.SavedModelExporter(
+      export_dir, options.signatures, options=options.export_options)

@@ -74,6 +74,17 @@ class SavedModelWriter:
     """Whether the next version will be written as graph + variables only."""
     return self._template is not None
 
+  def save_graph_ahead(self, scratch: str) -> bool:
+    """Saves the graph into `scratch` (then removed) before any weights
+    exist, so the first version writes weights only; False if it can't."""
+    if self._template is not None or not self._reuse_graph:
+      return self._template is not None
+    self._reuse_graph = False
+    try:
+      return self._save_graph(scratch)
+    finally:
+      shutil.rmtree(scratch, ignore_errors=True)
+
   def write(self, directory: str, *,
             after: concurrent.futures.Future | None = None) -> str:
     """Writes `directory`: 'full' or 'variables'; weights read after `after`."""
