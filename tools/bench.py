@@ -463,6 +463,16 @@ def make_variables(n_params: int, depth: int, *, seed: int = 0) -> dict:
   return variables
 
 
+def mlp_init_fn(n_params: int, depth: int) -> Any:
+  """`make_variables`' tree as an offline export's init_fn (eval_shape'd)."""
+  import jax.numpy as jnp
+  width = mlp_width(n_params, depth)
+  return lambda rng: {'params': {
+      f'layer_{i:02d}': {'kernel': jnp.zeros((width, width), jnp.float32),
+                         'bias': jnp.zeros((width,), jnp.float32)}
+      for i in range(depth)}}
+
+
 def mlp_apply(params: dict, x: Any) -> Any:
   import jax
   import jax.numpy as jnp
@@ -998,6 +1008,8 @@ def worker_offline(spec: dict[str, Any]) -> dict[str, Any]:
     path = offline_export.export_checkpoint(
         spec['ckpt'], str(out / 'ours'), options=offline_export.OfflineOptions(
             signatures=[sig],
+            # As a gin config's INIT_FN: the model traces during the read.
+            init_fn=mlp_init_fn(spec['n_params'], spec['depth']),
             export_options=t5export.ExportOptions(
                 validate=False, durable=spec['side'] == 'durable')))
   shutil.rmtree(path, ignore_errors=True)
