@@ -2,7 +2,8 @@
 
 Three phases, each logged with its duration and size: read the params alone,
 convert (cast, check against the model), then write, check and publish with
-the training callback's `SavedModelExporter` (the one to import TensorFlow).
+the training callback's `SavedModelExporter`. The read runs on a thread
+beside the exporter's creation and (with an `init_fn`) its `prepare`.
 """
 
 from __future__ import annotations
@@ -181,7 +182,11 @@ def export_checkpoint(
         options = (options or OfflineOptions)()
       exporter = _exporter(export_dir, options)
       model = _model_state(options, dtype)
-      if model is not None and not (reading.done() and reading.exception()):
+      # cast_bfloat16 would fill float32 variables now, a second copy.
+      prepared = (model is not None and
+                  not options.export_options.cast_bfloat16 and
+                  not (reading.done() and reading.exception()))
+      if prepared:
         exporter.prepare(model)
     finally:
       contents, read_secs = reading.result()
@@ -209,7 +214,7 @@ def export_checkpoint(
       f'cast to {dtype}' if dtype else 'dtype as stored',
       _mib(host_buffers.tree_nbytes((state.params, state.flax_mutables))),
       time.monotonic() - start)
-  if model is not None and _layout(model) != _layout(state):
+  if prepared and _layout(model) != _layout(state):
     logging.info('offline: the checkpoint\'s dtypes differ from the '
                  'model\'s (pass --dtype to cast them); tracing again.')
     exporter = _exporter(export_dir, options)
