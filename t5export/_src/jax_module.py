@@ -314,4 +314,5 @@ class JaxModule(tf.Module):
     with tf.device('/CPU:0'):
       for var, path, cast in zip(self.param_vars, meta.paths,
                                  meta.cast_to_f32):
-        var.assign(_tf_value(_host_array(flat[path]), cast=cast, owned=owned))
+        var.assign(_tf_value(_host_array(flat[path]), cast=cast, owned=owned,
+                             own_copy=True))
