@@ -607,3 +607,29 @@ def test_update_variables_adopts_owned_and_copies_the_callers():
       module.methods['f']({'x': x})['y'].numpy(),
       x @ keep['params']['w'] + keep['params']['b'], rtol=1e-5)
   assert module.trace_count == 1  # Updates never trace again.
+
+
+def test_update_variables_copies_a_callers_leaf_once_into_the_variable(
+    monkeypatch):
+  # A value the module may not adopt (the caller's, or a read-only view of
+  # a JAX buffer) is copied once, into aligned memory that the variable
+  # then adopts: the variable's memory is that copy, not a second one that
+  # TensorFlow's conversion would make.
+  module = _dense_module(_dense_variables(6))
+  copies = []
+  real = host_buffers.aligned_copy
+
+  def recording(source, dtype=None):
+    copies.append(real(source, dtype))
+    return copies[-1]
+
+  monkeypatch.setattr(host_buffers, 'aligned_copy', recording)
+  caller = _dense_variables(7)
+  caller['params']['w'].flags.writeable = False  # As a view of JAX's.
+  module.update_variables(caller)
+  assert len(copies) == 2
+  for path, copy in zip(module.param_paths, copies):
+    got = jnp.from_dlpack(_var(module, path).value())
+    assert got.unsafe_buffer_pointer() == copy.ctypes.data, path
+    np.testing.assert_array_equal(
+        np.asarray(got), paths.flatten(caller)[path])
