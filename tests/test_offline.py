@@ -505,7 +505,8 @@ def test_the_model_is_traced_while_the_checkpoint_is_read(
   the read. Here the read waits for that preparation, which an export that
   reads first and traces afterwards would never reach."""
   from t5export._src import checkpoints  # pylint: disable=g-import-not-at-top
-  from t5export._src import exporter as exporter_lib  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from t5export._src import exporter as exporter_lib
   from t5export._src import verify  # pylint: disable=g-import-not-at-top
 
   prepared, readers = threading.Event(), []

@@ -233,6 +233,7 @@ def export_checkpoint(
 
 def _exporter(export_dir: str, options: OfflineOptions) -> Any:
   """A `SavedModelExporter` (the import that loads TensorFlow)."""
-  from t5export._src import exporter as exporter_lib  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from t5export._src import exporter as exporter_lib
   return exporter_lib.SavedModelExporter(
       export_dir, options.signatures, options=options.export_options)
