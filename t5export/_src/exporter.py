@@ -154,7 +154,7 @@ class SavedModelExporter:
 
     Raises:
       RuntimeError: the exporter already prepared or exported.
-      ExportDirError: `export_dir` is unusable.
+      TypeError: `state` is not a train or inference state.
     """
     if self._module is not None:
       raise RuntimeError(
@@ -162,10 +162,11 @@ class SavedModelExporter:
           'used; prepare a new exporter before its first export.')
     start = time.monotonic()
     variables = train_state.InferenceState.from_train_state(state).variables
-    self._ensure_module(jax.tree_util.tree_map(
+    # Empty arrays TF adopts; nothing writes them, so they take no pages.
+    empty = jax.tree_util.tree_map(
         lambda x: host_buffers.aligned_empty(
-            np.shape(x), jax.dtypes.canonicalize_dtype(x.dtype)), variables),
-                        owned=True)
+            np.shape(x), jax.dtypes.canonicalize_dtype(x.dtype)), variables)
+    self._ensure_module(empty, owned=True)
     with tempfile.TemporaryDirectory(prefix='t5export-graph-') as scratch:
       # Not under export_dir: preparing leaves no trace there.
       ahead = self._writer.save_graph_ahead(os.path.join(scratch, 'graph'))
