@@ -21,17 +21,13 @@ AxesByPath = dict[str, tuple[Any, ...]]
 
 @dataclasses.dataclass(frozen=True)
 class HostSnapshot:
-  """The exportable variables (numpy, or ShapeDtypeStructs) at one step.
-
-  Axes are by variable path (None: unknown); `owned`: nobody else references
-  the arrays, so TensorFlow may adopt their memory.
-  """
+  """The exportable variables (numpy, or ShapeDtypeStructs) at one step."""
   step: int
   variables: dict[str, Any]
-  logical_axes: AxesByPath | None
-  mesh_axes: AxesByPath | None
+  logical_axes: AxesByPath | None  # None: unknown.
+  mesh_axes: AxesByPath | None  # None: unknown.
   nbytes: int
-  owned: bool = False
+  owned: bool = False  # Nobody else references the arrays: TF may adopt them.
 
 
 def _axes_by_path(spec_state: train_state.InferenceState) -> AxesByPath:
@@ -44,12 +40,7 @@ def take_snapshot(state: Any, *,
                   rules: Sequence[tuple[str, Any]] | None = None,
                   owned: bool | None = True,
                   shapes_only: bool = False) -> HostSnapshot:
-  """Strips, resolves axes (mesh axes if `rules`) and gathers `state`.
-
-  A collective under `jax.distributed`. `owned`: True copies, False views
-  valid while the state is unchanged, None views only where they outlive a
-  donating step; `shapes_only` as in `host_buffers.gather_to_host`.
-  """
+  """Collective: strips, resolves axes, gathers `state` (docs/internals.md)."""
   start = time.perf_counter()
   inference = train_state.InferenceState.from_train_state(state)
   logical_axes = mesh_axes = None
