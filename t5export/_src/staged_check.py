@@ -1,8 +1,6 @@
-"""The exporter's checks of a version before it is published.
+"""Checks before publishing: finite params, staged outputs equal JAX's.
 
-`check_finite` refuses NaN/Inf params before anything is written; `Pending`
-compares the staged SavedModel's outputs with JAX's (docs/internals.md).
-Importing this module does not import TensorFlow.
+Importing this module does not import TensorFlow (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -35,10 +33,9 @@ def check_finite(variables: Any) -> None:
 
 
 class Pending:
-  """A started check of the version about to be written from `module`.
+  """JAX references computed beside the write, once `after` is done.
 
-  The JAX references (as numpy) run in a background thread once `after` is
-  done; the module's variables must not change until `finish` or `abandon`.
+  The module's variables must not change until `finish` or `abandon`.
   """
 
   def __init__(self, signatures: Sequence[Any], module: Any, *, atol: float,
@@ -59,11 +56,7 @@ class Pending:
     self._future = self._pool.submit(references)
 
   def finish(self, staging: str) -> metadata.Check:
-    """Runs the staged version in TensorFlow and compares with the JAX side.
-
-    Raises ExportCheckError for the first output that differs, and whatever
-    the JAX method or the staged signatures raised.
-    """
+    """Runs `staging` in TF; ExportCheckError names the first output off."""
     # The JAX temporaries are gone before TensorFlow restores the weights.
     self._pool.shutdown(wait=True)
     expected, jax_seconds = self._future.result()
