@@ -1,8 +1,4 @@
-"""When an export is due (docs/internals.md): one rule for every call.
-
-Due when a multiple of `every_steps` or an `on_steps` entry lies in
-(previous call's step, step], or else when `every_secs` passed. Light.
-"""
+"""When an export is due: one rule for every call (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -66,10 +62,7 @@ class Trigger:
 
   def due(self, step: int, t: float, *,
           agree: Callable[[bool], bool] | None = None) -> bool:
-    """Whether the call at `step` (time `t`) is due; records the call.
-
-    `agree` turns this process's time-based decision into process 0's.
-    """
+    """Whether the call at `step` (time `t`) is due; records the call."""
     previous = self._previous_step
     if previous is not None and step < previous:
       logging.info('t5export: the step went back from %d to %d (a restart '
@@ -86,7 +79,7 @@ class Trigger:
       due = self._crossed(previous, step)
       if not due and self.every_secs is not None:
         due = t - self._last_time > self.every_secs
-        if agree is not None:
+        if agree is not None:  # Process 0 decides for every process.
           due = bool(agree(due))
     self._previous_step = step
     if due:
