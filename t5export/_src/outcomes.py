@@ -1,7 +1,6 @@
-"""The outcome of every due export (one of `KINDS`): counted, logged, metrics.
+"""Every due export's outcome (one of `KINDS`): counted, logged, metrics.
 
-`Outcomes` also keeps the ledger of published and in-flight steps, so a
-step is never written twice. Thread-safe; light.
+Also the ledger of published and in-flight steps: none is written twice.
 """
 
 from __future__ import annotations
