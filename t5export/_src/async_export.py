@@ -15,7 +15,7 @@ from t5export import errors
 
 
 class _Shared:
-  """The state shared with the thread (under `cv`), and the thread's loop.
+  """State shared with the thread (under `cv`), and the thread's loop.
 
   Not the `AsyncWorker`: its finalizer stops the thread once it is collected.
   """
@@ -105,16 +105,14 @@ threading._register_atexit(_shutdown_all_at_exit)
 
 
 class AsyncWorker:
-  """Runs `fn(item)` on one background thread; one running, one queued.
+  """Runs `fn(item)` on a thread: one running, one queued (docs/internals.md).
 
-  With on_error='raise' the first failure is raised once, as
-  `errors.ExportFailedError`, by the next submit/check/wait/close. The
-  options are checked by the caller (`ExportCallback`).
+  Its options are checked by the caller (`ExportCallback`).
   """
 
   def __init__(self, fn: Callable[[Any], Any], *, on_error: str = 'raise',
                when_busy: str = 'wait', name: str = 't5export-export'):
-    self.name, self.on_error, self.when_busy = name, on_error, when_busy
+    self.name, self.when_busy = name, when_busy
     self._shared = _Shared(fn, on_error, when_busy, name)
     self._thread = self._shared.thread
     self._closed = False
