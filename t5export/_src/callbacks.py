@@ -35,15 +35,7 @@ class ExportCallback:
   calls may skip steps), `cb.run(ts, metrics_by_task)` (a T5X action) or
   `cb.export_now(ts)`; `close()` (or a `with` block) waits for the last
   export. Under `jax.distributed` every process calls it at the same steps;
-  only process 0 writes.
-
-  Example:
-    with t5export.ExportCallback(t5export.SavedModelExporter(d, [sig]),
-                                 export_every_steps=1000,
-                                 num_train_steps=n) as cb:
-      for step in range(1, n + 1):
-        ts = train_step(ts, batch)
-        cb(step, train_state=ts)  # Publishes 1000, 2000, ..., n under d.
+  only process 0 writes. README.md has examples.
 
   Attributes:
     exporter, export_every_steps, every_secs, when_busy: as passed.
@@ -66,8 +58,7 @@ class ExportCallback:
     """Validates the options and prepares `export_dir` (on process 0).
 
     Args:
-      exporter: what each export runs (gin: `ExportCallback.exporter =
-        @t5export.SavedModelExporter()`).
+      exporter: what each export runs.
       export_every_steps: export when a multiple of this step is reached.
       every_secs: export when this many seconds passed since the last one.
       on_steps: also export when one of these steps is reached.
@@ -237,11 +228,7 @@ class ExportCallback:
   def _export(self, train_state: Any, step: int,
               metrics: Mapping[str, Any] | None, *,
               now: bool = False) -> str | None:
-    """One due export, on every process; `now` settles queued ones first.
-
-    Make room (`when_busy`), snapshot here, then on process 0 skip a published
-    step or hand off (or write inline), through the `ExportCoordinator`.
-    """
+    """One due export, on every process; `now` settles queued ones first."""
     start = time.perf_counter()
     sync = now or self._sync
     self._waited = 0.0
