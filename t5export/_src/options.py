@@ -1,7 +1,4 @@
-"""ExportOptions: how a SavedModelExporter writes, checks and keeps versions.
-
-Shared by the exporter, the callback and the offline CLI. Light.
-"""
+"""ExportOptions: shared by the exporter, the callback and the offline CLI."""
 
 from __future__ import annotations
 
@@ -14,18 +11,10 @@ import gin
 from t5export._src import serving_compat
 from t5export._src import versions
 
-_FLAGS = ('validate', 'warmup', 'overwrite', 'allow_non_finite', 'trainable',
-          'jit_compile', 'cast_bfloat16', 'reuse_graph', 'jax_artifacts',
-          'durable')
-
-
 @gin.configurable(module='t5export')
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ExportOptions:
   """How an exporter writes, checks and keeps versions (all optional).
-
-  Checked on creation (also by `dataclasses.replace`). Gin:
-  `SavedModelExporter.options = @t5export.ExportOptions()`.
 
   Example:
     options = ExportOptions(keep=3, keep_best=(1, 'eval/accuracy', 'max'))
@@ -99,7 +88,7 @@ class ExportOptions:
           value < 0):
         raise ValueError(f'{name} must be a number >= 0, got {value!r}.')
       self._set(name, float(value))
-    for name in _FLAGS:
+    for name in (f.name for f in dataclasses.fields(self) if f.type == 'bool'):
       value = getattr(self, name)
       if not isinstance(value, bool):
         raise TypeError(f'{name} must be True or False, got {value!r} '
