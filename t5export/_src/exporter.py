@@ -36,6 +36,7 @@ from t5export._src import train_state
 from t5export._src import versions as versions_lib
 from t5export._src import writer as writer_lib
 
+
 @gin.configurable('SavedModelExporter', module='t5export')
 class SavedModelExporter:
   """Publishes JAX/Flax variables as versioned TensorFlow SavedModels.
@@ -45,9 +46,6 @@ class SavedModelExporter:
                                   options=ExportOptions(keep=5))
     path = exporter.export(inference_state, metrics={'accuracy': 0.9})
     # -> '/models/t5/1000' (the state's step), servable by TF Serving.
-
-  Creating one touches no file and traces nothing; the first use prepares
-  `export_dir` and resumes from what it holds.
   """
 
   def __init__(self, export_dir: str | os.PathLike[str],
@@ -143,10 +141,7 @@ class SavedModelExporter:
   def prepare(self, state: Any) -> None:
     """Builds the module, traces and saves the graph before the first export.
 
-    Uses only the shapes and dtypes of `state`, so it can run while the
-    values are still being read or trained (the offline export prepares
-    while it reads the checkpoint). The first `export` then only assigns
-    and writes the weights. Optional: the first `export` prepares itself.
+    Needs only the shapes and dtypes of `state`; optional.
 
     Args:
       state: a state like the ones to export; its leaves may be
@@ -176,8 +171,6 @@ class SavedModelExporter:
   def export(self, state: Any, metrics: Mapping[str, Any] | None = None, *,
              owned: bool = False) -> str:
     """Exports a train or inference state as version `int(state.step)`.
-
-    Takes a host snapshot (no copy on CPU) and runs `export_snapshot`.
 
     Args:
       state: a `TrainState`, an `InferenceState` or a `HostSnapshot` (which
@@ -296,11 +289,7 @@ class SavedModelExporter:
 
   def _ensure_module(self, variables: Any, *,
                      owned: bool) -> concurrent.futures.Future | None:
-    """Builds the JaxModule on first use, else assigns the new values.
-
-    A first module built from views gets empty variables that a thread fills
-    beside the tracing; returns that thread's future.
-    """
+    """Builds the JaxModule (returns its filler's future) or updates it."""
     if self._module is not None:
       self._module.update_variables(variables, owned=owned)
       return None

@@ -1,7 +1,4 @@
-"""ExportOptions: how a SavedModelExporter writes, checks and keeps versions.
-
-Shared by the exporter, the callback and the offline CLI. Light.
-"""
+"""ExportOptions: shared by the exporter, the callback and the offline CLI."""
 
 from __future__ import annotations
 
@@ -14,18 +11,10 @@ import gin
 from t5export._src import serving_compat
 from t5export._src import versions
 
-_FLAGS = ('validate', 'warmup', 'overwrite', 'allow_non_finite', 'trainable',
-          'jit_compile', 'cast_bfloat16', 'reuse_graph', 'jax_artifacts',
-          'durable')
-
-
 @gin.configurable(module='t5export')
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ExportOptions:
   """How an exporter writes, checks and keeps versions (all optional).
-
-  Checked on creation (also by `dataclasses.replace`). Gin:
-  `SavedModelExporter.options = @t5export.ExportOptions()`.
 
   Example:
     options = ExportOptions(keep=3, keep_best=(1, 'eval/accuracy', 'max'))
@@ -43,10 +32,8 @@ class ExportOptions:
     platforms: jax2tf lowering platforms, e.g. ('cpu', 'cuda') (stored as a
       tuple); None: the current JAX backend.
     warmup: write TF Serving warm-up requests from the sample inputs.
-    overwrite: replace an existing version of the same step instead of
-      raising `errors.VersionExistsError`.
-    allow_non_finite: publish params holding NaN/Inf instead of raising
-      `errors.NonFiniteParamsError`.
+    overwrite: replace a version of the same step (else VersionExistsError).
+    allow_non_finite: publish NaN/Inf params (else NonFiniteParamsError).
     logical_axis_rules: `(logical name, mesh axes)` pairs resolving the
       params' logical axes to mesh axes for the snapshot and the metadata
       (e.g. `t5export.standard_logical_axis_rules()`; stored as a tuple);
@@ -54,18 +41,15 @@ class ExportOptions:
     trainable: export the variables as trainable (with gradients).
     jit_compile: `tf.function(jit_compile=...)` of the methods.
     cast_bfloat16: store bfloat16 params as float32 variables.
-    reuse_graph: write versions after the first as the first one's graph
-      plus the new variables; False runs the full `tf.saved_model.save`
-      for every version.
-    serving_tf_version: the oldest TensorFlow / TF Serving release that
-      must load the versions, e.g. '2.20'; None: the oldest this JAX can
-      target.
+    reuse_graph: write later versions as the first one's graph plus the new
+      variables; False runs a full `tf.saved_model.save` for each.
+    serving_tf_version: the oldest TensorFlow / TF Serving release to load
+      the versions, e.g. '2.20'; None: the oldest this JAX can target.
     jax_artifacts: also write each signature's JAX method as a `jax.export`
       artifact (read back without TensorFlow by `t5export.load_function`).
     durable: fsync each version's files and the export dir, so a published
       version survives a power loss; False is faster, skipping every fsync.
-    serving_target: what `serving_tf_version` resolved to (derived, not an
-      argument).
+    serving_target: `serving_tf_version` resolved (derived, not an argument).
   """
   keep: int | None = 5
   keep_best: versions.KeepBest | tuple[Any, ...] | None = None
@@ -99,7 +83,7 @@ class ExportOptions:
           value < 0):
         raise ValueError(f'{name} must be a number >= 0, got {value!r}.')
       self._set(name, float(value))
-    for name in _FLAGS:
+    for name in (f.name for f in dataclasses.fields(self) if f.type == 'bool'):
       value = getattr(self, name)
       if not isinstance(value, bool):
         raise TypeError(f'{name} must be True or False, got {value!r} '

@@ -1,7 +1,4 @@
-"""Parameter paths: a pytree leaf's keys joined by '/', e.g. 'params/mlp/wi'.
-
-Used in error messages, tf.Variable names, metadata and checkpoints. Light.
-"""
+"""Parameter paths: a pytree leaf's keys joined by '/', e.g. 'params/mlp/wi'."""
 
 from __future__ import annotations
 

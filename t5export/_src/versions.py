@@ -1,7 +1,6 @@
-"""The version directories of an export_dir: layout, atomic publish, retention.
+"""An export_dir's version directories: layout, atomic publish, retention.
 
-Published versions are integer subdirectories, staging and doomed ones hide
-under `.tmp-` names (docs/internals.md). Light: no TensorFlow.
+Versions are integer subdirectories; staging and doomed ones hide as `.tmp-*`.
 """
 
 from __future__ import annotations
@@ -110,9 +109,7 @@ def _metric_value(value: Any) -> float | int | str:
 
 
 def flatten_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
-  """Flat, JSON-ready metrics: '/'-joined names; numbers (0-d arrays, CLU
-  values and metrics too) as float or int, the rest as strings. Idempotent.
-  """
+  """Flat JSON-ready metrics: '/'-joined names, numbers, else strings."""
   out: dict[str, Any] = {}
   for k, v in (metrics or {}).items():
     if isinstance(v, Mapping):
@@ -175,10 +172,7 @@ def _exchange(a: str, b: str) -> bool:
 
 
 class VersionDirectory:
-  """The versions of one export_dir and their metrics (one writer at a time).
-
-  Creates `export_dir` if missing; ExportDirError if a file or not writable.
-  """
+  """The versions of one export_dir and their metrics (one writer at a time)."""
 
   def __init__(self, export_dir: str, *, keep: int | None,
                keep_best: KeepBest | None, overwrite: bool,
@@ -239,10 +233,7 @@ class VersionDirectory:
     return {v: dict(self._metrics.get(v, {})) for v in self.versions()}
 
   def publish(self, staging: str, final: str) -> None:
-    """Renames the staged version into place (replacing when allowed).
-
-    Raises VersionExistsError if `final` appeared and `overwrite` is False.
-    """
+    """Renames the staged version into place (replacing when allowed)."""
     if os.path.exists(final):
       if not self._overwrite:  # Appeared while we were writing.
         raise errors.VersionExistsError(final, int(os.path.basename(final)))

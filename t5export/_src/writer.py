@@ -75,8 +75,7 @@ class SavedModelWriter:
     return self._template is not None
 
   def save_graph_ahead(self, scratch: str) -> bool:
-    """Saves the graph into `scratch` (then removed) before any weights
-    exist, so the first version writes weights only; False if it can't."""
+    """Saves the graph in `scratch` (then removed); False if it can't."""
     if self._template is not None or not self._reuse_graph:
       return self._template is not None
     self._reuse_graph = False
@@ -192,10 +191,7 @@ class SavedModelWriter:
 
 def _param_keys(directory: str,
                 count: int) -> tuple[bytes, list[str] | None]:
-  """The saved graph's checkpoint object graph and its params' keys.
-
-  The keys are None unless the params are all the checkpoint would hold.
-  """
+  """The checkpoint object graph and its keys (None: not the params only)."""
   with open(os.path.join(directory, 'saved_model.pb'), 'rb') as f:
     saved = saved_model_pb2.SavedModel.FromString(f.read())
   for node in saved.meta_graphs[0].graph_def.node:
@@ -219,10 +215,7 @@ def write_warmup_requests(
     path: str, model_name: str,
     requests: Sequence[tuple[str, Mapping[str, Any], Mapping[str, Any]]]
 ) -> int:
-  """Writes TF Serving warm-up requests; returns how many (none: no file).
-
-  Each request is `(signature_name, {input: array}, {input: tf dtype})`.
-  """
+  """Writes TF Serving warm-up requests; returns how many (none: no file)."""
   with tf.io.TFRecordWriter(path) as records:
     for name, inputs, dtypes in requests:
       request = predict_pb2.PredictRequest(model_spec=model_pb2.ModelSpec(

@@ -1,8 +1,6 @@
 """TensorFlow's XLA on CPU schedules the check for memory, not concurrency.
 
-XLA's concurrent CPU schedule converts every bfloat16 kernel to float32 up
-front (~2x the param bytes). XLA reads XLA_FLAGS once, at TensorFlow's first
-compile: we make that compile see `FLAG=false`, then restore XLA_FLAGS.
+Why and how: docs/internals.md (XLA_FLAGS is read at TF's first compile).
 """
 
 from __future__ import annotations
