@@ -6,21 +6,11 @@ r"""Exports a checkpoint as a SavedModel version: `python -m t5export.offline`.
       [--overwrite] [--dtype bfloat16] [--platforms cpu,cuda] [--no_validate] \
       [--serving_tf_version 2.20] [--no_durable]
 
-Reads the checkpoint's params (never its optimizer state), checks them
-against the model and publishes them as `<export_dir>/<step>/`, as the
-training callback would. The gin files supply what the callback is given
-in training: the signatures (`SIGNATURES = [@t5export.Signature()]`), the
-`ExportOptions` (`KEEP`, `LOGICAL_AXIS_RULES`, ...) and optionally the
-model's `INIT_FN`. Your gin file says `include 't5export/gin/offline.gin'`
-(which documents the macros); that path resolves wherever t5export is
-installed, and `--gin_search_paths` only locates your own files. The flags
---overwrite, --platforms, --no_validate, --serving_tf_version and
---no_durable, when given, override the gin config's `ExportOptions`.
-
-Errors (missing checkpoint, unknown format, no params, params not matching
-the model, an existing version without `--overwrite`, a failed check) print
-one line `t5export.offline: error: ...` on stderr and exit with status 1;
-the export directory is left as it was.
+Publishes the checkpoint's params (never its optimizer state) as
+`<export_dir>/<step>/`, as the training callback would; your gin file does
+`include 't5export/gin/offline.gin'` (which documents the macros). Errors: one
+line `t5export.offline: error: ...` on stderr, exit status 1, the export
+directory as it was. More: README.md, "Export a checkpoint after training".
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Reads only the params (and flax mutables) out of a training checkpoint.
-
-Finds the checkpoint (orbax, T5X or flax msgpack) and its step, chooses the
-params, mutables and step subtrees, and has the format's module read those
-alone. Light module: no TensorFlow.
-"""
+"""Reads only the params, flax mutables and step of an orbax, T5X or flax
+msgpack checkpoint. Light module: no TensorFlow."""
 
 from __future__ import annotations
 
@@ -264,10 +260,9 @@ def read_params(path: str | os.PathLike[str], *,
   if step is None and parts['step'] is not None and np.size(
       parts['step']) == 1:
     step = int(np.asarray(parts['step']))
-  # Only `params` and `mutables` hold the arrays now, so each one that
-  # make_adoptable replaces is freed at once (else a second copy builds up).
+  # Without `parts`, each array make_adoptable replaces (ours: read for this
+  # call alone) is freed at once, else a second copy builds up.
   del parts
-  # The arrays are owned (read for this call alone): make them adoptable.
   moved = host_buffers.make_adoptable(params) + host_buffers.make_adoptable(
       mutables)
   if moved:
@@ -293,9 +288,8 @@ def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
 
 def check_params_match(expected: Any, params: Any, *,
                        source: str = 'checkpoint params') -> None:
-  """Raises ParamsMismatchError (each missing, unexpected and wrongly shaped
-  param) unless `params` have the shapes of `expected`, the model's (leaves:
-  arrays, ShapeDtypeStructs or shape tuples). Either tree may be flat."""
+  """ParamsMismatchError unless `params` have the shapes of `expected` (leaves:
+  arrays, ShapeDtypeStructs or shape tuples; either tree may be flat)."""
   want, got = _shapes(expected), _shapes(params)
   missing = [p for p in want if p not in got]
   unexpected = [p for p in got if p not in want]

@@ -1,7 +1,5 @@
-"""Reads msgpack checkpoints (flax msgpack, T5X's legacy layout), streamed
-with optimizer subtrees skipped undecoded; of T5X's TensorStore arrays only
-the chosen subtrees' are opened. Light: tensorstore is imported lazily.
-"""
+"""Reads flax msgpack and T5X legacy checkpoints, optimizer subtrees skipped
+undecoded. Light: tensorstore is imported lazily."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""A checkpoint exported as a servable version, the library side of the CLI.
-
-Three phases, each logged with its duration and size: read the params alone,
-convert (cast, check against the model), then write, check and publish with
-the training callback's `SavedModelExporter`. The read runs on a thread
-beside the exporter's creation and (with an `init_fn`) its `prepare`.
-"""
+"""A checkpoint exported as a servable version (the CLI's library side):
+read, convert, then write with the training callback's `SavedModelExporter`.
+Details: docs/internals.md, "Offline"."""
 
 from __future__ import annotations
 
@@ -152,8 +148,7 @@ def export_checkpoint(
     dtype: cast floating params to this dtype.
     options: the `OfflineOptions`, or a function returning them, called
       while the checkpoint is read (the CLI parses its gin files there);
-      default `OfflineOptions()` from the parsed gin config. With an
-      `init_fn`, the model is also traced while the checkpoint is read.
+      default `OfflineOptions()` from the parsed gin config.
 
   Returns:
     The published version directory.
@@ -196,7 +191,7 @@ def export_checkpoint(
       contents.path, contents.step, len(paths.flatten(contents.params)),
       len(paths.flatten(contents.flax_mutables)), _mib(contents.nbytes),
       read_secs, _mib(contents.bytes_read))
-  version = contents.step if contents.step is not None else step
+  version = contents.step  # read_params falls back to `step`.
   if version is None:
     raise errors.CheckpointNotFoundError(
         f'Checkpoint {contents.path!r} does not record its step; pass --step '

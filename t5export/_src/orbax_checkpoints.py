@@ -1,7 +1,5 @@
-"""Reads chosen subtrees of an orbax PyTree checkpoint, never its optimizer:
-the tree from `_METADATA` alone, then a partial restore of those subtrees.
-Light module: orbax is imported only by `restore`.
-"""
+"""Reads chosen subtrees of an orbax PyTree checkpoint (the tree from
+`_METADATA`, then a partial restore). Light: only `restore` imports orbax."""
 
 from __future__ import annotations
 

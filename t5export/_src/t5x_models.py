@@ -1,10 +1,5 @@
-"""Serving signatures built from a T5X model, so T5X users write no glue.
-
-Wraps a T5X `BaseTransformerModel`'s own logits, encode and decode methods
-as `Signature`s; duck-typed, never imports t5x. Gin (module `t5export`):
-`t5x_signatures`, `t5x_logits_signature`, `t5x_encoder_signature`,
-`t5x_decode_signature`. Details: docs/internals.md, "T5X models".
-"""
+"""Serving `Signature`s of a T5X model's own logits, encode and decode
+methods; duck-typed, never imports t5x. Details: docs/internals.md."""
 
 from __future__ import annotations
 
@@ -33,11 +28,8 @@ def _check_positive(name: str, value: Any, *, none: str | None = None) -> None:
 
 
 def _is_encoder_decoder(model: Any, *, required_by: str = '') -> bool:
-  """Whether the model's module has `encode` (T5X encoder-decoders do).
-
-  T5XModelError if `model` is no T5X model, or has no `encode` but is
-  `required_by` a signature that needs one.
-  """
+  """Whether the model's module has `encode`; T5XModelError if `model` is no
+  T5X model, or has no `encode` but is `required_by` a signature."""
   missing = [name for name in ('module', '_compute_logits')
              if not hasattr(model, name)]
   if missing:
@@ -155,8 +147,7 @@ def decode_signature(model: Any, *, task_feature_lengths: Mapping[str, int],
                      batch_size: int | None = None,
                      num_decodes: int | None = None) -> serving.Signature:
   """The best `decodes` int32 [b, m] and `scores` [b] of the model's own
-  `predict_batch_with_aux` (no RNG: deterministic) on `encoder_input_tokens`.
-  """
+  `predict_batch_with_aux` (no RNG) on `encoder_input_tokens`."""
   _is_encoder_decoder(model, required_by='decode_signature')
   _, dec_len = _lengths(model, task_feature_lengths)
   _check_positive('num_decodes', num_decodes, none="the model's default")
@@ -198,9 +189,7 @@ def signatures(model: Any, *, task_feature_lengths: Mapping[str, int],
       length n, decoder length m (decoder-only: n + m, or m).
     batch_size: a fixed batch size, or None for a polymorphic batch.
     num_decodes: beams (or samples) for 'serving_default'; None: the
-      model's default. T5X's default `beam_search` does not load on
-      TensorFlow <= 2.21 (a warning says so): decode with
-      `decoding.temperature_sample` instead.
+      model's default (T5X's `beam_search` does not load on TF <= 2.21).
     decode: include the decode signature (encoder-decoder models).
 
   Returns:
