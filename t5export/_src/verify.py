@@ -90,8 +90,7 @@ def load_function(version_dir: str | os.PathLike[str],
   meta = metadata.read_metadata(version_dir)
   exported = jax_artifacts.read(version_dir, signature_name, meta)
   flat = _read_variables(version_dir, meta)
-  # in_tree is that of ((variables, inputs), {}): rebuild the variables in
-  # the exported structure, whatever containers the model used.
+  # in_tree is ((variables, inputs), {}), in the model's own containers.
   variables_tree = exported.in_tree.children()[0].children()[0]
   if variables_tree.num_leaves != len(flat):
     raise errors.VariablesFormatError(
