@@ -1,11 +1,7 @@
 """t5export: servable TensorFlow SavedModels from JAX/Flax training runs.
 
-Public: `__all__`, `t5export.errors` and `python -m t5export.offline`; the
-rest (`t5export._src`) is private. Names resolve lazily (PEP 562), so
-`import t5export` never imports TensorFlow. Gin: a classic gin file includes
-a shipped one (`t5export/gin/export.gin`, ...), which registers the
-configurables; with `from __gin__ import dynamic_registration`, `import
-t5export` is enough.
+Public: `__all__`, `t5export.errors`, `python -m t5export.offline`. Names
+resolve lazily (PEP 562): `import t5export` never imports TensorFlow.
 """
 
 from __future__ import annotations

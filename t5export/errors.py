@@ -1,7 +1,6 @@
 """The errors t5export raises on purpose, one class per thing to act on.
 
-Each also derives from the fitting builtin (`except ValueError:` works);
-messages name the offending thing and the fix (docs/errors.md).
+Each also derives from the fitting builtin; messages name the thing and fix.
 """
 
 from __future__ import annotations
@@ -23,11 +22,7 @@ def _listing(items: Iterable[str], limit: int = 50) -> str:
 
 
 class MissingAxesError(T5ExportError, ValueError):
-  """Parameters (or mutable variables) have no logical axis names.
-
-  Attributes:
-    paths: every path ('params/encoder/...') that lacks axis names.
-  """
+  """Parameters (or mutable variables) have no logical axis names (`paths`)."""
 
   def __init__(self, paths: Sequence[str], *, hint: str | None = None):
     self.paths = list(paths)
@@ -67,10 +62,8 @@ class UnmappedLogicalAxisError(T5ExportError, ValueError):
 class AxesTreeMismatchError(T5ExportError, ValueError):
   """A state's axes tree (`params_axes`, ...) does not mirror its values.
 
-  Attributes:
-    what: 'params' or 'flax_mutables'.
-    missing: value paths that have no entry in the axes tree.
-    unexpected: axes paths that name no value.
+  `what` ('params' or 'flax_mutables'); `missing`: value paths without axes;
+  `unexpected`: axes paths naming no value.
   """
 
   def __init__(self, what: str, missing: Sequence[str],
@@ -100,10 +93,7 @@ class AxesTreeMismatchError(T5ExportError, ValueError):
 
 
 class NoOptimizerStateError(T5ExportError, NotImplementedError):
-  """An optimizer-only operation was asked of an InferenceState.
-
-  A NotImplementedError (as in T5X), so `hasattr` still works on it.
-  """
+  """Optimizer-only operation on an InferenceState; hasattr() still works."""
 
 
 class HyperparamNotInjectedError(T5ExportError, ValueError):
@@ -129,8 +119,6 @@ _SAME_NAMES = ("Both sides must return the same output names: check the "
 
 class ExportCheckError(T5ExportError, AssertionError):
   """The staged SavedModel's outputs differ from JAX; nothing was published.
-
-  The message gives the fix for its kind of mismatch (`FIXES`).
 
   Attributes:
     signature: the signature name.
@@ -228,10 +216,7 @@ class NoParamsInCheckpointError(T5ExportError, KeyError):
 class ParamsMismatchError(T5ExportError, ValueError):
   """A params tree does not match the model's expected params.
 
-  Attributes:
-    missing: paths the model needs that the params lack.
-    unexpected: paths the params have that the model does not use.
-    wrong_shape: (path, expected, got) for each differing shape or dtype.
+  `missing`/`unexpected` paths; `wrong_shape`: (path, expected, got) items.
   """
 
   def __init__(self, missing: Sequence[str] = (),

@@ -1,7 +1,6 @@
 """Host memory of an export: the gather to host and owned, aligned arrays.
 
-Nobody else references an *owned* array, so TensorFlow may adopt its memory
-(DLPack) instead of copying it (docs/internals.md). Light: no TensorFlow.
+TensorFlow may adopt (DLPack) an *owned* array's memory (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -52,7 +51,7 @@ def _dlpack_array(x: Any) -> bool:
 def fill_later(tree: Any) -> tuple[Any, Callable[[], None]] | None:
   """Empty aligned arrays like `tree` for TF to adopt now, and their filling.
 
-  None unless TF could adopt every leaf; the copy runs beside the tracing.
+  None unless TF could adopt every leaf; the filling runs beside the tracing.
   """
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   if not all(_dlpack_array(x) and
@@ -73,10 +72,7 @@ def adoptable(array: Any) -> bool:
 
 
 def make_adoptable(tree: dict[str, Any]) -> int:
-  """Replaces owned arrays TF could not adopt by aligned copies, in place.
-
-  One leaf at a time, never a second copy of the tree; returns how many.
-  """
+  """Replaces owned arrays TF could not adopt by aligned copies; how many."""
   moved = 0
   for key, value in tree.items():
     if isinstance(value, dict):
@@ -96,10 +92,7 @@ def tree_nbytes(tree: Any) -> int:
 
 @functools.cache
 def host_views_survive_donation() -> bool:
-  """Whether host views of CPU arrays outlive a donating step (checked once).
-
-  If not (PJRT reusing the donated buffer), snapshots on CPU copy again.
-  """
+  """Whether host views of CPU arrays outlive a donating step (checked once)."""
   if jax.default_backend() != 'cpu':
     return True  # The transfer to host is a copy.
   # A device of this process: under jax.distributed, jax.devices() starts
@@ -169,8 +162,8 @@ def gather_to_host(tree: Any, *, owned: bool = True,
                    shapes_only: bool = False) -> Any:
   """Every array of `tree` as host numpy, owned or else views where possible.
 
-  Every process calls it at the same point (arrays spread over processes
-  are all-gathered); `shapes_only` joins them, keeping ShapeDtypeStructs.
+  Every process calls it (arrays over processes are all-gathered), even with
+  `shapes_only` (ShapeDtypeStructs).
   """
   return jax.tree_util.tree_map_with_path(
       functools.partial(_gather_leaf, owned=owned, shapes_only=shapes_only),

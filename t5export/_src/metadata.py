@@ -1,7 +1,6 @@
-"""A version's metadata, `assets.extra/t5export.json`, as typed records.
+"""A version's `assets.extra/t5export.json` as typed records.
 
-`write` is the one writer, `read_metadata` the one reader. Standard library
-only: it runs on a serving host without JAX or TensorFlow.
+Standard library only: it runs on a serving host without JAX or TensorFlow.
 """
 
 from __future__ import annotations
@@ -25,10 +24,7 @@ NOT_RECORDED = 'not recorded'
 
 @dataclasses.dataclass(frozen=True)
 class OutputCheck:
-  """One output's max |saved - jax| and max |saved - jax| / |jax|.
-
-  The relative error counts only where JAX's value is finite and not 0.
-  """
+  """One output's max |saved - jax| and max of that / |jax| (finite, not 0)."""
   max_abs_error: float
   max_rel_error: float
 
@@ -42,11 +38,7 @@ class SignatureCheck:
 
 @dataclasses.dataclass(frozen=True)
 class Check:
-  """What the pre-publish check did (a failed check publishes nothing).
-
-  `reason` says why it was not `checked`; `atol`, `rtol` and `signatures`
-  (`{name: SignatureCheck}`) are set only when it was.
-  """
+  """What the pre-publish check did; `reason`: why it was not `checked`."""
   checked: bool
   reason: str | None = None
   atol: float | None = None
@@ -66,11 +58,7 @@ class Check:
 
 @dataclasses.dataclass(frozen=True)
 class Param:
-  """One exported parameter.
-
-  `dtype` is as stored (float32 if bfloat16 was cast), `source_dtype` as
-  given; `mesh_axes` is a PartitionSpec as nested tuples.
-  """
+  """One exported parameter; `dtype` as stored, `source_dtype` as given."""
   shape: tuple[int, ...]
   dtype: str
   source_dtype: str
@@ -80,13 +68,7 @@ class Param:
 
 @dataclasses.dataclass(frozen=True)
 class Signature:
-  """One serving signature; specs are `{'shape', 'dtype'}` dicts.
-
-  `inputs`/`outputs` are the SavedModel's, `method_inputs` the JAX
-  method's. `jax_artifact` is the `jax.export` artifact's `{'file',
-  'nbytes', 'platforms', 'calling_convention_version',
-  'stablehlo_version'}`, None with `jax_artifacts=False`, or `NOT_RECORDED`.
-  """
+  """One serving signature; specs are `{'shape', 'dtype'}` dicts."""
   inputs: Mapping[str, Any]
   outputs: Mapping[str, Any]
   method_inputs: Mapping[str, Any]
@@ -98,22 +80,7 @@ class Signature:
 
 @dataclasses.dataclass(frozen=True)
 class Metadata:
-  """What `assets.extra/t5export.json` holds.
-
-  Attributes:
-    step: the version (the train step exported).
-    time_utc: when it was written, ISO 8601.
-    versions: `{library: version}` it was written with.
-    serving: the serving target (`{'serving_tf_version', 'loads_on', ...}`).
-    platforms: the lowering platforms.
-    options: the exporter options that shape the files.
-    signatures: `{name: Signature}`.
-    params: `{path: Param}`, in the SavedModel's variable order.
-    nbytes: the parameters' bytes as exported.
-    check: what the pre-publish check did.
-    metrics: the flat metrics given to the export.
-    format_version: the file's layout.
-  """
+  """What `assets.extra/t5export.json` holds (fields: docs/internals.md)."""
   step: int
   time_utc: str
   versions: Mapping[str, str]

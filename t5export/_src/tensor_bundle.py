@@ -1,7 +1,6 @@
 """Reads TensorFlow checkpoints (tensor bundles) with numpy, without TF.
 
-The `.index` SSTable, its protobufs and the CRC-32C are decoded by hand
-(formats: docs/internals.md).
+Index, protobufs and CRC-32C are decoded by hand (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -100,8 +99,7 @@ def _crc_bytes(reg: int, data: np.ndarray) -> int:
 def _position_tables() -> np.ndarray:
   """`tables[i, b]`: what byte b at position i adds to a row's CRC register.
 
-  The CRC is linear over GF(2): a row's register (started at 0) is the XOR
-  of b's one-byte update followed by the row's `_CRC_ROW - 1 - i` zeros.
+  The CRC is linear over GF(2): b's update, then `_CRC_ROW - 1 - i` zeros.
   """
   step = np.array(_crc_table(), np.uint32)
   tables = np.empty((_CRC_ROW, 256), np.uint32)
@@ -114,9 +112,8 @@ def _position_tables() -> np.ndarray:
 def crc32c(data: bytes | memoryview | np.ndarray) -> int:
   """The CRC-32C of `data` (TensorFlow's and LevelDB's), ~100 MB/s a core.
 
-  Past a byte-by-byte head, numpy computes all rows' registers at once and
-  each is folded into the running one: a reflected CRC's register acts like
-  the next 4 input bytes, so carrying it over a row is 4 table lookups.
+  numpy computes all rows' registers at once; a reflected CRC's register
+  acts like the next 4 input bytes, so folding one in is 4 table lookups.
   """
   buf = (data.reshape(-1).view(np.uint8) if isinstance(data, np.ndarray)
          else np.frombuffer(data, np.uint8))
@@ -297,9 +294,7 @@ def param_checkpoint_keys(object_graph: bytes, *, attribute: str = 'param_vars',
                           count: int | None = None) -> list[str] | None:
   """Keys of the first `count` (default all) variables of root.`attribute`.
 
-  None if that list is incomplete. `TrackableObjectGraph` fields: nodes = 1;
-  a node's children = 1 {node_id = 1, local_name = 2}, attributes = 2 {name
-  = 1, checkpoint_key = 3}.
+  None if that list is incomplete (fields: docs/internals.md).
   """
   try:
     nodes = [value for number, value in _fields(object_graph) if number == 1]

@@ -1,8 +1,6 @@
 """Reads a published version back: params, the JAX function, comparisons.
 
-`load_params` and `load_function` read the variables and `jax.export`
-artifacts without TensorFlow; `run_signatures_isolated` and `call_exported`
-import TensorFlow when called, never at import.
+TensorFlow is imported only inside the functions that run it, never here.
 """
 
 from __future__ import annotations
@@ -23,9 +21,6 @@ from t5export._src import paths
 from t5export._src import tensor_bundle
 from t5export._src import xla_schedule
 
-# The tracked attribute of JaxModule that holds the params, in order.
-_PARAM_VARS_ATTR = 'param_vars'
-
 
 def _read_variables(version_dir: str,
                     meta: metadata.Metadata) -> dict[str, np.ndarray]:
@@ -33,27 +28,22 @@ def _read_variables(version_dir: str,
   names = list(meta.params)
   reader = tensor_bundle.BundleReader(
       os.path.join(version_dir, 'variables', 'variables'))
-  keys = tensor_bundle.param_checkpoint_keys(
-      reader.read_strings(tensor_bundle.OBJECT_GRAPH_KEY)[0],
-      attribute=_PARAM_VARS_ATTR)
+  keys = tensor_bundle.param_checkpoint_keys(  # JaxModule.param_vars.
+      reader.read_strings(tensor_bundle.OBJECT_GRAPH_KEY)[0])
   if keys is None:
     raise errors.VersionNotFoundError(
         f'The SavedModel at {version_dir!r} has no complete '
-        f'{_PARAM_VARS_ATTR!r} list; it was not written by t5export.')
+        "'param_vars' list; it was not written by t5export.")
   if len(keys) != len(names):
     raise errors.ParamsMismatchError(
         missing=names[len(keys):],
-        unexpected=[f'{_PARAM_VARS_ATTR}/{i}' for i in
-                    range(len(names), len(keys))],
+        unexpected=[f'param_vars/{i}' for i in range(len(names), len(keys))],
         source=f'variables stored in {version_dir!r}')
   return {name: reader.read(key) for name, key in zip(names, keys)}
 
 
 def load_params(version_dir: str | os.PathLike[str]) -> dict[str, Any]:
-  """Loads the exported variables of a version back as a JAX pytree.
-
-  Bit-exact (bfloat16 included), read with numpy from the checksummed
-  variables checkpoint, without TensorFlow.
+  """Loads a version's variables back as a JAX pytree, bit-exact, without TF.
 
   Args:
     version_dir: a version directory such as `<export_dir>/1000`.
@@ -74,20 +64,18 @@ def load_params(version_dir: str | os.PathLike[str]) -> dict[str, Any]:
 
 def load_function(version_dir: str | os.PathLike[str],
                   signature_name: str) -> Callable[[Any], Any]:
-  """The JAX function a version serves, bound to that version's weights.
+  """The JAX method a version serves (no TF pre/post-processing), in JAX.
 
-  The exact StableHLO the SavedModel runs, in JAX, without TensorFlow. It is
-  the JAX method only (no TF pre/post-processing): `fn` takes the metadata's
-  `method_inputs` (e.g. token ids, not text). Inside your own `jax.jit`, call
-  `fn.exported.call(fn.variables, inputs)`: closed-over variables may be
-  folded by XLA, changing the last bits.
+  Inside your own `jax.jit`, call `fn.exported.call(fn.variables, inputs)`:
+  XLA may fold closed-over variables, changing the last bits.
 
   Args:
     version_dir: a version directory such as `<export_dir>/1000`.
     signature_name: the signature.
 
   Returns:
-    `fn(inputs) -> outputs`; `fn.exported` is the `jax.export.Exported`
+    `fn(inputs) -> outputs`, bound to the version's weights, taking the
+    metadata's `method_inputs`; `fn.exported` is the `jax.export.Exported`
     and `fn.variables` the bound variables (as stored).
 
   Raises:
@@ -102,8 +90,7 @@ def load_function(version_dir: str | os.PathLike[str],
   meta = metadata.read_metadata(version_dir)
   exported = jax_artifacts.read(version_dir, signature_name, meta)
   flat = _read_variables(version_dir, meta)
-  # in_tree is that of ((variables, inputs), {}): rebuild the variables in
-  # the exported structure, whatever containers the model used.
+  # in_tree is ((variables, inputs), {}), in the model's own containers.
   variables_tree = exported.in_tree.children()[0].children()[0]
   if variables_tree.num_leaves != len(flat):
     raise errors.VariablesFormatError(
@@ -130,11 +117,9 @@ def _named_outputs(outputs: Any) -> dict[str, Any]:
 def compare_outputs(signature_name: str, actual: Mapping[str, Any],
                     expected: Any, *, atol: float,
                     rtol: float) -> dict[str, metadata.OutputCheck]:
-  """Each output's errors against JAX's (`expected` may be a pytree).
+  """Each output's errors against JAX's, or ExportCheckError (first by name).
 
-  Names, shapes, dtypes and strings must match, numbers satisfy `|a - e| <=
-  atol + rtol * |e|` (equal infinities and NaNs agree); else ExportCheckError
-  (its `kind` says which) for the first output by name.
+  Numbers must satisfy `|a - e| <= atol + rtol * |e|` (equal inf/NaN agree).
   """
   fail = functools.partial(errors.ExportCheckError, signature_name)
   actual, expected = _named_outputs(actual), _named_outputs(expected)
@@ -192,9 +177,7 @@ def run_signatures_isolated(
     requests: Sequence[tuple[str, Mapping[str, Any]]]) -> list[dict[str, Any]]:
   """Runs `(signature, inputs)` requests in a throw-away TF graph and session.
 
-  Loaded as TF Serving does (SignatureDefs fed by tensor name); unlike
-  `tf.saved_model.load` nothing stays cached, so memory stays flat across
-  exports. Raises SignatureError for an unknown signature or input.
+  As TF Serving loads it; unlike `tf.saved_model.load` nothing stays cached.
   """
   version_dir = os.fspath(version_dir)
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -226,8 +209,7 @@ def call_exported(version_dir: str | os.PathLike[str], signature_name: str,
   """A JAX-callable running an exported signature in TF (`jax2tf.call_tf`).
 
   Under `jax.jit`, pass `output_shape_dtype` (`{output: ShapeDtypeStruct}`)
-  if the output shapes depend on polymorphic inputs. (`tf2jax` cannot load
-  `XlaCallModule` ops under jax 0.10.) `fn.saved_model` keeps it alive.
+  if the output shapes depend on polymorphic inputs.
   """
   from jax.experimental import jax2tf  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -250,6 +232,6 @@ def call_exported(version_dir: str | os.PathLike[str], signature_name: str,
   def call(inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
     return jax_fn(dict(inputs))
 
-  call.saved_model = loaded  # type: ignore[attr-defined]
+  call.saved_model = loaded  # type: ignore[attr-defined]  # Kept alive.
   call.signature = tf_sig  # type: ignore[attr-defined]
   return call
