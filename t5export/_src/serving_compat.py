@@ -1,9 +1,5 @@
-"""The serving target: the oldest TensorFlow (Serving) that must load an export.
-
-`resolve` maps it to the calling-convention and StableHLO versions it reads;
-`targeting` makes jax2tf / jax.export on this thread write them
-(docs/internals.md, "Serving target"). Light: no TensorFlow.
-"""
+"""The oldest TensorFlow (Serving) that must load an export, and making JAX
+write for it (docs/internals.md, "Serving target"). Light: no TensorFlow."""
 
 from __future__ import annotations
 
@@ -54,8 +50,7 @@ def _reachable() -> list[tuple[tuple[int, int], int, str]]:
   """The TF_TARGETS rows this JAX can write, oldest first."""
   low = jax.export.minimum_supported_calling_convention_version
   high = jax.export.maximum_supported_calling_convention_version
-  rows = [(tf, min(cc, high), shlo) for tf, cc, shlo in TF_TARGETS
-          if cc >= low]
+  rows = [(tf, min(cc, high), shlo) for tf, cc, shlo in TF_TARGETS if cc >= low]
   if not rows:
     raise errors.ServingTargetError(
         f'This JAX ({jax.__version__}) writes calling-convention versions '
