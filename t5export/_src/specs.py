@@ -1,8 +1,5 @@
-"""Input specs: how a Signature's inputs and outputs are described and named.
-
-Parses `input_specs` leaves into `InputSpec`s, names serving inputs and
-outputs, checks sample inputs. The format: docs/internals.md.
-"""
+"""Input specs: parsing a Signature's, naming its inputs and outputs, checking
+sample inputs (the format: docs/internals.md)."""
 
 from __future__ import annotations
 
