@@ -87,8 +87,7 @@ def resolve(serving_tf_version: str | None = None) -> ServingTarget:
         f'{jax.__version__} loads on is {oldest} (older releases cannot run '
         f'the StableHLO it writes). Pass serving_tf_version={oldest!r} or '
         'newer, and serve with TF Serving >= that release.')
-  # The newest row at or below the target: a newer release loads whatever
-  # an older one does.
+  # The newest row at or below the target: newer releases load what older do.
   _, version, stablehlo = [row for row in rows if row[0] <= wanted][-1]
   return ServingTarget(tf_version='%d.%d' % wanted,
                        calling_convention_version=version,
