@@ -120,8 +120,7 @@ def flat_input_names(tree: Any) -> list[str]:
 
 
 def name_outputs(outputs: Any) -> dict[str, Any]:
-  """Flat named outputs: dict keys kept (nested joined with '/'), else
-  'output_0', 'output_<i>'."""
+  """Flat named outputs: dict keys (nested joined by '/'), else 'output_<i>'."""
   flat = paths.flatten(outputs)
   if isinstance(outputs, Mapping):
     return flat
