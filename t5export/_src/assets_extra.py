@@ -70,9 +70,8 @@ def write(staging: str, *, module: Any,
           snap: snapshot_lib.HostSnapshot, check: metadata.Check,
           metrics: dict[str, Any], options: options_lib.ExportOptions,
           model_name: str) -> int:
-  """Writes `assets.extra/` of a staged, checked version; `artifacts` is
-  `{signature: (jax.export bytes, metadata entry)}`. Returns the number of
-  warm-up requests written."""
+  """Writes a staged, checked version's `assets.extra/` (`artifacts`: name ->
+  (jax.export bytes, metadata entry)); returns the warm-up request count."""
   for name, (data, _) in artifacts.items():
     path = os.path.join(staging, jax_artifacts.artifact_file(name))
     os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -37,8 +37,7 @@ def describe(data: bytes, signature_name: str,
 
 def read(version_dir: str, signature_name: str,
          meta: metadata.Metadata) -> jax.export.Exported:
-  """One signature's artifact of a version, read and checked against its
-  metadata entry (SignatureError, NoJaxArtifactError)."""
+  """One signature's artifact of a version, checked against its metadata."""
   if signature_name not in meta.signatures:
     raise errors.SignatureError(
         f'signature_name={signature_name!r} is not a signature of the '

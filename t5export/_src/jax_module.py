@@ -1,7 +1,5 @@
-"""JaxModule: one host-CPU tf.Variable per leaf plus jax2tf-converted methods.
-
-Weights live in variables/, never in the graph (docs/internals.md).
-"""
+"""JaxModule: one host-CPU tf.Variable per leaf plus jax2tf-converted methods;
+weights live in variables/, never in the graph (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -43,13 +41,6 @@ def default_platforms() -> tuple[str, ...]:
   return (backend,)
 
 
-def _host_array(leaf: Any) -> np.ndarray:
-  """The leaf as a numpy array of JAX's canonical dtype (no copy on CPU)."""
-  array = np.asarray(leaf)
-  dtype = jax.dtypes.canonicalize_dtype(array.dtype)
-  return array if array.dtype == dtype else array.astype(dtype)
-
-
 def _abstract(leaf: Any) -> jax.ShapeDtypeStruct:
   """A leaf with `.shape` and `.dtype` (numpy, JAX or TF) as jax2tf sees it."""
   dtype = np.dtype(getattr(leaf.dtype, 'as_numpy_dtype', leaf.dtype))
@@ -57,14 +48,15 @@ def _abstract(leaf: Any) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(shape, jax.dtypes.canonicalize_dtype(dtype))
 
 
-def _tf_value(array: np.ndarray, *, cast: bool, owned: bool,
-              own_copy: bool = False) -> Any:
-  """An owned, adoptable array as a tf.Tensor sharing its memory; with
-  `own_copy` anything else is first copied into aligned memory TF adopts."""
-  if cast or (own_copy and not (owned and host_buffers.adoptable(array))):
+def _tf_value(leaf: Any, *, cast: bool, owned: bool) -> Any:
+  """The leaf in JAX's dtype as a tf.Tensor sharing its memory (an unowned or
+  unadoptable one first copied into aligned memory TF adopts)."""
+  array = np.asarray(leaf)  # No copy on CPU.
+  dtype = jax.dtypes.canonicalize_dtype(array.dtype)
+  array = array if array.dtype == dtype else array.astype(dtype)
+  if cast or not (owned and host_buffers.adoptable(array)):
     array = host_buffers.aligned_copy(array, np.float32 if cast else None)
-    owned = True
-  if not (owned and host_buffers.adoptable(array)):
+  if not host_buffers.adoptable(array):  # Empty, or not a DLPack dtype.
     return array
   if array.dtype == jnp.bfloat16:
     # numpy's DLPack has no bfloat16: share the bits as uint16, bitcast.
@@ -94,8 +86,7 @@ class JaxModule(tf.Module):
 
   Attributes:
     param_vars: the tf.Variables, in `param_paths` order.
-    trace_count: how many times jax2tf traced a method (saves do not trace
-      again).
+    trace_count: how many times jax2tf traced a method (saves do not).
   """
 
   def __init__(self, variables: Any,
@@ -154,8 +145,7 @@ class JaxModule(tf.Module):
     casts = tuple(bool(cast_bfloat16 and d == jnp.bfloat16) for d in dtypes)
     with tf.device('/CPU:0'):  # At most one extra leaf buffer at a time.
       self.param_vars = [
-          tf.Variable(_tf_value(_host_array(leaf), cast=cast, owned=owned,
-                                own_copy=True),
+          tf.Variable(_tf_value(leaf, cast=cast, owned=owned),
                       trainable=trainable, name=tf_variable_name(path))
           for (_, leaf), path, cast in zip(flat, leaf_paths, casts)]
     # On CPU the checks' jitted methods use the memory-optimized schedule.
@@ -314,5 +304,4 @@ class JaxModule(tf.Module):
     with tf.device('/CPU:0'):
       for var, path, cast in zip(self.param_vars, meta.paths,
                                  meta.cast_to_f32):
-        var.assign(_tf_value(_host_array(flat[path]), cast=cast, owned=owned,
-                             own_copy=True))
+        var.assign(_tf_value(flat[path], cast=cast, owned=owned))

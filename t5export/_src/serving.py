@@ -1,7 +1,5 @@
-"""Signature: a name, a JAX method, its input specs and TF pre/post-processors.
-
-`make_module` builds the JaxModule for a list of them (docs/internals.md).
-"""
+"""Signature: a name, a JAX method, its input specs and TF pre/post-processors;
+`make_module` builds the JaxModule for a list of them (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -29,10 +27,6 @@ def _is_parsed(x: Any) -> bool:
 @gin.configurable(module='t5export')
 class Signature:
   """A named serving entry point: a JAX method plus its input description.
-
-  Example:
-    t5export.Signature(name='serving_default', method=serve,
-                       input_specs={'x': ('b, 16', 'float32')})
 
   Attributes:
     name: the SignatureDef key.
@@ -140,10 +134,8 @@ class Signature:
       self.method_inputs = specs.specs_of_tensors(
           concrete.structured_outputs, where=where,
           batch=sorted(leading)[0] if len(leading) == 1 else None)
-    self.sample_inputs = (None if sample_inputs is None else
-                          specs.check_samples(
-                              sample_inputs, self.inputs,
-                              where=f'{where}: sample_inputs'))
+    self.sample_inputs = None if sample_inputs is None else specs.check_samples(
+        sample_inputs, self.inputs, where=f'{where}: sample_inputs')
 
   def _to_serving_tree(self, flat_values: Sequence[Any]) -> Any:
     treedef = jax.tree_util.tree_structure(
@@ -203,9 +195,8 @@ class Signature:
           f'{type(e).__name__}: {e}') from e
 
   def make_serving_fn(self, module: jax_module.JaxModule) -> Any:
-    """The serving `tf.function`: flat inputs -> preprocessor -> converted
-    method (not traced again) -> postprocessor -> flat named outputs. The
-    processors' TF resources are attached to `module`, to be saved."""
+    """The serving `tf.function` around `module`'s converted method (not traced
+    again); the processors' TF resources go onto `module`, to be saved."""
     methods = module.methods
     if self.name not in methods:
       raise errors.SignatureError(

@@ -1,9 +1,5 @@
-"""The serving target: the oldest TensorFlow (Serving) that must load an export.
-
-`resolve` maps it to the calling-convention and StableHLO versions it reads;
-`targeting` makes jax2tf / jax.export on this thread write them
-(docs/internals.md, "Serving target"). Light: no TensorFlow.
-"""
+"""The oldest TensorFlow (Serving) that must load an export, and making JAX
+write for it (docs/internals.md, "Serving target"). Light: no TensorFlow."""
 
 from __future__ import annotations
 
@@ -54,8 +50,7 @@ def _reachable() -> list[tuple[tuple[int, int], int, str]]:
   """The TF_TARGETS rows this JAX can write, oldest first."""
   low = jax.export.minimum_supported_calling_convention_version
   high = jax.export.maximum_supported_calling_convention_version
-  rows = [(tf, min(cc, high), shlo) for tf, cc, shlo in TF_TARGETS
-          if cc >= low]
+  rows = [(tf, min(cc, high), shlo) for tf, cc, shlo in TF_TARGETS if cc >= low]
   if not rows:
     raise errors.ServingTargetError(
         f'This JAX ({jax.__version__}) writes calling-convention versions '
@@ -92,8 +87,7 @@ def resolve(serving_tf_version: str | None = None) -> ServingTarget:
         f'{jax.__version__} loads on is {oldest} (older releases cannot run '
         f'the StableHLO it writes). Pass serving_tf_version={oldest!r} or '
         'newer, and serve with TF Serving >= that release.')
-  # The newest row at or below the target: a newer release loads whatever
-  # an older one does.
+  # The newest row at or below the target: newer releases load what older do.
   _, version, stablehlo = [row for row in rows if row[0] <= wanted][-1]
   return ServingTarget(tf_version='%d.%d' % wanted,
                        calling_convention_version=version,

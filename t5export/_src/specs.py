@@ -1,8 +1,5 @@
-"""Input specs: how a Signature's inputs and outputs are described and named.
-
-Parses `input_specs` leaves into `InputSpec`s, names serving inputs and
-outputs, checks sample inputs. The format: docs/internals.md.
-"""
+"""Input specs: parsing a Signature's, naming its inputs and outputs, checking
+sample inputs (the format: docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -123,8 +120,7 @@ def flat_input_names(tree: Any) -> list[str]:
 
 
 def name_outputs(outputs: Any) -> dict[str, Any]:
-  """Flat named outputs: dict keys kept (nested joined with '/'), else
-  'output_0', 'output_<i>'."""
+  """Flat named outputs: dict keys (nested joined by '/'), else 'output_<i>'."""
   flat = paths.flatten(outputs)
   if isinstance(outputs, Mapping):
     return flat
