@@ -12,9 +12,8 @@ import jax
 from t5export import errors
 from t5export._src import metadata
 from t5export._src import serving_compat
-from t5export._src import versions
 
-ARTIFACT_DIR = os.path.join(versions.ASSETS_EXTRA, 'jax_exported')
+ARTIFACT_DIR = os.path.join(metadata.ASSETS_EXTRA, 'jax_exported')
 
 
 def artifact_file(signature_name: str) -> str:

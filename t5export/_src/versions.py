@@ -23,7 +23,6 @@ from t5export._src import metadata
 
 STAGING_PREFIX = '.tmp-'
 _VERSION_RE = re.compile(r'^[0-9]+$')
-ASSETS_EXTRA = metadata.ASSETS_EXTRA  # jax_artifacts' files live there too.
 
 
 def list_versions(export_dir: str) -> list[int]:
