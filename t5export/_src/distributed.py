@@ -33,8 +33,7 @@ def _one_line(e: BaseException) -> str:
 class ExportCoordinator:
   """Makes N processes follow process 0 (the writer); inactive in one."""
 
-  def __init__(self, *, timeout_secs: float = DEFAULT_TIMEOUT_SECS,
-               name: str = 'export'):
+  def __init__(self, *, timeout_secs: float = DEFAULT_TIMEOUT_SECS):
     """`timeout_secs` bounds each wait for process 0 and at a barrier."""
     if isinstance(timeout_secs, bool) or not isinstance(timeout_secs,
                                                         (int, float)):
@@ -51,7 +50,7 @@ class ExportCoordinator:
     self._index, self._count = jax.process_index(), jax.process_count()
     self.active, self.is_writer = self._count > 1, self._index == 0
     self.rounds = 0
-    self._prefix = f't5export/{name}/{next(_INSTANCES)}'
+    self._prefix = f't5export/export/{next(_INSTANCES)}'
     self._open: tuple[int, str] | None = None  # (round, what) not settled.
     self._closed = False
     self._client = jax_distributed.global_state.client
