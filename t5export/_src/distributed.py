@@ -1,10 +1,5 @@
-"""Multi-process export: one writer, and every process agrees on the outcome.
-
-Each thing process 0 does alone is a numbered round: it reports `ok:<path>`,
-`error:<message>` or `logged:<message>` in the `jax.distributed` key-value
-store, the others wait for it (bounded) and do likewise, then all meet at a
-barrier. docs/multiprocess.md has the protocol. Light: never imports TF.
-"""
+"""Multi-process export: process 0 writes, all agree on each round's outcome
+(the protocol: docs/multiprocess.md). Light: never imports TF."""
 
 from __future__ import annotations
 
@@ -36,14 +31,9 @@ def _one_line(e: BaseException) -> str:
 
 
 class ExportCoordinator:
-  """Makes N `jax.distributed` processes follow process 0, the writer.
+  """Makes N processes follow process 0 (the writer); inactive in one."""
 
-  Every process calls `run`, `publish`, `settle` and `close` at the same
-  points. In one process it is inactive: rounds just run the local function.
-  """
-
-  def __init__(self, *, timeout_secs: float = DEFAULT_TIMEOUT_SECS,
-               name: str = 'export'):
+  def __init__(self, *, timeout_secs: float = DEFAULT_TIMEOUT_SECS):
     """`timeout_secs` bounds each wait for process 0 and at a barrier."""
     if isinstance(timeout_secs, bool) or not isinstance(timeout_secs,
                                                         (int, float)):
@@ -60,7 +50,7 @@ class ExportCoordinator:
     self._index, self._count = jax.process_index(), jax.process_count()
     self.active, self.is_writer = self._count > 1, self._index == 0
     self.rounds = 0
-    self._prefix = f't5export/{name}/{next(_INSTANCES)}'
+    self._prefix = f't5export/export/{next(_INSTANCES)}'
     self._open: tuple[int, str] | None = None  # (round, what) not settled.
     self._closed = False
     self._client = jax_distributed.global_state.client
@@ -79,11 +69,7 @@ class ExportCoordinator:
     return bool(multihost_utils.broadcast_one_to_all(np.int32(bool(flag))))
 
   def run(self, fn: Callable[[], T], *, what: str) -> T | None:
-    """`fn()` on process 0 (None elsewhere); every process gets its outcome.
-
-    Process 0 raises what `fn` raised; the others raise `WriterFailedError`
-    with its message, or `WriterTimeoutError` if it did not report.
-    """
+    """`fn()` on process 0 (None elsewhere); every process gets its outcome."""
     if not self.active:
       return fn()
     if self._open is not None:
@@ -97,12 +83,7 @@ class ExportCoordinator:
   def publish(self, step: int, publish_locally: Callable[[], str | None], *,
               sync: bool, drain: Callable[[], Any] | None = None
               ) -> str | None:
-    """One export round, after settling the previous one (see `settle`).
-
-    `publish_locally` is process 0's part: with `sync`, the write, returning
-    the path or None for a logged failure; else the hand-off to the
-    background writer, and the round stays open until the next sync point.
-    """
+    """One export round (after settling the previous); async ones stay open."""
     if not self.active:
       return publish_locally()
     self.settle(drain)
@@ -116,11 +97,7 @@ class ExportCoordinator:
     return None
 
   def settle(self, drain: Callable[[], Any] | None = None) -> None:
-    """Finishes the open asynchronous round, if any, on every process.
-
-    `drain` (process 0 only) waits for the background write: it raises for
-    a failure that stops training, or returns False for a logged one.
-    """
+    """Finishes the open round everywhere; `drain` is process 0's wait."""
     if self._open is None or not self.active:
       if drain is not None and self.is_writer:
         drain()
@@ -151,9 +128,7 @@ class ExportCoordinator:
 
   def _play(self, index: int, what: str, fn: Callable[[], Any],
             path: Callable[[Any], str | None]) -> Any:
-    """Round `index`: the writer runs `fn`, reports `path(result)` (None:
-    a logged failure), and the others follow that report.
-    """
+    """The writer runs `fn` and reports `path(result)`; the others follow."""
     if not self.is_writer:
       return self._follow(index, what)
     result = self._run_reporting(index, fn)

@@ -1,7 +1,5 @@
 """Logical axis rules, their resolution to mesh axes, placement on a mesh.
-
-Light: never imports TensorFlow.
-"""
+Light: never imports TensorFlow."""
 
 from __future__ import annotations
 
@@ -63,11 +61,7 @@ def standard_logical_axis_rules(
 ) -> LogicalAxisRules:
   """T5X's default rules from logical axis names to the 'data'/'model' mesh.
 
-  The same lists as T5X's, so a model resolves to the same mesh axes. Rules
-  are in priority order: a rule gives its mesh axes to the dimension with
-  its logical name if that dimension is unassigned and the axes are unused
-  by the other dimensions (flax's semantics); a name without a rule is an
-  error.
+  Rules are in priority order, with flax's semantics (docs/internals.md).
 
   Args:
     activation_partitioning_dims: 1, or 2 to also shard activations' 'embed'
@@ -108,11 +102,7 @@ def logical_to_mesh_spec(names: Sequence[str | None],
                          rules: Sequence[tuple[str, MeshAxes]], *,
                          path: str,
                          shape: Sequence[int] | None = None) -> PartitionSpec:
-  """One parameter's mesh axes, by flax's rules walk (see the rules' doc).
-
-  A dimension whose rules' mesh axes are all taken is replicated; `path`
-  names the parameter in errors, and `shape` (if given) checks the rank.
-  """
+  """One parameter's mesh axes by flax's rules walk; `shape` checks rank."""
   names = tuple(names)
   if shape is not None and len(tuple(shape)) != len(names):
     raise errors.AxisRankMismatchError(path, tuple(shape), names)
@@ -149,11 +139,7 @@ def _is_spec(x: Any) -> bool:
 
 
 def get_mesh_axes(state: Any, rules: Sequence[tuple[str, MeshAxes]]) -> Any:
-  """Mesh-axis specs for a state (with `as_logical_axes()`) or a spec tree.
-
-  A None logical spec (T5X's replicated) is `PartitionSpec()` at a state's
-  array, and stays None in a spec tree given directly.
-  """
+  """Mesh-axis specs for a state (with `as_logical_axes()`) or a spec tree."""
   rules = tuple(rules)
   if all(_is_spec(leaf) for leaf in
          jax.tree_util.tree_leaves(state, is_leaf=_is_spec)):
@@ -204,9 +190,7 @@ def shard_state(state: Any, mesh: jax.sharding.Mesh,
                 rules: Sequence[tuple[str, MeshAxes]]) -> Any:
   """Places a state's arrays on `mesh` as its logical axes and `rules` say.
 
-  Works in one process and under `jax.distributed`, where every process
-  must hold the same full values (e.g. the same init seed) and call this at
-  the same point; each keeps only its own shards.
+  Under `jax.distributed` every process calls it with the same full values.
 
   Args:
     state: a train state with `as_logical_axes()` (t5export's or T5X's)

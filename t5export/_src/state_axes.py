@@ -1,7 +1,5 @@
-"""A state's axis names: read into the mirror layout, turned into specs.
-
-The layout is docs/internals.md's, "State". Light: never imports TensorFlow.
-"""
+"""A state's axis names: read into the mirror layout (docs/internals.md,
+"State"), turned into specs. Light: never imports TensorFlow."""
 
 from __future__ import annotations
 
@@ -30,10 +28,6 @@ def plain(tree: Any) -> Any:
   return tree
 
 
-def _is_axis_md(x: Any) -> bool:
-  return isinstance(x, AxisMetadata)
-
-
 def _unbox(tree: Any) -> tuple[Any, dict[str, tuple[Any, ...]]]:
   """Unboxes flax metadata boxes; returns (plain tree, {path: axis names})."""
   names = {}
@@ -52,16 +46,13 @@ def _unbox(tree: Any) -> tuple[Any, dict[str, tuple[Any, ...]]]:
 
 def _axis_names(axes: Any, values: Any, what: str
                 ) -> tuple[dict[str, tuple[Any, ...]], list[str]]:
-  """({value path: names}, unknown axes paths) of an axes tree or None.
-
-  An entry sits at its value's path, or that path + '_axes' (T5X's layout).
-  """
+  """({value path: names}, unknown paths); an entry may end in '_axes'."""
   known = set(paths.flatten(values))
   names, unknown = {}, []
-  flat = {} if axes is None else paths.flatten(plain(axes),
-                                               is_leaf=_is_axis_md)
+  flat = {} if axes is None else paths.flatten(
+      plain(axes), is_leaf=lambda x: isinstance(x, AxisMetadata))
   for path, md in flat.items():
-    if not _is_axis_md(md):
+    if not isinstance(md, AxisMetadata):
       raise TypeError(
           f'Axes entry {path!r} is {md!r}, not a flax.linen.partitioning.'
           'AxisMetadata(names=...), which axes trees hold.')
@@ -179,8 +170,7 @@ def param_specs(params: Any, params_axes: Any) -> Any:
 
 
 def specs_from_axes(values: Any, axes: Any, *, what: str) -> Any:
-  """Specs from values and their axes mirror (None: all replicated); `what`
-  ('params', 'flax_mutables') names the trees in a mismatch error."""
+  """Specs from values and their axes mirror (None: all replicated)."""
   if axes is None:
     return jax.tree.map(replicated, values)
   try:
@@ -189,8 +179,8 @@ def specs_from_axes(values: Any, axes: Any, *, what: str) -> Any:
             *md.names), values, axes)
   except ValueError as e:
     value_paths = paths.flatten(values)
-    axes_paths = paths.flatten(axes,
-                               is_leaf=lambda x: x is None or _is_axis_md(x))
+    axes_paths = paths.flatten(
+        axes, is_leaf=lambda x: x is None or isinstance(x, AxisMetadata))
     if value_paths.keys() == axes_paths.keys():
       raise  # Same paths, other node types: jax's message says which.
     raise errors.AxesTreeMismatchError(
@@ -199,9 +189,7 @@ def specs_from_axes(values: Any, axes: Any, *, what: str) -> Any:
 
 
 def _opt_leaf_spec(leaf: Any, param: Any, spec: PartitionSpec) -> Any:
-  """An optimizer leaf's spec: its param's if shaped alike, without the
-  dimension it lacks if that is unambiguous (adafactor), else replicated.
-  """
+  """Its param's spec if shaped alike or factored, else replicated."""
   if isinstance(leaf, optax.MaskedNode):
     return leaf
   shape, pshape, names = np.shape(leaf), np.shape(param), tuple(spec)

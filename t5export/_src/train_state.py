@@ -1,7 +1,5 @@
 """The train states: T5X's API on optax. Axis names are `state_axes`'.
-
-Light module: never imports tensorflow.
-"""
+Light module: never imports tensorflow."""
 
 from __future__ import annotations
 
@@ -39,12 +37,8 @@ _INJECT_STATES = (optax.InjectHyperparamsState,
 
 @runtime_checkable
 class TrainState(Protocol):
-  """T5X's TrainState interface, which t5export's states implement.
-
-  An export reads only `step`, `params` and, when present, `flax_mutables`,
-  `params_axes` and `flax_mutables_axes`, so T5X's own states work as they
-  are; `shard_state` reads `as_logical_axes()`.
-  """
+  """T5X's TrainState interface; an export reads only `step`, `params` and,
+  if present, `flax_mutables`, `params_axes` and `flax_mutables_axes`."""
 
   @property
   def step(self) -> jax.Array:
@@ -152,9 +146,6 @@ class _StateMethods:
   def as_logical_axes(self) -> Self:
     """The same structure with logical `PartitionSpec`s in place of arrays.
 
-    Params get their declared names; optimizer leaves shaped like their
-    param (or factored, as adafactor's) follow it; the rest is replicated.
-
     Returns:
       A state of the same class holding PartitionSpecs.
 
@@ -211,9 +202,8 @@ class FlaxOptimTrainState(_StateMethods, flax.struct.PyTreeNode):
     """Builds a state at step 0 from flax variables and an optax optimizer.
 
     Args:
-      tx: an optax GradientTransformation, e.g. `optax.adamw(1e-3)` (wrap it
-        in `optax.inject_hyperparams` to pass `apply_gradient` learning
-        rates).
+      tx: an optax GradientTransformation, e.g. `optax.adamw(1e-3)`; in
+        `optax.inject_hyperparams` for `apply_gradient(learning_rate=)`.
       model_variables: what `model.init` returns: 'params', optionally
         'params_axes' (T5X `param_with_axes`) and other collections with
         their '<name>_axes'; params may be `nn.Partitioned` boxes.
@@ -304,8 +294,7 @@ class InferenceState(_StateMethods, flax.struct.PyTreeNode):
     """Builds a step-0 state from flax variables (as FlaxOptimTrainState).
 
     Args:
-      model_variables: what `model.init` returns, as for
-        `FlaxOptimTrainState.create`.
+      model_variables: as for `FlaxOptimTrainState.create`.
 
     Returns:
       The new state.
@@ -319,8 +308,6 @@ class InferenceState(_StateMethods, flax.struct.PyTreeNode):
   @classmethod
   def from_train_state(cls, train_state: Any) -> InferenceState:
     """The strip: keeps step, params, mutables and axes; drops the optimizer.
-
-    No optimizer leaf is read; param and mutable buffers are shared.
 
     Args:
       train_state: an InferenceState (returned as is), a FlaxOptimTrainState
