@@ -21,6 +21,9 @@ from t5export._src import paths
 from t5export._src import tensor_bundle
 from t5export._src import xla_schedule
 
+# The tracked attribute of JaxModule that holds the params, in order.
+_PARAM_VARS_ATTR = 'param_vars'
+
 
 def _read_variables(version_dir: str,
                     meta: metadata.Metadata) -> dict[str, np.ndarray]:
@@ -28,16 +31,18 @@ def _read_variables(version_dir: str,
   names = list(meta.params)
   reader = tensor_bundle.BundleReader(
       os.path.join(version_dir, 'variables', 'variables'))
-  keys = tensor_bundle.param_checkpoint_keys(  # JaxModule.param_vars.
-      reader.read_strings(tensor_bundle.OBJECT_GRAPH_KEY)[0])
+  keys = tensor_bundle.param_checkpoint_keys(
+      reader.read_strings(tensor_bundle.OBJECT_GRAPH_KEY)[0],
+      attribute=_PARAM_VARS_ATTR)
   if keys is None:
     raise errors.VersionNotFoundError(
         f'The SavedModel at {version_dir!r} has no complete '
-        "'param_vars' list; it was not written by t5export.")
+        f'{_PARAM_VARS_ATTR!r} list; it was not written by t5export.')
   if len(keys) != len(names):
     raise errors.ParamsMismatchError(
         missing=names[len(keys):],
-        unexpected=[f'param_vars/{i}' for i in range(len(names), len(keys))],
+        unexpected=[f'{_PARAM_VARS_ATTR}/{i}' for i in
+                    range(len(names), len(keys))],
         source=f'variables stored in {version_dir!r}')
   return {name: reader.read(key) for name, key in zip(names, keys)}
 
