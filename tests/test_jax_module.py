@@ -15,7 +15,6 @@ import pathlib
 import subprocess
 import sys
 import textwrap
-import threading
 
 import flax.linen as nn
 import jax
@@ -634,30 +633,3 @@ def test_update_variables_copies_a_callers_leaf_once_into_the_variable(
     assert got.unsafe_buffer_pointer() == copy.ctypes.data, path
     np.testing.assert_array_equal(
         np.asarray(got), paths.flatten(caller)[path])
-
-
-def test_staged_update_checks_first_then_assigns_any_split_from_threads():
-  module = _dense_module(_dense_variables(8))
-  before = [v.numpy().copy() for v in module.param_vars]
-  bad = _dense_variables(9)
-  bad['params']['w'] = bad['params']['w'][:-1]
-  with pytest.raises(errors.VariableMismatchError,
-                     match=r'params/w: expected \(8, 4\) float32'):
-    module.staged_update(bad)  # Raised before anything is assigned.
-  new = _dense_variables(9)
-  assign = module.staged_update(new)
-  for var, old in zip(module.param_vars, before):  # Not yet assigned.
-    np.testing.assert_array_equal(var.numpy(), old)
-  threads = [threading.Thread(target=assign, args=([i],))
-             for i in range(len(module.param_vars))]
-  for t in threads:
-    t.start()
-  for t in threads:
-    t.join()
-  for path in module.param_paths:
-    np.testing.assert_array_equal(_var(module, path).numpy(),
-                                  paths.flatten(new)[path])
-  x = np.ones((2, 8), np.float32)
-  np.testing.assert_allclose(
-      module.methods['f']({'x': x})['y'].numpy(),
-      x @ new['params']['w'] + new['params']['b'], rtol=1e-5)

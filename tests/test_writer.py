@@ -11,7 +11,6 @@ version's graph byte for byte.
 from __future__ import annotations
 
 import os
-import threading
 
 import jax
 import numpy as np
@@ -20,7 +19,6 @@ import tensorflow as tf
 
 import t5export
 from t5export._src import jax_module
-from t5export._src import paths as paths_lib
 from t5export._src import verify
 from t5export._src import writer as writer_lib
 
@@ -223,62 +221,3 @@ def test_durable_false_fsyncs_nothing_and_the_versions_still_serve(
       atol=1e-6)
   meta = t5export.read_metadata(paths[-1])
   assert meta.options['durable'] is False and meta.check.checked
-
-
-def test_unchecked_reexport_copies_each_shards_leaves_in_its_own_thread(
-    tmp_path, monkeypatch):
-  # validate=False: the new values reach the variables shard by shard, each
-  # shard's writer thread copying its own leaves just before saving them.
-  exporter = t5export.SavedModelExporter(
-      tmp_path / 'm', [_signature()],
-      options=t5export.ExportOptions(keep=None, validate=False))
-  exporter.export(_state(0, 1))
-  module = exporter.module
-  calls = []
-  real = jax_module.JaxModule.staged_update
-
-  def recording(self, variables, *, owned=False):
-    assign = real(self, variables, owned=owned)
-
-    def recorded(indices):
-      calls.append((threading.current_thread().name, list(indices)))
-      assign(indices)
-    return recorded
-
-  monkeypatch.setattr(jax_module.JaxModule, 'staged_update', recording)
-  second = exporter.export(_state(1, 2))
-  indices = sorted(i for _, group in calls for i in group)
-  assert indices == list(range(len(module.param_vars)))  # Each leaf once.
-  shards = min(writer_lib.default_shards(), len(module.param_vars))
-  assert len(calls) == shards
-  assert threading.main_thread().name not in {name for name, _ in calls}
-  want = _variables(1)
-  loaded = verify.load_params(second)
-  for name, layer in want['params'].items():
-    for leaf in ('kernel', 'bias'):
-      np.testing.assert_array_equal(loaded['params'][name][leaf], layer[leaf])
-  flat = paths_lib.flatten(want)
-  for var, path in zip(module.param_vars, module.param_paths):
-    np.testing.assert_array_equal(var.numpy(), flat[path])
-  x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(2, 6)
-  (out,) = verify.run_signatures_isolated(
-      second, [('serving_default', {'x': x})])
-  np.testing.assert_allclose(out['y'], np.asarray(_mlp(want, {'x': x})['y']),
-                             rtol=1e-5, atol=1e-6)
-
-
-def test_unchecked_reexport_of_a_changed_structure_writes_nothing(tmp_path):
-  exporter = t5export.SavedModelExporter(
-      tmp_path / 'm', [_signature()],
-      options=t5export.ExportOptions(keep=None, validate=False))
-  exporter.export(_state(0, 1))
-  before = [v.numpy().copy() for v in exporter.module.param_vars]
-  with pytest.raises(t5export.errors.VariableMismatchError,
-                     match=r"missing \['params/layer_4/bias', "
-                     r"'params/layer_4/kernel'\]"):
-    exporter.export(t5export.InferenceState.create(
-        _variables(1, layers=4)).replace_step(2))
-  assert exporter.versions() == [1]
-  assert sorted(os.listdir(tmp_path / 'm')) == ['1']
-  for var, old in zip(exporter.module.param_vars, before):
-    np.testing.assert_array_equal(var.numpy(), old)

@@ -242,20 +242,14 @@ class SavedModelExporter:
           'kept as one of the newest. Metrics given: %s.', step,
           o.keep_best.metric, sorted(metrics))
     start = time.monotonic()
-    update = filling = None
-    if self._module is not None and not o.validate:
-      # Each shard's thread copies its own leaves, then writes them. (The
-      # check's JAX side reads every new value while the version is written.)
-      update = self._module.staged_update(snap.variables, owned=snap.owned)
-    else:
-      filling = self._ensure_module(snap.variables, owned=snap.owned)
+    filling = self._ensure_module(snap.variables, owned=snap.owned)
     staging = self._dir.staging_dir(step)
     # The check's JAX side runs while the version is written.
     pending = (staged_check.Pending(self._signatures, self._module,
                                     atol=o.atol, rtol=o.rtol, after=filling)
                if o.validate else None)
     try:
-      written = self._writer.write(staging, after=filling, update=update)
+      written = self._writer.write(staging, after=filling)
       logging.info('t5export: step %d: saved to %s in %.2fs (%s).', step,
                    staging, time.monotonic() - start,
                    'new variables' if written == 'variables' else 'full save')

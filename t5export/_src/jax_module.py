@@ -277,27 +277,6 @@ class JaxModule(tf.Module):
       errors.VariableMismatchError: the structure, a shape or a dtype
         differs (the message names the leaves); no variable is changed.
     """
-    self.staged_update(variables, owned=owned)(range(len(self.param_vars)))
-
-  def staged_update(self, variables: Any, *,
-                    owned: bool = False) -> Callable[[Sequence[int]], None]:
-    """Checks new values now; returns what assigns them, some leaves a call.
-
-    Calling the result once on every index of `param_vars` (in any split,
-    from any threads) is `update_variables(variables, owned=owned)`; a
-    writer uses it to copy each shard's leaves just before writing them.
-
-    Args:
-      variables: as for `update_variables`; they must stay unchanged until
-        every leaf is assigned.
-      owned: as for `update_variables`.
-
-    Returns:
-      `assign(indices)`, which sets `param_vars[i]` for each `i` in indices.
-
-    Raises:
-      errors.VariableMismatchError: as for `update_variables`, raised here.
-    """
     meta = self._meta
     flat = paths.flatten(variables)
     treedef = jax.tree_util.tree_structure(variables)
@@ -322,11 +301,7 @@ class JaxModule(tf.Module):
           'dtype:\n' + '\n'.join(f'  - {w}' for w in wrong) +
           '\nExported variables keep their shape and dtype; cast the values '
           'or build a new JaxModule.')
-    leaves = [flat[p] for p in meta.paths]
-
-    def assign(indices: Sequence[int]) -> None:
-      with tf.device('/CPU:0'):  # Per thread: assign may run in any.
-        for i in indices:
-          self.param_vars[i].assign(_tf_value(
-              leaves[i], cast=meta.cast_to_f32[i], owned=owned))
-    return assign
+    with tf.device('/CPU:0'):
+      for var, path, cast in zip(self.param_vars, meta.paths,
+                                 meta.cast_to_f32):
+        var.assign(_tf_value(flat[path], cast=cast, owned=owned))

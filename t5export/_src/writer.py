@@ -6,7 +6,7 @@ Later versions reuse the first one's weight-independent files
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 import concurrent.futures
 import os
 import pathlib
@@ -34,8 +34,8 @@ _REWRITTEN = ('variables', 'fingerprint.pb')
 
 
 def default_shards() -> int:
-  """Parallel weight shards: four per CPU (one's I/O under another's copy)."""
-  return max(1, min(16, 4 * (os.cpu_count() or 1)))
+  """Parallel weight shards: one per CPU, at most 8."""
+  return max(1, min(8, os.cpu_count() or 1))
 
 
 def _balanced(sizes: list[int], shards: int) -> list[list[int]]:
@@ -85,16 +85,8 @@ class SavedModelWriter:
       shutil.rmtree(scratch, ignore_errors=True)
 
   def write(self, directory: str, *,
-            after: concurrent.futures.Future | None = None,
-            update: Callable[[Sequence[int]], None] | None = None) -> str:
-    """Writes `directory`: 'full' or 'variables'; weights read after `after`.
-
-    `update(indices)` (`JaxModule.staged_update`) assigns those variables;
-    each shard's thread calls it on its own leaves just before saving them.
-    """
-    if self._template is None and update is not None:
-      update(range(len(self._module.param_vars)))
-      update = None
+            after: concurrent.futures.Future | None = None) -> str:
+    """Writes `directory`: 'full' or 'variables'; weights read after `after`."""
     if self._template is not None:
       os.makedirs(directory)
       for rel, data in self._template.items():
@@ -105,7 +97,7 @@ class SavedModelWriter:
             pathlib.Path(path).write_bytes(data)
           except OSError as e:
             raise OSError(e.errno, e.strerror, path) from e
-      self._write_weights(directory, update)
+      self._write_weights(directory)
       return 'variables'
     reuse, self._reuse_graph = self._reuse_graph, False  # Now or never.
     graph_saved = reuse and self._save_graph(directory)
@@ -147,9 +139,7 @@ class SavedModelWriter:
                  min(self._shards, len(keys)))
     return True
 
-  def _write_weights(
-      self, directory: str,
-      update: Callable[[Sequence[int]], None] | None = None) -> None:
+  def _write_weights(self, directory: str) -> None:
     """The variables checkpoint in parallel shards, then the fingerprint."""
     start = time.monotonic()
     os.makedirs(os.path.join(directory, 'variables'), exist_ok=True)
@@ -160,13 +150,13 @@ class SavedModelWriter:
         min(self._shards, len(variables)))
     object_graph = tf.constant(self._object_graph, dtype=tf.string)
     if len(groups) == 1:
-      self._save_v2(prefix, groups[0], object_graph, update)
+      self._save_v2(prefix, groups[0], object_graph)
     else:
       parts = [f'{prefix}_temp/part-{i:05d}-of-{len(groups):05d}'
                for i in range(len(groups))]
       with concurrent.futures.ThreadPoolExecutor(len(groups)) as pool:
         for future in [pool.submit(self._save_v2, part, group,
-                                   object_graph if i == 0 else None, update)
+                                   object_graph if i == 0 else None)
                        for i, (part, group) in enumerate(zip(parts, groups))]:
           future.result()
       with tf.device('/CPU:0'):
@@ -186,10 +176,7 @@ class SavedModelWriter:
                  time.monotonic() - start)
 
   def _save_v2(self, prefix: str, indices: list[int],
-               object_graph: tf.Tensor | None,
-               update: Callable[[Sequence[int]], None] | None) -> None:
-    if update is not None:  # This shard's copies overlap others' writes.
-      update(indices)
+               object_graph: tf.Tensor | None) -> None:
     names = [self._keys[i] for i in indices]
     tensors = [self._module.param_vars[i].read_value() for i in indices]
     if object_graph is not None:
