@@ -113,6 +113,19 @@ def test_both_durability_modes_are_measured(smoke_run):
   assert records['reexport_vs_raw_fsync_durable']['mode'] == 'durable=True'
 
 
+@slow
+def test_scaling_curves_carry_the_raw_writes_curve(smoke_run):
+  # The raw side writes the same bytes per version in the same mode: its
+  # slope tells the disk's and page cache's curve from the exporter's.
+  records = _records(smoke_run['proc'])
+  for mode in ('durable', 'nondurable'):
+    rec = records[f'scaling_slope_{mode}']
+    assert math.isfinite(rec['raw_slope']), rec
+    assert sorted(rec['raw_seconds']) == sorted(rec['seconds']), rec
+    assert all(s > 0 for s in rec['raw_seconds'].values()), rec
+    assert len(rec['raw_step_slopes']) == len(rec['seconds']) - 1, rec
+
+
 def test_memory_gate_refuses_what_cannot_fit():
   bench = _bench()
   gate = bench._memory_gate(1 << 50, True)  # pylint: disable=protected-access

@@ -575,6 +575,14 @@ def make_side(name: str, root: pathlib.Path, width: int, **kw) -> Any:
   raise ValueError(f'side must be "ours" or "orbax", got {name!r}')
 
 
+def settle_disk() -> None:
+  """Writes back every dirty page (untimed), so that each timed write starts
+  from the same clean page cache: one side's unflushed bytes would otherwise
+  throttle the next side's writes (exports are minutes apart in training,
+  long enough for the kernel to write back the previous one)."""
+  os.sync()
+
+
 def raw_write(variables: dict, path: pathlib.Path, *,
               fsync: bool = False) -> None:
   """The hardware limit: the param bytes to one file with ndarray.tofile."""
@@ -612,18 +620,22 @@ def worker_export(spec: dict[str, Any]) -> dict[str, Any]:
       else {}
   side = make_side(spec['side'], root / spec['side'], width, **kw)
   nbytes = param_bytes(variables)
+  settle_disk()
   with phases('first'):
     side.export(variables, 1)
   for r in range(spec['reexports']):
     variables = bump(variables)
+    settle_disk()
     with phases(f're{r}'):
       side.export(variables, r + 2)
     # orbax's versions stay until the process ends (ours keeps 2): deleting
     # freshly written files would spare it the disk writeback ours pays.
     if spec['raw']:
       raw_path = root / 'raw.bin'
+      settle_disk()
       with phases(f'raw{r}'):
         raw_write(variables, raw_path)
+      settle_disk()
       with phases(f'rawsync{r}'):
         raw_write(variables, raw_path, fsync=True)
       raw_path.unlink()
@@ -639,6 +651,29 @@ def worker_export(spec: dict[str, Any]) -> dict[str, Any]:
   with phases('donating_step'):
     variables = jax.block_until_ready(compiled(variables))
   return {'phases': phases.phases, 'param_bytes': nbytes}
+
+
+def worker_raw_versions(spec: dict[str, Any]) -> dict[str, Any]:
+  """The raw side of the scaling curve: the param bytes as one file per
+  'version' (fsynced when durable), the two newest kept, as ours keeps 2.
+
+  spec: n_params, depth, reexports, workdir, durable.
+  """
+  import tensorflow  # noqa: F401  (the same process kind as ours)
+  phases = Phases()
+  variables = make_variables(spec['n_params'], spec['depth'])
+  root = pathlib.Path(spec['workdir'])
+  root.mkdir(parents=True, exist_ok=True)
+  raw_write(variables, root / '1.bin', fsync=spec['durable'])
+  for r in range(spec['reexports']):
+    variables = bump(variables)
+    settle_disk()
+    with phases(f're{r}'):
+      raw_write(variables, root / f'{r + 2}.bin', fsync=spec['durable'])
+      old = root / f'{r}.bin'  # Retention, inside the timer as ours.
+      if old.exists():
+        old.unlink()
+  return {'phases': phases.phases, 'param_bytes': param_bytes(variables)}
 
 
 class AsyncOurs:
@@ -985,6 +1020,7 @@ def worker_offline(spec: dict[str, Any]) -> dict[str, Any]:
   # files are fsync-ed and evicted with posix_fadvise(DONTNEED) instead.
   dropped = (_fadvise_dontneed(pathlib.Path(spec['ckpt'])) +
              _fadvise_dontneed(pathlib.Path(spec['raw'])))
+  settle_disk()
   if spec['side'] == 'raw':
     with open(out / 'raw-out.bin', 'wb') as f:
       with phases('offline'):
@@ -1061,6 +1097,7 @@ def _check_memory_worker(name: str) -> Callable[[dict[str, Any]],
 WORKERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     'multi': worker_multi,
     'export': worker_export,
+    'raw_versions': worker_raw_versions,
     'blocking': worker_blocking,
     'throughput': worker_throughput,
     'serving': worker_serving,
@@ -1296,43 +1333,61 @@ def plan_scaling(cfg: Config) -> list[Item]:
   items = []
   # All three sizes from the same kind of process (the export pairs also
   # write raw files between re-exports, which changes the disk's load).
+  # The raw side writes the same bytes per version the same way (a file,
+  # fsynced when durable, two kept): the disk's and page cache's own curve.
   for i, label in enumerate(('25M', '100M', '400M')):
     for mode in _mode_order(i):
-      items.append(Item(f'scaling/{mode}/{label}', 'export', {
-          'side': 'ours', 'durable': mode == 'durable',
-          'n_params': cfg.sizes[label], 'depth': cfg.depth,
-          'tf_first': True, 'reexports': _reps(cfg), 'raw': False,
-          'workdir': str(cfg.workdir / f'scaling-{mode}-{label}')}))
+      for side in ('ours', 'raw')[::1 if i % 2 == 0 else -1]:
+        spec = {'durable': mode == 'durable', 'n_params': cfg.sizes[label],
+                'depth': cfg.depth, 'reexports': _reps(cfg),
+                'workdir': str(cfg.workdir / f'scaling-{side}-{mode}-{label}')}
+        if side == 'ours':
+          items.append(Item(f'scaling/{mode}/{label}', 'export', {
+              **spec, 'side': 'ours', 'tf_first': True, 'raw': False}))
+        else:
+          items.append(Item(f'scaling/raw-{mode}/{label}', 'raw_versions',
+                            spec))
   return items
 
 
 def parse_scaling(cfg: Config, res: Results,
                   emit: Callable[[dict], None]) -> None:
   for mode in ('durable', 'nondurable'):
-    times = {}
+    times, raw = {}, {}
     for label in ('25M', '100M', '400M'):
-      r = _get(res, f'scaling/{mode}/{label}')
-      times[cfg.sizes[label]] = [r['phases'][f're{i}']['seconds']
+      for out, key in ((times, mode), (raw, f'raw-{mode}')):
+        r = _get(res, f'scaling/{key}/{label}')
+        out[cfg.sizes[label]] = [r['phases'][f're{i}']['seconds']
                                  for i in range(_reps(cfg))]
-    emit(slope_record(f'scaling_slope_{mode}', times))
+    raw_slopes, raw_stats = slopes(raw)
+    emit(slope_record(
+        f'scaling_slope_{mode}', times,
+        raw_slope=summarize(raw_slopes)['ratio'],
+        raw_seconds=raw_stats['seconds'],
+        raw_step_slopes=raw_stats['step_slopes']))
+
+
+def slopes(times: dict[int, list[float]]) -> tuple[list[float],
+                                                  dict[str, Any]]:
+  """Log-log slopes of time over size (the r-th fastest run per rank), and
+  the medians' seconds, slope and step slopes."""
+  sizes = sorted(times)
+  k = min(len(v) for v in times.values())
+  xs = [math.log(n) for n in sizes]
+  medians = [math.log(_median(times[n])) for n in sizes]
+  return [_slope(xs, [math.log(sorted(times[n])[r]) for n in sizes])
+          for r in range(k)], {
+              'seconds': {str(n): _median(times[n]) for n in sizes},
+              'slope_of_medians': _slope(xs, medians),
+              'step_slopes': [round(_slope(xs[i:i + 2], medians[i:i + 2]), 3)
+                              for i in range(len(sizes) - 1)]}
 
 
 def slope_record(name: str, times: dict[int, list[float]],
                  **detail: Any) -> dict[str, Any]:
-  """The log-log slope of time over size: the r-th fastest run per rank."""
-  sizes = sorted(times)
-  k = min(len(v) for v in times.values())
-  xs = [math.log(n) for n in sizes]
-  slopes = [_slope(xs, [math.log(sorted(times[n])[r]) for n in sizes])
-            for r in range(k)]
-  return figure_record(
-      name, slopes,
-      seconds={str(n): _median(times[n]) for n in sizes},
-      slope_of_medians=_slope(xs, [math.log(_median(times[n]))
-                                   for n in sizes]),
-      step_slopes=[round(_slope(xs[i:i + 2], [math.log(_median(times[n]))
-                                               for n in sizes[i:i + 2]]), 3)
-                   for i in range(len(sizes) - 1)], **detail)
+  """The figure of `slopes(times)`."""
+  values, stats = slopes(times)
+  return figure_record(name, values, **stats, **detail)
 
 
 def _slope(xs: Sequence[float], ys: Sequence[float]) -> float:
