@@ -631,14 +631,17 @@ def worker_export(spec: dict[str, Any]) -> dict[str, Any]:
     # orbax's versions stay until the process ends (ours keeps 2): deleting
     # freshly written files would spare it the disk writeback ours pays.
     if spec['raw']:
-      raw_path = root / 'raw.bin'
+      # Two new files, as every version is: rewriting the first would hand
+      # the fsync write the 400 MB of page cache its truncation frees.
+      raw_paths = [root / 'raw.bin', root / 'rawsync.bin']
       settle_disk()
       with phases(f'raw{r}'):
-        raw_write(variables, raw_path)
+        raw_write(variables, raw_paths[0])
       settle_disk()
       with phases(f'rawsync{r}'):
-        raw_write(variables, raw_path, fsync=True)
-      raw_path.unlink()
+        raw_write(variables, raw_paths[1], fsync=True)
+      for path in raw_paths:
+        path.unlink()
   # What the export leaves behind once training goes on: one train step
   # that donates the params just exported. A module whose variables alias
   # those buffers (orbax's) keeps PJRT from donating them, so the step
