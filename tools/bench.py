@@ -567,12 +567,33 @@ class OrbaxSide:
     return str(path)
 
 
+class RawSide:
+  """The param bytes as one file per version (fsynced when durable), the
+  two newest kept as ours' keep=2: the disk's and page cache's own curve."""
+
+  name = 'raw'
+
+  def __init__(self, root: pathlib.Path, width: int, *, durable: bool):
+    del width  # The bytes alone; no model.
+    root.mkdir(parents=True, exist_ok=True)
+    self._root, self._durable = root, durable
+
+  def export(self, variables: dict, step: int) -> str:
+    path = self._root / f'{step}.bin'
+    raw_write(variables, path, fsync=self._durable)
+    # Retention, inside the timer as ours'.
+    (self._root / f'{step - 2}.bin').unlink(missing_ok=True)
+    return str(path)
+
+
 def make_side(name: str, root: pathlib.Path, width: int, **kw) -> Any:
   if name == 'ours':
     return OursSide(root, width, **kw)
   if name == 'orbax':
     return OrbaxSide(root, width)
-  raise ValueError(f'side must be "ours" or "orbax", got {name!r}')
+  if name == 'raw':
+    return RawSide(root, width, durable=kw['durable'])
+  raise ValueError(f'side must be "ours", "orbax" or "raw", got {name!r}')
 
 
 def settle_disk() -> None:
@@ -604,7 +625,7 @@ def worker_export(spec: dict[str, Any]) -> dict[str, Any]:
   """One side's first export and re-exports of the MLP, in this process.
 
   spec: side, n_params, depth, tf_first, reexports, raw, workdir, validate,
-  durable (ours).
+  durable (ours and raw; side is "ours", "orbax" or "raw").
   """
   if spec['tf_first']:
     import tensorflow  # noqa: F401  (import order is what is measured)
@@ -615,9 +636,9 @@ def worker_export(spec: dict[str, Any]) -> dict[str, Any]:
   root = pathlib.Path(spec['workdir'])
   root.mkdir(parents=True, exist_ok=True)
   width = mlp_width(spec['n_params'], spec['depth'])
-  kw = {'validate': spec.get('validate', False),
-        'durable': spec.get('durable', True)} if spec['side'] == 'ours' \
-      else {}
+  kw = ({'validate': spec.get('validate', False),
+         'durable': spec.get('durable', True)} if spec['side'] == 'ours' else
+        {'durable': spec['durable']} if spec['side'] == 'raw' else {})
   side = make_side(spec['side'], root / spec['side'], width, **kw)
   nbytes = param_bytes(variables)
   settle_disk()
@@ -654,29 +675,6 @@ def worker_export(spec: dict[str, Any]) -> dict[str, Any]:
   with phases('donating_step'):
     variables = jax.block_until_ready(compiled(variables))
   return {'phases': phases.phases, 'param_bytes': nbytes}
-
-
-def worker_raw_versions(spec: dict[str, Any]) -> dict[str, Any]:
-  """The raw side of the scaling curve: the param bytes as one file per
-  'version' (fsynced when durable), the two newest kept, as ours keeps 2.
-
-  spec: n_params, depth, reexports, workdir, durable.
-  """
-  import tensorflow  # noqa: F401  (the same process kind as ours)
-  phases = Phases()
-  variables = make_variables(spec['n_params'], spec['depth'])
-  root = pathlib.Path(spec['workdir'])
-  root.mkdir(parents=True, exist_ok=True)
-  raw_write(variables, root / '1.bin', fsync=spec['durable'])
-  for r in range(spec['reexports']):
-    variables = bump(variables)
-    settle_disk()
-    with phases(f're{r}'):
-      raw_write(variables, root / f'{r + 2}.bin', fsync=spec['durable'])
-      old = root / f'{r}.bin'  # Retention, inside the timer as ours.
-      if old.exists():
-        old.unlink()
-  return {'phases': phases.phases, 'param_bytes': param_bytes(variables)}
 
 
 class AsyncOurs:
@@ -1100,7 +1098,6 @@ def _check_memory_worker(name: str) -> Callable[[dict[str, Any]],
 WORKERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     'multi': worker_multi,
     'export': worker_export,
-    'raw_versions': worker_raw_versions,
     'blocking': worker_blocking,
     'throughput': worker_throughput,
     'serving': worker_serving,
@@ -1344,12 +1341,9 @@ def plan_scaling(cfg: Config) -> list[Item]:
         spec = {'durable': mode == 'durable', 'n_params': cfg.sizes[label],
                 'depth': cfg.depth, 'reexports': _reps(cfg),
                 'workdir': str(cfg.workdir / f'scaling-{side}-{mode}-{label}')}
-        if side == 'ours':
-          items.append(Item(f'scaling/{mode}/{label}', 'export', {
-              **spec, 'side': 'ours', 'tf_first': True, 'raw': False}))
-        else:
-          items.append(Item(f'scaling/raw-{mode}/{label}', 'raw_versions',
-                            spec))
+        key = mode if side == 'ours' else f'raw-{mode}'
+        items.append(Item(f'scaling/{key}/{label}', 'export', {
+            **spec, 'side': side, 'tf_first': True, 'raw': False}))
   return items
 
 
