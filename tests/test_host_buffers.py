@@ -97,6 +97,45 @@ def test_adoptable_refuses_what_tensorflow_cannot_take(case):
   assert not host_buffers.adoptable(a)
 
 
+def test_borrowed_shares_a_read_only_jax_view_and_keeps_its_owner_alive():
+  x = jax.device_put(np.arange(4096, dtype=np.float32))
+  view = np.asarray(x.addressable_data(0))
+  assert not view.flags.writeable  # JAX hands out read-only views.
+  borrowed = host_buffers.borrowed(view)
+  assert borrowed.flags.writeable and host_buffers.adoptable(borrowed)
+  assert borrowed.ctypes.data == view.ctypes.data  # The same memory.
+  address = view.ctypes.data
+  del x, view
+  for _ in range(3):  # Freed memory would be reused by these.
+    jax.device_put(np.full(4096, -1.0, np.float32)).block_until_ready()
+  assert borrowed.ctypes.data == address
+  np.testing.assert_array_equal(borrowed, np.arange(4096, dtype=np.float32))
+
+
+def test_borrowed_gives_a_writeable_aligned_array_itself():
+  a = host_buffers.aligned_copy(np.arange(16.0))
+  assert host_buffers.borrowed(a) is a
+  bits = host_buffers.aligned_copy(np.arange(8, dtype=ml_dtypes.bfloat16))
+  bits.flags.writeable = False
+  view = host_buffers.borrowed(bits)
+  assert view.dtype == ml_dtypes.bfloat16 and view.shape == (8,)
+  assert view.ctypes.data == bits.ctypes.data
+
+
+@pytest.mark.parametrize('case', ['misaligned', 'strided', 'object', 'empty'])
+def test_borrowed_declines_what_tensorflow_cannot_share(case):
+  a = host_buffers.aligned_copy(np.arange(16.0).reshape(4, 4))
+  if case == 'misaligned':
+    a = _misaligned(a)
+  elif case == 'strided':
+    a = a[:, ::2]
+  elif case == 'object':
+    a = np.array([None, 1], dtype=object)
+  else:
+    a = a[:0]
+  assert host_buffers.borrowed(a) is None
+
+
 def test_make_adoptable_moves_only_the_misplaced_leaves():
   good = host_buffers.aligned_copy(np.arange(4.0))
   tree = {'a': {'x': _misaligned(np.arange(8.0)), 'good': good},

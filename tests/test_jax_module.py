@@ -633,3 +633,38 @@ def test_update_variables_copies_a_callers_leaf_once_into_the_variable(
     assert got.unsafe_buffer_pointer() == copy.ctypes.data, path
     np.testing.assert_array_equal(
         np.asarray(got), paths.flatten(caller)[path])
+
+
+def test_borrowed_values_share_the_callers_memory_in_variable_order():
+  # For writing the first version from JAX's read-only buffers as they are.
+  for dtype in (jnp.float32, jnp.bfloat16):
+    source = jax.device_put(_dense_variables(8, dtype))
+    module = _dense_module(jax.tree_util.tree_map(np.zeros_like, source))
+    views = host_buffers.gather_to_host(source, owned=False)
+    lent = module.borrowed_values(views)
+    assert lent is not None and len(lent) == len(module.param_vars)
+    for tensor, path in zip(lent, module.param_paths):
+      view = paths.flatten(views)[path]
+      assert tensor.dtype == _var(module, path).dtype
+      assert jnp.from_dlpack(tensor).unsafe_buffer_pointer() == (
+          view.ctypes.data), path
+      np.testing.assert_array_equal(np.asarray(jnp.from_dlpack(tensor)), view)
+
+
+@pytest.mark.parametrize('case', ['cast_bfloat16', 'misaligned', 'float64',
+                                  'shape', 'jax_array'])
+def test_borrowed_values_decline_what_needs_a_copy(case):
+  dtype = jnp.bfloat16 if case == 'cast_bfloat16' else jnp.float32
+  variables = host_buffers.gather_to_host(_dense_variables(9, dtype))
+  module = _dense_module(variables, cast_bfloat16=case == 'cast_bfloat16')
+  w = variables['params']['w']
+  if case == 'misaligned':
+    raw = host_buffers.aligned_empty((w.nbytes + 4,), np.uint8)
+    variables['params']['w'] = raw[4:].view(w.dtype).reshape(w.shape)
+  elif case == 'float64':  # Stored as float32 (x64 is off): a conversion.
+    variables['params']['w'] = w.astype(np.float64)
+  elif case == 'shape':
+    variables['params']['w'] = host_buffers.aligned_empty((1, 8), w.dtype)
+  elif case == 'jax_array':
+    variables['params']['w'] = jnp.asarray(w)
+  assert module.borrowed_values(variables) is None

@@ -6,6 +6,7 @@ TensorFlow may adopt (DLPack) an *owned* array's memory (docs/internals.md).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import ctypes
 import functools
 import math
 from typing import Any
@@ -69,6 +70,24 @@ def adoptable(array: Any) -> bool:
   """Whether TF could take `array`'s memory as it is (owned: caller knows)."""
   return (_dlpack_array(array) and array.flags.c_contiguous and
           array.flags.writeable and array.ctypes.data % HOST_ALIGNMENT == 0)
+
+
+def borrowed(array: Any) -> np.ndarray | None:
+  """A view TF can share for reading `array` now, without a copy; or None.
+
+  A read-only array (a view of a JAX buffer) gets a writeable view of the
+  same memory that keeps `array` alive; nothing may write through it. None
+  if TF could not share the memory as it is (layout, alignment, dtype).
+  """
+  if not (_dlpack_array(array) and array.flags.c_contiguous and
+          array.ctypes.data % HOST_ALIGNMENT == 0):
+    return None
+  if array.flags.writeable:
+    return array
+  memory = (ctypes.c_char * array.nbytes).from_address(array.ctypes.data)
+  memory.owner = array  # The view's lifetime holds the memory's owner.
+  return np.frombuffer(memory, np.uint8).view(array.dtype).reshape(
+      array.shape)
 
 
 def make_adoptable(tree: dict[str, Any]) -> int:

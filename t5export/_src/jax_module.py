@@ -265,6 +265,32 @@ class JaxModule(tf.Module):
     return self._to_jax_dtypes(
         jax.tree_util.tree_unflatten(self._meta.treedef, values))
 
+  def borrowed_values(self, variables: Any) -> list[tf.Tensor] | None:
+    """`variables`' leaves as tensors sharing their memory, to read now.
+
+    For writing a version from the caller's values while the variables are
+    still being filled. The caller keeps `variables` unchanged meanwhile.
+
+    Args:
+      variables: a pytree with the constructor's leaf paths.
+
+    Returns:
+      One tensor per variable in `param_vars` order, or None if a leaf
+      would need a copy (layout, alignment, a cast or a dtype conversion).
+    """
+    meta = self._meta
+    flat = paths.flatten(variables)
+    if tuple(flat) != meta.paths or any(meta.cast_to_f32):
+      return None
+    views = [host_buffers.borrowed(x) if isinstance(x, np.ndarray) and
+             x.shape == s and x.dtype == jax.dtypes.canonicalize_dtype(x.dtype)
+             else None
+             for x, s in zip((flat[p] for p in meta.paths), meta.shapes)]
+    if any(v is None for v in views):
+      return None
+    with tf.device('/CPU:0'):
+      return [_tf_value(v, cast=False, owned=True) for v in views]
+
   def update_variables(self, variables: Any, *, owned: bool = False) -> None:
     """Assigns new values into the variables, leaf by leaf, without tracing.
 
