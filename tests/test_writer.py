@@ -11,6 +11,7 @@ version's graph byte for byte.
 from __future__ import annotations
 
 import os
+import threading
 
 import jax
 import numpy as np
@@ -19,6 +20,8 @@ import tensorflow as tf
 
 import t5export
 from t5export._src import jax_module
+from t5export._src import paths as paths_lib
+from t5export._src import tensor_bundle
 from t5export._src import verify
 from t5export._src import writer as writer_lib
 
@@ -103,6 +106,118 @@ def test_every_version_is_bit_exact_and_serves_its_own_weights(
   np.testing.assert_allclose(session_out['y'], expected, rtol=1e-5, atol=1e-6)
   meta = t5export.read_metadata(path)
   assert meta.check.checked and meta.options['reuse_graph']
+
+
+def _jax_state(seed: int, step: int) -> t5export.InferenceState:
+  # JAX arrays on CPU: the snapshot views their read-only buffers.
+  return t5export.InferenceState.create(
+      jax.device_put(_variables(seed))).replace_step(step)
+
+
+def _data_files(path: str) -> list[str]:
+  return sorted(n for n in os.listdir(os.path.join(path, 'variables'))
+                if n.startswith('variables.data-'))
+
+
+def _assert_holds(path: str, seed: int) -> None:
+  """`path` loads bit-exact to _variables(seed) and serves its output."""
+  want = _variables(seed)
+  loaded = verify.load_params(path)
+  for name, layer in want['params'].items():
+    for leaf in ('kernel', 'bias'):
+      np.testing.assert_array_equal(loaded['params'][name][leaf], layer[leaf])
+  x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(2, 6)
+  (out,) = verify.run_signatures_isolated(path, [('serving_default',
+                                                  {'x': x})])
+  np.testing.assert_allclose(out['y'], np.asarray(_mlp(want, {'x': x})['y']),
+                             rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('validate', [True, False])
+def test_the_first_version_is_written_from_the_callers_arrays(
+    tmp_path, monkeypatch, validate):
+  # The variables are filled from the JAX arrays in the background while
+  # the first version's weights are written from the same arrays, beside
+  # the graph; the object graph, known last, gets a part of its own.
+  lent = []
+  real = jax_module.JaxModule.borrowed_values
+
+  def spy(self, variables):
+    lent.append(real(self, variables))
+    return lent[-1]
+
+  monkeypatch.setattr(jax_module.JaxModule, 'borrowed_values', spy)
+  exporter = t5export.SavedModelExporter(
+      tmp_path / 'm', [_signature()],
+      options=t5export.ExportOptions(validate=validate, keep=None))
+  first = exporter.export(_jax_state(0, 1))
+  assert len(lent) == 1 and lent[0] is not None
+  shards = min(writer_lib.default_shards(), 10)
+  assert _data_files(first) == [f'variables.data-{i:05d}-of-{shards + 1:05d}'
+                                for i in range(shards + 1)]
+  assert not os.path.exists(os.path.join(first, 'variables',
+                                         'variables_temp'))
+  _assert_holds(first, 0)
+  # On return the variables hold the values (the filling is done).
+  want = paths_lib.flatten(_variables(0))
+  for var, path in zip(exporter.module.param_vars,
+                       exporter.module.param_paths):
+    np.testing.assert_array_equal(var.numpy(), want[path])
+  second = exporter.export(_jax_state(1, 2))
+  assert len(lent) == 1  # Later versions write the variables.
+  assert _data_files(second) == [f'variables.data-{i:05d}-of-{shards:05d}'
+                                 for i in range(shards)]
+  _assert_holds(second, 1)
+  _assert_holds(first, 0)
+
+
+def test_first_version_keys_the_graph_does_not_confirm_are_written_again(
+    tmp_path, monkeypatch):
+  # The weights start before the graph names their keys; if it names
+  # others, the shards written under the guess are dropped and rewritten.
+  monkeypatch.setattr(tensor_bundle, 'list_item_keys',
+                      lambda attribute, count: [f'{attribute}/x{i}'
+                                                for i in range(count)])
+  exporter = t5export.SavedModelExporter(
+      tmp_path / 'm', [_signature()], options=t5export.ExportOptions())
+  first = exporter.export(_jax_state(0, 1))
+  shards = min(writer_lib.default_shards(), 10)
+  assert _data_files(first) == [f'variables.data-{i:05d}-of-{shards:05d}'
+                                for i in range(shards)]
+  assert not os.path.exists(os.path.join(first, 'variables',
+                                         'variables_temp'))
+  _assert_holds(first, 0)
+  assert exporter.export(_jax_state(1, 2)).endswith(os.sep + '2')
+  _assert_holds(str(tmp_path / 'm' / '2'), 1)
+
+
+def test_a_failed_graph_save_waits_for_the_shards_and_leaves_nothing(
+    tmp_path, monkeypatch):
+  gate, written = threading.Event(), []
+  real_save_v2 = writer_lib.SavedModelWriter._save_v2  # pylint: disable=protected-access
+
+  def save_v2_after_the_failure(self, prefix, *args):
+    gate.wait()
+    real_save_v2(self, prefix, *args)
+    written.append(prefix)
+
+  def failing_save_graph(self, directory):
+    del self, directory
+    gate.set()  # The shards write only now, while the error unwinds.
+    raise OSError(28, 'No space left on device (test)')
+
+  monkeypatch.setattr(writer_lib.SavedModelWriter, '_save_v2',
+                      save_v2_after_the_failure)
+  monkeypatch.setattr(writer_lib.SavedModelWriter, '_save_graph',
+                      failing_save_graph)
+  exporter = t5export.SavedModelExporter(
+      tmp_path / 'm', [_signature()],
+      options=t5export.ExportOptions(validate=False))
+  with pytest.raises(OSError, match=r'No space left on device \(test\)'):
+    exporter.export(_jax_state(0, 1))
+  # Every shard ended before the staging directory was removed.
+  assert len(written) == min(writer_lib.default_shards(), 10)
+  assert os.listdir(tmp_path / 'm') == []
 
 
 def test_reuse_graph_false_saves_every_version_in_full(tmp_path):

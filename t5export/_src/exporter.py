@@ -249,7 +249,11 @@ class SavedModelExporter:
                                     atol=o.atol, rtol=o.rtol, after=filling)
                if o.validate else None)
     try:
-      written = self._writer.write(staging, after=filling)
+      # The first version is written from the caller's values while the
+      # variables are filled, if they can be read without a copy.
+      written = self._writer.write(
+          staging, after=filling, values=None if filling is None else
+          self._module.borrowed_values(snap.variables))
       logging.info('t5export: step %d: saved to %s in %.2fs (%s).', step,
                    staging, time.monotonic() - start,
                    'new variables' if written == 'variables' else 'full save')
@@ -303,7 +307,15 @@ class SavedModelExporter:
         owned=owned or later is not None, serving_target=o.serving_target)
     filling = None
     if later is not None and module.shares_memory(later[0]):
-      filling = _in_background(later[1], 't5export-fill')
+      copy = later[1]
+
+      def fill() -> None:
+        start = time.monotonic()
+        copy()
+        logging.info('t5export: filled the variables (%.1f MiB) in %.2fs.',
+                     host_buffers.tree_nbytes(variables) / 2**20,
+                     time.monotonic() - start)
+      filling = _in_background(fill, 't5export-fill')
     elif later is not None:  # TensorFlow copied the empty arrays.
       module.update_variables(variables)
     if o.jax_artifacts:

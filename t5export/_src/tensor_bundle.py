@@ -290,6 +290,12 @@ class BundleReader:
     return [data[a:b] for a, b in zip(ends, ends[1:])]
 
 
+def list_item_keys(attribute: str, count: int) -> list[str]:
+  """The keys TF's object-based checkpoints give the variables held in a
+  list attribute of the root object (a guess until the graph confirms it)."""
+  return [f'{attribute}/{i}/.ATTRIBUTES/VARIABLE_VALUE' for i in range(count)]
+
+
 def param_checkpoint_keys(object_graph: bytes, *, attribute: str = 'param_vars',
                           count: int | None = None) -> list[str] | None:
   """Keys of the first `count` (default all) variables of root.`attribute`.

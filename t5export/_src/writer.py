@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 import concurrent.futures
+import dataclasses
 import os
 import pathlib
 import shutil
@@ -31,6 +32,7 @@ from tensorflow_serving.apis import predict_pb2
 from tensorflow_serving.apis import prediction_log_pb2
 
 _REWRITTEN = ('variables', 'fingerprint.pb')
+_PARAMS_ATTRIBUTE = 'param_vars'  # JaxModule.param_vars
 
 
 def default_shards() -> int:
@@ -85,8 +87,19 @@ class SavedModelWriter:
       shutil.rmtree(scratch, ignore_errors=True)
 
   def write(self, directory: str, *,
-            after: concurrent.futures.Future | None = None) -> str:
-    """Writes `directory`: 'full' or 'variables'; weights read after `after`."""
+            after: concurrent.futures.Future | None = None,
+            values: Sequence[tf.Tensor] | None = None) -> str:
+    """Writes `directory` and returns 'full' or 'variables'.
+
+    Args:
+      directory: the new version's directory.
+      after: the variables hold their values once it is done.
+      values: this version's values as tensors in `param_vars` order,
+        readable now (while `after` runs); default: the variables.
+
+    Returns:
+      'variables' if the graph was reused, else 'full'.
+    """
     if self._template is not None:
       os.makedirs(directory)
       for rel, data in self._template.items():
@@ -97,21 +110,61 @@ class SavedModelWriter:
             pathlib.Path(path).write_bytes(data)
           except OSError as e:
             raise OSError(e.errno, e.strerror, path) from e
-      self._write_weights(directory)
+      self._finish_weights(directory, self._start_weights(
+          directory, values, self._keys, self._object_graph))
       return 'variables'
     reuse, self._reuse_graph = self._reuse_graph, False  # Now or never.
+    if reuse and (values is not None or after is None):
+      return self._write_first(directory, values, after)
     graph_saved = reuse and self._save_graph(directory)
     if after is not None:
       after.result()
     if graph_saved:
       self._write_weights(directory)
     else:
-      tf.saved_model.save(self._module, directory,
-                          signatures=self._signatures)
+      self._save_in_full(directory)
     return 'full'
 
+  def _write_first(self, directory: str, values: Sequence[tf.Tensor] | None,
+                   after: concurrent.futures.Future | None) -> str:
+    """The first version, its weights written while the graph is saved.
+
+    They are written under the keys TF gives a list attribute's items and
+    written again if the saved graph says otherwise.
+    """
+    guess = tensor_bundle.list_item_keys(_PARAMS_ATTRIBUTE,
+                                         len(self._module.param_vars))
+    shards = self._start_weights(directory, values, guess, None)
+    try:
+      graph_saved = self._save_graph(directory)
+    except BaseException:
+      shards.join()  # Nothing may write into the directory it leaves.
+      raise
+    if graph_saved and self._keys == guess:
+      self._finish_weights(directory, shards)
+    else:
+      shards.join()
+      shutil.rmtree(shards.prefix + '_temp', ignore_errors=True)
+      if after is not None:
+        after.result()
+      if graph_saved:
+        logging.warning('t5export: the saved graph names the variables %s, '
+                        'not %s; writing the weights again.',
+                        self._keys[:2], guess[:2])
+        self._write_weights(directory)
+      else:
+        self._save_in_full(directory)
+    if after is not None:  # The variables hold the values on return.
+      after.result()
+    return 'full'
+
+  def _save_in_full(self, directory: str) -> None:
+    """`tf.saved_model.save` into a fresh `directory`."""
+    shutil.rmtree(directory, ignore_errors=True)
+    tf.saved_model.save(self._module, directory, signatures=self._signatures)
+
   def _save_graph(self, directory: str) -> bool:
-    """Saves and keeps all but the weights; False (none saved) if it can't."""
+    """Saves and keeps all but the weights; False if it can't."""
     # pylint: disable-next=g-import-not-at-top
     from tensorflow.python.saved_model import save as save_lib
     save_lib.save_and_return_nodes(self._module, directory,
@@ -122,14 +175,15 @@ class SavedModelWriter:
     if keys is None:
       logging.info('t5export: every version is saved in full: its checkpoint '
                    'would hold more than the module\'s params.')
-      shutil.rmtree(directory)
       return False
     template = {}
     for path in pathlib.Path(directory).rglob('*'):
       rel = str(path.relative_to(directory))
+      if rel in _REWRITTEN or rel.startswith('variables' + os.sep):
+        continue  # Written for every version.
       if path.is_dir():  # Kept even if empty, such as assets/.
         template[rel + os.sep] = b''
-      elif rel not in _REWRITTEN:
+      else:
         template[rel] = path.read_bytes()
     self._template, self._keys = template, keys
     logging.info('t5export: every version reuses the first graph (%d '
@@ -141,29 +195,53 @@ class SavedModelWriter:
 
   def _write_weights(self, directory: str) -> None:
     """The variables checkpoint in parallel shards, then the fingerprint."""
-    start = time.monotonic()
+    self._finish_weights(directory, self._start_weights(
+        directory, None, self._keys, self._object_graph))
+
+  def _start_weights(self, directory: str,
+                     values: Sequence[tf.Tensor] | None, keys: list[str],
+                     object_graph: bytes | None) -> _Shards:
+    """Starts writing the shards (object graph None: a part of its own)."""
     os.makedirs(os.path.join(directory, 'variables'), exist_ok=True)
     prefix = os.path.join(directory, 'variables', 'variables')
     variables = self._module.param_vars
+    if values is None:  # Reads share the variables' memory.
+      values = [v.read_value() for v in variables]
     groups = _balanced(
         [int(v.shape.num_elements() or 0) * v.dtype.size for v in variables],
         min(self._shards, len(variables)))
-    object_graph = tf.constant(self._object_graph, dtype=tf.string)
-    if len(groups) == 1:
-      self._save_v2(prefix, groups[0], object_graph)
+    own_part = object_graph is None
+    if len(groups) == 1 and not own_part:
+      parts = [prefix]
     else:
-      parts = [f'{prefix}_temp/part-{i:05d}-of-{len(groups):05d}'
-               for i in range(len(groups))]
-      with concurrent.futures.ThreadPoolExecutor(len(groups)) as pool:
-        for future in [pool.submit(self._save_v2, part, group,
-                                   object_graph if i == 0 else None)
-                       for i, (part, group) in enumerate(zip(parts, groups))]:
-          future.result()
+      total = len(groups) + own_part
+      parts = [f'{prefix}_temp/part-{i:05d}-of-{total:05d}'
+               for i in range(total)]
+    graph = None if own_part else tf.constant(object_graph)
+    pool = concurrent.futures.ThreadPoolExecutor(len(groups))
+    futures = [
+        pool.submit(self._save_v2, part, [keys[i] for i in group],
+                    [values[i] for i in group], graph if j == 0 else None)
+        for j, (part, group) in enumerate(zip(parts[own_part:], groups))]
+    pool.shutdown(wait=False)
+    return _Shards(prefix, parts, own_part, futures, time.monotonic())
+
+  def _finish_weights(self, directory: str, shards: _Shards) -> None:
+    """Waits for the shards, merges them, then writes the fingerprint."""
+    try:
+      if shards.graph_part:  # Known only now that the graph is saved.
+        self._save_v2(shards.parts[0], [], [],
+                      tf.constant(self._object_graph))
+    except BaseException:
+      shards.join()
+      raise
+    shards.wait()
+    if shards.parts != [shards.prefix]:
       with tf.device('/CPU:0'):
         tf.raw_ops.MergeV2Checkpoints(
-            checkpoint_prefixes=parts, destination_prefix=prefix,
-            delete_old_dirs=True)
-      shutil.rmtree(prefix + '_temp', ignore_errors=True)
+            checkpoint_prefixes=shards.parts,
+            destination_prefix=shards.prefix, delete_old_dirs=True)
+      shutil.rmtree(shards.prefix + '_temp', ignore_errors=True)
     try:
       # pylint: disable=g-import-not-at-top
       from tensorflow.python.saved_model import fingerprinting_utils
@@ -173,20 +251,40 @@ class SavedModelWriter:
       logging.warning('t5export: fingerprint.pb not written (%s: %s).',
                       type(e).__name__, e)
     logging.info('t5export: wrote the weights of %s in %.2fs.', directory,
-                 time.monotonic() - start)
+                 time.monotonic() - shards.start)
 
-  def _save_v2(self, prefix: str, indices: list[int],
+  def _save_v2(self, prefix: str, names: list[str], tensors: list[tf.Tensor],
                object_graph: tf.Tensor | None) -> None:
-    names = [self._keys[i] for i in indices]
-    tensors = [self._module.param_vars[i].read_value() for i in indices]
     if object_graph is not None:
-      names.insert(0, tensor_bundle.OBJECT_GRAPH_KEY)
-      tensors.insert(0, object_graph)
+      names = [tensor_bundle.OBJECT_GRAPH_KEY, *names]
+      tensors = [object_graph, *tensors]
     with tf.device('/CPU:0'):
       tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names,
                         shape_and_slices=[''] * len(names), tensors=tensors)
     if self._fsync_shards:  # Here, so flushing overlaps the other shards.
       versions.fsync(prefix + '.data-00000-of-00001')
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shards:
+  """Shards being written: `parts` are merged into `prefix` (unless the
+  one part is `prefix`); `graph_part`: parts[0], the object graph's, is
+  written last."""
+  prefix: str
+  parts: list[str]
+  graph_part: bool
+  futures: list[concurrent.futures.Future]
+  start: float
+
+  def join(self) -> None:
+    """Waits for every shard, whether it failed or not."""
+    concurrent.futures.wait(self.futures)
+
+  def wait(self) -> None:
+    """Waits for every shard; raises the first one's error."""
+    self.join()
+    for future in self.futures:
+      future.result()
 
 
 def _param_keys(directory: str,
@@ -202,7 +300,8 @@ def _param_keys(directory: str,
     data = value.string_val[0]
     try:
       graph = trackable_object_graph_pb2.TrackableObjectGraph.FromString(data)
-      keys = tensor_bundle.param_checkpoint_keys(data, count=count)
+      keys = tensor_bundle.param_checkpoint_keys(
+          data, attribute=_PARAMS_ATTRIBUTE, count=count)
     except (message.DecodeError, errors.VariablesFormatError):
       continue
     if keys is not None:
