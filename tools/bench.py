@@ -1244,6 +1244,11 @@ def parse_exports(cfg: Config, res: Results,
   def first_time(r):
     return r['phases']['first']['seconds']
 
+  def first_and_step_time(r):
+    # With the next donating train step: where each side's fresh 1x of
+    # host memory is paid (ours: the variables' copy; orbax: the step).
+    return first_time(r) + r['phases']['donating_step']['seconds']
+
   def raw_time(r, kind='raw'):
     return _median([r['phases'][f'{kind}{i}']['seconds']
                     for i in range(cfg.reexports)])
@@ -1270,7 +1275,14 @@ def parse_exports(cfg: Config, res: Results,
         ours_s=_median([first_time(o) for o in non]),
         orbax_s=_median([first_time(b) for b in orbax]),
         durable_vs_orbax=summarize(ratios(dur, orbax, first_time)) if dur
-        else None))
+        else None,
+        with_next_donating_step=summarize(
+            ratios(non, orbax, first_and_step_time)),
+        next_donating_step_s={
+            'ours': _median([o['phases']['donating_step']['seconds']
+                             for o in non]),
+            'orbax': _median([b['phases']['donating_step']['seconds']
+                              for b in orbax])}))
   else:
     for name in ('reexport_vs_orbax_nondurable',
                  'first_export_vs_orbax_nondurable'):
