@@ -54,6 +54,32 @@ def _state(seed: int, step: int) -> t5export.InferenceState:
   return t5export.InferenceState.create(_variables(seed)).replace_step(step)
 
 
+def _jax_state(seed: int, step: int) -> t5export.InferenceState:
+  # JAX arrays on CPU: the snapshot views their read-only buffers.
+  return t5export.InferenceState.create(
+      jax.device_put(_variables(seed))).replace_step(step)
+
+
+def _data_files(path: str) -> list[str]:
+  return sorted(n for n in os.listdir(os.path.join(path, 'variables'))
+                if n.startswith('variables.data-'))
+
+
+def _assert_holds(path: str, seed: int) -> None:
+  """`path` loads bit-exact to _variables(seed) and serves its output in
+  the TF1 session loader TF Serving uses (and the exporter's check)."""
+  want = _variables(seed)
+  loaded = verify.load_params(path)
+  for name, layer in want['params'].items():
+    for leaf in ('kernel', 'bias'):
+      np.testing.assert_array_equal(loaded['params'][name][leaf], layer[leaf])
+  x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(2, 6)
+  (out,) = verify.run_signatures_isolated(path, [('serving_default',
+                                                  {'x': x})])
+  np.testing.assert_allclose(out['y'], np.asarray(_mlp(want, {'x': x})['y']),
+                             rtol=1e-5, atol=1e-6)
+
+
 @pytest.fixture(scope='module')
 def three_versions(tmp_path_factory):
   export_dir = str(tmp_path_factory.mktemp('writer') / 'm')
@@ -88,49 +114,16 @@ def test_every_version_is_bit_exact_and_serves_its_own_weights(
     three_versions, index):
   _, paths = three_versions
   path = paths[index]
-  want = _variables(index)
-  loaded = verify.load_params(path)
-  for name, layer in want['params'].items():
-    for leaf in ('kernel', 'bias'):
-      np.testing.assert_array_equal(loaded['params'][name][leaf], layer[leaf])
+  _assert_holds(path, index)  # Bit-exact; the TF1 session loader.
   x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(2, 6)
-  expected = np.asarray(_mlp(want, {'x': x})['y'])
+  expected = np.asarray(_mlp(_variables(index), {'x': x})['y'])
   # Object-based loading.
   served = tf.saved_model.load(path).signatures['serving_default'](
       x=tf.constant(x))
   np.testing.assert_allclose(served['y'].numpy(), expected, rtol=1e-5,
                              atol=1e-6)
-  # The TF1 session loader TF Serving uses (and the exporter's check).
-  (session_out,) = verify.run_signatures_isolated(
-      path, [('serving_default', {'x': x})])
-  np.testing.assert_allclose(session_out['y'], expected, rtol=1e-5, atol=1e-6)
   meta = t5export.read_metadata(path)
   assert meta.check.checked and meta.options['reuse_graph']
-
-
-def _jax_state(seed: int, step: int) -> t5export.InferenceState:
-  # JAX arrays on CPU: the snapshot views their read-only buffers.
-  return t5export.InferenceState.create(
-      jax.device_put(_variables(seed))).replace_step(step)
-
-
-def _data_files(path: str) -> list[str]:
-  return sorted(n for n in os.listdir(os.path.join(path, 'variables'))
-                if n.startswith('variables.data-'))
-
-
-def _assert_holds(path: str, seed: int) -> None:
-  """`path` loads bit-exact to _variables(seed) and serves its output."""
-  want = _variables(seed)
-  loaded = verify.load_params(path)
-  for name, layer in want['params'].items():
-    for leaf in ('kernel', 'bias'):
-      np.testing.assert_array_equal(loaded['params'][name][leaf], layer[leaf])
-  x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(2, 6)
-  (out,) = verify.run_signatures_isolated(path, [('serving_default',
-                                                  {'x': x})])
-  np.testing.assert_allclose(out['y'], np.asarray(_mlp(want, {'x': x})['y']),
-                             rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize('validate', [True, False])
