@@ -114,43 +114,31 @@ class SavedModelWriter:
           directory, values, self._keys, self._object_graph))
       return 'variables'
     reuse, self._reuse_graph = self._reuse_graph, False  # Now or never.
-    if reuse and (values is not None or after is None):
-      return self._write_first(directory, values, after)
-    graph_saved = reuse and self._save_graph(directory)
-    if after is not None:
-      after.result()
-    if graph_saved:
-      self._write_weights(directory)
-    else:
-      self._save_in_full(directory)
-    return 'full'
-
-  def _write_first(self, directory: str, values: Sequence[tf.Tensor] | None,
-                   after: concurrent.futures.Future | None) -> str:
-    """The first version, its weights written while the graph is saved.
-
-    They are written under the keys TF gives a list attribute's items and
-    written again if the saved graph says otherwise.
-    """
+    # Values readable now: the weights start beside the graph save, under
+    # the keys TF gives a list attribute's items (checked once it is saved).
     guess = tensor_bundle.list_item_keys(_PARAMS_ATTRIBUTE,
                                          len(self._module.param_vars))
-    shards = self._start_weights(directory, values, guess, None)
+    shards = (self._start_weights(directory, values, guess, None)
+              if reuse and (values is not None or after is None) else None)
     try:
-      graph_saved = self._save_graph(directory)
+      graph_saved = reuse and self._save_graph(directory)
     except BaseException:
-      shards.join()  # Nothing may write into the directory it leaves.
+      if shards is not None:  # Nothing may write into the directory left.
+        shards.join()
       raise
-    if graph_saved and self._keys == guess:
+    if shards is not None and graph_saved and self._keys == guess:
       self._finish_weights(directory, shards)
     else:
-      shards.join()
-      shutil.rmtree(shards.prefix + '_temp', ignore_errors=True)
+      if shards is not None:  # Not under the graph's keys: written again.
+        shards.join()
+        shutil.rmtree(shards.prefix + '_temp', ignore_errors=True)
+        if graph_saved:
+          logging.warning('t5export: the saved graph names the variables '
+                          '%s, not %s; writing the weights again.',
+                          self._keys[:2], guess[:2])
       if after is not None:
         after.result()
       if graph_saved:
-        logging.warning('t5export: the saved graph names the variables %s, '
-                        'not %s; writing the weights again.',
-                        self._keys[:2], guess[:2])
         self._write_weights(directory)
       else:
         self._save_in_full(directory)
@@ -179,7 +167,7 @@ class SavedModelWriter:
     template = {}
     for path in pathlib.Path(directory).rglob('*'):
       rel = str(path.relative_to(directory))
-      if rel in _REWRITTEN or rel.startswith('variables' + os.sep):
+      if pathlib.Path(rel).parts[0] in _REWRITTEN:
         continue  # Written for every version.
       if path.is_dir():  # Kept even if empty, such as assets/.
         template[rel + os.sep] = b''
