@@ -68,8 +68,13 @@ def fill_later(tree: Any) -> tuple[Any, Callable[[], None]] | None:
 
 def adoptable(array: Any) -> bool:
   """Whether TF could take `array`'s memory as it is (owned: caller knows)."""
+  return _shareable(array) and array.flags.writeable
+
+
+def _shareable(array: Any) -> bool:
+  """Memory TF's kernels can read as it is (contiguous, aligned, DLPack)."""
   return (_dlpack_array(array) and array.flags.c_contiguous and
-          array.flags.writeable and array.ctypes.data % HOST_ALIGNMENT == 0)
+          array.ctypes.data % HOST_ALIGNMENT == 0)
 
 
 def borrowed(array: Any) -> np.ndarray | None:
@@ -79,8 +84,7 @@ def borrowed(array: Any) -> np.ndarray | None:
   same memory that keeps `array` alive; nothing may write through it. None
   if TF could not share the memory as it is (layout, alignment, dtype).
   """
-  if not (_dlpack_array(array) and array.flags.c_contiguous and
-          array.ctypes.data % HOST_ALIGNMENT == 0):
+  if not _shareable(array):
     return None
   if array.flags.writeable:
     return array
