@@ -533,6 +533,14 @@ def _dense_module(variables, **kwargs) -> jax_module.JaxModule:
       polymorphic_shapes={'f': {'x': '(b, 8)'}}, **kwargs)
 
 
+def _misaligned(array: np.ndarray) -> np.ndarray:
+  """A copy of `array` 4 bytes past a 64-byte boundary."""
+  raw = host_buffers.aligned_empty((array.nbytes + 4,), np.uint8)
+  out = raw[4:].view(array.dtype).reshape(array.shape)
+  out[...] = array
+  return out
+
+
 def _var(module: jax_module.JaxModule, path: str) -> tf.Variable:
   return module.param_vars[module.param_paths.index(path)]
 
@@ -556,10 +564,7 @@ def test_arrays_that_cannot_be_adopted_are_copied(case):
   if case == 'read_only':
     w.flags.writeable = False
   elif case == 'misaligned':  # TensorFlow would abort on such a buffer.
-    raw = host_buffers.aligned_empty((w.nbytes + 4,), np.uint8)
-    w_misaligned = raw[4:].view(np.float32).reshape(w.shape)
-    w_misaligned[...] = w
-    w = w_misaligned
+    w = _misaligned(w)
   elif case == 'strided':
     w = np.asfortranarray(w)
   variables = {'params': {'w': w, 'b': source['params']['b'].copy()}}
@@ -659,8 +664,7 @@ def test_borrowed_values_decline_what_needs_a_copy(case):
   module = _dense_module(variables, cast_bfloat16=case == 'cast_bfloat16')
   w = variables['params']['w']
   if case == 'misaligned':
-    raw = host_buffers.aligned_empty((w.nbytes + 4,), np.uint8)
-    variables['params']['w'] = raw[4:].view(w.dtype).reshape(w.shape)
+    variables['params']['w'] = _misaligned(w)
   elif case == 'float64':  # Stored as float32 (x64 is off): a conversion.
     variables['params']['w'] = w.astype(np.float64)
   elif case == 'shape':

@@ -1244,10 +1244,13 @@ def parse_exports(cfg: Config, res: Results,
   def first_time(r):
     return r['phases']['first']['seconds']
 
+  def step_time(r):
+    return r['phases']['donating_step']['seconds']
+
   def first_and_step_time(r):
     # With the next donating train step: where each side's fresh 1x of
     # host memory is paid (ours: the variables' copy; orbax: the step).
-    return first_time(r) + r['phases']['donating_step']['seconds']
+    return first_time(r) + step_time(r)
 
   def raw_time(r, kind='raw'):
     return _median([r['phases'][f'{kind}{i}']['seconds']
@@ -1278,11 +1281,9 @@ def parse_exports(cfg: Config, res: Results,
         else None,
         with_next_donating_step=summarize(
             ratios(non, orbax, first_and_step_time)),
-        next_donating_step_s={
-            'ours': _median([o['phases']['donating_step']['seconds']
-                             for o in non]),
-            'orbax': _median([b['phases']['donating_step']['seconds']
-                              for b in orbax])}))
+        next_donating_step_s={'ours': _median([step_time(o) for o in non]),
+                              'orbax': _median([step_time(b)
+                                                for b in orbax])}))
   else:
     for name in ('reexport_vs_orbax_nondurable',
                  'first_export_vs_orbax_nondurable'):
