@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import pathlib
 import pickle
 import subprocess
@@ -71,6 +72,46 @@ def test_aligned_empty_is_adoptable_and_shaped():
     assert a.flags.c_contiguous and a.flags.writeable
     # An empty array has no memory to give.
     assert host_buffers.adoptable(a) == (a.size > 0)
+
+
+def _vm_flags(address: int) -> list[str]:
+  """The VmFlags of this process's mapping holding `address`."""
+  holds = False
+  for line in pathlib.Path('/proc/self/smaps').read_text().splitlines():
+    head = line.split()[0]
+    if '-' in head and ':' not in head:  # A mapping's first line.
+      lo, hi = (int(x, 16) for x in head.split('-'))
+      holds = lo <= address < hi
+    elif head == 'VmFlags:' and holds:
+      return line.split()[1:]
+  raise AssertionError(f'no mapping holds {address:#x}')
+
+
+def test_large_aligned_empty_has_a_mapping_of_its_own_without_huge_pages():
+  # numpy asks for huge pages at this size; a first write into them can stall
+  # on the kernel's compaction, so t5export's large buffers do not ask.
+  a = host_buffers.aligned_empty(
+      (host_buffers.OWN_MAPPING_BYTES // 4 + 3,), np.float32)
+  assert a.ctypes.data % mmap.PAGESIZE == 0  # A mapping of its own.
+  # No MADV_HUGEPAGE (numpy's advice starts past an array's first page).
+  flags = _vm_flags(a.ctypes.data + a.nbytes // 2)
+  assert 'hg' not in flags, flags
+  assert a.flags.writeable and host_buffers.adoptable(a)
+  # TensorFlow adopts it: the memory outlives the array.
+  a[...] = np.arange(a.size, dtype=np.float32)
+  tensor = _adopted_by_tf(a)
+  del a
+  np.testing.assert_array_equal(
+      tensor.numpy()[-3:], np.arange(tensor.shape[0] - 3, tensor.shape[0],
+                                     dtype=np.float32))
+
+
+def _adopted_by_tf(array: np.ndarray):
+  """A TF tensor adopting `array`'s memory through DLPack."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  tensor = tf.experimental.dlpack.from_dlpack(array.__dlpack__())
+  assert jnp.from_dlpack(tensor).unsafe_buffer_pointer() == array.ctypes.data
+  return tensor
 
 
 def test_aligned_copy_casts_and_owns_its_memory():
