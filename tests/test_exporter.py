@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 import subprocess
 import sys
@@ -805,6 +806,71 @@ def test_first_module_is_filled_in_the_background_and_a_failed_fill_publishes_no
     np.testing.assert_array_equal(loaded['params'][name],
                                   np.asarray(params[name]))
   assert t5export.read_metadata(path).check.checked
+
+
+def test_without_the_check_the_first_module_is_filled_after_publishing(
+    tmp_path, monkeypatch):
+  # validate=False: nothing reads the variables before the version is out
+  # (its weights come from the caller's arrays), so the fill starts once the
+  # version is published; `module` and the next export wait for it.
+  real = host_buffers.fill_later
+  release, seen = threading.Event(), []
+
+  def gated(tree):
+    empty, copy = real(tree)
+
+    def gated_copy():
+      seen.append(sorted(os.listdir(tmp_path / 'm')))
+      release.wait()
+      copy()
+    return empty, gated_copy
+
+  monkeypatch.setattr(host_buffers, 'fill_later', gated)
+  params = jax.tree_util.tree_map(jnp.asarray, _dense_params(12))
+  exporter = t5export.SavedModelExporter(
+      tmp_path / 'm', [_dense_signature()],
+      options=t5export.ExportOptions(validate=False))
+  path = exporter.export(t5export.InferenceState.create(
+      {'params': params}).replace_step(1))
+  np.testing.assert_array_equal(verify.load_params(path)['params']['w'],
+                                np.asarray(params['w']))
+  release.set()
+  assert _w(exporter).tolist() == np.asarray(params['w']).tolist()
+  assert seen == [['1']]  # It started with the version published.
+  second = _dense_params(13)
+  path = exporter.export(t5export.InferenceState.create(
+      {'params': second}).replace_step(2))
+  assert _w(exporter).tolist() == second['w'].tolist()
+  np.testing.assert_array_equal(verify.load_params(path)['params']['w'],
+                                second['w'])
+
+
+def test_a_fill_failed_after_publishing_is_raised_by_module_and_repaired(
+    tmp_path, monkeypatch, caplog):
+  real = host_buffers.fill_later
+
+  def failing(tree):
+    empty, _ = real(tree)
+
+    def copy():
+      raise MemoryError('the fill failed')
+    return empty, copy
+
+  monkeypatch.setattr(host_buffers, 'fill_later', failing)
+  params = jax.tree_util.tree_map(jnp.asarray, _dense_params(14))
+  exporter = t5export.SavedModelExporter(
+      tmp_path / 'm', [_dense_signature()],
+      options=t5export.ExportOptions(validate=False))
+  state = t5export.InferenceState.create({'params': params})
+  first = exporter.export(state.replace_step(1))  # Published, with weights.
+  np.testing.assert_array_equal(verify.load_params(first)['params']['w'],
+                                np.asarray(params['w']))
+  with pytest.raises(MemoryError, match='the fill failed'):
+    _ = exporter.module
+  with caplog.at_level(logging.WARNING):
+    exporter.export(state.replace_step(2))
+  assert 'the variables were not filled after the first version' in caplog.text
+  assert _w(exporter).tolist() == np.asarray(params['w']).tolist()
 
 
 def test_prepare_traces_from_shapes_then_the_first_export_writes_weights(

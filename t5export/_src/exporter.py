@@ -88,6 +88,7 @@ class SavedModelExporter:
     self._artifacts: dict[str, tuple[bytes, dict[str, Any]]] = {}
     self._module: jax_module.JaxModule | None = None
     self._writer: writer_lib.SavedModelWriter | None = None
+    self._filling: _Fill | None = None  # The first module's, after publish.
 
   @property
   def options(self) -> options_lib.ExportOptions:
@@ -106,7 +107,14 @@ class SavedModelExporter:
 
   @property
   def module(self) -> jax_module.JaxModule | None:
-    """The JaxModule (None before the first export)."""
+    """The JaxModule (None before the first export).
+
+    Raises:
+      BaseException: the error that stopped the variables' fill after the
+        first version was published; the next export assigns them all.
+    """
+    if self._filling is not None:
+      self._filling.result()
     return self._module
 
   @functools.cached_property
@@ -243,17 +251,20 @@ class SavedModelExporter:
           o.keep_best.metric, sorted(metrics))
     start = time.monotonic()
     filling = self._ensure_module(snap.variables, owned=snap.owned)
+    # The first version is written from the caller's values if they can be
+    # read without a copy; the variables are filled when something reads
+    # them (the check's JAX side), else once the version is published.
+    values = (None if filling is None else
+              self._module.borrowed_values(snap.variables))
+    if values is None and filling is not None:
+      filling.start()  # The writer reads the variables.
     staging = self._dir.staging_dir(step)
     # The check's JAX side runs while the version is written.
     pending = (staged_check.Pending(self._signatures, self._module,
                                     atol=o.atol, rtol=o.rtol, after=filling)
                if o.validate else None)
     try:
-      # The first version is written from the caller's values while the
-      # variables are filled, if they can be read without a copy.
-      written = self._writer.write(
-          staging, after=filling, values=None if filling is None else
-          self._module.borrowed_values(snap.variables))
+      written = self._writer.write(staging, after=filling, values=values)
       logging.info('t5export: step %d: saved to %s in %.2fs (%s).', step,
                    staging, time.monotonic() - start,
                    'new variables' if written == 'variables' else 'full save')
@@ -277,9 +288,11 @@ class SavedModelExporter:
       if o.durable:  # assets.extra/ and the directories; the rest is clean.
         versions_lib.fsync_tree(staging)
       self._dir.publish(staging, final)
+      if filling is not None:  # Done by the next export at the latest.
+        self._filling = filling.start()
     except BaseException:
       if filling is not None:  # Nothing writes the variables after this.
-        concurrent.futures.wait([filling])
+        concurrent.futures.wait([filling.start()])
       if pending is not None:
         pending.abandon()
       shutil.rmtree(staging, ignore_errors=True)
@@ -293,8 +306,9 @@ class SavedModelExporter:
 
   def _ensure_module(self, variables: Any, *,
                      owned: bool) -> concurrent.futures.Future | None:
-    """Builds the JaxModule (returns its filler's future) or updates it."""
+    """Builds the JaxModule (returns its fill, not started) or updates it."""
     if self._module is not None:
+      self._finish_fill()
       self._module.update_variables(variables, owned=owned)
       return None
     o = self._options
@@ -307,15 +321,7 @@ class SavedModelExporter:
         owned=owned or later is not None, serving_target=o.serving_target)
     filling = None
     if later is not None and module.shares_memory(later[0]):
-      copy = later[1]
-
-      def fill() -> None:
-        start = time.monotonic()
-        copy()
-        logging.info('t5export: filled the variables (%.1f MiB) in %.2fs.',
-                     host_buffers.tree_nbytes(variables) / 2**20,
-                     time.monotonic() - start)
-      filling = _in_background(fill, 't5export-fill')
+      filling = _Fill(later[1], host_buffers.tree_nbytes(variables))
     elif later is not None:  # TensorFlow copied the empty arrays.
       module.update_variables(variables)
     if o.jax_artifacts:
@@ -329,6 +335,56 @@ class SavedModelExporter:
         fsync_shards=o.durable and not o.validate)
     self._module = module
     return filling
+
+  def _finish_fill(self) -> None:
+    """Waits for the first module's fill; a failure only costs a warning,
+    since every variable is about to be assigned."""
+    filling, self._filling = self._filling, None
+    if filling is not None and filling.exception() is not None:
+      logging.warning('t5export: the variables were not filled after the '
+                      'first version (%r); this export assigns them all.',
+                      filling.exception())
+
+
+class _Fill(concurrent.futures.Future):
+  """The copy of the caller's values into the first module's variables.
+
+  It runs once, in a thread (`t5export-fill`), from `start()` or from the
+  first `result()`/`exception()`; until it is done the caller's arrays must
+  stay alive and unchanged (views of JAX buffers: immutable; a donation
+  copies instead of reusing them).
+  """
+
+  def __init__(self, copy: Any, nbytes: int):
+    super().__init__()
+    self._copy, self._nbytes = copy, nbytes
+    self._lock = threading.Lock()
+
+  def start(self) -> _Fill:
+    """Starts the copy unless it started; returns self."""
+    with self._lock:
+      copy, self._copy = self._copy, None
+    if copy is not None:
+      threading.Thread(target=self._run, args=(copy,), name='t5export-fill',
+                       daemon=True).start()
+    return self
+
+  def _run(self, copy: Any) -> None:
+    start = time.monotonic()
+    try:
+      copy()
+    except BaseException as e:  # pylint: disable=broad-except
+      self.set_exception(e)
+      return
+    logging.info('t5export: filled the variables (%.1f MiB) in %.2fs.',
+                 self._nbytes / 2**20, time.monotonic() - start)
+    self.set_result(None)
+
+  def result(self, timeout: float | None = None) -> Any:
+    return super(_Fill, self.start()).result(timeout)
+
+  def exception(self, timeout: float | None = None) -> BaseException | None:
+    return super(_Fill, self.start()).exception(timeout)
 
 
 def _in_background(fn: Any, name: str) -> concurrent.futures.Future:

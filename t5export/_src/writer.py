@@ -93,7 +93,8 @@ class SavedModelWriter:
 
     Args:
       directory: the new version's directory.
-      after: the variables hold their values once it is done.
+      after: the variables hold their values once its `result()` returns;
+        awaited only if the weights are read from the variables.
       values: this version's values as tensors in `param_vars` order,
         readable now (while `after` runs); default: the variables.
 
@@ -142,8 +143,6 @@ class SavedModelWriter:
         self._write_weights(directory)
       else:
         self._save_in_full(directory)
-    if after is not None:  # The variables hold the values on return.
-      after.result()
     return 'full'
 
   def _save_in_full(self, directory: str) -> None:
