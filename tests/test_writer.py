@@ -10,6 +10,7 @@ version's graph byte for byte.
 
 from __future__ import annotations
 
+import glob
 import os
 import threading
 
@@ -184,9 +185,12 @@ def test_first_version_keys_the_graph_does_not_confirm_are_written_again(
   _assert_holds(str(tmp_path / 'm' / '2'), 1)
 
 
-def test_a_failed_graph_save_waits_for_the_shards_and_leaves_nothing(
-    tmp_path, monkeypatch):
-  gate, written = threading.Event(), []
+@pytest.mark.parametrize('failing', ['graph save', 'jax.export artifact'])
+def test_a_failure_beside_the_first_shards_waits_for_them_and_leaves_nothing(
+    tmp_path, monkeypatch, failing):
+  # The first version's shards start before the graph is saved, and the
+  # jax.export artifacts are made once it is saved, while they write.
+  gate, written, graph_there = threading.Event(), [], []
   real_save_v2 = writer_lib.SavedModelWriter._save_v2  # pylint: disable=protected-access
 
   def save_v2_after_the_failure(self, prefix, *args):
@@ -194,20 +198,25 @@ def test_a_failed_graph_save_waits_for_the_shards_and_leaves_nothing(
     real_save_v2(self, prefix, *args)
     written.append(prefix)
 
-  def failing_save_graph(self, directory):
-    del self, directory
+  def fail(*args):
+    del args
+    graph_there.extend(glob.glob(str(tmp_path / 'm' / '.tmp-*' /
+                                     'saved_model.pb')))
     gate.set()  # The shards write only now, while the error unwinds.
     raise OSError(28, 'No space left on device (test)')
 
   monkeypatch.setattr(writer_lib.SavedModelWriter, '_save_v2',
                       save_v2_after_the_failure)
-  monkeypatch.setattr(writer_lib.SavedModelWriter, '_save_graph',
-                      failing_save_graph)
+  if failing == 'graph save':
+    monkeypatch.setattr(writer_lib.SavedModelWriter, '_save_graph', fail)
+  else:
+    monkeypatch.setattr(jax_module.JaxModule, 'serialize_method', fail)
   exporter = t5export.SavedModelExporter(
       tmp_path / 'm', [_signature()],
       options=t5export.ExportOptions(validate=False))
   with pytest.raises(OSError, match=r'No space left on device \(test\)'):
     exporter.export(_jax_state(0, 1))
+  assert len(graph_there) == (failing != 'graph save')
   # Every shard ended before the staging directory was removed.
   assert len(written) == min(writer_lib.default_shards(), 10)
   assert os.listdir(tmp_path / 'm') == []

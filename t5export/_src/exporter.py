@@ -170,6 +170,8 @@ class SavedModelExporter:
         lambda x: host_buffers.aligned_empty(
             np.shape(x), jax.dtypes.canonicalize_dtype(x.dtype)), variables)
     self._ensure_module(empty, owned=True)
+    if self._options.jax_artifacts:
+      self._serialize_methods()
     with tempfile.TemporaryDirectory(prefix='t5export-graph-') as scratch:
       # Not under export_dir: preparing leaves no trace there.
       ahead = self._writer.save_graph_ahead(os.path.join(scratch, 'graph'))
@@ -264,7 +266,11 @@ class SavedModelExporter:
                                     atol=o.atol, rtol=o.rtol, after=filling)
                if o.validate else None)
     try:
-      written = self._writer.write(staging, after=filling, values=values)
+      # The artifacts are made while the first version's weights are written.
+      written = self._writer.write(
+          staging, after=filling, values=values,
+          meanwhile=self._serialize_methods if o.jax_artifacts and
+          not self._artifacts else None)
       logging.info('t5export: step %d: saved to %s in %.2fs (%s).', step,
                    staging, time.monotonic() - start,
                    'new variables' if written == 'variables' else 'full save')
@@ -324,17 +330,21 @@ class SavedModelExporter:
       filling = _Fill(later[1], host_buffers.tree_nbytes(variables))
     elif later is not None:  # TensorFlow copied the empty arrays.
       module.update_variables(variables)
-    if o.jax_artifacts:
-      for sig in self._signatures:
-        data = module.serialize_method(sig.name)
-        self._artifacts[sig.name] = (data, jax_artifacts_lib.describe(
-            data, sig.name, o.serving_target))
     self._writer = writer_lib.SavedModelWriter(
         module, serving.serving_functions(module, self._signatures),
         reuse_graph=o.reuse_graph,
         fsync_shards=o.durable and not o.validate)
     self._module = module
     return filling
+
+  def _serialize_methods(self) -> None:
+    """The `jax.export` artifact of each signature's method (once)."""
+    artifacts = {}
+    for sig in self._signatures:
+      data = self._module.serialize_method(sig.name)
+      artifacts[sig.name] = (data, jax_artifacts_lib.describe(
+          data, sig.name, self._options.serving_target))
+    self._artifacts = artifacts
 
   def _finish_fill(self) -> None:
     """Waits for the first module's fill; a failure only costs a warning,

@@ -6,7 +6,7 @@ Later versions reuse the first one's weight-independent files
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 import concurrent.futures
 import dataclasses
 import os
@@ -38,6 +38,18 @@ _PARAMS_ATTRIBUTE = 'param_vars'  # JaxModule.param_vars
 def default_shards() -> int:
   """Parallel weight shards: one per CPU, at most 8."""
   return max(1, min(8, os.cpu_count() or 1))
+
+
+def _joined_on_error(shards: _Shards | None,
+                     fn: Callable[[], Any] | None) -> Any:
+  """`fn()`; if it raises, waits for `shards` first (nothing may write into
+  a directory being removed)."""
+  try:
+    return None if fn is None else fn()
+  except BaseException:
+    if shards is not None:
+      shards.join()
+    raise
 
 
 def _balanced(sizes: list[int], shards: int) -> list[list[int]]:
@@ -88,7 +100,8 @@ class SavedModelWriter:
 
   def write(self, directory: str, *,
             after: concurrent.futures.Future | None = None,
-            values: Sequence[tf.Tensor] | None = None) -> str:
+            values: Sequence[tf.Tensor] | None = None,
+            meanwhile: Callable[[], Any] | None = None) -> str:
     """Writes `directory` and returns 'full' or 'variables'.
 
     Args:
@@ -97,6 +110,8 @@ class SavedModelWriter:
         awaited only if the weights are read from the variables.
       values: this version's values as tensors in `param_vars` order,
         readable now (while `after` runs); default: the variables.
+      meanwhile: run on this thread once the graph is saved (or copied),
+        while the weights are written.
 
     Returns:
       'variables' if the graph was reused, else 'full'.
@@ -111,8 +126,10 @@ class SavedModelWriter:
             pathlib.Path(path).write_bytes(data)
           except OSError as e:
             raise OSError(e.errno, e.strerror, path) from e
-      self._finish_weights(directory, self._start_weights(
-          directory, values, self._keys, self._object_graph))
+      shards = self._start_weights(directory, values, self._keys,
+                                   self._object_graph)
+      _joined_on_error(shards, meanwhile)
+      self._finish_weights(directory, shards)
       return 'variables'
     reuse, self._reuse_graph = self._reuse_graph, False  # Now or never.
     # Values readable now: the weights start beside the graph save, under
@@ -121,12 +138,9 @@ class SavedModelWriter:
                                          len(self._module.param_vars))
     shards = (self._start_weights(directory, values, guess, None)
               if reuse and (values is not None or after is None) else None)
-    try:
-      graph_saved = reuse and self._save_graph(directory)
-    except BaseException:
-      if shards is not None:  # Nothing may write into the directory left.
-        shards.join()
-      raise
+    graph_saved = _joined_on_error(
+        shards, lambda: reuse and self._save_graph(directory))
+    _joined_on_error(shards, meanwhile)
     if shards is not None and graph_saved and self._keys == guess:
       self._finish_weights(directory, shards)
     else:
