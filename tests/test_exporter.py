@@ -808,6 +808,26 @@ def test_first_module_is_filled_in_the_background_and_a_failed_fill_publishes_no
   assert t5export.read_metadata(path).check.checked
 
 
+def test_a_first_export_with_nan_is_refused_after_the_module_is_built(
+    tmp_path):
+  # The first export checks the params beside the module's build: the
+  # refusal names the param, publishes nothing, and the module is usable.
+  params = jax.tree_util.tree_map(jnp.asarray, _dense_params(15))
+  bad = dict(params, b=params['b'].at[2].set(jnp.nan))
+  exporter = t5export.SavedModelExporter(tmp_path / 'm', [_dense_signature()])
+  with pytest.raises(errors.NonFiniteParamsError,
+                     match=r"Parameter 'params/b' holds 1 non-finite"):
+    exporter.export(t5export.InferenceState.create(
+        {'params': bad}).replace_step(1))
+  assert os.listdir(tmp_path / 'm') == []
+  assert _w(exporter).tolist() == np.asarray(params['w']).tolist()
+  path = exporter.export(t5export.InferenceState.create(
+      {'params': params}).replace_step(2))
+  np.testing.assert_array_equal(verify.load_params(path)['params']['b'],
+                                np.asarray(params['b']))
+  assert t5export.read_metadata(path).check.checked
+
+
 def test_without_the_check_the_first_module_is_filled_after_publishing(
     tmp_path, monkeypatch):
   # validate=False: nothing reads the variables before the version is out

@@ -243,7 +243,12 @@ class SavedModelExporter:
     final = self._dir.version_dir(step)
     if os.path.exists(final) and not o.overwrite:
       raise errors.VersionExistsError(final, step)
-    if not o.allow_non_finite:
+    finite = None
+    if not o.allow_non_finite and self._module is None:
+      # Beside the module's build (numpy's reductions free the GIL).
+      finite = _in_background(lambda: staged_check.check_finite(
+          snap.variables), 't5export-finite')
+    elif not o.allow_non_finite:  # The module keeps the last good values.
       staged_check.check_finite(snap.variables)
     metrics = versions_lib.flatten_metrics(metrics)
     if o.keep_best is not None and o.keep_best.score(metrics, step) is None:
@@ -253,6 +258,10 @@ class SavedModelExporter:
           o.keep_best.metric, sorted(metrics))
     start = time.monotonic()
     filling = self._ensure_module(snap.variables, owned=snap.owned)
+    if finite is not None and finite.exception() is not None:
+      if filling is not None:  # The module holds what it was given.
+        filling.result()
+      raise finite.exception()
     # The first version is written from the caller's values if they can be
     # read without a copy; the variables are filled when something reads
     # them (the check's JAX side), else once the version is published.
