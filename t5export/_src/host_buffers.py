@@ -158,22 +158,24 @@ def host_views_survive_donation() -> bool:
 
 def _gather_leaf(keypath: Any, x: Any, *, owned: bool,
                  shapes_only: bool) -> Any:
-  where = paths.path_str(keypath)
+  # The path is spelled only for an error (this runs per leaf, per export,
+  # on the training thread).
   if isinstance(x, jax.core.Tracer):
-    raise TypeError(f'gather_to_host got a traced value at {where!r}; call '
-                    'it outside jax.jit / jax.grad.')
+    raise TypeError(f'gather_to_host got a traced value at '
+                    f'{paths.path_str(keypath)!r}; call it outside jax.jit / '
+                    'jax.grad.')
   if isinstance(x, (np.ndarray, np.generic, bool, int, float, complex)):
     if shapes_only:
       return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
     return aligned_copy(x) if owned else np.asarray(x)
   if not isinstance(x, jax.Array):
     raise TypeError(
-        f'gather_to_host: leaf {where!r} is a {type(x).__name__}; expected '
-        'jax.Array, numpy array or a number.')
+        f'gather_to_host: leaf {paths.path_str(keypath)!r} is a '
+        f'{type(x).__name__}; expected jax.Array, numpy array or a number.')
   if x.is_deleted():
     raise ValueError(
-        f'Array {where!r} was deleted (donated to a jitted step?). Take the '
-        'snapshot before the step that donates it.')
+        f'Array {paths.path_str(keypath)!r} was deleted (donated to a jitted '
+        'step?). Take the snapshot before the step that donates it.')
   if not (x.is_fully_addressable or x.is_fully_replicated):
     # Spread over processes: a collective every process joins.
     gathered = multihost_utils.process_allgather(x, tiled=True)
