@@ -773,24 +773,39 @@ def test_owned_export_refuses_jax_arrays(tmp_path):
                                 np.asarray(params['w']))
 
 
+def _patch_fill(monkeypatch, wrap):
+  """The first module's fill becomes `wrap(its copy)`; returns the real
+  `fill_later`."""
+  real = host_buffers.fill_later
+
+  def patched(tree):
+    empty, copy = real(tree)
+    return empty, wrap(copy)
+  monkeypatch.setattr(host_buffers, 'fill_later', patched)
+  return real
+
+
+def _failing_fill(calls: list[str]):
+  """A `_patch_fill` wrap whose copy records its thread and fails."""
+  def wrap(copy):
+    del copy
+
+    def failing():
+      calls.append(threading.current_thread().name)
+      raise MemoryError('the fill failed')
+    return failing
+  return wrap
+
+
 def test_first_module_is_filled_in_the_background_and_a_failed_fill_publishes_nothing(
     tmp_path, monkeypatch):
   # The first module's variables are empty arrays TensorFlow adopted at
-  # once; a thread copies the params in while the graph is traced and
-  # saved. Its failure is the export's failure: nothing published or left
-  # behind, and the next export writes the right weights.
-  real = host_buffers.fill_later
+  # once; a thread copies the params in while the version is written (the
+  # check's JAX side reads them). Its failure is the export's failure:
+  # nothing published or left behind, and the next export writes the right
+  # weights.
   filled = []
-
-  def failing(tree):
-    empty, _ = real(tree)
-
-    def copy():
-      filled.append(threading.current_thread().name)
-      raise MemoryError('the fill failed')
-    return empty, copy
-
-  monkeypatch.setattr(host_buffers, 'fill_later', failing)
+  real = _patch_fill(monkeypatch, _failing_fill(filled))
   params = jax.tree_util.tree_map(jnp.asarray, _dense_params(10))
   exporter = t5export.SavedModelExporter(tmp_path / 'm', [_dense_signature()])
   with pytest.raises(MemoryError, match='the fill failed'):
@@ -833,19 +848,16 @@ def test_without_the_check_the_first_module_is_filled_after_publishing(
   # validate=False: nothing reads the variables before the version is out
   # (its weights come from the caller's arrays), so the fill starts once the
   # version is published; `module` and the next export wait for it.
-  real = host_buffers.fill_later
   release, seen = threading.Event(), []
 
-  def gated(tree):
-    empty, copy = real(tree)
-
+  def gated(copy):
     def gated_copy():
       seen.append(sorted(os.listdir(tmp_path / 'm')))
       release.wait()
       copy()
-    return empty, gated_copy
+    return gated_copy
 
-  monkeypatch.setattr(host_buffers, 'fill_later', gated)
+  _patch_fill(monkeypatch, gated)
   params = jax.tree_util.tree_map(jnp.asarray, _dense_params(12))
   exporter = t5export.SavedModelExporter(
       tmp_path / 'm', [_dense_signature()],
@@ -867,16 +879,8 @@ def test_without_the_check_the_first_module_is_filled_after_publishing(
 
 def test_a_fill_failed_after_publishing_is_raised_by_module_and_repaired(
     tmp_path, monkeypatch, caplog):
-  real = host_buffers.fill_later
-
-  def failing(tree):
-    empty, _ = real(tree)
-
-    def copy():
-      raise MemoryError('the fill failed')
-    return empty, copy
-
-  monkeypatch.setattr(host_buffers, 'fill_later', failing)
+  filled = []
+  _patch_fill(monkeypatch, _failing_fill(filled))
   params = jax.tree_util.tree_map(jnp.asarray, _dense_params(14))
   exporter = t5export.SavedModelExporter(
       tmp_path / 'm', [_dense_signature()],
@@ -890,6 +894,7 @@ def test_a_fill_failed_after_publishing_is_raised_by_module_and_repaired(
   with caplog.at_level(logging.WARNING):
     exporter.export(state.replace_step(2))
   assert 'the variables were not filled after the first version' in caplog.text
+  assert filled == ['t5export-fill']  # After publishing, in its thread.
   assert _w(exporter).tolist() == np.asarray(params['w']).tolist()
 
 
