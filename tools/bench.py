@@ -1624,7 +1624,11 @@ def parse_offline(cfg: Config, res: Results,
       'offline_peak_rss', [x['durable']['peak']['sampled'] / pb
                            for x in rows],
       hwm=_median([x['durable']['peak']['hwm'] / pb for x in rows]),
-      raw_baseline=_median([x['raw']['peak']['sampled'] / pb for x in rows])))
+      raw_baseline=_median([x['raw']['peak']['sampled'] / pb for x in rows]),
+      # Orbax's own restore of the params alone (imported outside the
+      # phase): what reading through orbax costs any reader.
+      orbax_restore_baseline=_median([x['orbax']['peak']['sampled'] / pb
+                                      for x in rows])))
 
 
 CHECK_FIGURES = ('check_peak_rss_first', 'check_peak_rss_reexport',
