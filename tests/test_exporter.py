@@ -30,6 +30,7 @@ from examples import models
 from examples import tokenizer
 import t5export
 from t5export import errors
+from t5export._src import exporter as exporter_lib
 from t5export._src import host_buffers
 from t5export._src import paths
 from t5export._src import staged_check
@@ -875,6 +876,39 @@ def test_without_the_check_the_first_module_is_filled_after_publishing(
   assert _w(exporter).tolist() == second['w'].tolist()
   np.testing.assert_array_equal(verify.load_params(path)['params']['w'],
                                 second['w'])
+
+
+def test_after_the_fill_a_donating_step_reuses_the_exported_buffers(
+    tmp_path, monkeypatch):
+  # Once `module` returns, nothing of the export may still view the
+  # caller's buffers: a view would make the next donating train step copy
+  # (1x fresh memory) instead of reusing them. The fill's thread is held
+  # right after it reports done, as a descheduled thread would be.
+  release = threading.Event()
+  real_set_result = exporter_lib._Fill.set_result  # pylint: disable=protected-access
+
+  def set_result_then_linger(self, result):
+    real_set_result(self, result)
+    release.wait()
+
+  monkeypatch.setattr(exporter_lib._Fill, 'set_result', set_result_then_linger)  # pylint: disable=protected-access
+  params = jax.tree_util.tree_map(jnp.asarray, _dense_params(16))
+  exporter = t5export.SavedModelExporter(
+      tmp_path / 'm', [_dense_signature()],
+      options=t5export.ExportOptions(validate=False))
+  try:
+    exporter.export(t5export.InferenceState.create(
+        {'params': params}).replace_step(1))
+    _ = exporter.module
+    buffers = [x.unsafe_buffer_pointer()
+               for x in jax.tree_util.tree_leaves(params)]
+    step = jax.jit(lambda t: jax.tree_util.tree_map(lambda a: a * 0.5, t),
+                   donate_argnums=0)
+    out = jax.block_until_ready(step(params))
+  finally:
+    release.set()
+  assert [x.unsafe_buffer_pointer()
+          for x in jax.tree_util.tree_leaves(out)] == buffers
 
 
 def test_a_fill_failed_after_publishing_is_raised_by_module_and_repaired(

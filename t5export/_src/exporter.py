@@ -9,11 +9,13 @@ from collections.abc import Mapping, Sequence
 import concurrent.futures
 import dataclasses
 import functools
+import gc
 import os
 import shutil
 import tempfile
 import threading
 import time
+import traceback
 from typing import Any
 
 from absl import logging
@@ -377,23 +379,35 @@ class _Fill(concurrent.futures.Future):
   def __init__(self, copy: Any, nbytes: int):
     super().__init__()
     self._copy, self._nbytes = copy, nbytes
-    self._lock = threading.Lock()
+    self._lock, self._started = threading.Lock(), False
 
   def start(self) -> _Fill:
     """Starts the copy unless it started; returns self."""
     with self._lock:
-      copy, self._copy = self._copy, None
-    if copy is not None:
-      threading.Thread(target=self._run, args=(copy,), name='t5export-fill',
+      started, self._started = self._started, True
+    if not started:
+      threading.Thread(target=self._run, name='t5export-fill',
                        daemon=True).start()
     return self
 
-  def _run(self, copy: Any) -> None:
+  def _run(self) -> None:
     start = time.monotonic()
+    copy, self._copy = self._copy, None
     try:
       copy()
+      error = None
     except BaseException as e:  # pylint: disable=broad-except
-      self.set_exception(e)
+      error = e
+      traceback.clear_frames(e.__traceback__)
+    # The caller's arrays go before anyone is told: a donating step right
+    # after `module` returns must find no view of their buffers left. The
+    # module's build leaves the export's frames (which hold the snapshot)
+    # in a reference cycle with frames of JAX's tracing; only a full
+    # collection frees them, once, here off the training thread.
+    del copy
+    gc.collect()
+    if error is not None:
+      self.set_exception(error)
       return
     logging.info('t5export: filled the variables (%.1f MiB) in %.2fs.',
                  self._nbytes / 2**20, time.monotonic() - start)
@@ -407,13 +421,26 @@ class _Fill(concurrent.futures.Future):
 
 
 def _in_background(fn: Any, name: str) -> concurrent.futures.Future:
-  """Runs `fn()` in a daemon thread called `name`; returns its future."""
+  """Runs `fn()` in a daemon thread called `name`; returns its future.
+
+  `fn` (and what it holds, such as views of the caller's arrays) is
+  dropped before the future is done.
+  """
   future: concurrent.futures.Future = concurrent.futures.Future()
+  task = [fn]
+  del fn
 
   def run() -> None:
+    call = task.pop()
     try:
-      future.set_result(fn())
+      result, error = call(), None
     except BaseException as e:  # pylint: disable=broad-except
-      future.set_exception(e)
+      result, error = None, e
+      traceback.clear_frames(e.__traceback__)
+    del call
+    if error is not None:
+      future.set_exception(error)
+    else:
+      future.set_result(result)
   threading.Thread(target=run, name=name, daemon=True).start()
   return future
