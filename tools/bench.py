@@ -725,8 +725,10 @@ class AsyncOurs:
     self._cb.run(state)
 
   def warm(self, state: Any) -> None:
-    """The first export (tracing), synchronous and outside any timing."""
+    """The first export (tracing), synchronous and outside any timing,
+    with what it leaves running after the publish (the variables' fill)."""
     self._cb.export_now(state)
+    _ = self._cb.exporter.module
 
   def wait(self) -> None:
     self._cb.wait()
