@@ -911,6 +911,32 @@ def test_after_the_fill_a_donating_step_reuses_the_exported_buffers(
           for x in jax.tree_util.tree_leaves(out)] == buffers
 
 
+def test_re_exports_write_into_the_variables_memory_in_place(tmp_path):
+  # After the first export (checked: its JAX side viewed the variables),
+  # every re-export copies the new params into the variables' own memory:
+  # no variable gets a new buffer, which would cost a leaf's size for a
+  # moment, and each version still holds its own params.
+  exporter = t5export.SavedModelExporter(tmp_path / 'm', [_dense_signature()])
+  state = t5export.InferenceState.create({'params': jax.tree_util.tree_map(
+      jnp.asarray, _dense_params(20))})
+  exporter.export(state.replace_step(1))
+  module = exporter.module
+  pointers = [jnp.from_dlpack(v.value()).unsafe_buffer_pointer()
+              for v in module.param_vars]
+  for step in (2, 3):
+    params = jax.tree_util.tree_map(jnp.asarray, _dense_params(20 + step))
+    path = exporter.export(
+        t5export.InferenceState.create({'params': params}).replace_step(step))
+    assert [jnp.from_dlpack(v.value()).unsafe_buffer_pointer()
+            for v in module.param_vars] == pointers
+    np.testing.assert_array_equal(verify.load_params(path)['params']['w'],
+                                  np.asarray(params['w']))
+    assert t5export.read_metadata(path).check.checked
+  np.testing.assert_array_equal(
+      verify.load_params(tmp_path / 'm' / '2')['params']['w'],
+      _dense_params(22)['w'])
+
+
 def test_a_fill_failed_after_publishing_is_raised_by_module_and_repaired(
     tmp_path, monkeypatch, caplog):
   filled = []

@@ -614,13 +614,40 @@ def test_update_variables_adopts_owned_and_copies_the_callers():
   assert module.trace_count == 1  # Updates never trace again.
 
 
-def test_update_variables_copies_a_callers_leaf_once_into_the_variable(
+def _pointers(module: jax_module.JaxModule) -> list[int]:
+  return [jnp.from_dlpack(v.value()).unsafe_buffer_pointer()
+          for v in module.param_vars]
+
+
+def test_update_variables_overwrites_the_variables_own_memory_in_place(
     monkeypatch):
-  # A value the module may not adopt (the caller's, or a read-only view of
-  # a JAX buffer) is copied once, into aligned memory that the variable
-  # then adopts: the variable's memory is that copy, not a second one that
-  # TensorFlow's conversion would make.
+  # The variables' memory is the module's own (aligned copies it made):
+  # an update copies each leaf straight into it, with no second buffer,
+  # for float32 and bfloat16, and for a bfloat16 leaf stored as float32.
+  for dtype, cast in ((np.float32, False), (jnp.bfloat16, False),
+                      (jnp.bfloat16, True)):
+    module = _dense_module(_dense_variables(6, dtype), cast_bfloat16=cast)
+    before = _pointers(module)
+    monkeypatch.setattr(host_buffers, 'aligned_copy', None)  # None made.
+    caller = _dense_variables(7, dtype)
+    caller['params']['w'].flags.writeable = False  # As a view of JAX's.
+    assert module.update_variables(caller) == 2
+    monkeypatch.undo()
+    assert _pointers(module) == before
+    for path in module.param_paths:
+      np.testing.assert_array_equal(
+          _var(module, path).numpy(),
+          np.asarray(paths.flatten(caller)[path], np.float32 if cast
+                     else dtype), err_msg=path)
+
+
+def test_update_variables_copies_once_into_new_memory_while_a_view_lives(
+    monkeypatch):
+  # A live `jax_variables` view shares the variables' memory: the update
+  # leaves it as it was and copies each leaf once, into aligned memory the
+  # variable then adopts (not a second copy TensorFlow's conversion makes).
   module = _dense_module(_dense_variables(6))
+  view = module.jax_variables()
   copies = []
   real = host_buffers.aligned_copy
 
@@ -631,13 +658,31 @@ def test_update_variables_copies_a_callers_leaf_once_into_the_variable(
   monkeypatch.setattr(host_buffers, 'aligned_copy', recording)
   caller = _dense_variables(7)
   caller['params']['w'].flags.writeable = False  # As a view of JAX's.
-  module.update_variables(caller)
+  assert module.update_variables(caller) == 0
   assert len(copies) == 2
   for path, copy in zip(module.param_paths, copies):
     got = jnp.from_dlpack(_var(module, path).value())
     assert got.unsafe_buffer_pointer() == copy.ctypes.data, path
     np.testing.assert_array_equal(
         np.asarray(got), paths.flatten(caller)[path])
+  np.testing.assert_array_equal(np.asarray(view['params']['w']),
+                                _dense_variables(6)['params']['w'])
+  del view, got
+  monkeypatch.undo()
+  assert module.update_variables(_dense_variables(8)) == 2  # Now in place.
+
+
+def test_update_variables_never_writes_into_memory_the_module_was_given():
+  # A variable someone assigned their own tensor is not the module's
+  # memory: the update gives it new memory and the tensor keeps its values.
+  module = _dense_module(_dense_variables(6))
+  theirs = tf.constant(np.full((8, 4), 3.0, np.float32))
+  _var(module, 'params/w').assign(theirs)
+  assert module.update_variables(_dense_variables(7)) == 1  # 'b' only.
+  np.testing.assert_array_equal(theirs.numpy(), np.full((8, 4), 3.0))
+  np.testing.assert_array_equal(_var(module, 'params/w').numpy(),
+                                _dense_variables(7)['params']['w'])
+  assert module.update_variables(_dense_variables(8)) == 2  # Its own again.
 
 
 def test_borrowed_values_share_the_callers_memory_in_variable_order():

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 import dataclasses
 import re
+import weakref
 from typing import Any
 
 from absl import logging
@@ -48,21 +49,68 @@ def _abstract(leaf: Any) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(shape, jax.dtypes.canonicalize_dtype(dtype))
 
 
-def _tf_value(leaf: Any, *, cast: bool, owned: bool) -> Any:
-  """The leaf in JAX's dtype as a tf.Tensor sharing its memory (an unowned or
-  unadoptable one first copied into aligned memory TF adopts)."""
+def _host_value(leaf: Any, *, cast: bool, owned: bool) -> np.ndarray:
+  """The leaf in JAX's dtype (float32 if `cast`) as host memory TF may adopt:
+  an owned adoptable leaf itself, else an aligned copy."""
   array = np.asarray(leaf)  # No copy on CPU.
   dtype = jax.dtypes.canonicalize_dtype(array.dtype)
   array = array if array.dtype == dtype else array.astype(dtype)
   if cast or not (owned and host_buffers.adoptable(array)):
     array = host_buffers.aligned_copy(array, np.float32 if cast else None)
-  if not host_buffers.adoptable(array):  # Empty, or not a DLPack dtype.
+  return array
+
+
+def _as_tensor(array: np.ndarray) -> Any:
+  """A tf.Tensor sharing `array`'s memory; the array itself if TF can't
+  adopt it (empty, or not a DLPack dtype: TF copies it)."""
+  if not host_buffers.adoptable(array):
     return array
   if array.dtype == jnp.bfloat16:
     # numpy's DLPack has no bfloat16: share the bits as uint16, bitcast.
     bits = array.view(np.uint16).__dlpack__()
     return tf.bitcast(tf.experimental.dlpack.from_dlpack(bits), tf.bfloat16)
   return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
+
+
+def _address(var: tf.Variable) -> int:
+  """Where the variable's value lives now (numpy's DLPack never copies)."""
+  value = var.value()
+  if value.dtype == tf.bfloat16:
+    value = tf.bitcast(value, tf.uint16)
+  return np.from_dlpack(value).ctypes.data
+
+
+class _Memory:
+  """Host arrays the variables hold as their own memory (None: TF's or not
+  known), and weak references to the JAX views `jax_variables` handed out.
+
+  A plain object, kept out of tf.Module's attribute tracking.
+  """
+
+  def __init__(self, arrays: list[np.ndarray | None]):
+    self.arrays = arrays
+    self.views: list[tuple[int, weakref.ref]] = []
+
+  def track(self, views: list[Any]) -> None:
+    """Records JAX arrays sharing the variables' memory, in variable order."""
+    self.viewed()  # Drops the dead ones.
+    self.views.extend((i, weakref.ref(x)) for i, x in enumerate(views))
+
+  def viewed(self) -> set[int]:
+    """Indices of variables a live JAX view still shares."""
+    self.views = [(i, r) for i, r in self.views if r() is not None]
+    return {i for i, _ in self.views}
+
+  def adopt(self, index: int, var: tf.Variable, array: np.ndarray) -> None:
+    """Records `array` as the variable's memory if the variable holds it."""
+    self.arrays[index] = (array if host_buffers.adoptable(array) and
+                          _address(var) == array.ctypes.data else None)
+
+  def writable(self, index: int, var: tf.Variable) -> np.ndarray | None:
+    """The variable's own memory, if it may be overwritten in place."""
+    array = self.arrays[index]
+    return (array if array is not None and
+            _address(var) == array.ctypes.data else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,11 +191,15 @@ class JaxModule(tf.Module):
     leaf_paths = tuple(paths.path_str(keypath) for keypath, _ in flat)
     dtypes = tuple(jnp.result_type(leaf) for _, leaf in flat)
     casts = tuple(bool(cast_bfloat16 and d == jnp.bfloat16) for d in dtypes)
+    self._memory = _Memory([None] * len(flat))
+    param_vars = []
     with tf.device('/CPU:0'):  # At most one extra leaf buffer at a time.
-      self.param_vars = [
-          tf.Variable(_tf_value(leaf, cast=cast, owned=owned),
-                      trainable=trainable, name=tf_variable_name(path))
-          for (_, leaf), path, cast in zip(flat, leaf_paths, casts)]
+      for (_, leaf), path, cast in zip(flat, leaf_paths, casts):
+        array = _host_value(leaf, cast=cast, owned=owned)
+        param_vars.append(tf.Variable(_as_tensor(array), trainable=trainable,
+                                      name=tf_variable_name(path)))
+        self._memory.adopt(len(param_vars) - 1, param_vars[-1], array)
+    self.param_vars = param_vars
     # On CPU the checks' jitted methods use the memory-optimized schedule.
     xla = ({'xla_cpu_scheduler_type': 'CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED'}
            if jax.default_backend() == 'cpu' else None)
@@ -204,10 +256,8 @@ class JaxModule(tf.Module):
   def shares_memory(self, variables: Any) -> bool:
     """Whether every variable's memory is that of `variables`' numpy leaf."""
     leaves = jax.tree_util.tree_leaves(variables)
-    return jax.default_backend() == 'cpu' and len(leaves) == len(
-        self.param_vars) and all(
-            jnp.from_dlpack(v.value()).unsafe_buffer_pointer() == x.ctypes.data
-            for v, x in zip(self.param_vars, leaves))
+    return len(leaves) == len(self.param_vars) and all(
+        mine is x for mine, x in zip(self._memory.arrays, leaves))
 
   def _variable_tree(self) -> Any:
     return jax.tree_util.tree_unflatten(self._meta.treedef,
@@ -232,7 +282,10 @@ class JaxModule(tf.Module):
   def jax_methods(self) -> dict[str, Callable[[Any], Any]]:
     """Name -> jitted JAX method(inputs) on the current variables (checks)."""
     def bind(jitted):
-      return lambda inputs: jitted(self.jax_variables(), inputs)
+      # Done before it returns: nothing reads the variables' memory after
+      # the views are dropped (an update may then write into it).
+      return lambda inputs: jax.block_until_ready(
+          jitted(self.jax_variables(), inputs))
     return {k: bind(f) for k, f in self._meta.jitted_methods.items()}
 
   def serialize_method(self, method_name: str) -> bytes:
@@ -252,8 +305,9 @@ class JaxModule(tf.Module):
   def jax_variables(self) -> Any:
     """The current values as a pytree of JAX arrays (bfloat16 as given).
 
-    On CPU they share the variables' memory (DLPack); a later
-    `update_variables` leaves them as they were. Do not donate them.
+    On CPU they share the variables' memory (DLPack); while one is alive,
+    `update_variables` gives its variable new memory instead of writing into
+    it, so it keeps its values. Do not donate them.
 
     Returns:
       A pytree like the constructor's `variables`.
@@ -262,6 +316,8 @@ class JaxModule(tf.Module):
     # var.numpy() would copy the buffer, and jnp.asarray might copy again.
     values = [jnp.from_dlpack(v.value()) if share else jnp.asarray(v.numpy())
               for v in self.param_vars]
+    if share:
+      self._memory.track(values)
     return self._to_jax_dtypes(
         jax.tree_util.tree_unflatten(self._meta.treedef, values))
 
@@ -289,15 +345,24 @@ class JaxModule(tf.Module):
     if any(v is None for v in views):
       return None
     with tf.device('/CPU:0'):
-      return [_tf_value(v, cast=False, owned=True) for v in views]
+      return [_as_tensor(v) for v in views]
 
-  def update_variables(self, variables: Any, *, owned: bool = False) -> None:
-    """Assigns new values into the variables, leaf by leaf, without tracing.
+  def update_variables(self, variables: Any, *, owned: bool = False) -> int:
+    """Puts new values into the variables, leaf by leaf, without tracing.
+
+    A variable whose memory is the module's own and shared with no live
+    `jax_variables` view is overwritten in place: no second buffer, even for
+    a moment. Otherwise (or for an `owned` leaf TF can take as it is) the
+    variable is assigned new memory. Tensors read from `param_vars` before
+    the update may see the new values; don't update while a method runs.
 
     Args:
       variables: a pytree with the constructor's structure, leaf shapes and
         dtypes (numpy or JAX arrays).
       owned: as in the constructor (take the arrays' memory, no copy).
+
+    Returns:
+      How many variables were overwritten in place.
 
     Raises:
       errors.VariableMismatchError: the structure, a shape or a dtype
@@ -327,7 +392,20 @@ class JaxModule(tf.Module):
           'dtype:\n' + '\n'.join(f'  - {w}' for w in wrong) +
           '\nExported variables keep their shape and dtype; cast the values '
           'or build a new JaxModule.')
+    viewed, in_place = self._memory.viewed(), 0
     with tf.device('/CPU:0'):
-      for var, path, cast in zip(self.param_vars, meta.paths,
-                                 meta.cast_to_f32):
-        var.assign(_tf_value(flat[path], cast=cast, owned=owned))
+      for i, (var, path, cast) in enumerate(zip(
+          self.param_vars, meta.paths, meta.cast_to_f32)):
+        leaf = np.asarray(flat[path])  # No copy on CPU.
+        given = owned and not cast and host_buffers.adoptable(leaf) and (
+            leaf.dtype == jax.dtypes.canonicalize_dtype(leaf.dtype))
+        target = None if given or i in viewed else self._memory.writable(
+            i, var)
+        if target is not None:  # No new buffer: the variable's own memory.
+          np.copyto(target, leaf, casting='unsafe')
+          in_place += 1
+        else:  # Given memory, or memory nothing else shares.
+          array = _host_value(leaf, cast=cast, owned=owned)
+          var.assign(_as_tensor(array))
+          self._memory.adopt(i, var, array)
+    return in_place
