@@ -690,6 +690,18 @@ def test_flatten_metrics_and_check_finite():
   with pytest.raises(errors.NonFiniteParamsError, match=r"'params/w' holds 2"):
     staged_check.check_finite(
         {'params': {'w': jnp.array([np.inf, 1, -np.inf], jnp.bfloat16)}})
+  # Large leaves are checked block by block: a NaN in the last, partial
+  # block is found, and the message counts every bad value of the leaf.
+  size = 3 * staged_check._FINITE_BLOCK + 6  # pylint: disable=protected-access
+  w = np.ones((size,), np.float32)
+  staged_check.check_finite({'w': w.reshape(2, -1)})
+  w[7], w[-1] = np.inf, np.nan
+  with pytest.raises(errors.NonFiniteParamsError,
+                     match=rf"'w' holds 2 non-finite value\(s\) .* of {size}"):
+    staged_check.check_finite({'w': w.reshape(2, -1)})
+  w[7] = 0.0
+  with pytest.raises(errors.NonFiniteParamsError, match=r"'w' holds 1 "):
+    staged_check.check_finite({'w': w.reshape(2, -1)})
 
 
 # --- how params reach the variables: views, owned arrays ---------------------
