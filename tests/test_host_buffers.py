@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import pathlib
 import pickle
@@ -104,6 +105,35 @@ def test_large_aligned_empty_has_a_mapping_of_its_own_without_huge_pages():
   np.testing.assert_array_equal(
       tensor.numpy()[-3:], np.arange(tensor.shape[0] - 3, tensor.shape[0],
                                      dtype=np.float32))
+
+
+def _rss_bytes() -> int:
+  for line in pathlib.Path('/proc/self/status').read_text().splitlines():
+    if line.startswith('VmRSS:'):
+      return int(line.split()[1]) * 1024
+  raise AssertionError('no VmRSS in /proc/self/status')
+
+
+def test_return_freed_memory_gives_the_allocators_free_pages_back():
+  # 128 MiB in blocks below glibc's mmap threshold, freed under a block
+  # still in use: free() keeps them (only a free top of the heap shrinks
+  # it); return_freed_memory hands them back to the system.
+  libc = ctypes.CDLL(None)
+  libc.malloc.restype = ctypes.c_void_p
+  libc.malloc.argtypes = [ctypes.c_size_t]
+  libc.free.argtypes = [ctypes.c_void_p]
+  block, count = 64 << 10, 2048
+  blocks = [libc.malloc(block) for _ in range(count)]
+  for address in blocks:
+    ctypes.memset(address, 1, block)
+  above = libc.malloc(block)
+  for address in blocks:
+    libc.free(address)
+  kept = _rss_bytes()
+  host_buffers.return_freed_memory()
+  returned = kept - _rss_bytes()
+  libc.free(above)
+  assert returned > block * count // 2, returned
 
 
 def _adopted_by_tf(array: np.ndarray):

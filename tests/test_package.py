@@ -19,7 +19,7 @@ import t5export
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 LIGHT_MODULES = ('paths', 'train_state', 'state_axes',
-                 'partitioning', 'host_buffers', 'snapshot',
+                 'partitioning', 'host_buffers', 'background', 'snapshot',
                  'async_export', 'distributed', 'versions',
                  'checkpoints', 'orbax_checkpoints',
                  'msgpack_checkpoints', 'triggering', 'outcomes',

@@ -9,13 +9,10 @@ from collections.abc import Mapping, Sequence
 import concurrent.futures
 import dataclasses
 import functools
-import gc
 import os
 import shutil
 import tempfile
-import threading
 import time
-import traceback
 from typing import Any
 
 from absl import logging
@@ -25,6 +22,7 @@ import numpy as np
 
 from t5export import errors
 from t5export._src import assets_extra
+from t5export._src import background
 from t5export._src import host_buffers
 from t5export._src import jax_artifacts as jax_artifacts_lib
 from t5export._src import jax_module
@@ -90,7 +88,8 @@ class SavedModelExporter:
     self._artifacts: dict[str, tuple[bytes, dict[str, Any]]] = {}
     self._module: jax_module.JaxModule | None = None
     self._writer: writer_lib.SavedModelWriter | None = None
-    self._filling: _Fill | None = None  # The first module's, after publish.
+    # The first module's fill, once its version is published.
+    self._filling: background.Fill | None = None
 
   @property
   def options(self) -> options_lib.ExportOptions:
@@ -247,8 +246,8 @@ class SavedModelExporter:
       raise errors.VersionExistsError(final, step)
     finite = None
     if not o.allow_non_finite and self._module is None:
-      # Beside the module's build (numpy's reductions free the GIL).
-      finite = _in_background(lambda: staged_check.check_finite(
+      # Beside the module's build (numpy's loops free the GIL).
+      finite = background.in_background(lambda: staged_check.check_finite(
           snap.variables), 't5export-finite')
     elif not o.allow_non_finite:  # The module keeps the last good values.
       staged_check.check_finite(snap.variables)
@@ -289,8 +288,9 @@ class SavedModelExporter:
                              reason='ExportOptions(validate=False)')
       if pending is not None:
         # The disk flushes the weights while TensorFlow runs the check.
-        syncing = [_in_background(lambda: versions_lib.fsync_tree(staging),
-                                  't5export-fsync')] if o.durable else []
+        syncing = [background.in_background(
+            lambda: versions_lib.fsync_tree(staging),
+            't5export-fsync')] if o.durable else []
         try:
           check, pending = pending.finish(staging), None
         finally:  # The check's error, if any, is the one to raise.
@@ -309,7 +309,7 @@ class SavedModelExporter:
         self._filling = filling.start()
     except BaseException:
       if filling is not None:  # Nothing writes the variables after this.
-        concurrent.futures.wait([filling.start()])
+        filling.exception()  # Waits, without raising.
       if pending is not None:
         pending.abandon()
       shutil.rmtree(staging, ignore_errors=True)
@@ -322,11 +322,13 @@ class SavedModelExporter:
     return final
 
   def _ensure_module(self, variables: Any, *,
-                     owned: bool) -> concurrent.futures.Future | None:
+                     owned: bool) -> background.Fill | None:
     """Builds the JaxModule (returns its fill, not started) or updates it."""
     if self._module is not None:
       self._finish_fill()
-      self._module.update_variables(variables, owned=owned)
+      in_place = self._module.update_variables(variables, owned=owned)
+      logging.debug('t5export: %d of %d variables updated in place.',
+                    in_place, len(self._module.param_vars))
       return None
     o = self._options
     later = (None if owned or o.cast_bfloat16 else
@@ -338,7 +340,8 @@ class SavedModelExporter:
         owned=owned or later is not None, serving_target=o.serving_target)
     filling = None
     if later is not None and module.shares_memory(later[0]):
-      filling = _Fill(later[1], host_buffers.tree_nbytes(variables))
+      filling = background.Fill(later[1],
+                                host_buffers.tree_nbytes(variables))
     elif later is not None:  # TensorFlow copied the empty arrays.
       module.update_variables(variables)
     self._writer = writer_lib.SavedModelWriter(
@@ -365,82 +368,3 @@ class SavedModelExporter:
       logging.warning('t5export: the variables were not filled after the '
                       'first version (%r); this export assigns them all.',
                       filling.exception())
-
-
-class _Fill(concurrent.futures.Future):
-  """The copy of the caller's values into the first module's variables.
-
-  It runs once, in a thread (`t5export-fill`), from `start()` or from the
-  first `result()`/`exception()`; until it is done the caller's arrays must
-  stay alive and unchanged (views of JAX buffers: immutable; a donation
-  copies instead of reusing them).
-  """
-
-  def __init__(self, copy: Any, nbytes: int):
-    super().__init__()
-    self._copy, self._nbytes = copy, nbytes
-    self._lock, self._started = threading.Lock(), False
-
-  def start(self) -> _Fill:
-    """Starts the copy unless it started; returns self."""
-    with self._lock:
-      started, self._started = self._started, True
-    if not started:
-      threading.Thread(target=self._run, name='t5export-fill',
-                       daemon=True).start()
-    return self
-
-  def _run(self) -> None:
-    start = time.monotonic()
-    copy, self._copy = self._copy, None
-    try:
-      copy()
-      error = None
-    except BaseException as e:  # pylint: disable=broad-except
-      error = e
-      traceback.clear_frames(e.__traceback__)
-    # The caller's arrays go before anyone is told: a donating step right
-    # after `module` returns must find no view of their buffers left. The
-    # module's build leaves the export's frames (which hold the snapshot)
-    # in a reference cycle with frames of JAX's tracing; only a full
-    # collection frees them, once, here off the training thread.
-    del copy
-    gc.collect()
-    if error is not None:
-      self.set_exception(error)
-      return
-    logging.info('t5export: filled the variables (%.1f MiB) in %.2fs.',
-                 self._nbytes / 2**20, time.monotonic() - start)
-    self.set_result(None)
-
-  def result(self, timeout: float | None = None) -> Any:
-    return super(_Fill, self.start()).result(timeout)
-
-  def exception(self, timeout: float | None = None) -> BaseException | None:
-    return super(_Fill, self.start()).exception(timeout)
-
-
-def _in_background(fn: Any, name: str) -> concurrent.futures.Future:
-  """Runs `fn()` in a daemon thread called `name`; returns its future.
-
-  `fn` (and what it holds, such as views of the caller's arrays) is
-  dropped before the future is done.
-  """
-  future: concurrent.futures.Future = concurrent.futures.Future()
-  task = [fn]
-  del fn
-
-  def run() -> None:
-    call = task.pop()
-    try:
-      result, error = call(), None
-    except BaseException as e:  # pylint: disable=broad-except
-      result, error = None, e
-      traceback.clear_frames(e.__traceback__)
-    del call
-    if error is not None:
-      future.set_exception(error)
-    else:
-      future.set_result(result)
-  threading.Thread(target=run, name=name, daemon=True).start()
-  return future

@@ -34,6 +34,25 @@ HOST_ALIGNMENT = 64
 OWN_MAPPING_BYTES = 4 << 20
 
 
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+  try:
+    return ctypes.CDLL(None).malloc_trim  # glibc's; others have none.
+  except (AttributeError, OSError):
+    return None
+
+
+def return_freed_memory() -> None:
+  """Hands the C allocator's free memory back to the system, where it can.
+
+  glibc keeps what a thread's arena freed (the module's build, the graph
+  save) for reuse; `malloc_trim` returns it. A no-op without glibc.
+  """
+  trim = _malloc_trim()
+  if trim is not None:
+    trim(0)
+
+
 def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
   """An uninitialised, C-contiguous, writeable array at `HOST_ALIGNMENT`."""
   dtype = np.dtype(dtype)

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from t5export import errors
+from t5export._src import background
 from t5export._src import metadata
 from t5export._src import paths
 from t5export._src import verify
@@ -46,7 +47,7 @@ class Pending:
   """
 
   def __init__(self, signatures: Sequence[Any], module: Any, *, atol: float,
-               rtol: float, after: concurrent.futures.Future | None = None):
+               rtol: float, after: background.Awaitable | None = None):
     # The exporter checked that every signature has its sample inputs.
     self._signatures = signatures
     self._atol, self._rtol = atol, rtol

@@ -24,6 +24,7 @@ from tensorflow.core.protobuf import saved_model_pb2
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 
 from t5export import errors
+from t5export._src import background
 from t5export._src import jax_module
 from t5export._src import tensor_bundle
 from t5export._src import versions
@@ -103,7 +104,7 @@ class SavedModelWriter:
       shutil.rmtree(scratch, ignore_errors=True)
 
   def write(self, directory: str, *,
-            after: concurrent.futures.Future | None = None,
+            after: background.Awaitable | None = None,
             values: Sequence[tf.Tensor] | None = None,
             meanwhile: Callable[[], Any] | None = None) -> str:
     """Writes `directory` and returns 'full' or 'variables'.
