@@ -1356,6 +1356,16 @@ def parse_exports(cfg: Config, res: Results,
              'reexport': [[n] for n in re_names[:-1]] + [
                  [re_names[-1], 'donating_step']]}
   steps = {'first_export': 'first_step', 'reexport': 'donating_step'}
+
+  def whole_run(when: str) -> dict[str, float]:
+    # The process's own view: its peak from the first export's start to
+    # the last donating step (a buffer kept for reuse counts once, where
+    # it is first allocated), per side.
+    return {side: _median([
+        phases_peak_added(r, list(r['phases']))['sampled'] /
+        r['param_bytes'] for r in runs[(side, when)]])
+            for side in ('durable', 'orbax') if runs.get((side, when))}
+
   for kind in windows:
     for when in ('before', 'after'):
       name = f'peak_rss_{kind}_tf_{when}_durable'
@@ -1381,6 +1391,11 @@ def parse_exports(cfg: Config, res: Results,
                 'nondurable'] else None,
             ours_hwm=_median(hwm['durable']), orbax_hwm=_median(hwm['orbax']),
             next_donating_step_added=step_added,
+            each_window={side: ' / '.join(
+                _fmt(_median([phases_peak_added(r, w)['sampled'] /
+                              r['param_bytes'] for r in runs[(side, when)]]))
+                for w in windows[kind]) for side in ('durable', 'orbax')},
+            whole_run_peak_added=whole_run(when),
             sampler='parent reads /proc/<pid>/status VmRSS every 5 ms; '
                     '*_hwm: the kernel VmHWM after clear_refs'))
       else:
