@@ -110,9 +110,13 @@ class SavedModelExporter:
   def module(self) -> jax_module.JaxModule | None:
     """The JaxModule (None before the first export).
 
+    Every export writes the new params into its variables' memory in place
+    (`JaxModule.update_variables`): don't call its methods while an export
+    runs, and copy a tensor read from `param_vars` to keep it.
+
     Raises:
       BaseException: the error that stopped the variables' fill after the
-        first version was published; the next export assigns them all.
+        first version was published; the next export writes them all.
     """
     if self._filling is not None:
       self._filling.result()
@@ -366,5 +370,5 @@ class SavedModelExporter:
     filling, self._filling = self._filling, None
     if filling is not None and filling.exception() is not None:
       logging.warning('t5export: the variables were not filled after the '
-                      'first version (%r); this export assigns them all.',
+                      'first version (%r); this export writes them all.',
                       filling.exception())
