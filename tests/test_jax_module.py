@@ -557,7 +557,7 @@ def test_owned_arrays_become_the_variables_memory():
 
 
 @pytest.mark.parametrize('case', ['not_owned', 'read_only', 'misaligned',
-                                  'strided'])
+                                  'strided', 'float64'])
 def test_arrays_that_cannot_be_adopted_are_copied(case):
   source = _dense_variables(1)
   w = host_buffers.gather_to_host(source)['params']['w']
@@ -567,8 +567,11 @@ def test_arrays_that_cannot_be_adopted_are_copied(case):
     w = _misaligned(w)
   elif case == 'strided':
     w = np.asfortranarray(w)
+  elif case == 'float64':  # Aligned and owned, but JAX's dtype is float32.
+    w = host_buffers.aligned_copy(w, np.float64)
   variables = {'params': {'w': w, 'b': source['params']['b'].copy()}}
   module = _dense_module(variables, owned=case != 'not_owned')
+  assert _var(module, 'params/w').dtype == tf.float32
   before = _var(module, 'params/w').numpy().copy()
   if w.flags.writeable:
     w[0, 0] += 1.0
@@ -576,6 +579,11 @@ def test_arrays_that_cannot_be_adopted_are_copied(case):
   out = module.methods['f']({'x': np.ones((3, 8), np.float32)})['y'].numpy()
   np.testing.assert_allclose(
       out, np.ones((3, 8)) @ before + source['params']['b'], rtol=1e-5)
+  # The module's copies are its own memory: updates are written in place
+  # (not `owned`: `b` may have been adopted, depending on its alignment).
+  assert module.update_variables(variables) == 2
+  np.testing.assert_array_equal(_var(module, 'params/w').numpy(),
+                                np.asarray(w, np.float32))
 
 
 def test_owned_bfloat16_is_adopted_through_a_bitcast_and_casts_exactly():

@@ -49,15 +49,21 @@ def _abstract(leaf: Any) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(shape, jax.dtypes.canonicalize_dtype(dtype))
 
 
+def _taken_as_is(array: np.ndarray, *, cast: bool, owned: bool) -> bool:
+  """Whether TF may adopt the leaf's own memory: owned, not cast, in JAX's
+  dtype, and adoptable."""
+  return (owned and not cast and host_buffers.adoptable(array) and
+          array.dtype == jax.dtypes.canonicalize_dtype(array.dtype))
+
+
 def _host_value(leaf: Any, *, cast: bool, owned: bool) -> np.ndarray:
   """The leaf in JAX's dtype (float32 if `cast`) as host memory TF may adopt:
-  an owned adoptable leaf itself, else an aligned copy."""
+  the leaf itself if it is taken as is, else one aligned (cast) copy."""
   array = np.asarray(leaf)  # No copy on CPU.
-  dtype = jax.dtypes.canonicalize_dtype(array.dtype)
-  array = array if array.dtype == dtype else array.astype(dtype)
-  if cast or not (owned and host_buffers.adoptable(array)):
-    array = host_buffers.aligned_copy(array, np.float32 if cast else None)
-  return array
+  if _taken_as_is(array, cast=cast, owned=owned):
+    return array
+  return host_buffers.aligned_copy(
+      array, np.float32 if cast else jax.dtypes.canonicalize_dtype(array.dtype))
 
 
 def _as_tensor(array: np.ndarray) -> Any:
@@ -397,8 +403,7 @@ class JaxModule(tf.Module):
       for i, (var, path, cast) in enumerate(zip(
           self.param_vars, meta.paths, meta.cast_to_f32)):
         leaf = np.asarray(flat[path])  # No copy on CPU.
-        given = owned and not cast and host_buffers.adoptable(leaf) and (
-            leaf.dtype == jax.dtypes.canonicalize_dtype(leaf.dtype))
+        given = _taken_as_is(leaf, cast=cast, owned=owned)
         target = None if given or i in viewed else self._memory.writable(
             i, var)
         if target is not None:  # No new buffer: the variable's own memory.
