@@ -16,7 +16,6 @@ directory as it was. More: README.md, "Export a checkpoint after training".
 from __future__ import annotations
 
 from collections.abc import Sequence
-import ctypes
 import dataclasses
 import functools
 import os
@@ -30,6 +29,7 @@ from absl import logging
 import gin
 
 from t5export import errors
+from t5export._src import host_buffers
 from t5export._src import offline_export
 from t5export._src import options as options_lib
 
@@ -140,11 +140,7 @@ def _load_options(overrides: dict[str, Any]) -> offline_export.OfflineOptions:
 def release_freed_memory() -> bool:
   """Fixes glibc's mmap threshold so freed leaf buffers go back to the OS;
   True if the allocator accepted it. Why: docs/internals.md, Offline."""
-  try:
-    # mallopt(M_MMAP_THRESHOLD (-3 in malloc.h), 128 KiB).
-    return bool(ctypes.CDLL('libc.so.6').mallopt(-3, 128 * 1024))
-  except (OSError, AttributeError):
-    return False  # Not glibc: nothing to tune.
+  return host_buffers.fix_mmap_threshold(128 * 1024)  # glibc's default.
 
 
 def main(argv: Sequence[str]) -> None:

@@ -34,12 +34,19 @@ HOST_ALIGNMENT = 64
 OWN_MAPPING_BYTES = 4 << 20
 
 
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter, from glibc's malloc.h.
+
+
 @functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
+def _glibc() -> ctypes.CDLL | None:
+  """The C library if it is glibc (it has `malloc_trim`), else None."""
   try:
-    return ctypes.CDLL(None).malloc_trim  # glibc's; others have none.
+    libc = ctypes.CDLL(None)
+    libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
   except (AttributeError, OSError):
-    return None
+    return None  # Others have no malloc_trim/mallopt.
+  return libc
 
 
 def return_freed_memory() -> None:
@@ -48,9 +55,27 @@ def return_freed_memory() -> None:
   glibc keeps what a thread's arena freed (the module's build, the graph
   save) for reuse; `malloc_trim` returns it. A no-op without glibc.
   """
-  trim = _malloc_trim()
-  if trim is not None:
-    trim(0)
+  libc = _glibc()
+  if libc is not None:
+    libc.malloc_trim(0)
+
+
+def fix_mmap_threshold(nbytes: int) -> bool:
+  """Maps every C allocation from `nbytes` on its own, for the whole process.
+
+  glibc raises its mmap threshold when a mapped block is freed, so later
+  blocks of that size come from the heap and stay there when freed; fixing
+  the threshold stops that. It changes the whole process: for a process's
+  owner (the offline CLI) to choose, not for a library.
+
+  Args:
+    nbytes: the threshold in bytes.
+
+  Returns:
+    True if glibc accepted it; False without glibc.
+  """
+  libc = _glibc()
+  return libc is not None and bool(libc.mallopt(_M_MMAP_THRESHOLD, nbytes))
 
 
 def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
