@@ -6,6 +6,7 @@ import os
 import pathlib
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -43,6 +44,31 @@ def shared_dir() -> pathlib.Path:
   raise FileNotFoundError(
       'shared/fixtures not found beside the repo or its origin '
       f'(looked in {[str(c) for c in candidates]}); set T5EXPORT_SHARED.')
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+  """Starts making the older-TensorFlow venvs the collected tests need.
+
+  A fresh clone spends about two minutes creating them (pip); begun now,
+  they are made while other tests run. The tests' own `tf_python` call
+  waits for a creation under way.
+  """
+  if session.config.option.collectonly:
+    return
+  import tf_venvs  # pylint: disable=g-import-not-at-top
+  wanted = {getattr(item, 'callspec', None) and item.callspec.params.get(
+      'tf_process') for item in session.items}
+  versions = tuple(v for v in tf_venvs.OLDER_TF_VERSIONS if v in wanted)
+  if versions:
+    tf_venvs.prepare_in_background(versions)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+  """Stops venv creations a session ending early left running."""
+  del config
+  tf_venvs = sys.modules.get('tf_venvs')
+  if tf_venvs is not None:
+    tf_venvs.stop_background()
 
 
 @pytest.fixture

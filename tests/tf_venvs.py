@@ -8,6 +8,8 @@ jax, no t5export), creating it on first use. The directory is ignored by
 git and kept between runs; a lock file makes concurrent test processes of
 one checkout wait for a single creation. pip's output goes to
 `<venv>/pip.log`; a failed creation fails the test with its tail.
+`prepare_in_background` starts the creations when a session collects tests
+that need them (conftest.py), so they are made while other tests run.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import threading
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 VENVS_DIR = REPO_ROOT / '.venv-tf'
@@ -29,12 +32,32 @@ OLDER_TF_VERSIONS = ('2.19.1', '2.20.0')
 
 _INSTALL_TIMEOUT_SECS = 1200
 
+# Creation steps running now, so that a session ending early can stop them
+# (they would go on writing into a venv the next run makes again).
+_running: set[subprocess.Popen] = set()
+_running_lock = threading.Lock()
+
 
 def _tail(path: pathlib.Path, chars: int = 3000) -> str:
   try:
     return path.read_text(errors='replace')[-chars:]
   except OSError:
     return '(no log)'
+
+
+def _run_step(cmd: list[str], out: object) -> int:
+  """Runs one creation step (output to `out`); returns its exit code."""
+  with subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT) as proc:
+    with _running_lock:
+      _running.add(proc)
+    try:
+      return proc.wait(timeout=_INSTALL_TIMEOUT_SECS)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      raise
+    finally:
+      with _running_lock:
+        _running.discard(proc)
 
 
 def _create(root: pathlib.Path, version: str) -> None:
@@ -49,12 +72,11 @@ def _create(root: pathlib.Path, version: str) -> None:
          '--no-input', f'tensorflow-cpu=={version}'],
     ]
     for cmd in steps:
-      proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT,
-                            timeout=_INSTALL_TIMEOUT_SECS, check=False)
-      if proc.returncode:
+      returncode = _run_step(cmd, out)
+      if returncode:
         raise AssertionError(
             f'Creating the TensorFlow {version} venv at {root} failed: '
-            f'{" ".join(cmd)} exited {proc.returncode}. Its output '
+            f'{" ".join(cmd)} exited {returncode}. Its output '
             f'({log}):\n{_tail(log)}')
   probe = subprocess.run(
       [str(python), '-c', 'import importlib.util, tensorflow as tf; '
@@ -90,3 +112,27 @@ def tf_python(version: str) -> pathlib.Path:
       _create(root, version)
       stamp.write_text(version)
   return root / 'bin' / 'python'
+
+
+def prepare_in_background(versions: tuple[str, ...]) -> threading.Thread:
+  """Starts creating the venvs of `versions`, one after another, in a daemon
+  thread; returns it. `tf_python` waits for a creation under way (the
+  lock); an error here is left for its own call to report."""
+
+  def create_all() -> None:
+    for version in versions:
+      try:
+        tf_python(version)
+      except Exception:  # pylint: disable=broad-except
+        pass  # tf_python, called by the test, tries again and says why.
+
+  thread = threading.Thread(target=create_all, name='tf-venvs', daemon=True)
+  thread.start()
+  return thread
+
+
+def stop_background() -> None:
+  """Kills creation steps still running (their venvs are made again)."""
+  with _running_lock:
+    for proc in _running:
+      proc.kill()
