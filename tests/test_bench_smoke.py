@@ -129,6 +129,29 @@ def test_first_export_is_also_compared_with_the_next_donating_step(smoke_run):
 
 
 @slow
+def test_peak_figures_show_each_window_and_the_whole_run(smoke_run):
+  records = _records(smoke_run['proc'])
+  n_reexports = records['reexport_vs_orbax_nondurable']['reexports_per_run']
+  for when in ('before', 'after'):
+    first, re = (records[f'peak_rss_{kind}_tf_{when}_durable']
+                 for kind in ('first_export', 'reexport'))
+    for rec, windows in ((first, 1), (re, n_reexports)):
+      for side, figure in (('durable', rec['ratio']),
+                           ('orbax', rec['orbax']['ratio'])):
+        values = [float(v) for v in rec['each_window'][side].split(' / ')]
+        assert len(values) == windows, rec
+        # A figure is the median of each run's worst window: never below
+        # the worst of the windows' medians (shown to 3 digits).
+        assert max(values) <= figure * 1.01 + 1e-9, (side, rec)
+    # One whole-run peak per run, for both figures; it holds the first
+    # export's window (same start).
+    whole = first['whole_run_peak_added']
+    assert whole == re['whole_run_peak_added'], (first, re)
+    assert whole['durable'] >= first['ratio'] * 0.999, first
+    assert whole['orbax'] >= first['orbax']['ratio'] * 0.999, first
+
+
+@slow
 def test_scaling_curves_carry_the_raw_writes_curve(smoke_run):
   # The raw side writes the same bytes per version in the same mode: its
   # slope tells the disk's and page cache's curve from the exporter's.

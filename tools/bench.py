@@ -1366,17 +1366,19 @@ def parse_exports(cfg: Config, res: Results,
         r['param_bytes'] for r in runs[(side, when)]])
             for side in ('durable', 'orbax') if runs.get((side, when))}
 
+  whole_runs = {when: whole_run(when) for when in ('before', 'after')}
   for kind in windows:
     for when in ('before', 'after'):
       name = f'peak_rss_{kind}_tf_{when}_durable'
-      sampled, hwm, step_added = {}, {}, {}
+      sampled, hwm, step_added, per_window = {}, {}, {}, {}
       for side in EXPORT_SIDES:
-        vals, hvals = [], []
+        vals, hvals, wins = [], [], []
         for r in runs.get((side, when), []):
           peaks = [phases_peak_added(r, w) for w in windows[kind]]
-          vals.append(max(p['sampled'] for p in peaks) / r['param_bytes'])
+          wins.append([p['sampled'] / r['param_bytes'] for p in peaks])
+          vals.append(max(wins[-1]))
           hvals.append(max(p['hwm'] for p in peaks) / r['param_bytes'])
-        sampled[side], hwm[side] = vals, hvals
+        sampled[side], hwm[side], per_window[side] = vals, hvals, wins
         if runs.get((side, when)):
           step_added[side] = _median(
               [phase_peak_added(r, steps[kind])['hwm'] /
@@ -1392,10 +1394,10 @@ def parse_exports(cfg: Config, res: Results,
             ours_hwm=_median(hwm['durable']), orbax_hwm=_median(hwm['orbax']),
             next_donating_step_added=step_added,
             each_window={side: ' / '.join(
-                _fmt(_median([phases_peak_added(r, w)['sampled'] /
-                              r['param_bytes'] for r in runs[(side, when)]]))
-                for w in windows[kind]) for side in ('durable', 'orbax')},
-            whole_run_peak_added=whole_run(when),
+                _fmt(_median(list(window)))
+                for window in zip(*per_window[side]))
+                          for side in ('durable', 'orbax')},
+            whole_run_peak_added=whole_runs[when],
             sampler='parent reads /proc/<pid>/status VmRSS every 5 ms; '
                     '*_hwm: the kernel VmHWM after clear_refs'))
       else:
