@@ -350,8 +350,9 @@ def test_version_without_jax_artifact(published, tmp_path):
   del meta['signatures'][model.SIGNATURE]['jax_artifact']
   meta_file.write_text(json.dumps(meta))
   fix = (r'Re-export it with jax_artifacts=True \(the default; offline: from '
-         r'its checkpoint\), or run it in TensorFlow '
-         r'\(verify\.call_exported\)\.')
+         r'its checkpoint\), or run it in TensorFlow: '
+         rf'tf\.saved_model\.load\({re.escape(repr(str(old)))}\)\.signatures'
+         rf'\[{re.escape(repr(model.SIGNATURE))}\]\.')
   with pytest.raises(errors.NoJaxArtifactError,
                      match=rf"Version '.*1' has no JAX artifact for signature "
                      rf"'{model.SIGNATURE}': it was written before t5export "

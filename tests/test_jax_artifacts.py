@@ -361,7 +361,8 @@ def test_versions_without_artifact_give_a_clear_error(no_artifacts, mlp,
                'inputs': {}, 'expect_error': True})
   off, old, gone, unknown = jax_only.run(jobs, tmp_path)
   fix = (r'Re-export it with jax_artifacts=True \(the default; offline: from '
-         r'its checkpoint\), or run it in TensorFlow \(verify.call_exported\)')
+         r'its checkpoint\), or run it in TensorFlow: tf\.saved_model\.load\('
+         r"'.*'\)\.signatures\['serving_default'\]\.")
   assert off['error_type'] == 'NoJaxArtifactError'
   assert _matches(off['message'],
                   r"Version '.*' has no JAX artifact for signature "

@@ -45,7 +45,8 @@ def read(version_dir: str, signature_name: str,
   where = (f'Version {version_dir!r} has no JAX artifact for signature '
            f'{signature_name!r}')
   fix = ('Re-export it with jax_artifacts=True (the default; offline: from '
-         'its checkpoint), or run it in TensorFlow (verify.call_exported).')
+         'its checkpoint), or run it in TensorFlow: tf.saved_model.load('
+         f'{version_dir!r}).signatures[{signature_name!r}].')
   if entry == metadata.NOT_RECORDED:
     raise errors.NoJaxArtifactError(
         f'{where}: it was written before t5export wrote JAX artifacts (its '
