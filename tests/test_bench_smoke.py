@@ -7,6 +7,7 @@ sampler, orbax-export side, parsing) cannot rot unnoticed.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -28,18 +29,17 @@ SMOKE_LIMIT_S = 240
 slow = pytest.mark.slow
 
 
-def _bench():
-  """tools/bench.py as a module (imported without running it)."""
+def _benchlib(name: str):
+  """A module of tools/benchlib (the benchmark's harness and figures)."""
   sys.path.insert(0, str(BENCH.parent))
   try:
-    import bench  # pylint: disable=import-outside-toplevel
+    return importlib.import_module(f'benchlib.{name}')
   finally:
     sys.path.pop(0)
-  return bench
 
 
 def _figure_names() -> list[str]:
-  return list(_bench().FIGURES)
+  return list(_benchlib('figures').FIGURES)
 
 
 @pytest.fixture(scope='module')
@@ -165,16 +165,17 @@ def test_scaling_curves_carry_the_raw_writes_curve(smoke_run):
 
 
 def test_memory_gate_refuses_what_cannot_fit():
-  bench = _bench()
-  gate = bench._memory_gate(1 << 50, True)  # pylint: disable=protected-access
+  scale = _benchlib('scale')
+  gate = scale._memory_gate(1 << 50, True)  # pylint: disable=protected-access
   reason = gate({})
   assert reason.startswith('not run: needs '), reason
   assert reason.endswith(' GiB available'), reason
-  assert bench._memory_gate(1 << 20, True)({}) is None  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  assert scale._memory_gate(1 << 20, True)({}) is None
 
 
 def test_projection_follows_the_measured_runs():
-  bench = _bench()
+  scale = _benchlib('scale')
   gib = 1 << 30
 
   def run(param_bytes, peak):
@@ -183,28 +184,30 @@ def test_projection_follows_the_measured_runs():
 
   res = {'curve/1/on': run(gib, 3 * gib), 'check/on/0': run(2 * gib, 5 * gib),
          'check/off/0': {**run(2 * gib, 50 * gib), 'validate': False}}
-  peak, basis = bench._projected_peak(res, 6 * gib, True)  # pylint: disable=protected-access
+  peak, basis = scale._projected_peak(  # pylint: disable=protected-access
+      res, 6 * gib, True)
   # 2 GiB more per GiB of params beyond the 2 GiB run: 5 + 2 * 4.
   assert peak == 13 * gib, (peak, basis)
-  peak, basis = bench._projected_peak({}, 6 * gib, True)  # pylint: disable=protected-access
-  assert peak == 6 * gib * bench.SAFE_PEAK_PER_PARAM_BYTE[True], basis
+  peak, basis = scale._projected_peak(  # pylint: disable=protected-access
+      {}, 6 * gib, True)
+  assert peak == 6 * gib * scale.SAFE_PEAK_PER_PARAM_BYTE[True], basis
 
 
 def test_table_shows_mode_and_not_run():
-  bench = _bench()
-  cfg = bench.Config(smoke=True, repeats=None, workdir=REPO)
-  records = [
-      bench.figure_record('reexport_vs_orbax_nondurable', [0.5, 0.7, 0.9],
-                          load_avg=[1.0, 2.0]),
-      bench.error_record('scale_3b_checked_export',
-                         bench.NotRun('not run: needs 40.0 GiB, 20.0 GiB '
-                                      'available'))]
+  figures, records = _benchlib('figures'), _benchlib('records')
+  not_run = _benchlib('children').NotRun(
+      'not run: needs 40.0 GiB, 20.0 GiB available')
+  cfg = figures.Config(smoke=True, repeats=None, workdir=REPO)
+  rows = [
+      records.figure_record('reexport_vs_orbax_nondurable', [0.5, 0.7, 0.9],
+                            load_avg=[1.0, 2.0]),
+      records.error_record('scale_3b_checked_export', not_run)]
   info = {'date': 'now', 'kernel': 'k', 'python': '3', 'loadavg_start': 1.0,
           'loadavg_end': 2.0, 'versions': {}}
-  table = bench.render_table(records, info, cfg, 60.0).splitlines()
+  table = _benchlib('report').render_table(rows, info, cfg, 60.0).splitlines()
   row = [l for l in table if 'reexport_vs_orbax_nondurable' in l][0]
   cells = [c.strip() for c in row.split('|')]
-  assert cells[2:5] == ['durable=False', bench.FIGURES[
+  assert cells[2:5] == ['durable=False', figures.FIGURES[
       'reexport_vs_orbax_nondurable'][2], '0.7'], cells
   assert 'load_avg 1, 2' in cells[-2], cells
   row = [l for l in table if 'scale_3b_checked_export' in l][0]

@@ -3,10 +3,11 @@
 
 Exports a stack of Dense layers (bfloat16 by default, as T5X models are)
 with `validate=True` and `validate=False`, a first export and re-exports,
-each in its own child process (`tools/bench.py`'s harness: the parent
-samples the child's RSS from /proc every 5 ms; the child also reads its
-kernel high-water mark after `clear_refs`). Reports the peak RSS each export
-adds over the RSS before it, as a multiple of the param bytes, and the time.
+each in its own child process (`benchlib.children`, the harness of
+`tools/bench.py`: the parent samples the child's RSS from /proc every 5 ms;
+the child also reads its kernel high-water mark after `clear_refs`).
+Reports the peak RSS each export adds over the RSS before it, as a multiple
+of the param bytes, and the time.
 
 A second child profiles the check's phases on a published version: the JAX
 reference run, the TensorFlow restore into a throw-away graph and session
@@ -38,7 +39,11 @@ import tempfile
 from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import bench  # pylint: disable=g-import-not-at-top,wrong-import-position
+# pylint: disable=g-import-not-at-top,wrong-import-position
+from benchlib import children
+from benchlib import in_child
+from benchlib import model
+# pylint: enable=g-import-not-at-top,wrong-import-position
 
 MIB = 1 << 20
 
@@ -51,7 +56,7 @@ def make_variables(n_params: int, depth: int, dtype: str, *,
   """
   import jax
   import jax.numpy as jnp
-  width = bench.mlp_width(n_params, depth)
+  width = model.mlp_width(n_params, depth)
   dt = jnp.dtype(dtype)
   init = jax.jit(lambda k: jax.random.normal(k, (width, width), dt)
                  * jnp.asarray(1.0 / math.sqrt(width), dt))
@@ -103,13 +108,13 @@ def worker_export(spec: dict[str, Any]) -> dict[str, Any]:
   """
   import tensorflow  # noqa: F401  (imported before, as a trainer would)
   import t5export
-  phases = bench.Phases()
+  phases = in_child.Phases()
   variables = make_variables(spec['n_params'], spec['depth'], spec['dtype'])
-  width = bench.mlp_width(spec['n_params'], spec['depth'])
+  width = model.mlp_width(spec['n_params'], spec['depth'])
   exporter = t5export.SavedModelExporter(
       spec['workdir'], [_signature(width)],
       options=t5export.ExportOptions(keep=2, validate=spec['validate']))
-  rss_before = bench._proc_status('VmRSS:')  # pylint: disable=protected-access
+  rss_before = in_child.proc_status('VmRSS:')
   with phases('first'):
     exporter.export(t5export.InferenceState.create(variables).replace_step(1))
     _ = exporter.module  # With the fill it leaves running (validate=False).
@@ -118,15 +123,16 @@ def worker_export(spec: dict[str, Any]) -> dict[str, Any]:
     with phases(f're{r}'):
       exporter.export(
           t5export.InferenceState.create(variables).replace_step(r + 2))
-  return {'phases': phases.phases, 'param_bytes': bench.param_bytes(variables),
+  return {'phases': phases.phases, 'param_bytes': model.param_bytes(variables),
           'rss_before_first': rss_before, 'validate': spec['validate']}
 
 
 class _Steps:
-  """Phases with the RSS after each one too (bench.Phases has before/peak)."""
+  """Phases with the RSS after each one too (`in_child.Phases` keeps the
+  RSS before each one and its peak)."""
 
   def __init__(self):
-    self.phases = bench.Phases()
+    self.phases = in_child.Phases()
     self.after: dict[str, int] = {}
 
   def __call__(self, name: str) -> Any:
@@ -136,7 +142,7 @@ class _Steps:
     def step():
       with self.phases(name):
         yield
-      self.after[name] = bench._proc_status('VmRSS:')  # pylint: disable=protected-access
+      self.after[name] = in_child.proc_status('VmRSS:')
     return step()
 
 
@@ -152,7 +158,7 @@ def worker_phases(spec: dict[str, Any]) -> dict[str, Any]:
   from t5export._src import verify
   from t5export._src import xla_schedule
   variables = make_variables(spec['n_params'], spec['depth'], spec['dtype'])
-  width = bench.mlp_width(spec['n_params'], spec['depth'])
+  width = model.mlp_width(spec['n_params'], spec['depth'])
   sig = _signature(width)
   exporter = t5export.SavedModelExporter(
       spec['workdir'], [sig],
@@ -196,7 +202,7 @@ def worker_phases(spec: dict[str, Any]) -> dict[str, Any]:
                                   inputs).compile()
   temp = compiled.memory_analysis().temp_size_in_bytes
   return {'phases': steps.phases.phases, 'after': steps.after,
-          'param_bytes': bench.param_bytes(variables),
+          'param_bytes': model.param_bytes(variables),
           'xla_temp_bytes': int(temp)}
 
 
@@ -205,7 +211,7 @@ WORKERS = {'check_export': worker_export, 'check_phases': worker_phases}
 
 def _peak_added(result: dict[str, Any], phase: str) -> float:
   """Peak RSS added in the phase / param bytes (outside sample, or VmHWM)."""
-  peak = bench.phase_peak_added(result, phase)
+  peak = children.phase_peak_added(result, phase)
   return max(peak['sampled'], peak['hwm']) / result['param_bytes']
 
 
@@ -217,7 +223,7 @@ def measure_exports(spec: dict[str, Any], repeats: int) -> list[dict]:
     for validate in ((True, False) if rep % 2 == 0 else (False, True)):
       workdir = pathlib.Path(spec['workdir']) / f'export-{validate}-{rep}'
       try:
-        r = bench.run_child('check_export', {
+        r = children.run_child('check_export', {
             **spec, 'validate': validate, 'workdir': str(workdir)})
       finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -244,7 +250,7 @@ def measure_exports(spec: dict[str, Any], repeats: int) -> list[dict]:
 def measure_phases(spec: dict[str, Any]) -> dict[str, Any]:
   workdir = pathlib.Path(spec['workdir']) / 'phases'
   try:
-    return bench.run_child('check_phases', {**spec, 'workdir': str(workdir)})
+    return children.run_child('check_phases', {**spec, 'workdir': str(workdir)})
   finally:
     shutil.rmtree(workdir, ignore_errors=True)
 
