@@ -145,6 +145,10 @@ def test_peak_figures_show_each_window_and_the_whole_run(smoke_run):
         assert max(values) <= figure * 1.01 + 1e-9, (side, rec)
     # One whole-run peak per run, for both figures; it holds the first
     # export's window (same start).
+    # The re-export's peak in TF's 8 MiB write buffers, beside the number
+    # of threads that write a version.
+    buffers = re['in_tf_write_buffers']
+    assert buffers['of_8_mib'] >= 0 and buffers['shard_threads'] >= 1, re
     whole = first['whole_run_peak_added']
     assert whole == re['whole_run_peak_added'], (first, re)
     assert whole['durable'] >= first['ratio'] * 0.999, first

@@ -15,6 +15,9 @@ from benchlib import model
 from benchlib import records
 
 _median = statistics.median
+# TensorFlow's tensor-bundle writer buffers this much per SaveV2 call (one
+# call per shard thread of ours, one in all of orbax-export's save).
+TF_WRITE_BUFFER = 8 << 20
 
 
 def worker_export(spec: dict[str, Any]) -> dict[str, Any]:
@@ -77,7 +80,11 @@ def worker_export(spec: dict[str, Any]) -> dict[str, Any]:
         path.unlink()
   with phases('donating_step'):
     variables = jax.block_until_ready(compiled(variables))
-  return {'phases': phases.phases, 'param_bytes': nbytes}
+  out = {'phases': phases.phases, 'param_bytes': nbytes}
+  if spec['side'] == 'ours':
+    from t5export._src import writer
+    out['shards'] = writer.default_shards()  # Threads writing a version.
+  return out
 
 
 EXPORT_FIGURES = tuple(
@@ -236,6 +243,15 @@ def parse_exports(cfg: figures.Config, res: children.Results,
               [children.phase_peak_added(r, steps[kind])['hwm'] /
                r['param_bytes'] for r in runs[(side, when)]])
       if sampled['durable'] and sampled['orbax']:
+        extra = {}
+        if kind == 'reexport':
+          # The peak in TF's write buffers: whole ones are what a window
+          # adds when its writer threads take theirs from fresh memory.
+          ours = runs[('durable', when)]
+          extra['in_tf_write_buffers'] = {
+              'of_8_mib': _median([v * r['param_bytes'] / TF_WRITE_BUFFER
+                                   for v, r in zip(sampled['durable'], ours)]),
+              'shard_threads': ours[0].get('shards')}
         emit(records.figure_record(
             name, sampled['durable'],
             extra_met=_median(sampled['durable']) <= _median(
@@ -250,6 +266,7 @@ def parse_exports(cfg: figures.Config, res: children.Results,
                 for window in zip(*per_window[side]))
                          for side in ('durable', 'orbax')},
             whole_run_peak_added=whole_runs[when],
+            **extra,
             sampler='parent reads /proc/<pid>/status VmRSS every 5 ms; '
                     '*_hwm: the kernel VmHWM after clear_refs'))
       else:
