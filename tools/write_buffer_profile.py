@@ -37,16 +37,16 @@ import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 # pylint: disable=g-import-not-at-top,wrong-import-position
+from benchlib import children
+from benchlib import exports
 from benchlib import in_child
-from benchlib import model
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
-WRITE_BUFFER = 8 << 20  # TensorFlow's per-SaveV2 buffer.
 VARIANTS = ('default', 'threshold', 'arena_max', 'both')
 
 
-def child(variant: str, n_params: int, reexports: int, workdir: str) -> dict:
-  """The windows of one process: bytes added to the RSS at each one's start."""
+def child(variant: str, spec: dict) -> dict:
+  """The benchmark's export worker, after the variant's change to glibc."""
   import tensorflow  # noqa: F401  (before the params, as the bench's default)
   if variant in ('threshold', 'both'):
     libc = ctypes.CDLL(None)
@@ -54,28 +54,7 @@ def child(variant: str, n_params: int, reexports: int, workdir: str) -> dict:
     libc.malloc.argtypes = [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
     libc.free(libc.malloc(9 << 20))
-  import jax
-  depth = 12
-  variables = model.make_variables(n_params, depth)
-  side = model.make_side('ours', pathlib.Path(workdir) / 'ours',
-                         model.mlp_width(n_params, depth), validate=False,
-                         durable=True)
-  step = jax.jit(lambda t: jax.tree_util.tree_map(lambda a: a * 0.999, t),
-                 donate_argnums=0).lower(variables).compile()
-  phases = in_child.Phases()
-  with phases('first'):
-    side.export(variables, 1)
-    side.settle()
-    variables = jax.block_until_ready(step(variables))
-  for r in range(reexports):
-    variables = model.bump(variables)
-    with phases(f're{r}'):
-      side.export(variables, r + 2)
-      if r == reexports - 1:
-        variables = jax.block_until_ready(step(variables))
-  return {'param_bytes': model.param_bytes(variables),
-          'added': {name: p['hwm'] - p['rss0']
-                    for name, p in phases.phases.items()}}
+  return exports.worker_export(spec)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,10 +70,12 @@ def main(argv: list[str] | None = None) -> int:
   variants = args.variants.split(',')
   if set(variants) - set(VARIANTS):
     parser.error(f'--variants: unknown {sorted(set(variants) - set(VARIANTS))}')
+  spec = {'side': 'ours', 'durable': True, 'validate': False,
+          'n_params': int(args.params), 'depth': 12, 'tf_first': True,
+          'reexports': args.reexports, 'raw': False}
   if args.child:
-    result = child(args.child, int(args.params), args.reexports,
-                   args.workdir)
-    print('PROFILE ' + json.dumps(result), flush=True)
+    in_child.emit_result(child(args.child, {**spec,
+                                            'workdir': args.workdir}))
     return 0
   print(f'{int(args.params):,} float32 params; peak RSS added per window: '
         'the first export (x param bytes), then each re-export (x 8 MiB)')
@@ -112,14 +93,18 @@ def main(argv: list[str] | None = None) -> int:
             check=True).stdout
       finally:
         shutil.rmtree(workdir, ignore_errors=True)
-      line = [l for l in out.splitlines() if l.startswith('PROFILE ')][-1]
-      result = json.loads(line[len('PROFILE '):])
-      added = result['added']
-      windows = [f'{added[f"re{r}"] / WRITE_BUFFER:5.2f}'
-                 for r in range(args.reexports)]
-      print(f'{variant:10s} run {run}: first '
-            f'{added["first"] / result["param_bytes"]:.3f}x; re-exports '
-            + ' '.join(windows), flush=True)
+      line = [l for l in out.splitlines()
+              if l.startswith(in_child.RESULT_PREFIX)][-1]
+      result = json.loads(line[len(in_child.RESULT_PREFIX):])
+      result['rss_samples'] = []  # The kernel's VmHWM alone, no sampler.
+      peaks = {kind: [children.phases_peak_added(result, w)['hwm']
+                      for w in windows]
+               for kind, windows in exports.export_windows(
+                   args.reexports).items()}
+      first = peaks['first_export'][0] / result['param_bytes']
+      print(f'{variant:10s} run {run}: first {first:.3f}x; re-exports '
+            + ' '.join(f'{b / exports.TF_WRITE_BUFFER:5.2f}'
+                       for b in peaks['reexport']), flush=True)
   return 0
 
 

@@ -95,6 +95,17 @@ EXPORT_FIGURES = tuple(
 EXPORT_SIDES = ('durable', 'nondurable', 'orbax')
 
 
+def export_windows(reexports: int) -> dict[str, list[list[str]]]:
+  """`worker_export`'s phases as windows, each an export with the next
+  donating train step: the first one (and what it left running) as one
+  window; the re-exports each on its own, the last one with the step that
+  follows it."""
+  re_names = [f're{r}' for r in range(reexports)]
+  return {'first_export': [['first', 'first_settle', 'first_step']],
+          'reexport': [[n] for n in re_names[:-1]] + [
+              [re_names[-1], 'donating_step']]}
+
+
 def plan_exports(cfg: figures.Config) -> list[children.Item]:
   items = []
   for rep in range(cfg.repeats):
@@ -208,12 +219,7 @@ def parse_exports(cfg: figures.Config, res: children.Results,
     for name in ('reexport_vs_raw_fsync_durable',
                  'first_export_vs_raw_fsync_durable'):
       emit(records.error_record(name, err_for('durable')))
-  # Each export with the next donating train step: the first one (and
-  # what it left running) as one window; the re-exports each on its own,
-  # the last one with the step that follows it.
-  windows = {'first_export': [['first', 'first_settle', 'first_step']],
-             'reexport': [[n] for n in re_names[:-1]] + [
-                 [re_names[-1], 'donating_step']]}
+  windows = export_windows(cfg.reexports)
   steps = {'first_export': 'first_step', 'reexport': 'donating_step'}
 
   def whole_run(when: str) -> dict[str, float]:
