@@ -1,4 +1,4 @@
-"""The model of shared/fixtures/t5x_checkpoints (its README), for tests.
+"""The model of tests/data/t5x_checkpoints (tests/data/README.md), for tests.
 
 An encoder-only stack with T5X's parameter tree and `param_with_axes`:
 embed tokens; per layer x += mlp(rms_norm(x) * scale); a final RMS norm;
