@@ -2,48 +2,23 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
 import shutil
-import subprocess
 import sys
 
 import pytest
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+TESTS_DIR = pathlib.Path(__file__).resolve().parent
+# Test data kept in the repo (tests/data/README.md says how it was made).
+DATA_DIR = TESTS_DIR / 'data'
 
 
-def _origin_dir() -> pathlib.Path | None:
-  """The local repository this clone was made from, if it was."""
-  try:
-    url = subprocess.run(
-        ['git', '-C', str(REPO_ROOT), 'config', '--get', 'remote.origin.url'],
-        capture_output=True, text=True, timeout=30, check=False).stdout.strip()
-  except OSError:
-    return None
-  path = pathlib.Path(url.removeprefix('file://'))
-  return path.resolve() if url and path.is_dir() else None
-
-
-def shared_dir() -> pathlib.Path:
-  """The steering repo's shared/ folder.
-
-  Looked for in $T5EXPORT_SHARED, beside this clone (as CI lays it out),
-  then beside the local repository the clone was made from (a fresh clone
-  in a scratch directory).
-  """
-  env = os.environ.get('T5EXPORT_SHARED')
-  candidates = [pathlib.Path(env)] if env else []
-  candidates.append(REPO_ROOT.parent / 'shared')
-  origin = _origin_dir()
-  if origin is not None:
-    candidates.append(origin.parent / 'shared')
-  for c in candidates:
-    if (c / 'fixtures').is_dir():
-      return c
-  raise FileNotFoundError(
-      'shared/fixtures not found beside the repo or its origin '
-      f'(looked in {[str(c) for c in candidates]}); set T5EXPORT_SHARED.')
+def pytest_runtest_setup(item: pytest.Item) -> None:
+  """A test marked `t5x` runs T5X's own code: skipped, with the reason, where
+  T5X is not found (an error under `T5EXPORT_REQUIRE_T5X=1`)."""
+  if item.get_closest_marker('t5x') is not None:
+    import t5x_setup  # pylint: disable=g-import-not-at-top
+    t5x_setup.require()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -73,8 +48,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 @pytest.fixture
 def t5x_checkpoint_dir(tmp_path) -> pathlib.Path:
-  """A private copy of the real T5X checkpoint fixture (adamw_f32)."""
-  src = shared_dir() / 'fixtures' / 't5x_checkpoints' / 'adamw_f32'
+  """A private copy of the real T5X checkpoint in tests/data (adamw_f32)."""
+  src = DATA_DIR / 't5x_checkpoints' / 'adamw_f32'
   dst = tmp_path / 'adamw_f32'
   shutil.copytree(src, dst)
   return dst

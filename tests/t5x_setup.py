@@ -1,16 +1,30 @@
-"""T5X's own code for the compatibility tests: source, imports, a tiny model.
+"""T5X's own code for the compatibility tests: where it is, imports, a tiny model.
 
-T5X is not installed: its source (commit cc342d4, a tarball in the shared
-folder that `conftest.shared_dir()` finds) is unpacked once into
-`<repo>/.cache/t5x/` (git-ignored) and put on `sys.path`, with
-tests/t5x_standins/ for the two packages the tested set cannot install
-(airio, jestimator; see the README there). T5X's other dependencies
-(seqio, cached-property, fiddle) are test dependencies in pyproject.toml.
+t5export never imports T5X; these tests run T5X's real code against it,
+wherever a user or CI has T5X's source (`find_source`, in this order):
 
-In a test process:
+1. an importable `t5x` (T5X installed from its source, e.g.
+   `pip install -e /path/to/t5x`);
+2. `T5X_SRC=/path/to/t5x`: a T5X checkout, the directory holding the
+   `t5x` package;
+3. the T5X source tarball (`t5x/t5x-src-<commit>.tar.gz`) in the folder
+   `shared/` beside this clone, where this project's CI lays it; unpacked
+   once into `<repo>/.cache/t5x/` (git-ignored).
 
-  import t5x_setup  # tests/ is on sys.path.
-  t5x = t5x_setup.import_t5x()          # unpacks if needed, imports t5x
+Found nowhere, every test marked `t5x` (see conftest.py) is skipped with
+one reason line saying how to enable it, or fails when
+`T5EXPORT_REQUIRE_T5X=1` (CI sets it: there every T5X test must run).
+Nothing else in the suite depends on a folder outside the clone.
+
+T5X imports two packages the tested set cannot install (airio, jestimator);
+where they are missing, tests/t5x_standins/ provides the few names T5X
+touches (its README). T5X's other dependencies (seqio, cached-property,
+fiddle) are test dependencies in pyproject.toml.
+
+In a test process (tests/ is on sys.path):
+
+  import t5x_setup
+  t5x = t5x_setup.import_t5x()          # finds T5X, imports it
   model = t5x_setup.tiny_model()        # a T5X EncoderDecoderModel
   partitioner = t5x_setup.partitioner()
   state = t5x_setup.train_state(model, partitioner)   # T5X FlaxOptimTrainState
@@ -24,6 +38,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 import contextlib
 import fcntl
+import functools
+import importlib.util
 import os
 import pathlib
 import shutil
@@ -35,14 +51,20 @@ from typing import Any
 
 import numpy as np
 
-import conftest  # tests/conftest.py; tests/ is on sys.path.
-
-T5X_COMMIT = 'cc342d4'
-_TARBALL = f't5x-src-{T5X_COMMIT}.tar.gz'
 TESTS_DIR = pathlib.Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
 STANDINS_DIR = TESTS_DIR / 't5x_standins'
 CACHE_DIR = REPO_ROOT / '.cache' / 't5x'
+# Where this project's CI lays T5X's source tarball: beside the clone.
+SHARED_T5X_DIR = REPO_ROOT.parent / 'shared' / 't5x'
+TARBALL_GLOB = 't5x-src-*.tar.gz'
+# T5X_SRC: a T5X checkout; T5EXPORT_REQUIRE_T5X=1: a missing T5X is an error.
+SOURCE_ENV = 'T5X_SRC'
+REQUIRE_ENV = 'T5EXPORT_REQUIRE_T5X'
+HOW_TO_ENABLE = (
+    "T5X's code was not found: install T5X from its source (an importable "
+    f'`t5x`) or set {SOURCE_ENV}=/path/to/t5x (the checkout holding the '
+    't5x package) to run the T5X tests.')
 
 # The tiny model: sizes small enough to compile in seconds on a shared CPU,
 # with every kind of T5X parameter (relative position biases, attention,
@@ -61,6 +83,10 @@ INPUT_SHAPES = {
 INPUT_TYPES = {name: np.int32 for name in INPUT_SHAPES}
 
 
+class T5XNotFoundError(RuntimeError):
+  """T5X's code is in none of the places `find_source` looks."""
+
+
 # --- source and imports -----------------------------------------------------
 
 
@@ -76,22 +102,12 @@ def _lock(path: pathlib.Path):
       fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def source_dir() -> pathlib.Path:
-  """T5X's source tree (holding the `t5x` package), unpacked on first use.
-
-  Returns:
-    `<repo>/.cache/t5x/<commit>/t5x-src`.
-
-  Raises:
-    FileNotFoundError: if the shared folder or its tarball is missing.
-  """
-  target = CACHE_DIR / T5X_COMMIT / 't5x-src'
+def _unpacked(tarball: pathlib.Path) -> pathlib.Path:
+  """`tarball` (holding `t5x-src/`) unpacked once under CACHE_DIR."""
+  target = CACHE_DIR / tarball.name.removesuffix('.tar.gz') / 't5x-src'
   if (target / 't5x' / '__init__.py').is_file():
     return target
-  tarball = conftest.shared_dir() / 't5x' / _TARBALL
-  if not tarball.is_file():
-    raise FileNotFoundError(f'T5X source tarball {tarball} not found.')
-  with _lock(CACHE_DIR / f'{T5X_COMMIT}.lock'):
+  with _lock(CACHE_DIR / f'{tarball.name}.lock'):
     if not (target / 't5x' / '__init__.py').is_file():
       scratch = pathlib.Path(tempfile.mkdtemp(dir=CACHE_DIR))
       try:
@@ -108,9 +124,56 @@ def source_dir() -> pathlib.Path:
   return target
 
 
+@functools.cache
+def find_source() -> tuple[str, pathlib.Path | None]:
+  """Where T5X's code is, in `find_source`'s order (module docstring).
+
+  Returns:
+    `('installed', None)` for an importable `t5x`, else `(how, directory)`
+    with the directory that holds the `t5x` package.
+
+  Raises:
+    T5XNotFoundError: T5X is nowhere (the message says how to enable it).
+    ValueError: `T5X_SRC` is set to a directory without `t5x/__init__.py`.
+  """
+  if importlib.util.find_spec('t5x') is not None:
+    return 'installed', None
+  env = os.environ.get(SOURCE_ENV)
+  if env:
+    root = pathlib.Path(env).expanduser().resolve()
+    if not (root / 't5x' / '__init__.py').is_file():
+      raise ValueError(
+          f'{SOURCE_ENV}={env} holds no t5x/__init__.py; point it at the '
+          'T5X checkout, the directory that holds the t5x package.')
+    return SOURCE_ENV, root
+  tarballs = sorted(SHARED_T5X_DIR.glob(TARBALL_GLOB))
+  if tarballs:
+    return 'tarball', _unpacked(tarballs[-1])
+  raise T5XNotFoundError(HOW_TO_ENABLE)
+
+
+def require() -> None:
+  """Skips the calling test if T5X is not found (fails under CI's
+  `T5EXPORT_REQUIRE_T5X=1`); conftest.py calls it for `t5x`-marked tests."""
+  import pytest  # pylint: disable=g-import-not-at-top
+  try:
+    find_source()
+  except T5XNotFoundError as e:
+    if os.environ.get(REQUIRE_ENV, '') not in ('', '0'):
+      pytest.fail(f'{e} ({REQUIRE_ENV} is set, so this is an error.)',
+                  pytrace=False)
+    pytest.skip(str(e))
+
+
 def python_path() -> list[str]:
-  """The entries T5X needs on the path: its source, then the stand-ins."""
-  return [str(source_dir()), str(STANDINS_DIR)]
+  """The entries T5X needs on the path: its source (unless installed), then
+  the stand-ins if airio or jestimator is missing."""
+  _, root = find_source()
+  entries = [] if root is None else [str(root)]
+  if any(importlib.util.find_spec(name) is None
+         for name in ('airio', 'jestimator')):
+    entries.append(str(STANDINS_DIR))
+  return entries
 
 
 def import_t5x() -> types.ModuleType:

@@ -6,6 +6,7 @@ a checkpoint, and tools/inspect_export.py never import TensorFlow.
 
 from __future__ import annotations
 
+import ast
 import inspect
 import os
 import pathlib
@@ -187,3 +188,19 @@ def test_gin_data_package_refuses_to_stand_in_for_gin_config(tmp_path):
   message = out.read_text()
   assert "imported as 'gin' because t5export/ is on sys.path" in message
   assert 'python -m t5export.offline' in message
+
+
+def test_t5export_never_imports_t5x():
+  package = REPO / 't5export'
+  offenders = []
+  for source in sorted(package.rglob('*.py')):
+    for node in ast.walk(ast.parse(source.read_text())):
+      if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+      elif isinstance(node, ast.ImportFrom):
+        names = [node.module or '']
+      else:
+        continue
+      offenders += [f'{source.name}: {n}' for n in names
+                    if n.split('.')[0] == 't5x']
+  assert not offenders

@@ -3,13 +3,12 @@
 The encoder-decoder signatures are checked end to end, in a TensorFlow-only
 process, against T5X's Trainer in tests/test_t5x_trainer.py; here: a
 decoder-only T5X model's logits (exported, loaded and run, equal to T5X's
-own module), the helpers' choices and errors, and that t5export never
-imports t5x.
+own module), and the helpers' choices and errors. (That t5export never
+imports t5x: tests/test_package.py.)
 """
 
 from __future__ import annotations
 
-import ast
 import pathlib
 import sys
 
@@ -22,6 +21,10 @@ import t5x_setup  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from t5export import errors  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5export._src import t5x_models  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+# Every test here runs T5X's own code (conftest.py: skipped where T5X is
+# not found, an error under T5EXPORT_REQUIRE_T5X=1).
+pytestmark = pytest.mark.t5x
 
 LENGTHS = {'inputs': t5x_setup.INPUT_LENGTH,
            'targets': t5x_setup.TARGET_LENGTH}
@@ -149,19 +152,3 @@ def test_decode_needs_an_encoder_decoder_model():
                        match='needs a T5X encoder-decoder model .* For a '
                        'decoder-only model use logits_signature'):
       helper(model, task_feature_lengths=LENGTHS)
-
-
-def test_t5export_never_imports_t5x():
-  package = TESTS.parent / 't5export'
-  offenders = []
-  for source in sorted(package.rglob('*.py')):
-    for node in ast.walk(ast.parse(source.read_text())):
-      if isinstance(node, ast.Import):
-        names = [alias.name for alias in node.names]
-      elif isinstance(node, ast.ImportFrom):
-        names = [node.module or '']
-      else:
-        continue
-      offenders += [f'{source.name}: {n}' for n in names
-                    if n.split('.')[0] == 't5x']
-  assert not offenders

@@ -32,6 +32,10 @@ from t5export._src import verify
 import t5x_setup  # tests/ is on sys.path.
 import tf_only
 
+# Every test here runs T5X's own code (conftest.py: skipped where T5X is
+# not found, an error under T5EXPORT_REQUIRE_T5X=1).
+pytestmark = pytest.mark.t5x
+
 PartitionSpec = jax.sharding.PartitionSpec
 RULES = t5export.standard_logical_axis_rules()
 # The members of a foreign state that take_snapshot (and so every export)

@@ -38,6 +38,10 @@ import gin_includes  # pylint: disable=g-import-not-at-top,wrong-import-position
 import t5x_setup  # pylint: disable=g-import-not-at-top,wrong-import-position
 import tf_only  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+# Every test here runs T5X's own code (conftest.py: skipped where T5X is
+# not found, an error under T5EXPORT_REQUIRE_T5X=1).
+pytestmark = pytest.mark.t5x
+
 LENGTHS = {'inputs': t5x_setup.INPUT_LENGTH,
            'targets': t5x_setup.TARGET_LENGTH}
 CHUNK, TOTAL_STEPS, EVERY = 3, 9, 4
