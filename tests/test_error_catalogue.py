@@ -222,7 +222,7 @@ def test_signatures_empty(tmp_path, offline_runs):
   gin.clear_config()
   try:
     gin.parse_config_files_and_bindings(
-        [str(REPO / 't5export' / 'gin' / 'export.gin')],
+        [str(REPO / 'gin' / 'export.gin')],
         [f"EXPORT_DIR = '{tmp_path / 'export'}'", 'SIGNATURES = []'])
     with pytest.raises(errors.SignatureError, match=message):
       callbacks.ExportCallback()

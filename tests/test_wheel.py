@@ -2,7 +2,8 @@
 
 `pip wheel --no-deps` builds the wheel from a copy of the project's sources
 (so the build leaves no build/ or *.egg-info in the checkout); the wheel
-must hold t5export's gin files and py.typed. It is installed without -e
+must hold t5export's gin files (the top-level gin/ folder's, as package
+data of `t5export.gin`) and py.typed. It is installed without -e
 into a fresh venv, and from a temporary directory that holds only the
 user's files (cwd not the repo, the repo not on sys.path, no PYTHONPATH):
 
@@ -201,13 +202,16 @@ def root(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture(scope='module')
 def wheel(root) -> pathlib.Path:
   """`pip wheel --no-deps` of a copy of the sources (pyproject, README,
-  t5export/): the checkout gets no build/ and the wheel no stale files."""
+  MANIFEST.in, gin/, t5export/): the checkout gets no build/ and the wheel
+  no stale files. Links are copied as links (t5export/gin/*.gin point into
+  gin/), so the build must resolve them as it does in the checkout."""
   src = root / 'src'
   src.mkdir()
-  for name in ('pyproject.toml', 'README.md'):
+  for name in ('pyproject.toml', 'README.md', 'MANIFEST.in'):
     shutil.copy2(REPO / name, src / name)
-  shutil.copytree(REPO / 't5export', src / 't5export',
-                  ignore=shutil.ignore_patterns('__pycache__', '*.pyc'))
+  for name in ('gin', 't5export'):
+    shutil.copytree(REPO / name, src / name, symlinks=True,
+                    ignore=shutil.ignore_patterns('__pycache__', '*.pyc'))
   _check_call([sys.executable, '-m', 'pip', 'wheel', '--no-deps',
                '--disable-pip-version-check', '-w', str(root / 'dist'),
                str(src)], cwd=root)
@@ -255,14 +259,14 @@ def test_wheel_holds_the_gin_files_and_py_typed(wheel):
   with zipfile.ZipFile(wheel) as zf:
     names = set(zf.namelist())
     gin_files = {n for n in names if n.endswith('.gin')}
-    repo_gin = {f't5export/gin/{p.name}'
-                for p in (REPO / 't5export' / 'gin').glob('*.gin')}
-    assert gin_files == repo_gin
-    assert {'t5export/gin/export.gin', 't5export/gin/offline.gin',
-            't5export/gin/partitioning.gin',
-            't5export/gin/t5x.gin'} <= gin_files
-    for name in sorted(gin_files):
-      assert zf.read(name) == (REPO / name).read_bytes(), name
+    # The files live in the top-level gin/; the wheel holds each of them
+    # (copies, not links) where `include 't5export/gin/...'` finds them.
+    repo_gin = {p.name: p for p in (REPO / 'gin').glob('*.gin')}
+    assert gin_files == {f't5export/gin/{name}' for name in repo_gin}
+    assert {'export.gin', 'offline.gin', 'partitioning.gin',
+            't5x.gin'} <= set(repo_gin)
+    for name, path in sorted(repo_gin.items()):
+      assert zf.read(f't5export/gin/{name}') == path.read_bytes(), name
     assert 't5export/py.typed' in names
     assert 't5export/gin/__init__.py' in names  # gin needs a package.
   top_level = {n.split('/')[0] for n in names}
