@@ -292,3 +292,24 @@ class MissingSampleInputsError(T5ExportError, ValueError):
         f'cannot run it. Give sample_inputs=... to Signature '
         f'{signature_name!r}, or pass ExportOptions(validate=False) to '
         'publish versions unchecked.')
+
+
+class UncheckablePlatformsError(T5ExportError, ValueError):
+  """A version is lowered only for platforms the check cannot run here.
+
+  Attributes:
+    platforms: the version's lowering platforms.
+    runnable: the platforms this process's TensorFlow can run.
+  """
+
+  def __init__(self, platforms: Sequence[str], runnable: Sequence[str]):
+    self.platforms, self.runnable = tuple(platforms), tuple(runnable)
+    super().__init__(
+        f'ExportOptions(platforms={self.platforms!r}) lowers the version '
+        'only for platforms the pre-publish check cannot run in this '
+        f'process: its TensorFlow runs {list(self.runnable)}. Add \'cpu\' to '
+        f"platforms (e.g. platforms={('cpu',) + self.platforms!r}; "
+        "offline: --platforms=cpu,...), or leave platforms=None (cpu plus "
+        'the training backend), or pass ExportOptions(validate=False) '
+        '(offline: --no_validate) to publish it unchecked. Nothing was '
+        'published.')

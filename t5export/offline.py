@@ -73,8 +73,8 @@ _OVERRIDES = (
         '(default: the gin ExportOptions.overwrite, else no).'),
     flags.DEFINE_list(
         'platforms', None, 'jax2tf lowering platforms, e.g. cpu,cuda '
-        '(default: the gin ExportOptions.platforms, else the current JAX '
-        'backend).'),
+        '(default: the gin ExportOptions.platforms, else cpu plus the '
+        'JAX backend when it is not cpu).'),
     flags.DEFINE_boolean(
         'validate', None, 'Check the staged SavedModel against JAX on the '
         'signatures\' sample inputs before publishing (default: the gin '

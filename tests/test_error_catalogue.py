@@ -548,6 +548,32 @@ def test_validate_without_sample_inputs(published):
   _assert_kept(published, before)
 
 
+def test_platforms_tf_cannot_run(published):
+  # The process's TensorFlow runs CPU only; a version lowered for CUDA alone
+  # would fail TF's own way ("platform CPU is not among the platforms
+  # required by the module") after being written.
+  exporter = exporter_lib.SavedModelExporter(
+      published.export_dir, [model.signature()],
+      options=t5export.ExportOptions(platforms=('cuda',)))
+  before = _tree_digest(published.export_dir)
+  with pytest.raises(errors.UncheckablePlatformsError,
+                     match=r"^ExportOptions\(platforms=\('cuda',\)\) lowers "
+                     r'the version only for platforms the pre-publish check '
+                     r"cannot run in this process: its TensorFlow runs "
+                     r"\['cpu'\]\. Add 'cpu' to platforms \(e\.g\. "
+                     r"platforms=\('cpu', 'cuda'\); offline: "
+                     r'--platforms=cpu,\.\.\.\), or leave platforms=None '
+                     r'\(cpu plus the training backend\), or pass '
+                     r'ExportOptions\(validate=False\) \(offline: '
+                     r'--no_validate\) to publish it unchecked\. Nothing was '
+                     r'published\.$') as raised:
+    exporter.export(model.state_for(2))
+  assert raised.value.platforms == ('cuda',)
+  assert raised.value.runnable == ('cpu',)
+  _assert_kept(published, before)
+  assert exporter.module is None  # Refused before anything was traced.
+
+
 # --- offline ------------------------------------------------------------------
 
 _OFFLINE_GIN = offline_gin.mlp(np.ones((2, 16)), logical_axis_rules=False)

@@ -25,7 +25,7 @@ LIGHT_MODULES = ('paths', 'train_state', 'state_axes',
                  'checkpoints', 'orbax_checkpoints',
                  'msgpack_checkpoints', 'triggering', 'outcomes',
                  'serving_compat', 'tensor_bundle', 'jax_artifacts', 'verify',
-                 'staged_check', 'options', 'metadata')
+                 'staged_check', 'options', 'metadata', 'accelerators')
 TENSORFLOW = ('tensorflow', 'keras', 'tf_keras')  # keras pulls tensorflow in.
 
 
@@ -55,6 +55,15 @@ def _heavy_imports(code: str, tmp_path: pathlib.Path, *,
     f't5export._src.{m}' for m in LIGHT_MODULES))
 def test_light_module_does_not_import_tensorflow(module, tmp_path):
   assert _heavy_imports(f'import {module}', tmp_path) == []
+
+
+def test_tensorflow_gpu_opt_in_never_imports_tensorflow(tmp_path):
+  # T5EXPORT_TF_GPU=1: the hook leaves TensorFlow alone, not even importing
+  # it (without it, it must ask TensorFlow for its GPUs).
+  code = ('from t5export._src import accelerators\n'
+          'assert accelerators.hide_gpus_from_tensorflow('
+          '{accelerators.TF_GPU_ENV: "1"}) == accelerators.ALLOWED\n')
+  assert _heavy_imports(code, tmp_path) == []
 
 
 def test_metadata_reader_is_standard_library_only(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -142,7 +143,9 @@ def test_read_metadata_of_export_dir_is_refused(model_dir):
 def test_metadata_round_trip_and_damaged_file(tmp_path):
   check = metadata.Check(
       checked=True, atol=1e-5, rtol=0.0, signatures={'s': metadata.SignatureCheck(
-          2, {'y': metadata.OutputCheck(1e-7, 2e-6)})})
+          2, {'y': metadata.OutputCheck(1e-7, 2e-6)})},
+      tf_platform='cpu', tf_device='/device:CPU:0', jax_platform='cpu',
+      jax_device='cpu:0')
   written = metadata.Metadata(
       step=3, time_utc='t', versions={'jax': '0.1'}, serving=None,
       platforms=('cpu',), options={'trainable': False},
@@ -157,10 +160,18 @@ def test_metadata_round_trip_and_damaged_file(tmp_path):
       nbytes=12, check=check, metrics={'acc': 0.5})
   metadata.write(str(tmp_path), written)
   assert metadata.read_metadata(tmp_path) == written
-  assert check.summary() == 'passed (max abs err 1e-07; atol=1e-05, rtol=0)'
+  assert check.summary() == (
+      'passed on cpu (max abs err 1e-07; atol=1e-05, rtol=0)')
   meta_file = tmp_path / metadata.FILE
   raw = json.loads(meta_file.read_text())
   del raw['signatures']['s']['jax_artifact']  # As t5export wrote it before.
+  for key in ('tf_platform', 'tf_device', 'jax_platform', 'jax_device'):
+    del raw['check'][key]  # Likewise.
+  meta_file.write_text(json.dumps(raw))
+  older = metadata.read_metadata(tmp_path).check
+  assert older == dataclasses.replace(check, tf_platform=None, tf_device=None,
+                                      jax_platform=None, jax_device=None)
+  assert older.summary() == 'passed (max abs err 1e-07; atol=1e-05, rtol=0)'
   del raw['check']['checked']
   meta_file.write_text(json.dumps(raw))
   with pytest.raises(errors.VersionNotFoundError,

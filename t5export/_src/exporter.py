@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from t5export import errors
+from t5export._src import accelerators
 from t5export._src import assets_extra
 from t5export._src import background
 from t5export._src import host_buffers
@@ -163,11 +164,13 @@ class SavedModelExporter:
     Raises:
       RuntimeError: the exporter already prepared or exported.
       TypeError: `state` is not a train or inference state.
+      UncheckablePlatformsError: as for `export_snapshot`.
     """
     if self._module is not None:
       raise RuntimeError(
           'SavedModelExporter.prepare: this exporter was already prepared or '
           'used; prepare a new exporter before its first export.')
+    self._check_platform  # pylint: disable=pointless-statement
     start = time.monotonic()
     variables = train_state.InferenceState.from_train_state(state).variables
     # Empty arrays TF adopts; nothing writes them, so they take no pages.
@@ -201,7 +204,7 @@ class SavedModelExporter:
     Raises:
       ValueError: `owned` is True but a leaf is a `jax.Array`.
       VersionExistsError, NonFiniteParamsError, MetricNotNumericError,
-        ExportCheckError: see `export_snapshot`.
+        ExportCheckError, UncheckablePlatformsError: see `export_snapshot`.
     """
     if isinstance(state, snapshot_lib.HostSnapshot):
       return self.export_snapshot(state, metrics)
@@ -238,6 +241,8 @@ class SavedModelExporter:
       NonFiniteParamsError: a param holds NaN/Inf (`allow_non_finite`).
       VariableMismatchError: the params changed structure, shape or dtype
         since the first export.
+      UncheckablePlatformsError: `validate` and the version's platforms
+        hold none this process's TensorFlow can run.
       ExportCheckError: the staged SavedModel differs from JAX.
     """
     step, o = int(snap.step), self._options
@@ -248,6 +253,7 @@ class SavedModelExporter:
     final = self._dir.version_dir(step)
     if os.path.exists(final) and not o.overwrite:
       raise errors.VersionExistsError(final, step)
+    check_platform = self._check_platform  # Raises before any work.
     finite = None
     if not o.allow_non_finite and self._module is None:
       # Beside the module's build (numpy's loops free the GIL).
@@ -277,7 +283,8 @@ class SavedModelExporter:
     staging = self._dir.staging_dir(step)
     # The check's JAX side runs while the version is written.
     pending = (staged_check.Pending(self._signatures, self._module,
-                                    atol=o.atol, rtol=o.rtol, after=filling)
+                                    atol=o.atol, rtol=o.rtol, after=filling,
+                                    platform=check_platform)
                if o.validate else None)
     try:
       # The artifacts are made while the first version's weights are written.
@@ -325,6 +332,22 @@ class SavedModelExporter:
                  versions_lib.dir_nbytes(final) / 2**20, removed or 'nothing')
     return final
 
+  @functools.cached_property
+  def _platforms(self) -> tuple[str, ...]:
+    """The lowering platforms: the options', else cpu + the training one."""
+    return self._options.platforms or accelerators.default_platforms()
+
+  @functools.cached_property
+  def _check_platform(self) -> str | None:
+    """Where the check runs TF and the JAX reference (None: no check).
+
+    Raises:
+      UncheckablePlatformsError: TF here can run none of `_platforms`.
+    """
+    if not self._options.validate:
+      return None
+    return accelerators.check_platform(self._platforms)
+
   def _ensure_module(self, variables: Any, *,
                      owned: bool) -> background.Fill | None:
     """Builds the JaxModule (returns its fill, not started) or updates it."""
@@ -340,7 +363,7 @@ class SavedModelExporter:
     module = serving.make_module(
         variables if later is None else later[0], self._signatures,
         trainable=o.trainable, jit_compile=o.jit_compile,
-        platforms=o.platforms, cast_bfloat16=o.cast_bfloat16,
+        platforms=self._platforms, cast_bfloat16=o.cast_bfloat16,
         owned=owned or later is not None, serving_target=o.serving_target)
     filling = None
     if later is not None and module.shares_memory(later[0]):

@@ -17,12 +17,13 @@ import numpy as np
 import tensorflow as tf
 
 from t5export import errors
+from t5export._src import accelerators
 from t5export._src import host_buffers
 from t5export._src import paths
 from t5export._src import serving_compat
 
-# Platforms jax2tf can lower for (`native_serialization_platforms`).
-KNOWN_PLATFORMS = ('cpu', 'cuda', 'rocm', 'tpu')
+# Before any TensorFlow op: the exporting process's TF leaves the GPUs alone.
+accelerators.keep_tensorflow_off_gpus()
 
 _INVALID_NAME_CHARS = re.compile(r'[^A-Za-z0-9_.\-/]')
 
@@ -31,15 +32,6 @@ def tf_variable_name(path: str) -> str:
   """`path` with the characters TF op names reject replaced by '_'."""
   name = _INVALID_NAME_CHARS.sub('_', path) or 'v'
   return name if re.match(r'[A-Za-z0-9.]', name) else 'v' + name
-
-
-def default_platforms() -> tuple[str, ...]:
-  """The lowering platform of the current JAX backend ('cpu', 'cuda', ...)."""
-  backend = jax.default_backend()
-  if backend == 'gpu':
-    version = jax.devices()[0].client.platform_version.lower()
-    return ('rocm',) if 'rocm' in version else ('cuda',)
-  return (backend,)
 
 
 def _abstract(leaf: Any) -> jax.ShapeDtypeStruct:
@@ -128,7 +120,7 @@ class _Meta:
   dtypes: tuple[np.dtype, ...]  # the caller's dtypes (before any cast)
   cast_to_f32: tuple[bool, ...]  # stored as float32, bfloat16 in JAX
   raw_methods: Mapping[str, Callable[..., Any]]
-  jitted_methods: Mapping[str, Callable[..., Any]]
+  jitted_methods: dict[str, Mapping[str, Callable[..., Any]]]  # by platform
   platforms: tuple[str, ...]
   input_signatures: Mapping[str, Any]
   polymorphic_shapes: Mapping[str, Any]
@@ -166,7 +158,8 @@ class JaxModule(tf.Module):
         '(b, 16)' (None = static).
       trainable: trainable variables (methods get gradients).
       jit_compile: `tf.function(jit_compile=...)` of each method.
-      platforms: jax2tf lowering platforms; default: the JAX backend's.
+      platforms: jax2tf lowering platforms; default: 'cpu' plus the
+        training backend (`accelerators.default_platforms`).
       cast_bfloat16: store bfloat16 leaves as float32 (cast back inside, exact).
       owned: nobody else references the numpy arrays: the variables take
         their memory without a copy. Never for views of live JAX arrays.
@@ -186,12 +179,13 @@ class JaxModule(tf.Module):
         raise ValueError(
             f'{arg_name} must have exactly the method names {sorted(methods)} '
             f'as keys; got {sorted(mapping)}.')
-    platforms = tuple(platforms) if platforms else default_platforms()
-    unknown = [p for p in platforms if p not in KNOWN_PLATFORMS]
+    platforms = (tuple(platforms) if platforms else
+                 accelerators.default_platforms())
+    unknown = [p for p in platforms if p not in accelerators.KNOWN_PLATFORMS]
     if unknown:
       raise ValueError(
           f'platforms={platforms!r} holds unknown platform(s) {unknown}; use '
-          f'some of {KNOWN_PLATFORMS}.')
+          f'some of {accelerators.KNOWN_PLATFORMS}.')
 
     flat, treedef = jax.tree_util.tree_flatten_with_path(variables)
     leaf_paths = tuple(paths.path_str(keypath) for keypath, _ in flat)
@@ -206,16 +200,12 @@ class JaxModule(tf.Module):
                                       name=tf_variable_name(path)))
         self._memory.adopt(len(param_vars) - 1, param_vars[-1], array)
     self.param_vars = param_vars
-    # On CPU the checks' jitted methods use the memory-optimized schedule.
-    xla = ({'xla_cpu_scheduler_type': 'CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED'}
-           if jax.default_backend() == 'cpu' else None)
     self._meta = _Meta(
         treedef=treedef, paths=leaf_paths,
         shapes=tuple(tuple(np.shape(leaf)) for _, leaf in flat),
         dtypes=dtypes, cast_to_f32=casts,
         raw_methods=dict(methods),
-        jitted_methods={k: jax.jit(fn, compiler_options=xla)
-                        for k, fn in methods.items()},
+        jitted_methods={},
         platforms=platforms, input_signatures=dict(input_signatures),
         polymorphic_shapes=dict(polymorphic_shapes),
         serving_target=serving_target)
@@ -286,13 +276,32 @@ class JaxModule(tf.Module):
 
   @property
   def jax_methods(self) -> dict[str, Callable[[Any], Any]]:
-    """Name -> jitted JAX method(inputs) on the current variables (checks)."""
-    def bind(jitted):
-      # Done before it returns: nothing reads the variables' memory after
-      # the views are dropped (an update may then write into it).
-      return lambda inputs: jax.block_until_ready(
-          jitted(self.jax_variables(), inputs))
-    return {k: bind(f) for k, f in self._meta.jitted_methods.items()}
+    """Name -> jitted JAX method(inputs) on the current variables, run on
+    the host CPU, where the check runs the version (`jax_methods_on`)."""
+    return self.jax_methods_on('cpu')
+
+  def jax_methods_on(self, platform: str) -> dict[str, Callable[[Any], Any]]:
+    """Name -> jitted JAX method(inputs) on the current variables, run on
+    this process's first `platform` device (the check's JAX reference)."""
+    device = accelerators.jax_device(platform)
+    jitted = self._meta.jitted_methods.get(platform)
+    if jitted is None:
+      # On CPU the checks' jitted methods use the memory-optimized schedule.
+      xla = ({'xla_cpu_scheduler_type': 'CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED'}
+             if platform == 'cpu' else None)
+      jitted = self._meta.jitted_methods.setdefault(platform, {
+          k: jax.jit(fn, compiler_options=xla)
+          for k, fn in self._meta.raw_methods.items()})
+
+    def bind(fn):
+      def call(inputs):
+        # Done before it returns: nothing reads the variables' memory after
+        # the views are dropped (an update may then write into it).
+        with jax.default_device(device):
+          return jax.block_until_ready(
+              fn(self.jax_variables(platform=platform), inputs))
+      return call
+    return {k: bind(f) for k, f in jitted.items()}
 
   def serialize_method(self, method_name: str) -> bytes:
     """The method traced again by `jax.export` (same shapes, platforms and
@@ -308,20 +317,26 @@ class JaxModule(tf.Module):
     with serving_compat.targeting(meta.serving_target):
       return bytes(exporting(*args).serialize())
 
-  def jax_variables(self) -> Any:
+  def jax_variables(self, *, platform: str = 'cpu') -> Any:
     """The current values as a pytree of JAX arrays (bfloat16 as given).
 
-    On CPU they share the variables' memory (DLPack); while one is alive,
-    `update_variables` gives its variable new memory instead of writing into
-    it, so it keeps its values. Do not donate them.
+    On the host CPU (the default, on any backend) they share the variables'
+    memory (DLPack); while one is alive, `update_variables` gives its
+    variable new memory instead of writing into it, so it keeps its values.
+    Do not donate them. On another platform they are copies on its first
+    device.
+
+    Args:
+      platform: where the arrays live: 'cpu', or the training platform.
 
     Returns:
       A pytree like the constructor's `variables`.
     """
-    share = jax.default_backend() == 'cpu'
+    share = platform == 'cpu'
+    device = None if share else accelerators.jax_device(platform)
     # var.numpy() would copy the buffer, and jnp.asarray might copy again.
-    values = [jnp.from_dlpack(v.value()) if share else jnp.asarray(v.numpy())
-              for v in self.param_vars]
+    values = [jnp.from_dlpack(v.value()) if share else
+              jax.device_put(v.numpy(), device) for v in self.param_vars]
     if share:
       self._memory.track(values)
     return self._to_jax_dtypes(

@@ -38,13 +38,22 @@ class SignatureCheck:
 
 @dataclasses.dataclass(frozen=True)
 class Check:
-  """What the pre-publish check did; `reason`: why it was not `checked`."""
+  """What the pre-publish check did; `reason`: why it was not `checked`.
+
+  Where it ran: `tf_platform` / `tf_device`, the lowering TensorFlow ran
+  and its device; `jax_platform` / `jax_device`, the JAX reference's
+  (None when not checked, or in versions from before they were recorded).
+  """
   checked: bool
   reason: str | None = None
   atol: float | None = None
   rtol: float | None = None
   signatures: Mapping[str, SignatureCheck] = dataclasses.field(
       default_factory=dict)
+  tf_platform: str | None = None
+  tf_device: str | None = None
+  jax_platform: str | None = None
+  jax_device: str | None = None
 
   def summary(self) -> str:
     """'not checked (why)' or 'passed (max abs err ...)', one line."""
@@ -52,7 +61,8 @@ class Check:
       return f'not checked ({self.reason})'
     worst = max((o.max_abs_error for s in self.signatures.values()
                  for o in s.outputs.values()), default=0.0)
-    return (f'passed (max abs err {worst:.3g}; atol={self.atol:g}, '
+    where = f' on {self.tf_platform}' if self.tf_platform else ''
+    return (f'passed{where} (max abs err {worst:.3g}; atol={self.atol:g}, '
             f'rtol={self.rtol:g})')
 
 
@@ -102,6 +112,10 @@ def write(version_dir: str, meta: Metadata) -> None:
     json.dump(dataclasses.asdict(meta), f, indent=2, allow_nan=True)
 
 
+# Check's fields saying where it ran, in order (absent in older files).
+_WHERE = ('tf_platform', 'tf_device', 'jax_platform', 'jax_device')
+
+
 def _tuple(value: Any) -> Any:
   """JSON lists back to (nested) tuples."""
   return tuple(map(_tuple, value)) if isinstance(value, list) else value
@@ -130,7 +144,8 @@ def _parse(d: Mapping[str, Any]) -> Metadata:
                       n: SignatureCheck(s['batches'], {
                           o: OutputCheck(**e)
                           for o, e in s['outputs'].items()})
-                      for n, s in check.get('signatures', {}).items()}),
+                      for n, s in check.get('signatures', {}).items()},
+                  *(check.get(k) for k in _WHERE)),
       metrics=d.get('metrics') or {},
       format_version=d.get('format_version', FORMAT_VERSION))
 

@@ -30,7 +30,9 @@ class ExportOptions:
     atol: absolute tolerance of the check.
     rtol: relative tolerance of the check.
     platforms: jax2tf lowering platforms, e.g. ('cpu', 'cuda') (stored as a
-      tuple); None: the current JAX backend.
+      tuple); None: 'cpu' plus the training backend (('cpu',) on CPU,
+      ('cpu', 'cuda') on a GPU, ('cpu', 'tpu') on a TPU). With `validate`,
+      one must be a platform this process's TensorFlow runs ('cpu').
     warmup: write TF Serving warm-up requests from the sample inputs.
     overwrite: replace a version of the same step (else VersionExistsError).
     allow_non_finite: publish NaN/Inf params (else NonFiniteParamsError).

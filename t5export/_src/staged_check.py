@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from t5export import errors
+from t5export._src import accelerators
 from t5export._src import background
 from t5export._src import metadata
 from t5export._src import paths
@@ -47,16 +48,21 @@ class Pending:
   """
 
   def __init__(self, signatures: Sequence[Any], module: Any, *, atol: float,
-               rtol: float, after: background.Awaitable | None = None):
+               rtol: float, after: background.Awaitable | None = None,
+               platform: str = 'cpu'):
+    """Starts the JAX side (`platform`: where TF and JAX both run it)."""
     # The exporter checked that every signature has its sample inputs.
     self._signatures = signatures
     self._atol, self._rtol = atol, rtol
+    self._platform = platform
+    self._jax_device = str(accelerators.jax_device(platform))
 
     def references() -> tuple[list[Any], float]:
       if after is not None:
         after.result()  # The module's values are there.
       start = time.monotonic()
-      return ([sig.reference_outputs(module, sig.sample_inputs)
+      return ([sig.reference_outputs(module, sig.sample_inputs,
+                                     platform=platform)
                for sig in signatures], time.monotonic() - start)
 
     self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -70,16 +76,21 @@ class Pending:
     expected, jax_seconds = self._future.result()
     start = time.monotonic()
     actuals = verify.run_signatures_isolated(
-        staging, [(sig.name, sig.sample_inputs) for sig in self._signatures])
-    logging.info('t5export: check of %s: JAX references in %.2fs (beside '
-                 'the write), TensorFlow load and run in %.2fs.', staging,
-                 jax_seconds, time.monotonic() - start)
+        staging, [(sig.name, sig.sample_inputs) for sig in self._signatures],
+        platform=self._platform)
+    logging.info('t5export: check of %s on %s: JAX references in %.2fs '
+                 '(beside the write), TensorFlow load and run in %.2fs.',
+                 staging, self._platform, jax_seconds,
+                 time.monotonic() - start)
     checks = {}
     for sig, actual, want in zip(self._signatures, actuals, expected):
       checks[sig.name] = metadata.SignatureCheck(1, verify.compare_outputs(
           sig.name, actual, want, atol=self._atol, rtol=self._rtol))
-    return metadata.Check(checked=True, atol=self._atol, rtol=self._rtol,
-                          signatures=checks)
+    return metadata.Check(
+        checked=True, atol=self._atol, rtol=self._rtol, signatures=checks,
+        tf_platform=self._platform,
+        tf_device=accelerators.TF_DEVICES[self._platform],
+        jax_platform=self._platform, jax_device=self._jax_device)
 
   def abandon(self) -> None:
     """Waits for the JAX side and drops it (the export failed meanwhile)."""

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from t5export import errors
+from t5export._src import accelerators
 from t5export._src import jax_artifacts
 from t5export._src import metadata
 from t5export._src import paths
@@ -179,17 +180,23 @@ def _no_signature(name: str, version_dir: str,
 
 def run_signatures_isolated(
     version_dir: str | os.PathLike[str],
-    requests: Sequence[tuple[str, Mapping[str, Any]]]) -> list[dict[str, Any]]:
+    requests: Sequence[tuple[str, Mapping[str, Any]]], *,
+    platform: str = 'cpu') -> list[dict[str, Any]]:
   """Runs `(signature, inputs)` requests in a throw-away TF graph and session.
 
   As TF Serving loads it; unlike `tf.saved_model.load` nothing stays cached.
+  With `platform='cpu'` the session has no GPU, so the version runs its CPU
+  lowering even where TensorFlow may use GPUs.
   """
   version_dir = os.fspath(version_dir)
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  accelerators.keep_tensorflow_off_gpus()
   xla_schedule.use_memory_optimized_schedule(tf)
+  config = (tf.compat.v1.ConfigProto(device_count={'GPU': 0})
+            if platform == 'cpu' else None)
   results = []
   with tf.Graph().as_default() as graph:
-    with tf.compat.v1.Session(graph=graph) as session:
+    with tf.compat.v1.Session(graph=graph, config=config) as session:
       signature_defs = tf.compat.v1.saved_model.loader.load(
           session, [tf.saved_model.SERVING], version_dir).signature_def
       for name, inputs in requests:
@@ -218,6 +225,7 @@ def call_exported(version_dir: str | os.PathLike[str], signature_name: str,
   """
   from jax.experimental import jax2tf  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  accelerators.keep_tensorflow_off_gpus()
   version_dir = os.fspath(version_dir)
   loaded = tf.saved_model.load(version_dir)
   if signature_name not in loaded.signatures:
