@@ -9,8 +9,8 @@ on a global
 sharded across processes, then calls `gather_to_host` at the same point.
 Reports one JSON row per leaf (with a digest of the gathered bytes) for the
 test to compare across processes, then one for `take_snapshot` of the
-sharded train state, through tests/_report.py (a file the test names; gloo
-writes its own lines to stdout).
+sharded train state (also as on an accelerator), through tests/_report.py
+(a file the test names; gloo writes its own lines to stdout).
 
 Usage: python tests/_gather_2proc.py PROCESS_ID NUM_PROCESSES PORT VARIABLES
 """
@@ -76,12 +76,21 @@ def main(process_id: int, num_processes: int, port: int,
   # The export's training-thread half: strip, resolve, gather.
   snap = snapshot.take_snapshot(sharded, rules=rules)
   snap_flat = paths.flatten(snap.variables)
+  # The same on an accelerator (detection alone simulated): leaves over
+  # both processes are all-gathered at once, the others' transfers dispatched.
+  from t5export._src import accelerators  # pylint: disable=g-import-not-at-top
+  accelerators.training_platform = lambda: 'cuda'
+  staged = snapshot.take_snapshot(sharded, rules=rules, owned=None)
+  staged_flat = paths.flatten(staged.on_host().variables)
   mu = paths.flatten(sharded.param_states[0].mu)
   _report.emit({
       'process': process_id, 'path': '<snapshot>', 'step': snap.step,
       'equal': all(np.array_equal(snap_flat['params/' + p], w) and
                    snap_flat['params/' + p].dtype == w.dtype
                    for p, w in expected.items()),
+      'staged_equal': all(np.array_equal(staged_flat['params/' + p], w) and
+                          staged_flat['params/' + p].dtype == w.dtype
+                          for p, w in expected.items()) and staged.owned,
       'paths_match': list(snap_flat) == ['params/' + p for p in expected],
       'mesh_axes_match': all(
           snap.mesh_axes['params/' + p] == tuple(x.sharding.spec)

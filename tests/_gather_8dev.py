@@ -4,7 +4,9 @@ Run with XLA_FLAGS=--xla_force_host_platform_device_count=8 (JAX reads it at
 import). Shards TinyT5's params over a (data, model) mesh by the 1-D or 2-D
 rules, gathers them with `gather_to_host`, donates the sharded arrays to a
 jitted step that overwrites them, and reports one JSON row per leaf so the
-test can assert on it (tests/_report.py: to a file the test names).
+test can assert on it (tests/_report.py: to a file the test names). Before
+the donation it also starts an accelerator snapshot's transfer
+(`start_transfer`, pinned host memory) and finishes it after.
 
 Usage: python tests/_gather_8dev.py VARIABLES_PICKLE ACT,PARAM,DATA,MODEL [...]
 VARIABLES_PICKLE holds TinyT5 variables ({'params', 'params_axes'}, numpy
@@ -58,6 +60,22 @@ def check(variables: dict, case: str) -> None:
   host = host_buffers.gather_to_host(sharded)
   n_shards = {p: len({str(s.index) for s in x.addressable_shards})
               for p, x in paths.flatten(sharded).items()}
+  # An accelerator's snapshot: every distinct shard's transfer into pinned
+  # host memory dispatched by one device_put (counted, not replaced).
+  calls = []
+  real_device_put = jax.device_put
+
+  def counted_device_put(*args, **kwargs):
+    calls.append(1)
+    return real_device_put(*args, **kwargs)
+  jax.device_put = counted_device_put
+  try:
+    in_flight = paths.flatten(host_buffers.start_transfer(sharded))
+  finally:
+    jax.device_put = real_device_put
+  dispatched = {p: [(str(i), list(piece.devices())[0].id,
+                     piece.sharding.memory_kind) for i, piece in x.pieces]
+                for p, x in in_flight.items()}
 
   # Donate the sharded buffers to a step that overwrites them: the gathered
   # copies must not change.
@@ -65,6 +83,18 @@ def check(variables: dict, case: str) -> None:
                  donate_argnums=0, out_shardings=shardings)
   overwritten = step(sharded)
   jax.block_until_ready(overwritten)
+
+  arrived = host_buffers.finish_transfer(in_flight)
+  for path, got in arrived.items():
+    want = expected[path]
+    _report.emit({
+        'case': case, 'kind': 'transfer', 'path': path,
+        'device_put_calls': len(calls), 'n_shards': n_shards[path],
+        'pieces': dispatched[path],
+        'is_numpy': type(got) is np.ndarray,
+        'equal': bool(got.dtype == want.dtype and got.shape == want.shape and
+                      np.array_equal(got.view(np.uint8), want.view(np.uint8))),
+    })
 
   flat_sharded = paths.flatten(sharded)
   for path, got in paths.flatten(host).items():

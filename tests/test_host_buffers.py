@@ -327,6 +327,20 @@ def test_gather_8_devices_bit_exact(t5_variables, t5_pickle, tmp_path):
   wi = [r for r in leaves
         if r['case'] == '1,2,4,2' and r['path'] == 'encoder_layers_0/mlp/wi']
   assert wi[0]['spec'] == ['data', 'model'] and wi[0]['n_shards'] == 8
+  # The accelerator snapshot's transfer: one device_put dispatched every
+  # distinct shard (one piece per shard, each from its own device, into
+  # pinned host memory) before any was awaited; bit-exact after donation.
+  moved = [r for r in lines if r['kind'] == 'transfer']
+  assert len(moved) == n_params * len(cases)
+  assert all(r['equal'] and r['is_numpy'] and r['device_put_calls'] == 1
+             for r in moved), moved
+  for r in moved:
+    assert len(r['pieces']) == r['n_shards'], r
+    assert {kind for _, _, kind in r['pieces']} == {'pinned_host'}, r
+    assert len({i for i, _, _ in r['pieces']}) == r['n_shards'], r
+  wi = [r for r in moved
+        if r['case'] == '1,2,4,2' and r['path'] == 'encoder_layers_0/mlp/wi']
+  assert sorted(d for _, d, _ in wi[0]['pieces']) == list(range(8))
   states = [r for r in lines if r['kind'] == 'shard_state']
   assert len(states) == len(cases)
   assert all(r['same_type'] and r['paths_match'] and r['specs_match'] and
@@ -370,6 +384,7 @@ def test_gather_across_processes(t5_variables, t5_pickle, tmp_path):
   for snap in snapshots:
     assert snap['step'] == 7
     assert snap['equal'] and snap['paths_match'] and snap['mesh_axes_match']
+    assert snap['staged_equal']
     assert snap['opt_state_sharded_like_params']
   for rows in per_process:
     assert all(r['equal'] and r['is_numpy'] for r in rows.values()), rows

@@ -17,6 +17,8 @@ import pytest
 
 from examples import models
 from t5export import errors
+from t5export._src import accelerators
+from t5export._src import host_buffers
 from t5export._src import partitioning
 from t5export._src import paths
 from t5export._src import snapshot
@@ -270,3 +272,81 @@ def test_auto_snapshot_keeps_its_values_while_the_loop_donates():
     np.testing.assert_array_equal(snap.variables['params'][path],
                                   expected[path])
   assert not np.array_equal(np.asarray(params['w']), expected['w'])
+
+
+# --- on an accelerator: the transfer is dispatched, the worker waits ---------
+# The CPU backend has pinned host memory too, so the accelerator's path runs
+# here for real; only the backend's detection says 'cuda'.
+
+
+@pytest.fixture
+def simulated_gpu(monkeypatch):
+  monkeypatch.setattr(accelerators, 'training_platform', lambda: 'cuda')
+
+
+def _donating_steps(state, n: int):
+  step = jax.jit(lambda s: jax.tree_util.tree_map(lambda a: a * 3 - 1, s),
+                 donate_argnums=0)
+  for _ in range(n):
+    state = step(state)
+  return jax.block_until_ready(state)
+
+
+def test_accelerator_snapshot_is_in_flight_then_bit_exact_after_donation(
+    simulated_gpu, mlp_variables):
+  state = _train_state(mlp_variables).replace_step(4)
+  expected = _host_copy(train_state.InferenceState.from_train_state(
+      state).variables)
+  snap = snapshot.take_snapshot(state, owned=None)  # As the callback does.
+  leaves = jax.tree_util.tree_leaves(snap.variables)
+  # Every transfer dispatched (a new pinned host buffer per leaf); none
+  # awaited, no host copy made on this thread.
+  assert snap.in_flight and snap.owned and snap.step == 4
+  assert all(isinstance(x, host_buffers.InFlight) for x in leaves)
+  pieces = [p for x in leaves for _, p in x.pieces]
+  assert len(pieces) == len(leaves)
+  assert {p.sharding.memory_kind for p in pieces} == {'pinned_host'}
+  assert snap.nbytes == sum(x.nbytes for x in jax.tree_util.tree_leaves(
+      expected))
+  state = _donating_steps(state, 3)  # The loop goes on, donating.
+  done = snap.on_host()
+  assert not done.in_flight and done.owned and done.on_host() is done
+  _assert_plain_numpy(done.variables)
+  _assert_bit_equal(done.variables, expected)
+  # One piece per leaf: numpy reads the pinned memory in place.
+  assert not any(x.flags.writeable for x in jax.tree_util.tree_leaves(
+      done.variables))
+  # Each in-flight leaf let its pieces go; the views hold the memory.
+  assert all(x.pieces == [] for x in leaves)
+  assert not np.array_equal(np.asarray(state.params['dense_0']['kernel']),
+                            expected['params']['dense_0']['kernel'])
+
+
+def test_on_device_copy_where_no_pinned_host_memory():
+  # pinned=False is the path of a device without pinned host memory.
+  x = jnp.arange(4096, dtype=jnp.float32).reshape(64, 64)
+  want = np.array(x)
+  tree = host_buffers.start_transfer({'x': x, 'n': np.int32(3)},
+                                     pinned=False)
+  [(_, piece)] = tree['x'].pieces
+  assert piece.sharding.memory_kind == 'device'
+  assert piece.unsafe_buffer_pointer() != x.unsafe_buffer_pointer()
+  _donating_steps(x, 3)
+  assert x.is_deleted()
+  out = host_buffers.finish_transfer(tree)
+  np.testing.assert_array_equal(out['x'], want)
+  assert out['n'] == 3 and isinstance(out['n'], np.ndarray)
+
+
+def test_accelerator_snapshot_keeps_host_leaves_unless_owned(simulated_gpu):
+  mine = np.arange(6, dtype=np.float32)
+  state = train_state.InferenceState.create(
+      {'params': {'host': mine, 'dev': jnp.ones((3,))}}).replace_step(1)
+  views = snapshot.take_snapshot(state, owned=False)
+  # The caller's numpy leaf as it is: TensorFlow must not adopt it.
+  assert views.variables['params']['host'] is mine and not views.owned
+  owned = snapshot.take_snapshot(state, owned=True)
+  assert owned.owned
+  assert not np.shares_memory(owned.variables['params']['host'], mine)
+  np.testing.assert_array_equal(owned.on_host().variables['params']['host'],
+                                mine)

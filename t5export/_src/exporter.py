@@ -254,6 +254,8 @@ class SavedModelExporter:
     if os.path.exists(final) and not o.overwrite:
       raise errors.VersionExistsError(final, step)
     check_platform = self._check_platform  # Raises before any work.
+    # An accelerator's snapshot arrives now (its transfers were dispatched).
+    snap = snap.on_host()
     finite = None
     if not o.allow_non_finite and self._module is None:
       # Beside the module's build (numpy's loops free the GIL).

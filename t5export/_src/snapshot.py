@@ -11,6 +11,7 @@ from absl import logging
 import jax
 import numpy as np
 
+from t5export._src import accelerators
 from t5export._src import host_buffers
 from t5export._src import partitioning
 from t5export._src import paths
@@ -21,13 +22,32 @@ AxesByPath = dict[str, tuple[Any, ...]]
 
 @dataclasses.dataclass(frozen=True)
 class HostSnapshot:
-  """The exportable variables (numpy, or ShapeDtypeStructs) at one step."""
+  """The exportable variables (numpy, or ShapeDtypeStructs) at one step.
+
+  On an accelerator the variables' leaves are `host_buffers.InFlight`
+  until `on_host()` (the export worker) waits for their transfers.
+  """
   step: int
   variables: dict[str, Any]
   logical_axes: AxesByPath | None  # None: unknown.
   mesh_axes: AxesByPath | None  # None: unknown.
   nbytes: int
   owned: bool = False  # Nobody else references the arrays: TF may adopt them.
+
+  @property
+  def in_flight(self) -> bool:
+    """Whether some leaves are still on their way to host memory."""
+    return host_buffers.in_flight(self.variables)
+
+  def on_host(self) -> HostSnapshot:
+    """This snapshot with every transfer to host finished (waits for them)."""
+    if not self.in_flight:
+      return self
+    start = time.perf_counter()
+    variables = host_buffers.finish_transfer(self.variables)
+    logging.info('Snapshot of step %d: on the host in %.3fs.', self.step,
+                 time.perf_counter() - start)
+    return dataclasses.replace(self, variables=variables)
 
 
 def _axes_by_path(spec_state: train_state.InferenceState) -> AxesByPath:
@@ -40,7 +60,11 @@ def take_snapshot(state: Any, *,
                   rules: Sequence[tuple[str, Any]] | None = None,
                   owned: bool | None = True,
                   shapes_only: bool = False) -> HostSnapshot:
-  """Collective: strips, resolves axes, gathers `state` (docs/internals.md)."""
+  """Collective: strips, resolves axes, gathers `state` (docs/internals.md).
+
+  On CPU the values are views or owned copies as `owned` says; on an
+  accelerator their transfers to host are only dispatched (`on_host()`).
+  """
   start = time.perf_counter()
   inference = train_state.InferenceState.from_train_state(state)
   logical_axes = mesh_axes = None
@@ -60,10 +84,20 @@ def take_snapshot(state: Any, *,
     # computation, never one a non-writer's peers would have to join.
     owned = not host_buffers.host_views_survive_donation()
   step = int(np.asarray(host_buffers.gather_to_host(inference.step)))
-  variables = host_buffers.gather_to_host(
-      inference.variables, owned=owned, shapes_only=shapes_only)
+  if not shapes_only and accelerators.training_platform() != 'cpu':
+    # Dispatched, not awaited: the worker's `on_host()` waits.
+    variables = host_buffers.start_transfer(inference.variables, owned=owned)
+    # The transfers and all-gathers land in new memory; the caller's numpy
+    # arrays stay as they are unless `owned`.
+    owned = owned or not any(isinstance(x, np.ndarray) for x in
+                             jax.tree_util.tree_leaves(inference.variables))
+    how = 'in flight'
+  else:
+    variables = host_buffers.gather_to_host(
+        inference.variables, owned=owned, shapes_only=shapes_only)
+    how = 'owned' if owned else 'not copied'
   nbytes = host_buffers.tree_nbytes(variables)
   logging.info('Snapshot of step %d: %d arrays, %.1f MiB (%s) in %.3fs.',
                step, len(jax.tree_util.tree_leaves(variables)), nbytes / 2**20,
-               'owned' if owned else 'not copied', time.perf_counter() - start)
+               how, time.perf_counter() - start)
   return HostSnapshot(step, variables, logical_axes, mesh_axes, nbytes, owned)
