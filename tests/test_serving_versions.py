@@ -18,7 +18,9 @@ Exported once, loaded in each release:
 - 'offline': the MLP published by `python -m t5export.offline` from an
   orbax checkpoint (defaults);
 - 'newer': the float32 model published with `serving_tf_version='2.20'`,
-  which 2.19 must refuse (this checks the table's premise, too).
+  which 2.19 must refuse (this checks the table's premise, too);
+- 'accel': the float32 model as a GPU trainer exports it by default
+  (lowered for cpu and cuda, checked on CPU), simulated on this CPU.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import t5export
+from t5export._src import accelerators
 from examples import models
 from examples import tokenizer
 from examples import train as train_lib
@@ -128,6 +131,24 @@ def exports(tmp_path_factory) -> _Exports:
   out.jobs['newer'] = out.jobs['poly10']
   out.expected['newer'] = out.expected['poly10']
 
+  # 'accel': a GPU trainer's default export (simulated: only the backend's
+  # detection says 'cuda'), lowered for cpu and cuda, checked on CPU.
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(accelerators, 'training_platform', lambda: 'cuda')
+    out.dirs['accel'] = t5export.SavedModelExporter(
+        work / 'accel', [_poly_signature()]).export(
+            t5export.InferenceState.create({'params': jax.device_put(
+                _poly_params(11))}).replace_step(11))
+  meta = t5export.read_metadata(out.dirs['accel'])
+  assert meta.platforms == ('cpu', 'cuda')
+  assert meta.check.checked and meta.check.atol == 1e-5
+  assert (meta.check.tf_platform, meta.check.jax_platform) == ('cpu', 'cpu')
+  out.jobs['accel'] = out.jobs['poly10']
+  fn = jax.jit(_poly_serve)
+  out.expected['accel'] = [
+      {k: np.asarray(v) for k, v in fn({'params': _poly_params(11)},
+                                       {'x': x}).items()} for x in inputs]
+
   # 'bf16': bfloat16 params and outputs.
   rng = np.random.default_rng(5)
   bf16_params = {
@@ -206,7 +227,7 @@ def test_runs_the_release_it_claims(tf_process, exports):
     assert process.tf_version == version
 
 
-@pytest.mark.parametrize('name', ['poly10', 'poly20', 'offline'])
+@pytest.mark.parametrize('name', ['poly10', 'poly20', 'offline', 'accel'])
 def test_float32_default_exports_equal_jax(tf_process, exports, name):
   _, process = tf_process
   for got, want in zip(_run(process, exports, name), exports.expected[name]):

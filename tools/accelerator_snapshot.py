@@ -1,0 +1,292 @@
+#!/usr/bin/env python3
+"""What an export's snapshot costs a training loop on a GPU or TPU.
+
+Runs on an accelerator host without TensorFlow: it imports JAX, optax and
+t5export's light modules only (the state, the snapshot, `load_function`).
+For each parameter layout (a bfloat16 `FlaxOptimTrainState` with
+`optax.sgd`, trained by a jitted step that donates the state) it measures,
+as medians of `--repeats`:
+
+  take_snapshot    t5export's snapshot as the callback takes it
+                   (`owned=None`): the training thread's time (the first
+                   one, with one-time costs, apart)
+  device_get       `jax.device_get(params)`
+  pinned_put       `jax.device_put` of the params into pinned host memory
+                   (each leaf's sharding `.with_memory_kind('pinned_host')`),
+                   waited for; `pinned_dispatch` without the wait
+  device_copy      `jnp.copy` of every leaf on its device, waited for
+  steps_alone      the next `--steps` donating steps with no snapshot
+  steps_after      the same steps right after a snapshot, while a thread
+                   brings it to the host (`HostSnapshot.on_host()`, what
+                   the export worker does; its time is `on_host`)
+  bit_exact        the snapshot's host values equal the params at its step,
+                   after those donating steps
+
+With `--version DIR` it also runs `t5export.load_function` of that version
+(exported elsewhere for ('cpu', <this platform>)) on the accelerator and on
+the host CPU, with the sample inputs saved beside it, and reports the
+largest difference. `--make-version DIR` (on a host with TensorFlow) exports
+such a version: a tiny float32 encoder, `inputs.npz` beside it.
+
+It prints a table and writes the figures as JSON (`--out`).
+
+Usage:
+  python tools/accelerator_snapshot.py --out snapshot.json
+      # default: 1.007B bfloat16 params as 15 leaves of 8192x8192, then as
+      # 240 leaves of 2048x2048
+  python tools/accelerator_snapshot.py --layouts 4x64x64,16x16x16 --repeats 1
+  python tools/accelerator_snapshot.py --make-version v --platforms cpu,cuda
+  python tools/accelerator_snapshot.py --version v/1 --layouts ''
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+import functools
+import json
+import os
+import pathlib
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # Run from a checkout without installing.
+  sys.path.insert(0, str(REPO))
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from t5export._src import accelerators
+from t5export._src import snapshot
+from t5export._src import train_state
+from t5export._src import verify
+# pylint: enable=g-import-not-at-top,wrong-import-position
+
+DEFAULT_LAYOUTS = '15x8192x8192,240x2048x2048'
+SIGNATURE = 'serving_default'
+
+
+def _layout(spec: str) -> tuple[int, int, int]:
+  """'15x8192x8192' -> (15, 8192, 8192): leaves of rows x cols."""
+  n, rows, cols = (int(v) for v in spec.split('x'))
+  return n, rows, cols
+
+
+def _params(spec: str, dtype: Any) -> dict[str, jax.Array]:
+  """Leaves made on the device itself (no host copy of 2 GB)."""
+  n, rows, cols = _layout(spec)
+  make = jax.jit(lambda k: jax.random.normal(k, (rows, cols), dtype))
+  keys = jax.random.split(jax.random.PRNGKey(0), n)
+  return {f'layer_{i:03d}': make(keys[i]) for i in range(n)}
+
+
+def _train_step() -> Callable[[Any], Any]:
+  """A jitted step that donates the state: every param changes."""
+  @functools.partial(jax.jit, donate_argnums=0)
+  def step(state):
+    grads = jax.tree_util.tree_map(lambda p: p * 1e-3, state.params)
+    return state.apply_gradient(grads)
+  return step
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+  start = time.perf_counter()
+  out = fn()
+  return time.perf_counter() - start, out
+
+
+def _steps(state: Any, step: Callable[[Any], Any], n: int) -> tuple[float,
+                                                                  Any]:
+  start = time.perf_counter()
+  for _ in range(n):
+    state = step(state)
+  jax.block_until_ready(state)
+  return time.perf_counter() - start, state
+
+
+def _bit_equal(got: Any, want: Any) -> bool:
+  got, want = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)
+  return len(got) == len(want) and all(
+      g.dtype == w.dtype and g.shape == w.shape and
+      np.array_equal(np.asarray(g).view(np.uint8),
+                     np.asarray(w).view(np.uint8)) for g, w in zip(got, want))
+
+
+def measure_layout(spec: str, *, dtype: Any, repeats: int,
+                   steps: int) -> dict[str, Any]:
+  """The figures of one layout (module docstring)."""
+  state = train_state.FlaxOptimTrainState.create(
+      optax.sgd(1e-3), {'params': _params(spec, dtype)})
+  step = _train_step()
+  _, state = _steps(state, step, 3)  # Compiled, warm.
+  nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(state.params))
+  rows: dict[str, list[float]] = {}
+  exact = []
+
+  def add(name: str, value: float) -> None:
+    rows.setdefault(name, []).append(value)
+
+  # The first snapshot pays one-time costs (on a GPU, growing the pinned
+  # host pool; on CPU, a self-check): reported apart.
+  secs, snap = _timed(lambda: snapshot.take_snapshot(state, owned=None))
+  snap.on_host()
+  del snap
+  first = secs
+  for _ in range(repeats):
+    secs, state = _steps(state, step, steps)
+    add('steps_alone', secs)
+    expected = jax.device_get(state.params)  # Untimed: the reference.
+    secs, snap = _timed(lambda: snapshot.take_snapshot(state, owned=None))
+    add('take_snapshot', secs)
+    arrived: dict[str, Any] = {}
+
+    def bring(snap=snap) -> None:
+      start = time.perf_counter()
+      arrived['snap'] = snap.on_host()
+      arrived['secs'] = time.perf_counter() - start
+    worker = threading.Thread(target=bring, name='on-host')
+    worker.start()
+    del snap
+    secs, state = _steps(state, step, steps)  # Donating meanwhile.
+    worker.join()
+    add('steps_after', secs)
+    add('on_host', arrived['secs'])
+    exact.append(_bit_equal(arrived.pop('snap').variables['params'],
+                            expected))
+    del expected
+
+    secs, host = _timed(lambda: jax.device_get(state.params))
+    add('device_get', secs)
+    del host
+    pinned = jax.tree_util.tree_map(
+        lambda x: x.sharding.with_memory_kind('pinned_host'), state.params)
+    secs, out = _timed(lambda: jax.device_put(state.params, pinned))
+    add('pinned_dispatch', secs)
+    jax.block_until_ready(out)
+    del out
+    secs, out = _timed(lambda: jax.block_until_ready(
+        jax.device_put(state.params, pinned)))
+    add('pinned_put', secs)
+    del out
+    secs, out = _timed(lambda: jax.block_until_ready(
+        jax.tree_util.tree_map(jnp.copy, state.params)))
+    add('device_copy', secs)
+    del out
+  n, rows_, cols = _layout(spec)
+  return {'layout': spec, 'leaves': n, 'shape': [rows_, cols],
+          'dtype': np.dtype(dtype).name, 'param_bytes': nbytes,
+          'steps': steps, 'repeats': repeats, 'bit_exact': all(exact),
+          'take_snapshot_first_s': first,
+          'seconds': {k: v for k, v in rows.items()},
+          'median_s': {k: statistics.median(v) for k, v in rows.items()}}
+
+
+def _encoder(variables: Any, inputs: Any) -> dict[str, Any]:
+  """A tiny float32 encoder: two dense layers and a softmax mix."""
+  p = variables['params']
+  h = jnp.tanh(inputs['x'] @ p['w1'] + p['b1'])
+  weights = jax.nn.softmax(h @ h.swapaxes(-1, -2) / 16.0, axis=-1)
+  return {'y': (weights @ h) @ p['w2']}
+
+
+def make_version(export_dir: str, platforms: Sequence[str]) -> str:
+  """Exports the tiny encoder for `platforms` (needs TensorFlow)."""
+  import t5export  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  params = {'w1': rng.standard_normal((64, 256)).astype(np.float32) / 8,
+            'b1': rng.standard_normal(256).astype(np.float32) / 8,
+            'w2': rng.standard_normal((256, 64)).astype(np.float32) / 16}
+  x = rng.standard_normal((4, 32, 64)).astype(np.float32)
+  sig = t5export.Signature(name=SIGNATURE, method=_encoder,
+                           input_specs={'x': ('b, n, 64', 'float32')},
+                           sample_inputs={'x': x})
+  path = t5export.SavedModelExporter(
+      export_dir, [sig],
+      options=t5export.ExportOptions(platforms=tuple(platforms))).export(
+          t5export.InferenceState.create({'params': params}).replace_step(1))
+  np.savez(os.path.join(path, 'inputs.npz'), x=x)
+  return path
+
+
+def compare_load_function(version_dir: str) -> dict[str, Any]:
+  """`load_function` on the default device against the host CPU."""
+  with np.load(os.path.join(version_dir, 'inputs.npz')) as f:
+    inputs = {k: f[k] for k in f.files}
+  fn = verify.load_function(version_dir, SIGNATURE)
+  out = jax.block_until_ready(fn(inputs))
+  device = str(next(iter(jax.tree_util.tree_leaves(out)[0].devices())))
+  cpu = jax.local_devices(backend='cpu')[0]
+  with jax.default_device(cpu):
+    ref_fn = verify.load_function(version_dir, SIGNATURE)
+    ref = jax.block_until_ready(ref_fn(inputs))
+  diffs = {k: float(np.max(np.abs(np.asarray(out[k], np.float64) -
+                                  np.asarray(ref[k], np.float64))))
+           for k in ref}
+  return {'version': version_dir, 'device': device, 'reference': str(cpu),
+          'max_abs_diff': diffs}
+
+
+def _table(result: dict[str, Any]) -> str:
+  names = ('take_snapshot', 'device_get', 'pinned_put', 'pinned_dispatch',
+           'device_copy', 'steps_alone', 'steps_after', 'on_host')
+  layouts = result['layouts']
+  lines = [f"{result['device']} ({result['platform']}), jax "
+           f"{result['jax']}; medians in seconds"]
+  if layouts:
+    lines.append('| | ' + ' | '.join(r['layout'] for r in layouts) + ' |')
+    lines.append('|---' * (len(layouts) + 1) + '|')
+    for name in names:
+      lines.append(f'| {name} | ' + ' | '.join(
+          f"{r['median_s'][name]:.4g}" for r in layouts) + ' |')
+    lines.append('| bit_exact | ' + ' | '.join(
+        str(r['bit_exact']) for r in layouts) + ' |')
+  if 'load_function' in result:
+    lf = result['load_function']
+    lines.append(f"load_function on {lf['device']} vs {lf['reference']}: "
+                 f"max abs diff {lf['max_abs_diff']}")
+  return '\n'.join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--layouts', default=DEFAULT_LAYOUTS,
+                      help="comma-separated NxROWSxCOLS ('' for none)")
+  parser.add_argument('--dtype', default='bfloat16')
+  parser.add_argument('--repeats', type=int, default=3)
+  parser.add_argument('--steps', type=int, default=10)
+  parser.add_argument('--version', default=None,
+                      help='a version to run with load_function')
+  parser.add_argument('--make-version', default=None, metavar='EXPORT_DIR',
+                      help='export the tiny encoder there (needs TF), exit')
+  parser.add_argument('--platforms', default='cpu,cuda',
+                      help='lowering platforms of --make-version')
+  parser.add_argument('--out', default=None, help='write the JSON here')
+  args = parser.parse_args(argv)
+  if args.make_version:
+    print(make_version(args.make_version, args.platforms.split(',')))
+    return 0
+  result: dict[str, Any] = {
+      'device': str(jax.devices()[0].device_kind),
+      'platform': accelerators.training_platform(), 'jax': jax.__version__,
+      'layouts': [measure_layout(spec, dtype=jnp.dtype(args.dtype),
+                                 repeats=args.repeats, steps=args.steps)
+                  for spec in args.layouts.split(',') if spec]}
+  if args.version:
+    result['load_function'] = compare_load_function(args.version)
+  result['tensorflow_imported'] = 'tensorflow' in sys.modules
+  print(_table(result))
+  if args.out:
+    with open(args.out, 'w', encoding='utf-8') as f:
+      json.dump(result, f, indent=1)
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
