@@ -73,6 +73,10 @@ FIGURES: dict[str, tuple[str, Callable[[float], bool], str, str]] = {
     'blocking_vs_device_get': _fig(
         *_at_most(1.5),
         'training thread held per async export / jax.device_get of params'),
+    'snapshot_vs_memcpy': _fig(
+        *_at_most(0.1),
+        "training thread's snapshot (take_snapshot as the callback takes "
+        'it) / a raw memcpy of the param bytes', '-'),
     'train_throughput_durable': _fig(
         '>= 0.97', lambda r: r >= 0.97,
         'train steps/s with export every K steps / without export'),

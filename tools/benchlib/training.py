@@ -19,7 +19,8 @@ _median = statistics.median
 
 
 def worker_blocking(spec: dict[str, Any]) -> dict[str, Any]:
-  """Training thread held per async export vs full export, vs device_get.
+  """Training thread held per async export vs full export, vs device_get;
+  the snapshot alone vs a memcpy of the param bytes.
 
   Both durability modes, one exporter each, interleaved per repeat.
   spec: n_params, depth, repeats, workdir.
@@ -40,6 +41,9 @@ def worker_blocking(spec: dict[str, Any]) -> dict[str, Any]:
     side.warm(state.replace_step(1))  # First export: builds and traces.
     side(state.replace_step(2))  # First async one: one-time snapshot setup.
     side.wait()
+  # The memcpy's destination, touched once: the copy alone is timed.
+  targets = jax.tree_util.tree_map(
+      lambda a: np.ones(a.shape, a.dtype), variables)
   rows = []
   step = 2
   for r in range(spec['repeats']):
@@ -61,11 +65,44 @@ def worker_blocking(spec: dict[str, Any]) -> dict[str, Any]:
     t5 = time.perf_counter()
     del host, copies, fresh
     row.update(device_get=t4 - t3, device_get_copy=t5 - t3)
+    row.update(_snapshot_vs_memcpy(state, targets))
     rows.append(row)
   for side in sides.values():
     side.close()
   return {'rows': rows, 'kind': sides['durable'].kind,
           'param_bytes': model.param_bytes(variables)}
+
+
+def _snapshot_vs_memcpy(state: Any, targets: Any) -> dict[str, float]:
+  """The training thread's snapshot vs a raw memcpy of the same bytes.
+
+  The snapshot as the callback takes it (`owned=None`; on CPU views of the
+  buffers); the accelerator's path (forced: the pinned host transfer's
+  dispatch, and its wait) in the details.
+  """
+  import jax
+  import numpy as np
+  from t5export._src import host_buffers
+  from t5export._src import snapshot
+  variables = state.variables
+  jax.block_until_ready(variables)
+  t0 = time.perf_counter()
+  snap = snapshot.take_snapshot(state, owned=None)
+  t1 = time.perf_counter()
+  del snap
+  sources = jax.tree_util.tree_leaves(jax.tree_util.tree_map(
+      np.asarray, variables))  # Views: no copy.
+  t2 = time.perf_counter()
+  for out, src in zip(jax.tree_util.tree_leaves(targets), sources):
+    np.copyto(out, src)
+  t3 = time.perf_counter()
+  in_flight = host_buffers.start_transfer(variables)
+  t4 = time.perf_counter()
+  host_buffers.finish_transfer(in_flight)
+  t5 = time.perf_counter()
+  del in_flight
+  return {'snapshot': t1 - t0, 'memcpy': t3 - t2, 'pinned_dispatch': t4 - t3,
+          'pinned_done': t5 - t3}
 
 
 def _t5_setup(spec: dict[str, Any]) -> dict[str, Any]:
@@ -172,6 +209,13 @@ def parse_blocking(cfg: figures.Config, res: children.Results,
         [x[mode]['held'] / x[mode]['full'] for x in rows],
         held_s=_median([x[mode]['held'] for x in rows]),
         export_s=_median([x[mode]['full'] for x in rows]), path=r['kind']))
+  emit(records.figure_record(
+      'snapshot_vs_memcpy', [x['snapshot'] / x['memcpy'] for x in rows],
+      snapshot_s=_median([x['snapshot'] for x in rows]),
+      memcpy_s=_median([x['memcpy'] for x in rows]),
+      pinned_dispatch_s=_median([x['pinned_dispatch'] for x in rows]),
+      pinned_done_s=_median([x['pinned_done'] for x in rows]),
+      param_bytes=r['param_bytes']))
   emit(records.figure_record(
       'blocking_vs_device_get',
       [x['durable']['held'] / x['device_get'] for x in rows],
