@@ -160,6 +160,27 @@ class ExportCheckError(T5ExportError, AssertionError):
         f'{self.FIXES[kind]}')
 
 
+class UnloadableSignatureError(T5ExportError, RuntimeError):
+  """TensorFlow cannot load or run a signature's StableHLO: an op it cannot
+  refine, compile or find; raised instead of TensorFlow's error.
+
+  Attributes:
+    signature: the signature name.
+    op: the op TensorFlow refused (and where the method wrote it, if known).
+    fix: what to change.
+    tf_version: the TensorFlow that refused it.
+  """
+
+  def __init__(self, signature: str, *, op: str, problem: str, fix: str,
+               tf_version: str, detail: str):
+    """`problem` says what TensorFlow did with `op`; `detail` quotes it."""
+    self.signature, self.op, self.fix = signature, op, fix
+    self.tf_version = tf_version
+    super().__init__(
+        f'TensorFlow {tf_version} cannot run signature {signature!r}: '
+        f'{problem}: {op}. {fix} (TensorFlow said: {detail})')
+
+
 class VersionExistsError(T5ExportError, FileExistsError):
   """The step is already published: `ExportOptions(overwrite=True)` replaces."""
 

@@ -25,7 +25,8 @@ LIGHT_MODULES = ('paths', 'train_state', 'state_axes',
                  'checkpoints', 'orbax_checkpoints',
                  'msgpack_checkpoints', 'triggering', 'outcomes',
                  'serving_compat', 'tensor_bundle', 'jax_artifacts', 'verify',
-                 'staged_check', 'options', 'metadata', 'accelerators')
+                 'staged_check', 'options', 'metadata', 'accelerators',
+                 'tf_loadable')
 TENSORFLOW = ('tensorflow', 'keras', 'tf_keras')  # keras pulls tensorflow in.
 
 

@@ -21,6 +21,7 @@ from t5export._src import accelerators
 from t5export._src import host_buffers
 from t5export._src import paths
 from t5export._src import serving_compat
+from t5export._src import tf_loadable
 
 # Before any TensorFlow op: the exporting process's TF leaves the GPUs alone.
 accelerators.keep_tensorflow_off_gpus()
@@ -226,9 +227,11 @@ class JaxModule(tf.Module):
 
   def _convert(self, method_name: str, fn: Callable[[Any, Any], Any], *,
                with_gradient: bool, jit_compile: bool) -> Any:
-    """jax2tf-converts one method, bound to the variables; the serving
-    target applies around each TF trace alone (any thread may trace)."""
+    """jax2tf-converts one method, bound to the variables, with the ops TF
+    could not load rewritten (`tf_loadable`); the serving target applies
+    around each TF trace alone (any thread may trace)."""
     meta = self._meta
+    fn = tf_loadable.loadable(fn)
 
     def counted(variables, inputs):
       # Runs once per jax2tf trace, never when the saved function runs.
@@ -304,9 +307,10 @@ class JaxModule(tf.Module):
     return {k: bind(f) for k, f in jitted.items()}
 
   def serialize_method(self, method_name: str) -> bytes:
-    """The method traced again by `jax.export` (same shapes, platforms and
-    target) and serialized."""
-    meta, fn = self._meta, self._meta.raw_methods[method_name]
+    """The method traced again by `jax.export` (same shapes, platforms,
+    target and rewrites) and serialized."""
+    meta = self._meta
+    fn = tf_loadable.loadable(meta.raw_methods[method_name])
     abstract = jax.tree_util.tree_map(
         _abstract, (self._variable_tree(), meta.input_signatures[method_name]))
     args = jax.export.symbolic_args_specs(

@@ -20,6 +20,7 @@ from t5export._src import jax_artifacts
 from t5export._src import metadata
 from t5export._src import paths
 from t5export._src import tensor_bundle
+from t5export._src import tf_loadable
 from t5export._src import xla_schedule
 
 # The tracked attribute of JaxModule that holds the params, in order.
@@ -187,6 +188,8 @@ def run_signatures_isolated(
   As TF Serving loads it; unlike `tf.saved_model.load` nothing stays cached.
   With `platform='cpu'` the session has no GPU, so the version runs its CPU
   lowering even where TensorFlow may use GPUs.
+  A signature TensorFlow cannot load or run (an op it lacks or cannot
+  refine) raises `errors.UnloadableSignatureError`, from TensorFlow's error.
   """
   version_dir = os.fspath(version_dir)
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -211,7 +214,13 @@ def run_signatures_isolated(
         feed = {sig_def.inputs[k].name: np.asarray(v)
                 for k, v in inputs.items()}
         fetch = {k: v.name for k, v in sig_def.outputs.items()}
-        results.append(session.run(fetch, feed))
+        try:
+          results.append(session.run(fetch, feed))
+        except tf.errors.OpError as e:
+          refused = tf_loadable.refusal(name, e.message, tf.__version__)
+          if refused is None:
+            raise
+          raise refused from e
   return results
 
 
