@@ -534,6 +534,31 @@ def test_saved_model_differs_from_jax(published, kind, output, what, fix):
   _assert_kept(published, before)
 
 
+def _cholesky(variables, inputs):
+  """Runs in JAX; on CPU its LAPACK custom call is JAX's, not TensorFlow's."""
+  x = inputs['x'] @ variables['params']['dense_0']['kernel']
+  gram = x.T @ x + jnp.eye(x.shape[1])
+  return {'logits': jnp.linalg.cholesky(gram)}
+
+
+def test_signature_tensorflow_cannot_run(published):
+  before = _tree_digest(published.export_dir)
+  exporter = exporter_lib.SavedModelExporter(
+      published.export_dir, [model.signature(method=_cholesky)])
+  with pytest.raises(errors.UnloadableSignatureError,
+                     match=rf"^TensorFlow {re.escape(tf.__version__)} cannot "
+                     rf"run signature '{model.SIGNATURE}': TensorFlow has no "
+                     r'implementation of it: custom call lapack_spotrf_ffi\. '
+                     r"TensorFlow's XLA has no kernel for this custom call "
+                     r".*jnp\.linalg.*compute it with other ops in the "
+                     r'method, or outside the SavedModel\. \(TensorFlow said: '
+                     r'No FFI handler registered for lapack_spotrf_ffi') as e:
+    exporter.export(model.state_for(2))
+  assert e.value.op == 'custom call lapack_spotrf_ffi'
+  assert isinstance(e.value.__cause__, tf.errors.NotFoundError)
+  _assert_kept(published, before)
+
+
 def test_validate_without_sample_inputs(published):
   before = _tree_digest(published.export_dir)
   sig = model.signature(sample_inputs=None)
