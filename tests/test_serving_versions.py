@@ -20,11 +20,17 @@ Exported once, loaded in each release:
 - 'newer': the float32 model published with `serving_tf_version='2.20'`,
   which 2.19 must refuse (this checks the table's premise, too);
 - 'accel': the float32 model as a GPU trainer exports it by default
-  (lowered for cpu and cuda, checked on CPU), simulated on this CPU.
+  (lowered for cpu and cuda, checked on CPU), simulated on this CPU;
+- 'topk': `lax.top_k` on a polymorphic batch, ties included (JAX writes it
+  as a composite no TensorFlow refines; the export rewrites it);
+- T5X's default decoding, beam search (4 beams), on the tiny T5X model
+  with a polymorphic batch, against T5X's own `predict_batch_with_aux`
+  (where T5X's code is found, as the other T5X tests).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import subprocess
@@ -45,6 +51,7 @@ from examples import train as train_lib
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import offline_gin  # pylint: disable=g-import-not-at-top,wrong-import-position
 import tf_only  # pylint: disable=g-import-not-at-top,wrong-import-position
+import t5x_setup  # pylint: disable=g-import-not-at-top,wrong-import-position
 import tf_venvs  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -81,6 +88,18 @@ def _bf16_serve(variables, inputs):
   p = variables['params']
   h = jax.nn.gelu(inputs['x'].astype(jnp.bfloat16) @ p['w1'])
   return {'y': h @ p['w2']}
+
+
+def _top_k_serve(variables, inputs):
+  values, indices = jax.lax.top_k(inputs['x'] * variables['params']['scale'],
+                                  4)
+  return {'values': values, 'indices': indices}
+
+
+def _tied(batch: int, seed: int) -> np.ndarray:
+  """[batch, 16] floats with many ties (top_k: the lower index first)."""
+  return np.random.default_rng(seed).integers(
+      0, 4, (batch, 16)).astype(np.float32)
 
 
 def _x(batch: int, length: int, seed: int) -> np.ndarray:
@@ -149,6 +168,19 @@ def exports(tmp_path_factory) -> _Exports:
       {k: np.asarray(v) for k, v in fn({'params': _poly_params(11)},
                                        {'x': x}).items()} for x in inputs]
 
+  # 'topk': lax.top_k with a polymorphic batch.
+  scale = {'params': {'scale': np.float32(1.0)}}  # Exact: no rounding.
+  sig = t5export.Signature(name='serving_default', method=_top_k_serve,
+                           input_specs={'x': ('b, 16', 'float32')},
+                           sample_inputs={'x': _tied(2, 0)})
+  out.dirs['topk'] = t5export.SavedModelExporter(work / 'topk', [sig]).export(
+      t5export.InferenceState.create(scale).replace_step(1))
+  tied = [_tied(1, 1), _tied(5, 2)]
+  out.jobs['topk'] = [{'inputs': {'x': x}} for x in tied]
+  out.expected['topk'] = [
+      {k: np.asarray(v) for k, v in jax.jit(_top_k_serve)(
+          scale, {'x': x}).items()} for x in tied]
+
   # 'bf16': bfloat16 params and outputs.
   rng = np.random.default_rng(5)
   bf16_params = {
@@ -198,6 +230,39 @@ def exports(tmp_path_factory) -> _Exports:
   out.expected['offline'] = [{k: np.asarray(v) for k, v in mlp_serve(
       mlp_variables, {'x': _MLP_X}).items()}]
   return out
+
+
+@pytest.fixture(scope='module')
+def t5x_beam(tmp_path_factory) -> dict:
+  """T5X's beam search decode signature published with a polymorphic batch
+  (the export check ran it in TensorFlow against JAX), and T5X's own decodes
+  of a batch of another size."""
+  t5x_setup.import_t5x()
+  from t5x import models as t5x_models_lib  # pylint: disable=g-import-not-at-top
+  from t5export._src import t5x_models  # pylint: disable=g-import-not-at-top
+  tiny = t5x_setup.tiny_model()
+  model = t5x_models_lib.EncoderDecoderModel(  # decode_fn: T5X's default.
+      module=tiny.module, input_vocabulary=tiny.input_vocabulary,
+      output_vocabulary=tiny.output_vocabulary,
+      optimizer_def=tiny.optimizer_def)
+  state = t5x_setup.inference_state(model, t5x_setup.partitioner())
+  lengths = {'inputs': t5x_setup.INPUT_LENGTH,
+             'targets': t5x_setup.TARGET_LENGTH}
+  sig = t5x_models.decode_signature(model, task_feature_lengths=lengths,
+                                    num_decodes=4)
+  path = t5export.SavedModelExporter(
+      tmp_path_factory.mktemp('t5x_beam') / 'export', [sig],
+      options=t5export.ExportOptions(jax_artifacts=False)).export(state)
+  tokens = np.random.default_rng(3).integers(
+      2, t5x_setup.VOCAB_SIZE, (3, t5x_setup.INPUT_LENGTH), np.int32)
+  predict = jax.jit(functools.partial(model.predict_batch_with_aux,
+                                      num_decodes=4))  # One compile.
+  decodes, aux = predict(state.params, {
+      'encoder_input_tokens': tokens,
+      'decoder_input_tokens': np.zeros((3, t5x_setup.TARGET_LENGTH),
+                                       np.int32)})
+  return {'dir': path, 'tokens': tokens, 'decodes': np.asarray(decodes),
+          'scores': np.asarray(aux['scores'])}
 
 
 @pytest.fixture(scope='module', params=[*tf_venvs.OLDER_TF_VERSIONS, 'ours'])
@@ -268,3 +333,24 @@ def test_newer_target_loads_from_its_release_on(tf_process, exports):
     np.testing.assert_allclose(got['tokens'],
                                exports.expected['newer'][0]['tokens'],
                                rtol=0, atol=1e-5)
+
+
+def test_top_k_on_a_polymorphic_batch_equals_jax(tf_process, exports):
+  _, process = tf_process
+  for got, want in zip(_run(process, exports, 'topk'),
+                       exports.expected['topk']):
+    assert set(got) == set(want)
+    np.testing.assert_array_equal(got['indices'], want['indices'])
+    np.testing.assert_array_equal(got['values'], want['values'])
+
+
+@pytest.mark.t5x
+def test_t5x_beam_search_decodes_like_t5x(tf_process, t5x_beam):
+  _, process = tf_process
+  [got] = process.run([{
+      'dir': t5x_beam['dir'], 'signature': 'serving_default',
+      'inputs': {'encoder_input_tokens': t5x_beam['tokens']}}])
+  assert got['decodes'].dtype == np.int32
+  np.testing.assert_array_equal(got['decodes'], t5x_beam['decodes'])
+  np.testing.assert_allclose(got['scores'], t5x_beam['scores'], rtol=0,
+                             atol=1e-5)

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from absl import logging
 import gin
 import jax.numpy as jnp
 import numpy as np
@@ -147,20 +146,12 @@ def decode_signature(model: Any, *, task_feature_lengths: Mapping[str, int],
                      batch_size: int | None = None,
                      num_decodes: int | None = None) -> serving.Signature:
   """The best `decodes` int32 [b, m] and `scores` [b] of the model's own
-  `predict_batch_with_aux` (no RNG) on `encoder_input_tokens`."""
+  `predict_batch_with_aux` (no RNG) on `encoder_input_tokens`: its
+  `decode_fn`, T5X's `beam_search` and `temperature_sample` included."""
   _is_encoder_decoder(model, required_by='decode_signature')
   _, dec_len = _lengths(model, task_feature_lengths)
   _check_positive('num_decodes', num_decodes, none="the model's default")
   kwargs = {} if num_decodes is None else {'num_decodes': num_decodes}
-  fn = getattr(model, 'decode_fn', None)
-  if getattr(getattr(fn, 'func', fn), '__name__', '') == 'beam_search':
-    logging.warning(
-        't5export: the decode signature of %s uses T5X\'s beam_search, whose '
-        'lax.top_k JAX 0.10 writes as a StableHLO op (composite) that '
-        'TensorFlow <= 2.21 cannot load: the export check will fail. Decode '
-        'with decoding.temperature_sample (topk=1 is greedy), or leave the '
-        'decode signature out (t5export.t5x_signatures(decode=False); gin: '
-        'EXPORT_DECODE = False).', type(model).__name__)
 
   def serve(variables, inputs):
     enc = inputs['encoder_input_tokens']
@@ -189,7 +180,7 @@ def signatures(model: Any, *, task_feature_lengths: Mapping[str, int],
       length n, decoder length m (decoder-only: n + m, or m).
     batch_size: a fixed batch size, or None for a polymorphic batch.
     num_decodes: beams (or samples) for 'serving_default'; None: the
-      model's default (T5X's `beam_search` does not load on TF <= 2.21).
+      model's default.
     decode: include the decode signature (encoder-decoder models).
 
   Returns:
