@@ -170,10 +170,17 @@ def python_path() -> list[str]:
   the stand-ins if airio or jestimator is missing."""
   _, root = find_source()
   entries = [] if root is None else [str(root)]
-  if any(importlib.util.find_spec(name) is None
-         for name in ('airio', 'jestimator')):
+  if not all(_installed(name) for name in ('airio', 'jestimator')):
     entries.append(str(STANDINS_DIR))
   return entries
+
+
+def _installed(name: str) -> bool:
+  """Whether `name` imports from somewhere other than the stand-ins (which
+  may already be on sys.path: `import_t5x` put them there)."""
+  spec = importlib.util.find_spec(name)
+  origin = pathlib.Path(spec.origin) if spec and spec.origin else None
+  return origin is not None and STANDINS_DIR not in origin.parents
 
 
 def import_t5x() -> types.ModuleType:
