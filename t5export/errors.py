@@ -334,3 +334,23 @@ class UncheckablePlatformsError(T5ExportError, ValueError):
         'the training backend), or pass ExportOptions(validate=False) '
         '(offline: --no_validate) to publish it unchecked. Nothing was '
         'published.')
+
+
+class MissingOpsPackageError(T5ExportError, ImportError):
+  """A version uses TensorFlow ops of a package that is not installed.
+
+  Attributes:
+    package: the Python package that registers the ops (e.g.
+      'tensorflow_text').
+    ops: the op types the version uses from it.
+  """
+
+  def __init__(self, package: str, ops: Sequence[str], *, where: str,
+               pip_name: str, cause: str):
+    self.package, self.ops = package, tuple(ops)
+    super().__init__(
+        f'{where!r} uses TensorFlow ops of the package {package!r} '
+        f'({", ".join(self.ops)}), which cannot be imported here ({cause}). '
+        f'Install {pip_name}, the release that matches your TensorFlow '
+        f'(e.g. pip install "{pip_name}==2.19.*" beside TensorFlow 2.19), '
+        'and load the version again.')

@@ -378,6 +378,42 @@ def test_version_without_jax_artifact(published, tmp_path):
   _assert_kept(published, before)
 
 
+def test_version_needs_a_missing_ops_package(tmp_path, monkeypatch):
+  import tensorflow_text as tf_text  # pylint: disable=g-import-not-at-top
+
+  def preprocess(inputs):  # Text -> x, through a tensorflow-text op.
+    folded = tf_text.case_fold_utf8(inputs['text'])
+    n = tf.cast(tf.strings.length(folded), tf.float32)[:, None]
+    return {'x': tf.tile(n, [1, model.FEATURES])}
+
+  sig = model.signature(
+      input_specs={'text': ('b', 'string')}, preprocessor=preprocess,
+      method_input_specs={'x': (f'b, {model.FEATURES}', 'float32')},
+      sample_inputs={'text': np.array([b'Hello', b'World!'], object)})
+  exporter = exporter_lib.SavedModelExporter(str(tmp_path / 'export'), [sig])
+  path = exporter.export(model.state_for(1))
+  assert t5export.read_metadata(path).custom_ops == {
+      'tensorflow_text': ('CaseFoldUTF8',)}
+  before = _tree_digest(exporter.export_dir)
+  request = [(model.SIGNATURE, {'text': np.array([b'AbC'], object)})]
+  monkeypatch.setitem(sys.modules, 'tensorflow_text', None)  # Not installed.
+  with pytest.raises(errors.MissingOpsPackageError,
+                     match=rf"{re.escape(repr(path))} uses TensorFlow ops of "
+                     r"the package 'tensorflow_text' \(CaseFoldUTF8\), which "
+                     r'cannot be imported here \(ModuleNotFoundError: .*\)\. '
+                     r'Install tensorflow-text, the release that matches your '
+                     r'TensorFlow \(e\.g\. pip install '
+                     r'"tensorflow-text==2\.19\.\*" beside TensorFlow 2\.19\), '
+                     r'and load the version again\.'):
+    verify.run_signatures_isolated(path, request)
+  monkeypatch.undo()
+  out, = verify.run_signatures_isolated(path, request)
+  np.testing.assert_allclose(out['logits'], jax.jit(model.serve)(
+      model.params_for(1), {'x': np.full((1, model.FEATURES), 3.0,
+                                         np.float32)})['logits'], atol=1e-5)
+  _assert_kept(exporter, before)
+
+
 # --- logical axes -------------------------------------------------------------
 
 

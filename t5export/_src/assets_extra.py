@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 import t5export
+from t5export._src import custom_ops
 from t5export._src import jax_artifacts
 from t5export._src import metadata
 from t5export._src import options as options_lib
@@ -95,7 +96,7 @@ def write(staging: str, *, module: Any,
       signatures={s.name: _signature(s, defs[s.name], artifacts.get(
           s.name, (None, None))[1]) for s in signatures},
       params=_params(module, snap), nbytes=int(snap.nbytes), check=check,
-      metrics=metrics))
+      metrics=metrics, custom_ops=custom_ops.find(proto)))
   # The operative config lists the defaults of every configurable called,
   # so it is never empty by itself: write it only when gin is in use.
   if (gin.config_str().strip() or gin.config_is_locked()) and (

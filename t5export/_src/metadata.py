@@ -102,6 +102,8 @@ class Metadata:
   nbytes: int
   check: Check
   metrics: Mapping[str, Any]
+  custom_ops: Mapping[str, tuple[str, ...]] = dataclasses.field(
+      default_factory=dict)
   format_version: int = FORMAT_VERSION
 
 
@@ -147,6 +149,8 @@ def _parse(d: Mapping[str, Any]) -> Metadata:
                       for n, s in check.get('signatures', {}).items()},
                   *(check.get(k) for k in _WHERE)),
       metrics=d.get('metrics') or {},
+      custom_ops={p: tuple(ops) for p, ops in
+                  (d.get('custom_ops') or {}).items()},
       format_version=d.get('format_version', FORMAT_VERSION))
 
 

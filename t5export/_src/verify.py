@@ -16,6 +16,7 @@ import numpy as np
 
 from t5export import errors
 from t5export._src import accelerators
+from t5export._src import custom_ops
 from t5export._src import jax_artifacts
 from t5export._src import metadata
 from t5export._src import paths
@@ -190,8 +191,15 @@ def run_signatures_isolated(
   lowering even where TensorFlow may use GPUs.
   A signature TensorFlow cannot load or run (an op it lacks or cannot
   refine) raises `errors.UnloadableSignatureError`, from TensorFlow's error.
+  The packages whose ops the version's metadata lists are imported first.
+
+  Raises:
+    errors.MissingOpsPackageError: such a package is not installed.
+    errors.SignatureError: a request names no signature or input of it.
+    errors.UnloadableSignatureError: as above.
   """
   version_dir = os.fspath(version_dir)
+  custom_ops.import_for_version(version_dir)
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   accelerators.keep_tensorflow_off_gpus()
   xla_schedule.use_memory_optimized_schedule(tf)
@@ -236,6 +244,7 @@ def call_exported(version_dir: str | os.PathLike[str], signature_name: str,
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   accelerators.keep_tensorflow_off_gpus()
   version_dir = os.fspath(version_dir)
+  custom_ops.import_for_version(version_dir)
   loaded = tf.saved_model.load(version_dir)
   if signature_name not in loaded.signatures:
     raise _no_signature(signature_name, version_dir, loaded.signatures)

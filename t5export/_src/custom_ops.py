@@ -1,0 +1,101 @@
+"""TensorFlow ops a SavedModel needs from outside TensorFlow's core, such as
+tensorflow-text's SentencePiece ops: which package registers them, recorded
+in the metadata, and imported before a version is loaded in Python.
+
+TensorFlow is imported only inside `find`, never here (a light module).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+import importlib
+import os
+import sys
+import types
+from typing import Any
+
+from t5export import errors
+from t5export._src import metadata
+
+
+def graph_op_types(saved_model: Any) -> set[str]:
+  """Every op type in a `SavedModel` proto: the graph and its functions."""
+  types_ = set()
+  for graph in saved_model.meta_graphs:
+    types_.update(node.op for node in graph.graph_def.node)
+    for function in graph.graph_def.library.function:
+      types_.update(node.op for node in function.node_def)
+  return types_
+
+
+def _plugins() -> dict[int, tuple[types.ModuleType, str]]:
+  """{id: (op library module, top-level package that loaded it)}.
+
+  `tf.load_op_library` returns a module (marked `_IS_TENSORFLOW_PLUGIN`)
+  with one attribute per op it registers; the package that loaded it keeps
+  it as a module attribute.
+  """
+  found = {}
+  for name, module in list(sys.modules.items()):
+    package = name.split('.')[0]
+    if module is None or package == 'tensorflow':
+      continue
+    for value in list(vars(module).values()):
+      if (isinstance(value, types.ModuleType) and
+          getattr(value, '_IS_TENSORFLOW_PLUGIN', False)):
+        found.setdefault(id(value), (value, package))
+  return found
+
+
+def find(saved_model: Any) -> dict[str, tuple[str, ...]]:
+  """The ops of `saved_model` (a `SavedModel` proto) that a Python package
+  outside TensorFlow registers: `{package: (op types, sorted)}`.
+
+  Ops TensorFlow itself defines are left out, and so are ops no loaded
+  package registers (nothing could be said about them).
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  outside = sorted(op for op in graph_op_types(saved_model)
+                   if not op.startswith('_') and not hasattr(tf.raw_ops, op))
+  if not outside:
+    return {}
+  plugins = _plugins().values()
+  by_package: dict[str, list[str]] = {}
+  for op in outside:
+    for plugin, package in plugins:
+      if hasattr(plugin, op):
+        by_package.setdefault(package, []).append(op)
+        break
+  return {package: tuple(ops) for package, ops in sorted(by_package.items())}
+
+
+def pip_name(package: str) -> str:
+  """The distribution most such packages install from: '_' becomes '-'."""
+  return package.replace('_', '-')
+
+
+def import_packages(custom_ops: Mapping[str, Iterable[str]], *,
+                    where: str) -> None:
+  """Imports each package of `custom_ops` (metadata's), registering its ops.
+
+  Raises:
+    errors.MissingOpsPackageError: a package is not installed.
+  """
+  for package, ops in sorted(custom_ops.items()):
+    try:
+      importlib.import_module(package)
+    except ImportError as e:
+      raise errors.MissingOpsPackageError(
+          package, tuple(ops), where=where, pip_name=pip_name(package),
+          cause=f'{type(e).__name__}: {e}') from e
+
+
+def import_for_version(version_dir: str | os.PathLike[str]) -> None:
+  """Imports what a version's metadata says its ops need (nothing for a
+  directory without metadata, such as one still being staged)."""
+  version_dir = os.fspath(version_dir)
+  if not os.path.isfile(os.path.join(version_dir, metadata.FILE)):
+    return
+  custom_ops = metadata.read_metadata(version_dir).custom_ops
+  if custom_ops:
+    import_packages(custom_ops, where=version_dir)
