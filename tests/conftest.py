@@ -33,6 +33,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
   import tf_venvs  # pylint: disable=g-import-not-at-top
   wanted = {getattr(item, 'callspec', None) and item.callspec.params.get(
       'tf_process') for item in session.items}
+  if any('tf_2_19_process' in getattr(item, 'fixturenames', ())
+         for item in session.items):
+    wanted.add('2.19.1')
   versions = tuple(v for v in tf_venvs.OLDER_TF_VERSIONS if v in wanted)
   if versions:
     tf_venvs.prepare_in_background(versions)
@@ -44,6 +47,17 @@ def pytest_unconfigure(config: pytest.Config) -> None:
   tf_venvs = sys.modules.get('tf_venvs')
   if tf_venvs is not None:
     tf_venvs.stop_background()
+
+
+@pytest.fixture(scope='session')
+def tf_2_19_process(tmp_path_factory):
+  """A TensorFlow-only process of the TF 2.19.1 venv (with its
+  tensorflow-text; tests/tf_venvs.py), shared by the session's tests."""
+  import tf_only  # pylint: disable=g-import-not-at-top
+  import tf_venvs  # pylint: disable=g-import-not-at-top
+  with tf_only.TfOnlyProcess(tmp_path_factory.mktemp('tf_2_19'),
+                             python=tf_venvs.tf_python('2.19.1')) as process:
+    yield process
 
 
 @pytest.fixture

@@ -26,6 +26,9 @@ In a test process (tests/ is on sys.path):
   import t5x_setup
   t5x = t5x_setup.import_t5x()          # finds T5X, imports it
   model = t5x_setup.tiny_model()        # a T5X EncoderDecoderModel
+  vocab = t5x_setup.sentencepiece_vocabulary()   # trained here, cached
+  text_model = t5x_setup.tiny_model(vocabulary=vocab)
+  lm = t5x_setup.decoder_only_model(vocabulary=vocab)  # a DecoderOnlyModel
   partitioner = t5x_setup.partitioner()
   state = t5x_setup.train_state(model, partitioner)   # T5X FlaxOptimTrainState
   logits = t5x_setup.logits(model, state.params, t5x_setup.batch())
@@ -39,7 +42,9 @@ from collections.abc import Mapping
 import contextlib
 import fcntl
 import functools
+import hashlib
 import importlib.util
+import io
 import os
 import pathlib
 import shutil
@@ -81,6 +86,18 @@ INPUT_SHAPES = {
     'decoder_input_tokens': (BATCH_SIZE, TARGET_LENGTH),
 }
 INPUT_TYPES = {name: np.int32 for name in INPUT_SHAPES}
+
+# The tiny SentencePiece model: trained on sentences of WORDS (and so able
+# to spell most English), with seqio's special ids (0 pad, 1 EOS, 2 UNK).
+WORDS = ('the a cat dog sat on mat and looked at is good that this to of '
+         'translate English German summarize das ist gut hello world blue '
+         'red house tree bird sings runs fast slow quick brown fox jumps '
+         'over lazy day night sun moon').split()
+SENTENCEPIECE_SIZE = 64
+_SENTENCEPIECE_OPTIONS = dict(
+    vocab_size=SENTENCEPIECE_SIZE, model_type='unigram', pad_id=0, eos_id=1,
+    unk_id=2, bos_id=-1, num_threads=1, character_coverage=1.0,
+    normalization_rule_name='identity', minloglevel=2)
 
 
 class T5XNotFoundError(RuntimeError):
@@ -218,25 +235,72 @@ def subprocess_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
 # --- a tiny T5X model and its states ----------------------------------------
 
 
-def tiny_model(*, optimizer_def: Any = None,
-               vocabulary: Any = None) -> Any:
+def sentences(count: int, *, seed: int) -> list[str]:
+  """`count` synthetic sentences of 3 to 9 WORDS each."""
+  rng = np.random.default_rng(seed)
+  return [' '.join(rng.choice(WORDS, size=rng.integers(3, 10)))
+          for _ in range(count)]
+
+
+def sentencepiece_model_file() -> pathlib.Path:
+  """A tiny SentencePiece model trained by the `sentencepiece` package.
+
+  Made once per checkout (no downloads): `<repo>/.cache/t5x/` keeps it,
+  named after what it was trained from, so every test process and a
+  `python -m t5x.train` subprocess read the same file.
+
+  Returns:
+    The model file's path.
+  """
+  import sentencepiece  # pylint: disable=g-import-not-at-top
+  corpus = sentences(400, seed=0)
+  key = hashlib.sha256(repr((sorted(_SENTENCEPIECE_OPTIONS.items()), corpus,
+                             sentencepiece.__version__)).encode()
+                       ).hexdigest()[:16]
+  path = CACHE_DIR / f'tiny_spm_{key}.model'
+  if not path.is_file():
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus), model_writer=model,
+        **_SENTENCEPIECE_OPTIONS)
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_name(f'{path.name}.{os.getpid()}.tmp')
+    scratch.write_bytes(model.getvalue())
+    os.replace(scratch, path)  # Atomic: readers never see a partial file.
+  return path
+
+
+def sentencepiece_vocabulary() -> Any:
+  """`seqio.SentencePieceVocabulary` of `sentencepiece_model_file()`."""
+  import seqio  # pylint: disable=g-import-not-at-top
+  return seqio.SentencePieceVocabulary(str(sentencepiece_model_file()))
+
+
+def _greedy() -> Any:
+  from t5x import decoding  # pylint: disable=g-import-not-at-top
+  return functools.partial(decoding.temperature_sample, topk=1)
+
+
+def tiny_model(*, optimizer_def: Any = None, vocabulary: Any = None,
+               decode_fn: Any = 'greedy') -> Any:
   """A T5X `EncoderDecoderModel` on `t5x.examples.t5.network` (TINY_CONFIG).
 
   Args:
     optimizer_def: a T5X optimizer def; default T5X's Adafactor with
       factoring from dimension 8 on (so the tiny kernels get factored
       second moments, as real ones do) and a fixed learning rate.
-    vocabulary: a seqio vocabulary of at most VOCAB_SIZE ids; default
+    vocabulary: a seqio vocabulary; default
       `seqio.PassThroughVocabulary(VOCAB_SIZE)` (no files, no downloads).
+      The model's vocabulary size is the larger of its and VOCAB_SIZE.
+    decode_fn: 'greedy' (`decoding.temperature_sample`, top-k 1), None
+      (T5X's default, `beam_search`) or a T5X decode function.
 
   Returns:
-    The model; greedy decoding (`decoding.temperature_sample`, top-k 1).
+    The model.
   """
   import_t5x()
-  import functools  # pylint: disable=g-import-not-at-top
   import seqio  # pylint: disable=g-import-not-at-top
   from t5x import adafactor  # pylint: disable=g-import-not-at-top
-  from t5x import decoding  # pylint: disable=g-import-not-at-top
   from t5x import models  # pylint: disable=g-import-not-at-top
   from t5x.examples.t5 import network  # pylint: disable=g-import-not-at-top
   if optimizer_def is None:
@@ -244,11 +308,76 @@ def tiny_model(*, optimizer_def: Any = None,
         learning_rate=0.1, min_dim_size_to_factor=8)
   if vocabulary is None:
     vocabulary = seqio.PassThroughVocabulary(size=VOCAB_SIZE)
-  module = network.Transformer(network.T5Config(**TINY_CONFIG))
+  config = dict(TINY_CONFIG,
+                vocab_size=max(VOCAB_SIZE, vocabulary.vocab_size))
+  module = network.Transformer(network.T5Config(**config))
+  decoding = {} if decode_fn is None else {
+      'decode_fn': _greedy() if decode_fn == 'greedy' else decode_fn}
   return models.EncoderDecoderModel(
       module=module, input_vocabulary=vocabulary,
-      output_vocabulary=vocabulary, optimizer_def=optimizer_def,
-      decode_fn=functools.partial(decoding.temperature_sample, topk=1))
+      output_vocabulary=vocabulary, optimizer_def=optimizer_def, **decoding)
+
+
+def decoder_only_model(*, vocabulary: Any = None) -> Any:
+  """A T5X `DecoderOnlyModel` on `t5x.examples.decoder_only.network`, sized
+  as TINY_CONFIG, with T5X's default decoding (`temperature_sample`,
+  whose default top-k 1 is greedy) and Adafactor.
+
+  Args:
+    vocabulary: as for `tiny_model`.
+
+  Returns:
+    The model.
+  """
+  import_t5x()
+  import seqio  # pylint: disable=g-import-not-at-top
+  from t5x import adafactor  # pylint: disable=g-import-not-at-top
+  from t5x import models  # pylint: disable=g-import-not-at-top
+  from t5x.examples.decoder_only import network  # pylint: disable=g-import-not-at-top
+  if vocabulary is None:
+    vocabulary = seqio.PassThroughVocabulary(size=VOCAB_SIZE)
+  config = network.TransformerConfig(
+      vocab_size=max(VOCAB_SIZE, vocabulary.vocab_size), dtype='float32',
+      emb_dim=16, num_heads=2, num_layers=1, head_dim=8, mlp_dim=32,
+      mlp_activations=('gelu', 'linear'), dropout_rate=0.0,
+      logits_via_embedding=True)
+  return models.DecoderOnlyModel(
+      module=network.DecoderWrapper(config), vocabulary=vocabulary,
+      optimizer_def=adafactor.Adafactor())
+
+
+def seqio_batch(vocabulary: Any, inputs: list[str], targets: list[str], *,
+                task_feature_lengths: Mapping[str, int],
+                decoder_only: bool = False,
+                add_eos: bool = True) -> dict[str, np.ndarray]:
+  """The batch seqio's own pipeline feeds T5X for these texts.
+
+  Tokenized with `vocabulary` (`seqio.preprocessors.tokenize`), cut and
+  ended with EOS (`append_eos_after_trim`, with `add_eos`), cut to the
+  lengths as a seqio Task's dataset is (`utils.trim_dataset`), laid out by
+  the model's feature converter, unpacked: `EncDecFeatureConverter`, or for
+  a decoder-only model `DecoderFeatureConverter` (a prefix LM when
+  `task_feature_lengths` has 'inputs').
+
+  Returns:
+    The model features, numpy, one row per text.
+  """
+  import seqio  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  names = [n for n in ('inputs', 'targets') if n in task_feature_lengths]
+  texts = {'inputs': inputs, 'targets': targets}
+  features = {n: seqio.Feature(vocabulary, add_eos=add_eos) for n in names}
+  ds = tf.data.Dataset.from_tensor_slices({n: texts[n] for n in names})
+  ds = seqio.preprocessors.tokenize(ds, features, copy_pretokenized=False)
+  ds = seqio.preprocessors.append_eos_after_trim(
+      ds, output_features=features, sequence_length=task_feature_lengths)
+  # What a Task does last (without EOS, the cut above does nothing).
+  ds = seqio.utils.trim_dataset(ds, task_feature_lengths, features)
+  converter = (seqio.DecoderFeatureConverter if decoder_only else
+               seqio.EncDecFeatureConverter)(pack=False)
+  ds = converter(ds, dict(task_feature_lengths))
+  return {k: np.asarray(v) for k, v in next(
+      ds.batch(len(texts[names[0]])).as_numpy_iterator()).items()}
 
 
 def partitioner(*, num_partitions: int = 1) -> Any:

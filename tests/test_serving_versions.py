@@ -249,7 +249,7 @@ def t5x_beam(tmp_path_factory) -> dict:
   lengths = {'inputs': t5x_setup.INPUT_LENGTH,
              'targets': t5x_setup.TARGET_LENGTH}
   sig = t5x_models.decode_signature(model, task_feature_lengths=lengths,
-                                    num_decodes=4)
+                                    num_decodes=4, tokenized_inputs=True)
   path = t5export.SavedModelExporter(
       tmp_path_factory.mktemp('t5x_beam') / 'export', [sig],
       options=t5export.ExportOptions(jax_artifacts=False)).export(state)

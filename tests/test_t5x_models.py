@@ -2,9 +2,11 @@
 
 The encoder-decoder signatures are checked end to end, in a TensorFlow-only
 process, against T5X's Trainer in tests/test_t5x_trainer.py; here: a
-decoder-only T5X model's logits (exported, loaded and run, equal to T5X's
-own module), and the helpers' choices and errors. (That t5export never
-imports t5x: tests/test_package.py.)
+decoder-only T5X model's text signatures (exported, loaded in the TF 2.19.1
+venv with its tensorflow-text, equal to T5X's own `predict_batch` decoded
+by the vocabulary, `score_batch` and module), the text features against
+seqio's own pipeline, and the helpers' choices and errors. (That t5export
+never imports t5x: tests/test_package.py.)
 """
 
 from __future__ import annotations
@@ -30,62 +32,104 @@ LENGTHS = {'inputs': t5x_setup.INPUT_LENGTH,
            'targets': t5x_setup.TARGET_LENGTH}
 
 
-def _decoder_only_model():
-  """A tiny T5X DecoderOnlyModel on T5X's example decoder-only network."""
+@pytest.fixture(scope='module')
+def vocabulary():
   t5x_setup.import_t5x()
-  import seqio  # pylint: disable=g-import-not-at-top
-  from t5x import adafactor  # pylint: disable=g-import-not-at-top
-  from t5x import models  # pylint: disable=g-import-not-at-top
-  from t5x.examples.decoder_only import network  # pylint: disable=g-import-not-at-top
-  config = network.TransformerConfig(
-      vocab_size=t5x_setup.VOCAB_SIZE, dtype='float32', emb_dim=16,
-      num_heads=2, num_layers=1, head_dim=8, mlp_dim=32,
-      mlp_activations=('gelu', 'linear'), dropout_rate=0.0,
-      logits_via_embedding=True)
-  return models.DecoderOnlyModel(
-      module=network.DecoderWrapper(config),
-      vocabulary=seqio.PassThroughVocabulary(size=t5x_setup.VOCAB_SIZE),
-      optimizer_def=adafactor.Adafactor())
+  return t5x_setup.sentencepiece_vocabulary()
 
 
-def test_decoder_only_logits_match_t5x(tmp_path):
+def test_decoder_only_text_signatures_match_t5x(tmp_path, vocabulary,
+                                                 tf_2_19_process):
   import jax  # pylint: disable=g-import-not-at-top
   import t5export  # pylint: disable=g-import-not-at-top
-  from t5export._src import verify  # pylint: disable=g-import-not-at-top
-  model = _decoder_only_model()
+  from t5export._src import metadata  # pylint: disable=g-import-not-at-top
+  model = t5x_setup.decoder_only_model(vocabulary=vocabulary)
   length = LENGTHS['inputs'] + LENGTHS['targets']  # Prefix LM layout.
+  # Seed 3: weights whose greedy decodes are not all EOS at once.
   variables = model.get_initial_variables(
-      jax.random.PRNGKey(0), {'decoder_input_tokens': (2, length)},
+      jax.random.PRNGKey(3), {'decoder_input_tokens': (2, length)},
       {'decoder_input_tokens': np.int32})
   params = jax.tree_util.tree_map(np.asarray, dict(variables['params']))
   sigs = t5x_models.signatures(model, task_feature_lengths=LENGTHS)
-  assert [s.name for s in sigs] == ['logits']
-  assert list(sigs[0].input_names) == ['decoder_input_tokens']
+  assert [(s.name, s.input_names) for s in sigs] == [
+      ('serving_default', ('inputs',)), ('score', ('inputs', 'targets')),
+      ('logits', ('decoder_input_tokens',))]
   exporter = t5export.SavedModelExporter(tmp_path / 'export', sigs)
   path = exporter.export(t5export.InferenceState.create({'params': params}))
+  assert metadata.read_metadata(path).custom_ops['tensorflow_text']
 
+  # Texts other than the sample inputs; some longer than the lengths.
+  inputs = t5x_setup.sentences(3, seed=5)
+  targets = t5x_setup.sentences(3, seed=6)
+  batch = t5x_setup.seqio_batch(vocabulary, inputs, targets,
+                                task_feature_lengths=LENGTHS,
+                                decoder_only=True)
+  decodes = np.asarray(model.predict_batch(params, batch))
+  want_text = [vocabulary.decode(row.tolist()) for row in decodes]
+  assert any(want_text), want_text  # Something to compare.
   rng = np.random.default_rng(5)
-  targets = rng.integers(1, t5x_setup.VOCAB_SIZE, (3, length), np.int32)
-  dec_in = np.concatenate([np.zeros((3, 1), np.int32), targets[:, :-1]], 1)
+  ids = rng.integers(1, t5x_setup.VOCAB_SIZE, (3, length), np.int32)
+  dec_in = np.concatenate([np.zeros((3, 1), np.int32), ids[:, :-1]], 1)
+  got = tf_2_19_process.run([
+      {'dir': path, 'signature': 'serving_default',
+       'inputs': {'inputs': np.array(inputs, object)}},
+      {'dir': path, 'signature': 'score',
+       'inputs': {'inputs': np.array(inputs, object),
+                  'targets': np.array(targets, object)}},
+      {'dir': path, 'signature': 'logits',
+       'inputs': {'decoder_input_tokens': dec_in}}])
+  assert tf_2_19_process.tf_version == '2.19.1'
+  assert [t.decode() for t in got[0]['outputs']] == want_text
+  np.testing.assert_allclose(got[1]['scores'],
+                             model.score_batch(params, batch), atol=1e-5,
+                             rtol=0)
   # T5X's own module with the real targets (no padding: ids >= 1).
-  actual, = verify.run_signatures_isolated(
-      path, [('logits', {'decoder_input_tokens': dec_in})])
-  errors_by_output = verify.compare_outputs(
-      'logits', actual, {'logits': model.module.apply(
-          {'params': params}, dec_in, targets, enable_dropout=False)},
-      atol=1e-5, rtol=0)
-  assert list(errors_by_output) == ['logits']
+  np.testing.assert_allclose(got[2]['logits'], model.module.apply(
+      {'params': params}, dec_in, ids, enable_dropout=False),
+                             atol=1e-5, rtol=0)
 
 
-def test_encoder_decoder_signatures_and_their_specs():
-  model = t5x_setup.tiny_model()
-  sigs = t5x_models.signatures(model, task_feature_lengths=LENGTHS)
-  assert [s.name for s in sigs] == ['serving_default', 'logits', 'encode']
-  decode, logits, encode = sigs
+@pytest.mark.parametrize('decoder_only, lengths', [
+    (False, LENGTHS), (True, LENGTHS), (True, {'targets': 9})])
+def test_text_features_are_seqios(vocabulary, decoder_only, lengths):
+  """What the text signatures hand the model == seqio's own pipeline."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  model = (t5x_setup.decoder_only_model if decoder_only else
+           t5x_setup.tiny_model)(vocabulary=vocabulary)
+  inputs = t5x_setup.sentences(3, seed=5) + ['']
+  targets = t5x_setup.sentences(3, seed=6) + ['a']
+  for add_eos in (True, False):
+    sig = t5x_models.score_signature(model, task_feature_lengths=lengths,
+                                     add_eos=add_eos)
+    texts = {'inputs': inputs, 'targets': targets}
+    got = sig.preprocessor({n: tf.constant(texts[n])
+                            for n in sig.input_names})
+    want = t5x_setup.seqio_batch(vocabulary, inputs, targets,
+                                 task_feature_lengths=lengths,
+                                 decoder_only=decoder_only, add_eos=add_eos)
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+      np.testing.assert_array_equal(got[name].numpy(), value,
+                                    err_msg=f'{name} add_eos={add_eos}')
+
+
+def test_encoder_decoder_signatures_and_their_specs(vocabulary):
+  model = t5x_setup.tiny_model()  # Token ids only (PassThroughVocabulary).
+  sigs = t5x_models.signatures(model, task_feature_lengths=LENGTHS,
+                               tokenized_inputs=True)
+  assert [s.name for s in sigs] == ['serving_default', 'score', 'logits',
+                                    'encode']
+  decode, score, logits, encode = sigs
   enc = f'b, {LENGTHS["inputs"]}'
+  dec = f'b, {LENGTHS["targets"]}'
   assert decode.input_specs == {'encoder_input_tokens': (enc, 'int32')}
+  assert score.input_specs == {
+      'encoder_input_tokens': (enc, 'int32'),
+      'decoder_target_tokens': (dec, 'int32'),
+      'decoder_input_tokens': (dec, 'int32'),
+      'decoder_loss_weights': (dec, 'int32')}
   assert logits.input_specs == {
-      'decoder_input_tokens': (f'b, {LENGTHS["targets"]}', 'int32'),
+      'decoder_input_tokens': (dec, 'int32'),
       'encoder_input_tokens': (enc, 'int32')}
   assert encode.input_specs == decode.input_specs
   samples = logits.sample_inputs
@@ -93,13 +137,47 @@ def test_encoder_decoder_signatures_and_their_specs():
   assert (samples['decoder_input_tokens'][:, 0] == 0).all()  # BOS
   assert samples['encoder_input_tokens'].min() >= 2
   assert samples['encoder_input_tokens'].max() < t5x_setup.VOCAB_SIZE
+  targets = score.sample_inputs['decoder_target_tokens']
+  np.testing.assert_array_equal(  # Shifted right, as seqio does.
+      score.sample_inputs['decoder_input_tokens'][:, 1:], targets[:, :-1])
+  np.testing.assert_array_equal(
+      score.sample_inputs['decoder_loss_weights'], targets != 0)
   fixed = t5x_models.decode_signature(model, task_feature_lengths=LENGTHS,
-                                      batch_size=4, name='greedy')
+                                      batch_size=4, name='greedy',
+                                      tokenized_inputs=True)
   assert fixed.name == 'greedy'
   assert fixed.input_specs == {
       'encoder_input_tokens': (f'4, {LENGTHS["inputs"]}', 'int32')}
   assert fixed.sample_inputs['encoder_input_tokens'].shape == (
       4, LENGTHS['inputs'])
+  # Text (the default): strings in, the same features to the model.
+  text = t5x_models.signatures(t5x_setup.tiny_model(vocabulary=vocabulary),
+                               task_feature_lengths=LENGTHS, batch_size=3)
+  assert [(s.name, s.input_specs) for s in text[:2]] == [
+      ('serving_default', {'inputs': ('3', 'string')}),
+      ('score', {'inputs': ('3', 'string'), 'targets': ('3', 'string')})]
+  assert text[0].sample_inputs['inputs'].shape == (3,)
+  assert text[1].describe()['method_inputs'] == {
+      k: {'shape': v[0].replace('b', '3'), 'dtype': v[1]}
+      for k, v in score.input_specs.items()}
+
+
+def test_decoder_only_signatures_and_their_specs(vocabulary):
+  model = t5x_setup.decoder_only_model()  # PassThroughVocabulary.
+  length = f'b, {LENGTHS["inputs"] + LENGTHS["targets"]}'
+  decode, score, logits = t5x_models.signatures(
+      model, task_feature_lengths=LENGTHS, tokenized_inputs=True)
+  assert decode.input_specs == {'decoder_input_tokens': (length, 'int32'),
+                                'decoder_causal_attention': (length, 'int32')}
+  assert sorted(score.input_specs) == [
+      'decoder_causal_attention', 'decoder_input_tokens',
+      'decoder_loss_weights', 'decoder_target_tokens']
+  assert logits.name == 'logits'
+  # Without 'inputs' (an LM): nothing to prompt, so no decode signature.
+  lm = t5x_models.signatures(t5x_setup.decoder_only_model(
+      vocabulary=vocabulary), task_feature_lengths={'targets': 9})
+  assert [(s.name, s.input_names) for s in lm] == [
+      ('score', ('targets',)), ('logits', ('decoder_input_tokens',))]
 
 
 def test_decode_can_be_left_out_and_beam_search_needs_no_warning(caplog):
@@ -111,12 +189,15 @@ def test_decode_can_be_left_out_and_beam_search_needs_no_warning(caplog):
       output_vocabulary=tiny.output_vocabulary,
       optimizer_def=tiny.optimizer_def)
   sigs = t5x_models.signatures(beam, task_feature_lengths=LENGTHS,
-                               decode=False)
+                               decode=False, score=False,
+                               tokenized_inputs=True)
   assert [s.name for s in sigs] == ['logits', 'encode']
   # Beam search loads (tests/test_serving_versions.py): nothing to warn of.
   with caplog.at_level('WARNING'):
-    sigs = t5x_models.signatures(beam, task_feature_lengths=LENGTHS)
-  assert [s.name for s in sigs] == ['serving_default', 'logits', 'encode']
+    sigs = t5x_models.signatures(beam, task_feature_lengths=LENGTHS,
+                                 tokenized_inputs=True)
+  assert [s.name for s in sigs] == ['serving_default', 'score', 'logits',
+                                    'encode']
   assert 'beam_search' not in caplog.text
 
 
@@ -137,16 +218,31 @@ def test_decode_can_be_left_out_and_beam_search_needs_no_warning(caplog):
     (lambda m: t5x_models.decode_signature(m, task_feature_lengths=LENGTHS,
                                            num_decodes=0),
      'num_decodes must be a positive int or None'),
+    (lambda m: t5x_models.score_signature(m, task_feature_lengths=LENGTHS,
+                                          tokenized_inputs='yes'),
+     "tokenized_inputs and add_eos must be bools; got tokenized_inputs='yes'"),
+    # PassThroughVocabulary has no text ops: serve ids instead.
+    (lambda m: t5x_models.signatures(m, task_feature_lengths=LENGTHS),
+     r"The model's input_vocabulary \(PassThroughVocabulary\) does not "
+     r"turn text into token ids in TensorFlow: encode_tf\('a b'\) gave "
+     r'string.*tokenized_inputs=True \(gin: EXPORT_TOKENIZED_INPUTS = '
+     r'True\)'),
 ])
 def test_bad_input_is_a_t5x_model_error(call, message):
   with pytest.raises(errors.T5XModelError, match=message):
     call(t5x_setup.tiny_model())
 
 
-def test_decode_needs_an_encoder_decoder_model():
-  model = _decoder_only_model()
-  for helper in (t5x_models.decode_signature, t5x_models.encoder_signature):
-    with pytest.raises(errors.T5XModelError,
-                       match='needs a T5X encoder-decoder model .* For a '
-                       'decoder-only model use logits_signature'):
-      helper(model, task_feature_lengths=LENGTHS)
+def test_what_needs_an_encoder_decoder_or_a_prompt():
+  model = t5x_setup.decoder_only_model()
+  with pytest.raises(errors.T5XModelError,
+                     match='needs a T5X encoder-decoder model .* For a '
+                     'decoder-only model use logits_signature, '
+                     'decode_signature or score_signature'):
+    t5x_models.encoder_signature(model, task_feature_lengths=LENGTHS)
+  with pytest.raises(errors.T5XModelError,
+                     match="Signature 'serving_default' needs a prompt: a "
+                     "decoder-only model decodes from its 'inputs'"):
+    t5x_models.decode_signature(model, task_feature_lengths={'targets': 8},
+                                tokenized_inputs=True)
+

@@ -17,6 +17,8 @@ A job is a dict: 'dir' (a SavedModel directory), 'inputs', and either
 'method' (a JaxModule method restored as `obj._tf_methods[name]`, called
 with the inputs tree as is). Its result is the output structure with numpy
 leaves; bfloat16 comes back as float32 (numpy alone has no bfloat16).
+Before loading a t5export version it imports the packages whose ops the
+version's metadata lists (`custom_ops`, e.g. tensorflow_text).
 The process stays up between `run` calls, so each SavedModel is loaded and
 each signature traced once. It reports each finished request on a pipe of
 its own (never on stdout or stderr, where TensorFlow's native code logs).
@@ -87,9 +89,19 @@ _MAIN = textwrap.dedent('''
 ''')
 
 _TF_RUNNER = textwrap.dedent('''
+    import importlib, json
     import tensorflow as tf
 
     loaded = {}
+
+    def import_custom_ops(version_dir):
+      # What a user does: import the packages the version's metadata names
+      # (e.g. tensorflow_text for SentencePiece) before loading it.
+      path = os.path.join(version_dir, 'assets.extra', 't5export.json')
+      if os.path.isfile(path):
+        with open(path) as f:
+          for package in json.load(f).get('custom_ops') or {}:
+            importlib.import_module(package)
 
     def to_numpy(t):
       if t.dtype == tf.bfloat16:
@@ -98,6 +110,7 @@ _TF_RUNNER = textwrap.dedent('''
 
     def run(job):
       if job['dir'] not in loaded:
+        import_custom_ops(job['dir'])
         loaded[job['dir']] = tf.saved_model.load(job['dir'])
       obj = loaded[job['dir']]
       if 'signature' in job:

@@ -3,10 +3,13 @@
 TF Serving releases trail TensorFlow's, so a version must load on the
 TensorFlow users serve with, not only on the one we develop with.
 `tf_python('2.19.1')` returns the interpreter of `<repo>/.venv-tf/2.19.1/`,
-a virtualenv holding `tensorflow-cpu==2.19.1` and what it depends on (no
-jax, no t5export), creating it on first use. The directory is ignored by
-git and kept between runs; a lock file makes concurrent test processes of
-one checkout wait for a single creation. pip's output goes to
+a virtualenv holding TensorFlow 2.19.1 (`PACKAGES`), what it depends on
+and, for 2.19.1, the matching `tensorflow-text` (whose ops text versions
+use; TF Serving builds them in), but no jax and no t5export, creating it
+on first use. The
+directory is ignored by git and kept between runs (made again when what it
+should hold changes); a lock file makes concurrent test processes of one
+checkout wait for a single creation. pip's output goes to
 `<venv>/pip.log`; a failed creation fails the test with its tail.
 `prepare_in_background` starts the creations when a session collects tests
 that need them (conftest.py), so they are made while other tests run.
@@ -29,6 +32,14 @@ VENVS_DIR = REPO_ROOT / '.venv-tf'
 # project's own TensorFlow (constraints.txt) is tested by tf_only with JAX
 # blocked.
 OLDER_TF_VERSIONS = ('2.19.1', '2.20.0')
+# What each venv holds. 2.19.1 also loads text versions, so it has the
+# tensorflow-text built for it, and the `tensorflow` wheel: tensorflow-text
+# 2.19's ops need symbols (tflite::shim::TfShapeInferenceContext) that
+# `tensorflow-cpu` 2.19.1 does not export.
+PACKAGES = {
+    '2.19.1': ('tensorflow==2.19.1', 'tensorflow-text==2.19.0'),
+    '2.20.0': ('tensorflow-cpu==2.20.0',),
+}
 
 _INSTALL_TIMEOUT_SECS = 1200
 
@@ -69,7 +80,7 @@ def _create(root: pathlib.Path, version: str) -> None:
     steps = [
         [sys.executable, '-m', 'venv', str(root)],
         [str(python), '-m', 'pip', 'install', '--disable-pip-version-check',
-         '--no-input', f'tensorflow-cpu=={version}'],
+         '--no-input', *PACKAGES[version]],
     ]
     for cmd in steps:
       returncode = _run_step(cmd, out)
@@ -79,7 +90,10 @@ def _create(root: pathlib.Path, version: str) -> None:
             f'{" ".join(cmd)} exited {returncode}. Its output '
             f'({log}):\n{_tail(log)}')
   probe = subprocess.run(
-      [str(python), '-c', 'import importlib.util, tensorflow as tf; '
+      [str(python), '-c', 'import importlib.util, tensorflow as tf; ' + (
+          'import tensorflow_text; ' if any(
+              p.startswith('tensorflow-text') for p in PACKAGES[version])
+          else '') +
        'print(tf.__version__, importlib.util.find_spec("jax") is None)'],
       capture_output=True, text=True, timeout=600, check=False,
       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'))
@@ -105,12 +119,15 @@ def tf_python(version: str) -> pathlib.Path:
   """
   root = VENVS_DIR / version
   stamp = root / '.complete'
+  # The stamp says what was installed (older ones hold the version alone).
+  contents = (version if PACKAGES[version] == (f'tensorflow-cpu=={version}',)
+              else ' '.join(PACKAGES[version]))
   VENVS_DIR.mkdir(exist_ok=True)
   with open(VENVS_DIR / f'{version}.lock', 'w') as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
-    if not stamp.exists():
+    if not stamp.exists() or stamp.read_text() != contents:
       _create(root, version)
-      stamp.write_text(version)
+      stamp.write_text(contents)
   return root / 'bin' / 'python'
 
 
