@@ -2,22 +2,29 @@
 
 T5X's real `trainer.Trainer` trains a tiny `EncoderDecoderModel`
 (tests/t5x_setup.py: T5X's example network, T5X's Adafactor,
-`PjitPartitioner`) and t5export publishes versions three ways:
+`PjitPartitioner`, a SentencePiece vocabulary trained by the test) and
+t5export publishes versions three ways:
 
 (a) as a TRAIN_EVAL action, called through `t5x.train.run_actions` with
-    the metrics of `trainer.eval`, as `t5x.train` calls it;
+    the metrics of `trainer.eval`, as `t5x.train` calls it: the text
+    signatures (the default), decode and score;
 (b) through `cb(step, train_state=trainer.train_state)` after each
-    `trainer.train` chunk (a custom loop; steps skip);
+    `trainer.train` chunk (a custom loop; steps skip): every signature,
+    token ids (`tokenized_inputs=True`);
 (c) through `python -m t5x.train` with a gin config that includes the
-    shipped t5export/gin/t5x.gin (tiny seqio task: tests/t5x_tiny_task.py).
+    shipped t5export/gin/t5x.gin and T5X's defaults (beam search; a text
+    seqio task with that vocabulary: tests/t5x_tiny_task.py).
 
 (a) and (b) share one training run (two callbacks on one trainer). Every
 version is loaded in a TensorFlow-only process (tests/tf_only.py) and its
-three signatures ('serving_default' decode, 'logits', 'encode' from
-`t5x_models.signatures`) must equal T5X's own `model` on the params of
-that step (f32, atol 1e-5; decodes exactly); the weights read back with
-`verify.load_params` are bit-exact; the metadata's mesh axes equal
-`PjitPartitioner.get_mesh_axes`.
+signatures ('serving_default' decode, 'score', 'logits', 'encode' from
+`t5x_models`) must equal T5X's own `model` on the params of that step: decode == `predict_batch_with_aux` on the batch seqio's own
+pipeline makes of the texts (text: decoded by the vocabulary, equal
+strings; ids: exactly), score == `score_batch` (f32, atol 1e-5), logits
+and encode == its module; the weights read back with `verify.load_params`
+are bit-exact; the metadata's mesh axes equal
+`PjitPartitioner.get_mesh_axes`. A text version of (a) also answers in the
+TF 2.19.1 venv, with its tensorflow-text.
 """
 
 from __future__ import annotations
@@ -101,7 +108,8 @@ def t5x_run(tmp_path_factory):
   from t5export._src import t5x_models  # pylint: disable=g-import-not-at-top
 
   tmp = tmp_path_factory.mktemp('t5x_run')
-  model = t5x_setup.tiny_model()
+  model = t5x_setup.tiny_model(
+      vocabulary=t5x_setup.sentencepiece_vocabulary())
   partitioner = t5x_setup.partitioner()
   initializer = _initializer(model, partitioner)
   trainer = trainer_lib.Trainer(
@@ -114,16 +122,21 @@ def t5x_run(tmp_path_factory):
           factors='constant', base_learning_rate=0.1),
       num_microbatches=None)
 
-  def callback(name):
+  def callback(name, signatures):
     exporter = t5export.SavedModelExporter(
-        tmp / name,
-        t5x_models.signatures(model, task_feature_lengths=LENGTHS),
+        tmp / name, signatures,
         options=t5export.ExportOptions(
             logical_axis_rules=partitioner.logical_axis_rules))
     return t5export.ExportCallback(
         exporter, export_every_steps=EVERY, num_train_steps=TOTAL_STEPS)
 
-  action, chunked = callback('action'), callback('chunks')
+  # (a) serves text (the default) in decode and score; (b) every signature,
+  # token ids. (logits and encode take ids either way: tested once.)
+  action = callback('action', [
+      t5x_models.decode_signature(model, task_feature_lengths=LENGTHS),
+      t5x_models.score_signature(model, task_feature_lengths=LENGTHS)])
+  chunked = callback('chunks', t5x_models.signatures(
+      model, task_feature_lengths=LENGTHS, tokenized_inputs=True))
   actions = {trainer_lib.ActionMode.TRAIN_EVAL: [action]}
   params_at, metrics_at, mesh_axes = {}, {}, None
   train_iter, step = _batches(seed=100), 0
@@ -150,30 +163,101 @@ def t5x_run(tmp_path_factory):
               action_versions_before_close=action_versions_before_close)
 
 
-def _t5x_outputs(model, params, features):
-  """T5X's own outputs for the three signatures on `features`."""
-  batch = {
+# Texts for the requests, other than the sample inputs the export checked
+# itself; some are longer than the lengths (cut), some shorter (padded).
+_INPUTS = t5x_setup.sentences(3, seed=5)
+_TARGETS = t5x_setup.sentences(3, seed=6)
+
+
+_jitted = {}  # (id(model), what) -> jitted T5X method: compiled once.
+_seqio_batches = {}  # vocabulary file -> seqio's batch of the texts.
+
+
+def _t5x(model, what):
+  key = (id(model), what)
+  if key not in _jitted:
+    import jax  # pylint: disable=g-import-not-at-top
+    _jitted[key] = (model, jax.jit({
+        'logits': model._compute_logits,  # pylint: disable=protected-access
+        'encode': lambda params, tokens: model.module.apply(
+            {'params': params}, tokens, enable_dropout=False,
+            method=model.module.encode),
+        'predict': model.predict_batch_with_aux,
+        'score': model.score_batch}[what]))
+  return _jitted[key][1]
+
+
+def _t5x_outputs(model, params, *, text):
+  """Requests for each signature and T5X's own outputs for them."""
+  features = t5x_setup.batch(seed=3)
+  logits_batch = {
       'encoder_input_tokens': features['encoder_input_tokens'],
       'decoder_input_tokens': features['decoder_input_tokens'],
       # All real tokens: T5X's padding mask then masks nothing.
       'decoder_target_tokens': np.ones_like(
           features['decoder_input_tokens']),
   }
-  logits = model._compute_logits(params, batch)  # pylint: disable=protected-access
-  encoded = model.module.apply(
-      {'params': params}, batch['encoder_input_tokens'],
-      enable_dropout=False, method=model.module.encode)
-  decodes, aux = model.predict_batch_with_aux(
-      params, {'encoder_input_tokens': batch['encoder_input_tokens'],
-               'decoder_input_tokens': np.zeros_like(
-                   batch['decoder_input_tokens'])})
-  return {'logits': {'logits': np.asarray(logits)},
+  logits = _t5x(model, 'logits')(params, logits_batch)
+  encoded = _t5x(model, 'encode')(params,
+                                  logits_batch['encoder_input_tokens'])
+  # What seqio's pipeline feeds T5X for the texts.
+  vocabulary = model.input_vocabulary
+  key = vocabulary.sentencepiece_model_file
+  if key not in _seqio_batches:
+    _seqio_batches[key] = t5x_setup.seqio_batch(
+        vocabulary, _INPUTS, _TARGETS, task_feature_lengths=LENGTHS)
+  batch = _seqio_batches[key]
+  decodes, aux = _t5x(model, 'predict')(params, batch)
+  decodes = np.asarray(decodes)
+  if text:
+    decoded = {'outputs': np.array([model.output_vocabulary.decode(
+        row.tolist()) for row in decodes], object)}
+    requests = {'serving_default': {'inputs': _INPUTS},
+                'score': {'inputs': _INPUTS, 'targets': _TARGETS}}
+  else:
+    decoded = {'decodes': decodes}
+    requests = {'serving_default': {
+        'encoder_input_tokens': batch['encoder_input_tokens']},
+                'score': {k: batch[k] for k in (
+                    'encoder_input_tokens', 'decoder_target_tokens',
+                    'decoder_input_tokens', 'decoder_loss_weights')}}
+  requests['logits'] = {k: features[k] for k in (
+      'encoder_input_tokens', 'decoder_input_tokens')}
+  requests['encode'] = {
+      'encoder_input_tokens': features['encoder_input_tokens']}
+  requests = {n: {k: np.array(v, object) if isinstance(v, list) else v
+                  for k, v in r.items()} for n, r in requests.items()}
+  want = {'logits': {'logits': np.asarray(logits)},
           'encode': {'encoded': np.asarray(encoded)},
-          'serving_default': {'decodes': np.asarray(decodes),
-                              'scores': np.asarray(aux['scores'])}}
+          'serving_default': {**decoded, 'scores': np.asarray(aux['scores'])},
+          'score': {'scores': np.asarray(_t5x(model, 'score')(params, batch))}}
+  return requests, want
 
 
-def _check_version(version_dir, params, model, tf_process, mesh_axes):
+def _check_outputs(version_dir, params, model, process, *, text,
+                   names=('serving_default', 'score', 'logits', 'encode')):
+  """`process` (TF only) answers `names` as T5X's own model does."""
+  requests, want = _t5x_outputs(model, params, text=text)
+  got = process.run([{'dir': str(version_dir), 'signature': n,
+                      'inputs': requests[n]} for n in names])
+  for name, outputs in zip(names, got):
+    assert sorted(outputs) == sorted(want[name]), name
+    for key, value in want[name].items():
+      if value.dtype == object:  # Text: the same strings.
+        assert [t.decode() for t in outputs[key]] == list(value), (name, key)
+        assert any(value), 'every decode is empty: nothing compared'
+      elif value.dtype.kind in 'iu':
+        np.testing.assert_array_equal(outputs[key], value,
+                                      err_msg=f'{name}/{key}')
+      else:
+        assert outputs[key].dtype == np.float32, (name, key)
+        np.testing.assert_allclose(outputs[key], value, rtol=0, atol=ATOL,
+                                   err_msg=f'{name}/{key}')
+
+
+def _check_version(version_dir, params, model, tf_process, mesh_axes, *,
+                   text, names=('serving_default', 'score', 'logits',
+                                'encode')):
   """TF-only outputs == T5X's; weights bit-exact; mesh axes == T5X's."""
   from t5export._src import metadata  # pylint: disable=g-import-not-at-top
   from t5export._src import verify  # pylint: disable=g-import-not-at-top
@@ -185,35 +269,14 @@ def _check_version(version_dir, params, model, tf_process, mesh_axes):
     assert exported[path].dtype == value.dtype, path
     assert np.array_equal(exported[path], value), path
   # Mesh axes in the metadata: PjitPartitioner's, leaf by leaf.
-  meta = metadata.read_metadata(version_dir).params
+  meta = metadata.read_metadata(version_dir)
   for path, spec in _flat(mesh_axes).items():
-    assert meta[f'params/{path}'].mesh_axes == tuple(spec), path
-  # Outputs in a TF-only process == T5X's own model on these params, on
-  # inputs other than the sample inputs the export checked itself.
-  features = t5x_setup.batch(seed=3)
-  want = _t5x_outputs(model, params, features)
-  inputs = {
-      'serving_default': {
-          'encoder_input_tokens': features['encoder_input_tokens']},
-      'logits': {
-          'encoder_input_tokens': features['encoder_input_tokens'],
-          'decoder_input_tokens': features['decoder_input_tokens']},
-      'encode': {
-          'encoder_input_tokens': features['encoder_input_tokens']},
-  }
-  names = sorted(inputs)
-  got = tf_process.run([{'dir': str(version_dir), 'signature': n,
-                         'inputs': inputs[n]} for n in names])
-  for name, outputs in zip(names, got):
-    assert sorted(outputs) == sorted(want[name]), name
-    for key, value in want[name].items():
-      if value.dtype.kind in 'iu':
-        np.testing.assert_array_equal(outputs[key], value,
-                                      err_msg=f'{name}/{key}')
-      else:
-        assert outputs[key].dtype == np.float32, (name, key)
-        np.testing.assert_allclose(outputs[key], value, rtol=0, atol=ATOL,
-                                   err_msg=f'{name}/{key}')
+    assert meta.params[f'params/{path}'].mesh_axes == tuple(spec), path
+  # Text versions need tensorflow-text's SentencePiece ops to load.
+  assert bool(meta.custom_ops) == text
+  assert sorted(meta.signatures) == sorted(names)
+  _check_outputs(version_dir, params, model, tf_process, text=text,
+                 names=names)
 
 
 def test_train_eval_action_exports_at_first_eval_after_each_multiple(
@@ -225,7 +288,8 @@ def test_train_eval_action_exports_at_first_eval_after_each_multiple(
   for step in EXPECTED_VERSIONS:
     version_dir = t5x_run['tmp'] / 'action' / str(step)
     _check_version(version_dir, t5x_run['params_at'][step], t5x_run['model'],
-                   tf_process, t5x_run['mesh_axes'])
+                   tf_process, t5x_run['mesh_axes'], text=True,
+                   names=('serving_default', 'score'))
     # T5X's eval metrics (clu.values.Scalar) are numbers in the metadata.
     stored = metadata.read_metadata(version_dir).metrics
     for name, value in t5x_run['metrics_at'][step]['tiny'].items():
@@ -242,7 +306,16 @@ def test_per_chunk_calls_export_after_each_crossed_multiple(t5x_run,
   for step in EXPECTED_VERSIONS:
     _check_version(t5x_run['tmp'] / 'chunks' / str(step),
                    t5x_run['params_at'][step], t5x_run['model'], tf_process,
-                   t5x_run['mesh_axes'])
+                   t5x_run['mesh_axes'], text=False)
+
+
+def test_text_version_answers_in_tf_2_19_with_tensorflow_text(
+    t5x_run, tf_2_19_process):
+  step = EXPECTED_VERSIONS[-1]
+  _check_outputs(t5x_run['tmp'] / 'action' / str(step),
+                 t5x_run['params_at'][step], t5x_run['model'],
+                 tf_2_19_process, text=True, names=('serving_default', 'score'))
+  assert tf_2_19_process.tf_version == '2.19.1'
 
 
 # --- (c) python -m t5x.train with the shipped gin ---------------------------
@@ -256,7 +329,11 @@ _TRAIN_GIN = textwrap.dedent('''\
     include 't5x/configs/runs/pretrain.gin'
     %(t5x_include)s
 
+    # T5X's defaults: beam search, a SentencePiece vocabulary (the task's),
+    # text served in and out (EXPORT_TOKENIZED_INPUTS = False).
     MODEL = @t5x_setup.tiny_model()
+    t5x_setup.tiny_model.vocabulary = @t5x_setup.sentencepiece_vocabulary()
+    t5x_setup.tiny_model.decode_fn = None
     MIXTURE_OR_TASK_NAME = 't5export_tiny'
     MIXTURE_OR_TASK_MODULE = 't5x_tiny_task'
     TASK_FEATURE_LENGTHS = {'inputs': %(inputs)d, 'targets': %(targets)d}
@@ -297,7 +374,8 @@ def test_t5x_train_with_shipped_gin(tmp_path, tf_process):
   versions = sorted(int(p.name) for p in export_dir.iterdir()
                     if p.name.isdigit())
   assert versions == [2, 4], text[-3000:]
-  model = t5x_setup.tiny_model()
+  model = t5x_setup.tiny_model(
+      vocabulary=t5x_setup.sentencepiece_vocabulary(), decode_fn=None)
   partitioner = t5x_setup.partitioner()
   mesh_axes = partitioner.get_mesh_axes(
       _initializer(model, partitioner).global_train_state_shape).params
@@ -305,4 +383,4 @@ def test_t5x_train_with_shipped_gin(tmp_path, tf_process):
     # T5X's own checkpoint of that step holds the params that were exported.
     params = checkpoints.read_params(str(model_dir), step=step).params
     _check_version(export_dir / str(step), _numpy_tree(params), model,
-                   tf_process, mesh_axes)
+                   tf_process, mesh_axes, text=True)
