@@ -97,6 +97,26 @@ def test_versions_without_artifacts_say_why(export_dir, tmp_path):
           in proc.stdout)
 
 
+def test_ops_from_outside_tensorflow_are_named(export_dir, tmp_path):
+  proc = _run(os.path.join(export_dir, '10'))
+  assert 'needs the ops of' not in proc.stdout
+  # A text version's metadata, as a T5X text export writes it.
+  text = tmp_path / 'text'
+  shutil.copytree(os.path.join(export_dir, '10'), text)
+  meta_file = text / 'assets.extra' / 't5export.json'
+  meta = json.loads(meta_file.read_text())
+  meta['custom_ops'] = {'tensorflow_text': ['SentencepieceOp',
+                                            'SentencepieceTokenizeOp']}
+  meta_file.write_text(json.dumps(meta))
+  proc = _run(str(text))
+  assert proc.returncode == 0, proc.stderr
+  assert ('  needs the ops of tensorflow_text (SentencepieceOp, '
+          'SentencepieceTokenizeOp): import it before loading in Python; '
+          "TF Serving has tensorflow-text's built in") in proc.stdout
+  proc = _run(str(text), '--json')
+  assert json.loads(proc.stdout)['custom_ops'] == meta['custom_ops']
+
+
 def test_bad_path_is_one_line_and_exit_1(tmp_path):
   proc = _run(str(tmp_path / 'missing'))
   assert proc.returncode == 1

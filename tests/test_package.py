@@ -26,7 +26,7 @@ LIGHT_MODULES = ('paths', 'train_state', 'state_axes',
                  'msgpack_checkpoints', 'triggering', 'outcomes',
                  'serving_compat', 'tensor_bundle', 'jax_artifacts', 'verify',
                  'staged_check', 'options', 'metadata', 'accelerators',
-                 'tf_loadable')
+                 'tf_loadable', 'custom_ops', 't5x_features')
 TENSORFLOW = ('tensorflow', 'keras', 'tf_keras')  # keras pulls tensorflow in.
 
 

@@ -102,6 +102,7 @@ def describe_version(version_dir: str, *, params: bool) -> dict[str, Any]:
       'check': meta.check.summary(),
       'check_detail': dataclasses.asdict(meta.check),
       'metrics': dict(meta.metrics),
+      'custom_ops': {k: list(v) for k, v in meta.custom_ops.items()},
       'n_params': len(meta.params), 'param_bytes': meta.nbytes,
       'bytes_on_disk': versions.dir_nbytes(version_dir),
       'files': {name: os.path.exists(os.path.join(version_dir, rel))
@@ -141,6 +142,10 @@ def _print_version(info: dict[str, Any]) -> None:
       f'{serving["loads_on"]} (XlaCallModule calling convention '
       f'{serving["calling_convention_version"]})' if serving else
       'not recorded (written before t5export recorded its serving target)'))
+  for package, ops in info['custom_ops'].items():
+    print(f'  needs the ops of {package} ({", ".join(ops)}): import it '
+          'before loading in Python; TF Serving has tensorflow-text\'s '
+          'built in')
   print(f'  {info["n_params"]} params, {_mib(info["param_bytes"] or 0)} '
         f'({_mib(info["bytes_on_disk"])} on disk); check: {info["check"]}')
   artifacts_on = info['options'].get('jax_artifacts')
