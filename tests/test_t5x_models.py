@@ -57,6 +57,21 @@ def test_decoder_only_text_signatures_match_t5x(tmp_path, vocabulary,
   exporter = t5export.SavedModelExporter(tmp_path / 'export', sigs)
   path = exporter.export(t5export.InferenceState.create({'params': params}))
   assert metadata.read_metadata(path).custom_ops['tensorflow_text']
+  # TF Serving's warm-up requests are text, as the signatures take.
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tensorflow_serving.apis import prediction_log_pb2  # pylint: disable=g-import-not-at-top
+  warmup = {}
+  for record in tf.data.TFRecordDataset(
+      f'{path}/{metadata.WARMUP_FILE}').as_numpy_iterator():
+    request = prediction_log_pb2.PredictionLog.FromString(
+        record).predict_log.request
+    warmup[request.model_spec.signature_name] = {
+        k: tf.make_ndarray(v).tolist() for k, v in request.inputs.items()}
+  assert warmup['serving_default'] == {
+      'inputs': sigs[0].sample_inputs['inputs'].tolist()}
+  assert warmup['score']['targets'] == sigs[1].sample_inputs[
+      'targets'].tolist()
+  assert all(isinstance(t, bytes) and t for t in warmup['score']['targets'])
 
   # Texts other than the sample inputs; some longer than the lengths.
   inputs = t5x_setup.sentences(3, seed=5)
@@ -89,15 +104,23 @@ def test_decoder_only_text_signatures_match_t5x(tmp_path, vocabulary,
                              atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize('decoder_only, lengths', [
-    (False, LENGTHS), (True, LENGTHS), (True, {'targets': 9})])
-def test_text_features_are_seqios(vocabulary, decoder_only, lengths):
+def _byte_vocabulary():
+  import seqio  # pylint: disable=g-import-not-at-top
+  return seqio.ByteVocabulary()
+
+
+@pytest.mark.parametrize('decoder_only, lengths, byte', [
+    (False, LENGTHS, False), (True, LENGTHS, False),
+    (True, {'targets': 9}, False), (False, LENGTHS, True)])
+def test_text_features_are_seqios(vocabulary, decoder_only, lengths, byte):
   """What the text signatures hand the model == seqio's own pipeline."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  if byte:
+    vocabulary = _byte_vocabulary()
   model = (t5x_setup.decoder_only_model if decoder_only else
            t5x_setup.tiny_model)(vocabulary=vocabulary)
-  inputs = t5x_setup.sentences(3, seed=5) + ['']
-  targets = t5x_setup.sentences(3, seed=6) + ['a']
+  inputs = t5x_setup.sentences(3, seed=5) + ['', 'Grüße ✓']
+  targets = t5x_setup.sentences(3, seed=6) + ['a', 'é']
   for add_eos in (True, False):
     sig = t5x_models.score_signature(model, task_feature_lengths=lengths,
                                      add_eos=add_eos)
@@ -111,6 +134,30 @@ def test_text_features_are_seqios(vocabulary, decoder_only, lengths):
     for name, value in want.items():
       np.testing.assert_array_equal(got[name].numpy(), value,
                                     err_msg=f'{name} add_eos={add_eos}')
+
+
+@pytest.mark.parametrize('byte', [False, True])
+def test_decodes_are_detokenized_as_seqio_decodes(vocabulary, byte):
+  """The decode signature's text == seqio's `decode` of each row of ids
+  (up to the first EOS), in the serving graph too."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  if byte:
+    vocabulary = _byte_vocabulary()
+  sig = t5x_models.decode_signature(
+      t5x_setup.tiny_model(vocabulary=vocabulary),
+      task_feature_lengths=LENGTHS)
+  rng = np.random.default_rng(0)
+  ids = rng.integers(3, vocabulary.vocab_size, (4, 9), np.int32)
+  ids[0, 4] = ids[0, 6] = 1  # EOS in the middle: the rest is dropped.
+  ids[1, 2:] = 0  # Padding, as T5X's decodes end.
+  ids[3, 0] = 1  # Nothing before EOS.
+  outputs = {'decodes': tf.constant(ids), 'scores': tf.zeros([4])}
+  want = [vocabulary.decode(row.tolist()) for row in ids]
+  assert [w for w in want if w] and not want[3]
+  for run in (sig.postprocessor, tf.function(sig.postprocessor)):
+    got = run(outputs)
+    assert sorted(got) == ['outputs', 'scores']
+    assert [t.decode() for t in got['outputs'].numpy()] == want
 
 
 def test_encoder_decoder_signatures_and_their_specs(vocabulary):
