@@ -205,8 +205,26 @@ def decode_signature(model: Any, *, task_feature_lengths: Mapping[str, int],
   `scores` [b]. `tokenized_inputs=True`: int32 `encoder_input_tokens`
   [b, n] (decoder-only: `decoder_input_tokens`, `decoder_causal_attention`
   [b, n + m]) -> int32 `decodes` [b, m] (decoder-only: [b, n + m], the
-  prompt removed, as T5X does), `scores` [b]. `add_eos`: append EOS to the
-  tokenized inputs (seqio's `Feature(add_eos=True)`, the default).
+  prompt removed, as T5X does), `scores` [b].
+
+  Args:
+    model: a T5X `EncoderDecoderModel`, or a `DecoderOnlyModel` whose
+      `task_feature_lengths` have 'inputs' (the prompt).
+    task_feature_lengths: T5X's `{'inputs': n, 'targets': m}`.
+    name: the signature's name.
+    batch_size: a fixed batch size, or None for a polymorphic batch.
+    num_decodes: beams (or samples); None: the model's default.
+    tokenized_inputs: take and return int32 token ids instead of text.
+    add_eos: end the tokenized inputs with EOS (seqio's
+      `Feature(add_eos=True)`, the default).
+
+  Returns:
+    The Signature, with sample inputs.
+
+  Raises:
+    errors.T5XModelError: `model` is no T5X model (or a decoder-only one
+      without 'inputs'), an option is invalid, or a vocabulary cannot
+      tokenize text.
   """
   _check_positive('num_decodes', num_decodes, none="the model's default")
   kwargs = {} if num_decodes is None else {'num_decodes': num_decodes}
@@ -246,6 +264,22 @@ def score_signature(model: Any, *, task_feature_lengths: Mapping[str, int],
   `decoder_target_tokens`, `decoder_input_tokens`, `decoder_loss_weights`;
   decoder-only: the decoder ones and, with 'inputs',
   `decoder_causal_attention`).
+
+  Args:
+    model: a T5X `EncoderDecoderModel` or `DecoderOnlyModel`.
+    task_feature_lengths: T5X's `{'inputs': n, 'targets': m}`.
+    name: the signature's name.
+    batch_size: a fixed batch size, or None for a polymorphic batch.
+    tokenized_inputs: take int32 features instead of text.
+    add_eos: end the tokenized inputs and targets with EOS (seqio's
+      `Feature(add_eos=True)`, the default).
+
+  Returns:
+    The Signature, with sample inputs.
+
+  Raises:
+    errors.T5XModelError: `model` is no T5X model, an option is invalid, or
+      a vocabulary cannot tokenize text.
   """
 
   def serve(variables, inputs):
