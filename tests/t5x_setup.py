@@ -7,9 +7,9 @@ wherever a user or CI has T5X's source (`find_source`, in this order):
    `pip install -e /path/to/t5x`);
 2. `T5X_SRC=/path/to/t5x`: a T5X checkout, the directory holding the
    `t5x` package;
-3. the T5X source tarball (`t5x/t5x-src-<commit>.tar.gz`) in the folder
-   `shared/` beside this clone, where this project's CI lays it; unpacked
-   once into `<repo>/.cache/t5x/` (git-ignored).
+3. the T5X source tarball `t5x-src-<commit>.tar.gz` that this project's CI
+   lays beside the clone (`SHARED_T5X_DIR`); unpacked once into
+   `<repo>/.cache/t5x/` (git-ignored).
 
 Found nowhere, every test marked `t5x` (see conftest.py) is skipped with
 one reason line saying how to enable it, or fails when

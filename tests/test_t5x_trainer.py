@@ -2,7 +2,8 @@
 
 T5X's real `trainer.Trainer` trains a tiny `EncoderDecoderModel`
 (tests/t5x_setup.py: T5X's example network, T5X's Adafactor,
-`PjitPartitioner`, a SentencePiece vocabulary trained by the test) and
+`PjitPartitioner`, T5X's default decoding (beam search) and a SentencePiece
+vocabulary trained by the test) and
 t5export publishes versions three ways:
 
 (a) as a TRAIN_EVAL action, called through `t5x.train.run_actions` with
@@ -23,8 +24,9 @@ pipeline makes of the texts (text: decoded by the vocabulary, equal
 strings; ids: exactly), score == `score_batch` (f32, atol 1e-5), logits
 and encode == its module; the weights read back with `verify.load_params`
 are bit-exact; the metadata's mesh axes equal
-`PjitPartitioner.get_mesh_axes`. A text version of (a) also answers in the
-TF 2.19.1 venv, with its tensorflow-text.
+`PjitPartitioner.get_mesh_axes`. A text version of (a) (T5X's defaults:
+beam search, SentencePiece) also answers in the TF 2.19.1 venv, with its
+tensorflow-text.
 """
 
 from __future__ import annotations
@@ -108,8 +110,9 @@ def t5x_run(tmp_path_factory):
   from t5export._src import t5x_models  # pylint: disable=g-import-not-at-top
 
   tmp = tmp_path_factory.mktemp('t5x_run')
+  # T5X's defaults: beam search (decode_fn=None), a SentencePiece vocabulary.
   model = t5x_setup.tiny_model(
-      vocabulary=t5x_setup.sentencepiece_vocabulary())
+      vocabulary=t5x_setup.sentencepiece_vocabulary(), decode_fn=None)
   partitioner = t5x_setup.partitioner()
   initializer = _initializer(model, partitioner)
   trainer = trainer_lib.Trainer(
