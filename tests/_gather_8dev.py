@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import _report  # Beside this script in tests/.
+from t5export._src import device_transfer
 from t5export._src import host_buffers
 from t5export._src import partitioning
 from t5export._src import paths
@@ -70,7 +71,7 @@ def check(variables: dict, case: str) -> None:
     return real_device_put(*args, **kwargs)
   jax.device_put = counted_device_put
   try:
-    in_flight = paths.flatten(host_buffers.start_transfer(sharded))
+    in_flight = paths.flatten(device_transfer.start_transfer(sharded))
   finally:
     jax.device_put = real_device_put
   dispatched = {p: [(str(i), list(piece.devices())[0].id,
@@ -84,7 +85,7 @@ def check(variables: dict, case: str) -> None:
   overwritten = step(sharded)
   jax.block_until_ready(overwritten)
 
-  arrived = host_buffers.finish_transfer(in_flight)
+  arrived = device_transfer.finish_transfer(in_flight)
   for path, got in arrived.items():
     want = expected[path]
     _report.emit({

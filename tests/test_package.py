@@ -26,7 +26,8 @@ LIGHT_MODULES = ('paths', 'train_state', 'state_axes',
                  'msgpack_checkpoints', 'triggering', 'outcomes',
                  'serving_compat', 'tensor_bundle', 'jax_artifacts', 'verify',
                  'staged_check', 'options', 'metadata', 'accelerators',
-                 'tf_loadable', 'custom_ops', 't5x_features')
+                 'tf_loadable', 'custom_ops', 't5x_features',
+                 'device_transfer')
 TENSORFLOW = ('tensorflow', 'keras', 'tf_keras')  # keras pulls tensorflow in.
 
 

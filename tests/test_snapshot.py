@@ -18,6 +18,7 @@ import pytest
 from examples import models
 from t5export import errors
 from t5export._src import accelerators
+from t5export._src import device_transfer
 from t5export._src import host_buffers
 from t5export._src import partitioning
 from t5export._src import paths
@@ -302,7 +303,7 @@ def test_accelerator_snapshot_is_in_flight_then_bit_exact_after_donation(
   # Every transfer dispatched (a new pinned host buffer per leaf); none
   # awaited, no host copy made on this thread.
   assert snap.in_flight and snap.owned and snap.step == 4
-  assert all(isinstance(x, host_buffers.InFlight) for x in leaves)
+  assert all(isinstance(x, device_transfer.InFlight) for x in leaves)
   pieces = [p for x in leaves for _, p in x.pieces]
   assert len(pieces) == len(leaves)
   assert {p.sharding.memory_kind for p in pieces} == {'pinned_host'}
@@ -322,20 +323,58 @@ def test_accelerator_snapshot_is_in_flight_then_bit_exact_after_donation(
                             expected['params']['dense_0']['kernel'])
 
 
-def test_on_device_copy_where_no_pinned_host_memory():
-  # pinned=False is the path of a device without pinned host memory.
+def test_device_copy_way_leaves_the_params_free_then_lands_pinned():
+  # The way taken where the device has room: a copy on the device, which
+  # the worker moves to pinned host memory.
   x = jnp.arange(4096, dtype=jnp.float32).reshape(64, 64)
   want = np.array(x)
-  tree = host_buffers.start_transfer({'x': x, 'n': np.int32(3)},
-                                     pinned=False)
+  tree = device_transfer.start_transfer({'x': x, 'n': np.int32(3)},
+                                        way='device_copy')
   [(_, piece)] = tree['x'].pieces
   assert piece.sharding.memory_kind == 'device'
   assert piece.unsafe_buffer_pointer() != x.unsafe_buffer_pointer()
   _donating_steps(x, 3)
   assert x.is_deleted()
-  out = host_buffers.finish_transfer(tree)
+  out = device_transfer.finish_transfer(tree)
   np.testing.assert_array_equal(out['x'], want)
+  assert not out['x'].flags.writeable  # Read in place from pinned memory.
   assert out['n'] == 3 and isinstance(out['n'], np.ndarray)
+  assert tree['x'].pieces == []  # The copies were let go.
+
+
+class _FakeDevice:
+  """Only what `choose_way` reads of a device."""
+
+  def __init__(self, stats):
+    self._stats = stats
+
+  def memory_stats(self):
+    return self._stats
+
+
+@pytest.mark.parametrize('stats, nbytes, want', [
+    # Room beside the training's high-water mark: a device copy.
+    ({'bytes_limit': 80 << 30, 'peak_bytes_in_use': 70 << 30,
+      'bytes_in_use': 10 << 30}, 8 << 30, 'device_copy'),
+    # In use now is low, but the peak leaves no room: pinned host memory.
+    ({'bytes_limit': 80 << 30, 'peak_bytes_in_use': 75 << 30,
+      'bytes_in_use': 10 << 30}, 8 << 30, 'pinned_host'),
+    # No limit reported (the CPU backend reports nothing): pinned.
+    (None, 1, 'pinned_host'),
+    ({'bytes_in_use': 1}, 1, 'pinned_host'),
+])
+def test_way_is_a_device_copy_only_where_the_peak_leaves_room(
+    stats, nbytes, want):
+  assert device_transfer.choose_way(_FakeDevice(stats), nbytes, None) == want
+  # Asked for by name, a way is taken as it is.
+  assert device_transfer.choose_way(_FakeDevice(stats), nbytes,
+                                    'device_copy') == 'device_copy'
+
+
+def test_unknown_way_names_the_choices():
+  with pytest.raises(ValueError, match=r"way='host'; expected one of "
+                     r"\('device_copy', 'pinned_host'\)"):
+    device_transfer.start_transfer({'x': jnp.ones(3)}, way='host')
 
 
 def test_accelerator_snapshot_keeps_host_leaves_unless_owned(simulated_gpu):

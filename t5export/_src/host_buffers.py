@@ -203,7 +203,7 @@ def host_views_survive_donation() -> bool:
 _HOST_LEAF = (np.ndarray, np.generic, bool, int, float, complex)
 
 
-def _checked_leaf(keypath: Any, x: Any) -> bool:
+def checked_leaf(keypath: Any, x: Any) -> bool:
   """True for a host leaf, False for a live jax.Array; else raises."""
   # The path is spelled only for an error (this runs per leaf, per export,
   # on the training thread).
@@ -224,17 +224,19 @@ def _checked_leaf(keypath: Any, x: Any) -> bool:
   return False
 
 
-def _spread_over_processes(x: jax.Array) -> bool:
+def spread_over_processes(x: jax.Array) -> bool:
+  """Whether `x` has shards this process cannot address (an all-gather)."""
   return not (x.is_fully_addressable or x.is_fully_replicated)
 
 
-def _gather_leaf(keypath: Any, x: Any, *, owned: bool,
-                 shapes_only: bool) -> Any:
-  if _checked_leaf(keypath, x):
+def gather_leaf(keypath: Any, x: Any, *, owned: bool,
+                shapes_only: bool = False) -> Any:
+  """One leaf of `gather_to_host` (`keypath` names it in errors)."""
+  if checked_leaf(keypath, x):
     if shapes_only:
       return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
     return aligned_copy(x) if owned else np.asarray(x)
-  if _spread_over_processes(x):
+  if spread_over_processes(x):
     # A collective every process joins.
     gathered = multihost_utils.process_allgather(x, tiled=True)
     return (jax.ShapeDtypeStruct(x.shape, x.dtype) if shapes_only
@@ -262,126 +264,5 @@ def gather_to_host(tree: Any, *, owned: bool = True,
   `shapes_only` (ShapeDtypeStructs).
   """
   return jax.tree_util.tree_map_with_path(
-      functools.partial(_gather_leaf, owned=owned, shapes_only=shapes_only),
+      functools.partial(gather_leaf, owned=owned, shapes_only=shapes_only),
       tree)
-
-
-class InFlight:
-  """A leaf on its way to host memory: its pieces' transfers are dispatched.
-
-  `pieces` are `(index into the leaf, jax.Array)`, one per distinct shard,
-  in pinned host memory or (where a device has none) an on-device copy.
-  """
-
-  __slots__ = ('shape', 'dtype', '_pieces', '_value')
-
-  def __init__(self, shape: tuple[int, ...], dtype: Any,
-               pieces: list[tuple[Any, jax.Array]]):
-    self.shape, self.dtype = shape, dtype
-    self._pieces: list[tuple[Any, jax.Array]] | None = pieces
-    self._value: np.ndarray | None = None
-
-  def add(self, index: Any, piece: jax.Array) -> None:
-    """Records one more piece (before `result`)."""
-    self._pieces.append((index, piece))
-
-  @property
-  def pieces(self) -> list[tuple[Any, jax.Array]]:
-    """The pieces (empty once `result` has run: it lets them go)."""
-    return list(self._pieces or ())
-
-  def result(self) -> np.ndarray:
-    """Waits for the transfer; the leaf as host numpy (cached).
-
-    One piece covering the leaf: a read-only view of its pinned host memory
-    (no copy), or the transfer of its device copy. Several: a new aligned
-    array the pieces are copied into (TensorFlow may adopt it: owned).
-    """
-    if self._value is None:
-      pieces, self._pieces = self._pieces, None
-      if len(pieces) == 1 and pieces[0][1].shape == self.shape:
-        self._value = np.asarray(pieces[0][1])
-      else:
-        out = aligned_empty(self.shape, self.dtype)
-        while pieces:  # Each piece's memory goes once it is copied.
-          index, piece = pieces.pop()
-          out[index] = np.asarray(piece)
-        self._value = out
-    return self._value
-
-
-def _on_host(piece: jax.Array) -> bool:
-  return piece.sharding.memory_kind in ('pinned_host', 'unpinned_host')
-
-
-@functools.cache
-def _target(device: jax.Device, pinned: bool) -> jax.sharding.Sharding:
-  """Where a piece on `device` goes: its pinned host memory where it has
-  one (and `pinned`), else a new buffer on the device itself."""
-  kinds = {m.kind for m in device.addressable_memories()}
-  kind = 'pinned_host' if pinned and 'pinned_host' in kinds else None
-  return jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
-
-
-def start_transfer(tree: Any, *, owned: bool = True,
-                   pinned: bool = True) -> Any:
-  """Dispatches the transfer of `tree`'s arrays off their devices; no wait.
-
-  One `jax.device_put` takes every fully addressable array's distinct
-  shards at once (shards on several devices move in parallel) into pinned
-  host memory, or with `pinned=False` (and on devices without it) into a
-  copy on the device. Either way the copies are new buffers: a later step
-  may donate the arrays. Arrays spread over processes are all-gathered now
-  (every process calls this at the same point); host leaves are copied if
-  `owned`, else kept as they are. `finish_transfer` gets the numpy values.
-
-  Args:
-    tree: a pytree of jax.Arrays, numpy arrays or numbers.
-    owned: copy host leaves (else the caller keeps them unchanged).
-    pinned: use pinned host memory where a device has it.
-
-  Returns:
-    `tree` with an `InFlight` per dispatched array, numpy leaves otherwise.
-  """
-  flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  leaves: list[Any] = []
-  moving: list[tuple[InFlight, Any, jax.Array]] = []  # (leaf, index, piece)
-  for keypath, x in flat:
-    if _checked_leaf(keypath, x) or _spread_over_processes(x):
-      leaves.append(_gather_leaf(keypath, x, owned=owned, shapes_only=False))
-      continue
-    leaves.append(InFlight(x.shape, x.dtype, []))
-    if x.is_fully_replicated or len(x.sharding.device_set) == 1:
-      moving.append((leaves[-1], (), x.addressable_data(0)))
-    else:
-      moving.extend((leaves[-1], shard.index, shard.data)
-                    for shard in x.addressable_shards if shard.replica_id == 0)
-  if moving:
-    pieces = jax.device_put(
-        [p for _, _, p in moving],
-        [_target(next(iter(p.devices())), pinned) for _, _, p in moving],
-        may_alias=False)
-    for (leaf, index, _), piece in zip(moving, pieces):
-      leaf.add(index, piece)
-  return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-def finish_transfer(tree: Any) -> Any:
-  """`tree` with each `InFlight` leaf's host value (waits for them).
-
-  Pieces on a device (no pinned host memory there) start their transfers
-  to the host together first.
-  """
-  leaves = jax.tree_util.tree_leaves(tree)
-  for leaf in leaves:
-    if isinstance(leaf, InFlight):
-      for _, piece in leaf.pieces:
-        if not _on_host(piece):
-          piece.copy_to_host_async()
-  return jax.tree_util.tree_map(
-      lambda x: x.result() if isinstance(x, InFlight) else x, tree)
-
-
-def in_flight(tree: Any) -> bool:
-  """Whether any leaf of `tree` is `InFlight`."""
-  return any(isinstance(x, InFlight) for x in jax.tree_util.tree_leaves(tree))

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from t5export._src import accelerators
+from t5export._src import device_transfer
 from t5export._src import host_buffers
 from t5export._src import partitioning
 from t5export._src import paths
@@ -24,7 +25,7 @@ AxesByPath = dict[str, tuple[Any, ...]]
 class HostSnapshot:
   """The exportable variables (numpy, or ShapeDtypeStructs) at one step.
 
-  On an accelerator the variables' leaves are `host_buffers.InFlight`
+  On an accelerator the variables' leaves are `device_transfer.InFlight`
   until `on_host()` (the export worker) waits for their transfers.
   """
   step: int
@@ -37,14 +38,14 @@ class HostSnapshot:
   @property
   def in_flight(self) -> bool:
     """Whether some leaves are still on their way to host memory."""
-    return host_buffers.in_flight(self.variables)
+    return device_transfer.in_flight(self.variables)
 
   def on_host(self) -> HostSnapshot:
     """This snapshot with every transfer to host finished (waits for them)."""
     if not self.in_flight:
       return self
     start = time.perf_counter()
-    variables = host_buffers.finish_transfer(self.variables)
+    variables = device_transfer.finish_transfer(self.variables)
     logging.info('Snapshot of step %d: on the host in %.3fs.', self.step,
                  time.perf_counter() - start)
     return dataclasses.replace(self, variables=variables)
@@ -86,7 +87,7 @@ def take_snapshot(state: Any, *,
   step = int(np.asarray(host_buffers.gather_to_host(inference.step)))
   if not shapes_only and accelerators.training_platform() != 'cpu':
     # Dispatched, not awaited: the worker's `on_host()` waits.
-    variables = host_buffers.start_transfer(inference.variables, owned=owned)
+    variables = device_transfer.start_transfer(inference.variables, owned=owned)
     # The transfers and all-gathers land in new memory; the caller's numpy
     # arrays stay as they are unless `owned`.
     owned = owned or not any(isinstance(x, np.ndarray) for x in
