@@ -15,8 +15,11 @@ TOOL = REPO / 'tools' / 'accelerator_snapshot.py'
 sys.path.insert(0, str(TOOL.parent))
 import accelerator_snapshot  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-FIGURES = ('take_snapshot', 'device_get', 'pinned_put', 'pinned_dispatch',
-           'device_copy', 'steps_alone', 'steps_after', 'on_host')
+FIGURES = ('steps_alone', 'device_get', 'pinned_put', 'pinned_dispatch',
+           'jnp_copy', 'take_snapshot_after_get') + tuple(
+               f'{way}{figure}'
+               for way in ('take_snapshot', 'pinned_host', 'device_copy')
+               for figure in ('', '_in_gc', '_steps_after', '_on_host'))
 
 
 def test_measures_without_tensorflow_and_compares_load_function(tmp_path):
@@ -27,7 +30,8 @@ def test_measures_without_tensorflow_and_compares_load_function(tmp_path):
   out = tmp_path / 'figures.json'
   proc = subprocess.run(
       [sys.executable, str(TOOL), '--layouts', '3x32x32,8x8x16',
-       '--repeats', '1', '--steps', '2', '--version', version,
+       '--repeats', '1', '--steps', '2', '--loop-exports', '2',
+       '--version', version,
        '--out', str(out)],
       capture_output=True, text=True, timeout=300, cwd=tmp_path,
       env={**os.environ, 'PYTHONPATH': str(REPO)})
@@ -39,10 +43,21 @@ def test_measures_without_tensorflow_and_compares_load_function(tmp_path):
   for r, n, shape in zip(result['layouts'], (3, 8), ([32, 32], [8, 16])):
     assert (r['leaves'], r['shape'], r['dtype']) == (n, shape, 'bfloat16')
     assert r['param_bytes'] == n * shape[0] * shape[1] * 2
-    assert r['bit_exact'] is True
+    assert r['bit_exact'] == {'take_snapshot': True, 'pinned_host': True,
+                              'device_copy': True}
+    assert r['auto_way'] == 'pinned_host'  # CPU reports no memory limit.
     assert set(r['median_s']) == set(FIGURES)
     assert all(len(r['seconds'][k]) == 1 for k in FIGURES)
     assert all(math.isfinite(v) and v >= 0 for v in r['median_s'].values())
+  # The loop: per layout and way, two exports, bit-exact against a replay.
+  loops = result['loops']
+  assert [(r['layout'], r['way']) for r in loops] == [
+      (layout, way) for layout in ('3x32x32', '8x8x16')
+      for way in ('take_snapshot', 'pinned_host', 'device_copy')]
+  for r in loops:
+    assert r['bit_exact'] is True and r['every'] == 2
+    assert len(r['take_s']) == len(r['steps_after_s']) == 2
+    assert all(math.isfinite(v) and v > 0 for v in r['steps_after_s'])
   lf = result['load_function']
   assert lf['version'] == version and lf['max_abs_diff'] == {'y': 0.0}
   assert '| take_snapshot |' in proc.stdout and 'load_function on' in (

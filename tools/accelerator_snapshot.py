@@ -7,20 +7,34 @@ For each parameter layout (a bfloat16 `FlaxOptimTrainState` with
 `optax.sgd`, trained by a jitted step that donates the state) it measures,
 as medians of `--repeats`:
 
+  steps_alone      the next `--steps` donating steps with no snapshot
   take_snapshot    t5export's snapshot as the callback takes it
-                   (`owned=None`): the training thread's time (the first
-                   one, with one-time costs, apart)
+                   (`owned=None`; the way `auto_way` its device's memory
+                   chose): the training thread's time (the first one, with
+                   one-time costs, apart); `_steps_after`: the next steps,
+                   while a thread brings it to the host (what the export
+                   worker does; its time is `_on_host`); `_in_gc`: the
+                   part of the training thread's time spent in Python's
+                   garbage collector (a collection that happened to fall
+                   there; the loop pays it wherever it falls)
+  pinned_host      the same with the way forced to one `jax.device_put` into
+                   pinned host memory (`device_transfer.start_transfer`)
+  device_copy      the same with the way forced to a jitted on-device copy,
+                   which the worker moves to pinned host memory
+  bit_exact        per way: the host values equal the params at the
+                   snapshot's step, after those donating steps
   device_get       `jax.device_get(params)`
   pinned_put       `jax.device_put` of the params into pinned host memory
                    (each leaf's sharding `.with_memory_kind('pinned_host')`),
                    waited for; `pinned_dispatch` without the wait
-  device_copy      `jnp.copy` of every leaf on its device, waited for
-  steps_alone      the next `--steps` donating steps with no snapshot
-  steps_after      the same steps right after a snapshot, while a thread
-                   brings it to the host (`HostSnapshot.on_host()`, what
-                   the export worker does; its time is `on_host`)
-  bit_exact        the snapshot's host values equal the params at its step,
-                   after those donating steps
+  jnp_copy         `jnp.copy` of every leaf on its device, waited for
+  take_snapshot_after_get
+                   `take_snapshot` right after a `device_get` of the params
+
+With `--loop-exports N` it also runs `measure_loop` per layout and way: a
+loop that waits for each step and snapshots every `--steps` steps, N
+times, with nothing else on the training thread (no reference fetched
+before a take); per export, the take and the next steps' time.
 
 With `--version DIR` it also runs `t5export.load_function` of that version
 (exported elsewhere for ('cpu', <this platform>)) on the accelerator and on
@@ -44,6 +58,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Sequence
 import functools
+import gc
 import json
 import os
 import pathlib
@@ -64,6 +79,7 @@ import numpy as np
 import optax
 
 from t5export._src import accelerators
+from t5export._src import device_transfer
 from t5export._src import snapshot
 from t5export._src import train_state
 from t5export._src import verify
@@ -96,10 +112,33 @@ def _train_step() -> Callable[[Any], Any]:
   return step
 
 
+class _GcClock:
+  """Seconds spent in Python's garbage collector (`gc.callbacks`)."""
+
+  def __init__(self):
+    self.total = 0.0
+    self._start = 0.0
+    gc.callbacks.append(self._on_gc)
+
+  def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+    del info
+    if phase == 'start':
+      self._start = time.perf_counter()
+    else:
+      self.total += time.perf_counter() - self._start
+
+
+_GC = _GcClock()
+_LAST_GC = [0.0]  # GC seconds inside the last `_timed` call.
+
+
 def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+  gc_before = _GC.total
   start = time.perf_counter()
   out = fn()
-  return time.perf_counter() - start, out
+  secs = time.perf_counter() - start
+  _LAST_GC[0] = _GC.total - gc_before
+  return secs, out
 
 
 def _steps(state: Any, step: Callable[[Any], Any], n: int) -> tuple[float,
@@ -119,6 +158,20 @@ def _bit_equal(got: Any, want: Any) -> bool:
                      np.asarray(w).view(np.uint8)) for g, w in zip(got, want))
 
 
+def _snapshot_ways() -> dict[str, tuple[Callable[[Any], Any],
+                                        Callable[[Any], Any]]]:
+  """name -> (take it on the training thread, bring it to host in a worker)."""
+  def by_way(way: str) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+    return (lambda s: device_transfer.start_transfer(s.params, way=way),
+            device_transfer.finish_transfer)
+  return {
+      'take_snapshot': (
+          lambda s: snapshot.take_snapshot(s, owned=None),
+          lambda snap: snap.on_host().variables['params']),
+      'pinned_host': by_way('pinned_host'),
+      'device_copy': by_way('device_copy')}
+
+
 def measure_layout(spec: str, *, dtype: Any, repeats: int,
                    steps: int) -> dict[str, Any]:
   """The figures of one layout (module docstring)."""
@@ -128,7 +181,7 @@ def measure_layout(spec: str, *, dtype: Any, repeats: int,
   _, state = _steps(state, step, 3)  # Compiled, warm.
   nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(state.params))
   rows: dict[str, list[float]] = {}
-  exact = []
+  exact: dict[str, list[bool]] = {}
 
   def add(name: str, value: float) -> None:
     rows.setdefault(name, []).append(value)
@@ -139,32 +192,44 @@ def measure_layout(spec: str, *, dtype: Any, repeats: int,
   snap.on_host()
   del snap
   first = secs
+  device = jax.devices()[0]
+  auto_way = device_transfer.choose_way(device, nbytes, None)
   for _ in range(repeats):
     secs, state = _steps(state, step, steps)
     add('steps_alone', secs)
-    expected = jax.device_get(state.params)  # Untimed: the reference.
-    secs, snap = _timed(lambda: snapshot.take_snapshot(state, owned=None))
-    add('take_snapshot', secs)
-    arrived: dict[str, Any] = {}
+    for name, (take, bring) in _snapshot_ways().items():
+      secs, taken = _timed(lambda: take(state))  # pylint: disable=cell-var-from-loop
+      add(name, secs)
+      add(f'{name}_in_gc', _LAST_GC[0])  # Python's collector, not ours.
+      # The reference, untimed: the params hold the snapshot's step until
+      # the next step. Fetched after the take, not before: on an H100 the
+      # first CUDA call after a 2 GB `device_get` into fresh host memory
+      # stalled 60-120 ms, which no training loop has before a snapshot.
+      expected = jax.device_get(state.params)
+      arrived: dict[str, Any] = {}
 
-    def bring(snap=snap) -> None:
-      start = time.perf_counter()
-      arrived['snap'] = snap.on_host()
-      arrived['secs'] = time.perf_counter() - start
-    worker = threading.Thread(target=bring, name='on-host')
-    worker.start()
-    del snap
-    secs, state = _steps(state, step, steps)  # Donating meanwhile.
-    worker.join()
-    add('steps_after', secs)
-    add('on_host', arrived['secs'])
-    exact.append(_bit_equal(arrived.pop('snap').variables['params'],
-                            expected))
-    del expected
+      def on_host(taken=taken, bring=bring) -> None:
+        start = time.perf_counter()
+        arrived['params'] = bring(taken)
+        arrived['secs'] = time.perf_counter() - start
+      worker = threading.Thread(target=on_host, name='on-host')
+      worker.start()
+      del taken
+      secs, state = _steps(state, step, steps)  # Donating meanwhile.
+      worker.join()
+      add(f'{name}_steps_after', secs)
+      add(f'{name}_on_host', arrived['secs'])
+      exact.setdefault(name, []).append(
+          _bit_equal(arrived.pop('params'), expected))
+      del expected
 
     secs, host = _timed(lambda: jax.device_get(state.params))
     add('device_get', secs)
-    del host
+    # The stall named above, measured: a snapshot right after that fetch.
+    secs, taken = _timed(lambda: snapshot.take_snapshot(state, owned=None))
+    add('take_snapshot_after_get', secs)
+    taken.on_host()
+    del host, taken
     pinned = jax.tree_util.tree_map(
         lambda x: x.sharding.with_memory_kind('pinned_host'), state.params)
     secs, out = _timed(lambda: jax.device_put(state.params, pinned))
@@ -177,15 +242,68 @@ def measure_layout(spec: str, *, dtype: Any, repeats: int,
     del out
     secs, out = _timed(lambda: jax.block_until_ready(
         jax.tree_util.tree_map(jnp.copy, state.params)))
-    add('device_copy', secs)
+    add('jnp_copy', secs)
     del out
   n, rows_, cols = _layout(spec)
   return {'layout': spec, 'leaves': n, 'shape': [rows_, cols],
           'dtype': np.dtype(dtype).name, 'param_bytes': nbytes,
-          'steps': steps, 'repeats': repeats, 'bit_exact': all(exact),
+          'steps': steps, 'repeats': repeats, 'auto_way': auto_way,
+          'memory_stats': device.memory_stats(),
+          'bit_exact': {k: all(v) for k, v in exact.items()},
           'take_snapshot_first_s': first,
           'seconds': {k: v for k, v in rows.items()},
           'median_s': {k: statistics.median(v) for k, v in rows.items()}}
+
+
+def measure_loop(spec: str, *, dtype: Any, exports: int, every: int,
+                 way: str | None) -> dict[str, Any]:
+  """A training loop that exports every `every` steps, as a callback does.
+
+  Each step is waited for (as a loop that reads its metrics does); after a
+  due step the snapshot is taken (`way`: forced, or None for
+  `take_snapshot` as the callback takes it) and a thread brings it to the
+  host. Nothing else runs on the training thread: the references are
+  recomputed afterwards by replaying the same jitted steps (bit-identical
+  on one device).
+  """
+  state = train_state.FlaxOptimTrainState.create(
+      optax.sgd(1e-3), {'params': _params(spec, dtype)})
+  step = _train_step()
+  _, state = _steps(state, step, 3)  # Compiled, warm.
+  start_params = jax.tree_util.tree_map(jnp.copy, state)  # For the replay.
+  jax.block_until_ready(start_params)
+  if way is None:
+    take = lambda s: snapshot.take_snapshot(s, owned=None)
+    bring = lambda snap: snap.on_host().variables['params']
+  else:
+    take = lambda s: device_transfer.start_transfer(s.params, way=way)
+    bring = device_transfer.finish_transfer
+  step_secs, take_secs, arrived, workers, due = [], [], {}, [], []
+  for i in range(1, (exports + 2) * every + 1):
+    secs, state = _steps(state, step, 1)
+    step_secs.append(secs)
+    if i % every == 0 and len(due) < exports and i > every:
+      secs, taken = _timed(lambda: take(state))  # pylint: disable=cell-var-from-loop
+      take_secs.append(secs)
+      due.append(i)
+
+      def on_host(i=i, taken=taken) -> None:
+        arrived[i] = bring(taken)
+      workers.append(threading.Thread(target=on_host, name=f'on-host-{i}'))
+      workers[-1].start()
+      del taken
+  for worker in workers:
+    worker.join()
+  exact, replay = [], start_params
+  for i in range(1, max(due) + 1):
+    replay = step(replay)
+    if i in due:
+      exact.append(_bit_equal(arrived.pop(i), jax.device_get(replay.params)))
+  window = lambda i: sum(step_secs[i:i + every])  # Steps i+1 .. i+every.
+  return {'layout': spec, 'way': way or 'take_snapshot', 'every': every,
+          'take_s': take_secs,
+          'steps_after_s': [window(i) for i in due],
+          'steps_before_first_s': window(0), 'bit_exact': all(exact)}
 
 
 def _encoder(variables: Any, inputs: Any) -> dict[str, Any]:
@@ -234,8 +352,13 @@ def compare_load_function(version_dir: str) -> dict[str, Any]:
 
 
 def _table(result: dict[str, Any]) -> str:
-  names = ('take_snapshot', 'device_get', 'pinned_put', 'pinned_dispatch',
-           'device_copy', 'steps_alone', 'steps_after', 'on_host')
+  names = ('steps_alone', 'take_snapshot', 'take_snapshot_in_gc',
+           'take_snapshot_steps_after', 'take_snapshot_on_host',
+           'pinned_host', 'pinned_host_in_gc', 'pinned_host_steps_after',
+           'pinned_host_on_host', 'device_copy', 'device_copy_in_gc',
+           'device_copy_steps_after', 'device_copy_on_host',
+           'take_snapshot_after_get', 'device_get', 'pinned_put',
+           'pinned_dispatch', 'jnp_copy')
   layouts = result['layouts']
   lines = [f"{result['device']} ({result['platform']}), jax "
            f"{result['jax']}; medians in seconds"]
@@ -247,6 +370,14 @@ def _table(result: dict[str, Any]) -> str:
           f"{r['median_s'][name]:.4g}" for r in layouts) + ' |')
     lines.append('| bit_exact | ' + ' | '.join(
         str(r['bit_exact']) for r in layouts) + ' |')
+    lines.append('| auto_way | ' + ' | '.join(
+        r['auto_way'] for r in layouts) + ' |')
+  for r in result.get('loops', ()):
+    lines.append(
+        f"loop {r['layout']} {r['way']}: take "
+        f"{[round(x, 4) for x in r['take_s']]} s; {r['every']} steps after "
+        f"{[round(x, 4) for x in r['steps_after_s']]} s (before any: "
+        f"{r['steps_before_first_s']:.4f}); bit_exact {r['bit_exact']}")
   if 'load_function' in result:
     lf = result['load_function']
     lines.append(f"load_function on {lf['device']} vs {lf['reference']}: "
@@ -267,6 +398,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help='export the tiny encoder there (needs TF), exit')
   parser.add_argument('--platforms', default='cpu,cuda',
                       help='lowering platforms of --make-version')
+  parser.add_argument('--loop-exports', type=int, default=0,
+                      help='also run measure_loop with this many exports '
+                      'per layout and way')
   parser.add_argument('--out', default=None, help='write the JSON here')
   args = parser.parse_args(argv)
   if args.make_version:
@@ -278,6 +412,12 @@ def main(argv: Sequence[str] | None = None) -> int:
       'layouts': [measure_layout(spec, dtype=jnp.dtype(args.dtype),
                                  repeats=args.repeats, steps=args.steps)
                   for spec in args.layouts.split(',') if spec]}
+  if args.loop_exports:
+    result['loops'] = [
+        measure_loop(spec, dtype=jnp.dtype(args.dtype),
+                     exports=args.loop_exports, every=args.steps, way=way)
+        for spec in args.layouts.split(',') if spec
+        for way in (None, 'pinned_host', 'device_copy')]
   if args.version:
     result['load_function'] = compare_load_function(args.version)
   result['tensorflow_imported'] = 'tensorflow' in sys.modules
