@@ -341,6 +341,18 @@ def test_gather_8_devices_bit_exact(t5_variables, t5_pickle, tmp_path):
   wi = [r for r in moved
         if r['case'] == '1,2,4,2' and r['path'] == 'encoder_layers_0/mlp/wi']
   assert sorted(d for _, d, _ in wi[0]['pieces']) == list(range(8))
+  # The device-copy way: every distinct shard copied on its own device,
+  # then brought to the host bit-exact, the copies let go.
+  copied = [r for r in lines if r['kind'] == 'copy_transfer']
+  assert len(copied) == n_params * len(cases)
+  assert all(r['equal'] and r['is_numpy'] and r['pieces_left'] == 0
+             for r in copied), copied
+  for r in copied:
+    assert len(r['pieces']) == r['n_shards'], r
+    assert {kind for _, _, kind in r['pieces']} == {'device'}, r
+  wi = [r for r in copied
+        if r['case'] == '1,2,4,2' and r['path'] == 'encoder_layers_0/mlp/wi']
+  assert sorted(d for _, d, _ in wi[0]['pieces']) == list(range(8))
   states = [r for r in lines if r['kind'] == 'shard_state']
   assert len(states) == len(cases)
   assert all(r['same_type'] and r['paths_match'] and r['specs_match'] and
