@@ -327,32 +327,24 @@ def test_gather_8_devices_bit_exact(t5_variables, t5_pickle, tmp_path):
   wi = [r for r in leaves
         if r['case'] == '1,2,4,2' and r['path'] == 'encoder_layers_0/mlp/wi']
   assert wi[0]['spec'] == ['data', 'model'] and wi[0]['n_shards'] == 8
-  # The accelerator snapshot's transfer: one device_put dispatched every
-  # distinct shard (one piece per shard, each from its own device, into
-  # pinned host memory) before any was awaited; bit-exact after donation.
-  moved = [r for r in lines if r['kind'] == 'transfer']
-  assert len(moved) == n_params * len(cases)
-  assert all(r['equal'] and r['is_numpy'] and r['device_put_calls'] == 1
-             for r in moved), moved
-  for r in moved:
-    assert len(r['pieces']) == r['n_shards'], r
-    assert {kind for _, _, kind in r['pieces']} == {'pinned_host'}, r
-    assert len({i for i, _, _ in r['pieces']}) == r['n_shards'], r
-  wi = [r for r in moved
-        if r['case'] == '1,2,4,2' and r['path'] == 'encoder_layers_0/mlp/wi']
-  assert sorted(d for _, d, _ in wi[0]['pieces']) == list(range(8))
-  # The device-copy way: every distinct shard copied on its own device,
-  # then brought to the host bit-exact, the copies let go.
-  copied = [r for r in lines if r['kind'] == 'copy_transfer']
-  assert len(copied) == n_params * len(cases)
-  assert all(r['equal'] and r['is_numpy'] and r['pieces_left'] == 0
-             for r in copied), copied
-  for r in copied:
-    assert len(r['pieces']) == r['n_shards'], r
-    assert {kind for _, _, kind in r['pieces']} == {'device'}, r
-  wi = [r for r in copied
-        if r['case'] == '1,2,4,2' and r['path'] == 'encoder_layers_0/mlp/wi']
-  assert sorted(d for _, d, _ in wi[0]['pieces']) == list(range(8))
+  # The accelerator snapshot's two ways, bit-exact after donation, one
+  # piece per distinct shard, each from its own device: 'transfer', one
+  # device_put of every shard into pinned host memory before any was
+  # awaited; 'copy_transfer', a copy on each device, let go once on host.
+  for kind, memory in (('transfer', 'pinned_host'),
+                       ('copy_transfer', 'device')):
+    moved = [r for r in lines if r['kind'] == kind]
+    assert len(moved) == n_params * len(cases)
+    assert all(r['equal'] and r['is_numpy'] and
+               r.get('device_put_calls', 1) == 1 and
+               r.get('pieces_left', 0) == 0 for r in moved), moved
+    for r in moved:
+      assert len(r['pieces']) == r['n_shards'], r
+      assert {m for _, _, m in r['pieces']} == {memory}, r
+      assert len({i for i, _, _ in r['pieces']}) == r['n_shards'], r
+    wi = [r for r in moved if r['case'] == '1,2,4,2' and
+          r['path'] == 'encoder_layers_0/mlp/wi']
+    assert sorted(d for _, d, _ in wi[0]['pieces']) == list(range(8))
   states = [r for r in lines if r['kind'] == 'shard_state']
   assert len(states) == len(cases)
   assert all(r['same_type'] and r['paths_match'] and r['specs_match'] and
