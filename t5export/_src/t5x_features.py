@@ -67,10 +67,15 @@ def lengths(layout_: str, task_feature_lengths: Mapping[str, int]
   return {'decoder': targets + task_feature_lengths.get('inputs', 0)}
 
 
+def feature_length(name: str, layout_lengths: Mapping[str, int]) -> int:
+  """A feature's length: `encoder_*` and `decoder_*` as `lengths` says."""
+  return layout_lengths[name.split('_')[0]]
+
+
 def specs(names: Sequence[str], layout_lengths: Mapping[str, int],
           batch: str) -> dict[str, tuple[str, str]]:
   """`{feature: ('<batch>, <length>', 'int32')}` for a Signature."""
-  return {n: (f'{batch}, {layout_lengths[n.split("_")[0]]}', 'int32')
+  return {n: (f'{batch}, {feature_length(n, layout_lengths)}', 'int32')
           for n in names}
 
 

@@ -99,6 +99,8 @@ class Featurizer:
     self._vocabularies = {'inputs': input_vocabulary,
                           'targets': output_vocabulary}
     self._lengths = dict(lengths)
+    # 'encoder' / 'decoder' -> length, as the token signatures' specs say.
+    self._layout_lengths = t5x_features.lengths(layout, lengths)
     self._add_eos = add_eos
     self._features = tuple(features)
     self._names = text_inputs(layout, score='decoder_target_tokens' in
@@ -127,7 +129,7 @@ class Featurizer:
       width = tf.shape(prefix)[0]
       sequence = _padded(
           tf.concat([prefix, tokens.get('targets', empty)], 0),
-          self._lengths['targets'] + self._lengths.get('inputs', 0))
+          self._layout_lengths['decoder'])
       row = {}
     positions = tf.range(tf.shape(sequence)[0])
     row.update(
@@ -141,12 +143,9 @@ class Featurizer:
   def __call__(self, inputs: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
     texts = tuple(tf.convert_to_tensor(inputs[n], tf.string)
                   for n in self._names)
-    decoder = self._lengths['targets'] + (
-        0 if self._layout == t5x_features.ENCODER_DECODER else
-        self._lengths.get('inputs', 0))
-    specs = {k: tf.TensorSpec([self._lengths['inputs'] if
-                               k == 'encoder_input_tokens' else decoder],
-                              tf.int32) for k in self._features}
+    specs = {k: tf.TensorSpec(
+        [t5x_features.feature_length(k, self._layout_lengths)], tf.int32)
+             for k in self._features}
     return tf.map_fn(self._row, texts, fn_output_signature=specs)
 
 
