@@ -129,16 +129,12 @@ class _GcClock:
 
 
 _GC = _GcClock()
-_LAST_GC = [0.0]  # GC seconds inside the last `_timed` call.
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-  gc_before = _GC.total
   start = time.perf_counter()
   out = fn()
-  secs = time.perf_counter() - start
-  _LAST_GC[0] = _GC.total - gc_before
-  return secs, out
+  return time.perf_counter() - start, out
 
 
 def _steps(state: Any, step: Callable[[Any], Any], n: int) -> tuple[float,
@@ -198,9 +194,10 @@ def measure_layout(spec: str, *, dtype: Any, repeats: int,
     secs, state = _steps(state, step, steps)
     add('steps_alone', secs)
     for name, (take, bring) in _snapshot_ways().items():
+      gc_before = _GC.total
       secs, taken = _timed(lambda: take(state))  # pylint: disable=cell-var-from-loop
       add(name, secs)
-      add(f'{name}_in_gc', _LAST_GC[0])  # Python's collector, not ours.
+      add(f'{name}_in_gc', _GC.total - gc_before)  # Python's, not ours.
       # The reference, untimed: the params hold the snapshot's step until
       # the next step. Fetched after the take, not before: on an H100 the
       # first CUDA call after a 2 GB `device_get` into fresh host memory
@@ -272,12 +269,7 @@ def measure_loop(spec: str, *, dtype: Any, exports: int, every: int,
   _, state = _steps(state, step, 3)  # Compiled, warm.
   start_params = jax.tree_util.tree_map(jnp.copy, state)  # For the replay.
   jax.block_until_ready(start_params)
-  if way is None:
-    take = lambda s: snapshot.take_snapshot(s, owned=None)
-    bring = lambda snap: snap.on_host().variables['params']
-  else:
-    take = lambda s: device_transfer.start_transfer(s.params, way=way)
-    bring = device_transfer.finish_transfer
+  take, bring = _snapshot_ways()[way or 'take_snapshot']
   step_secs, take_secs, arrived, workers, due = [], [], {}, [], []
   for i in range(1, (exports + 2) * every + 1):
     secs, state = _steps(state, step, 1)
