@@ -28,13 +28,24 @@ def graph_op_types(saved_model: Any) -> set[str]:
   return types_
 
 
+# The last scan: (len(sys.modules) when it ran, its result).
+_scanned: tuple[int, dict[int, tuple[types.ModuleType, str]]] | None = None
+
+
 def _plugins() -> dict[int, tuple[types.ModuleType, str]]:
   """{id: (op library module, top-level package that loaded it)}.
 
   `tf.load_op_library` returns a module (marked `_IS_TENSORFLOW_PLUGIN`)
   with one attribute per op it registers; the package that loaded it keeps
-  it as a module attribute.
+  it as a module attribute. Packages load their op libraries when they are
+  imported, so the scan (every attribute of every loaded module: tens of
+  milliseconds, once per export otherwise, since jax2tf's XlaCallModule is
+  not in `tf.raw_ops`) is redone only when `sys.modules` has grown.
   """
+  global _scanned
+  count = len(sys.modules)
+  if _scanned is not None and _scanned[0] == count:
+    return _scanned[1]
   found = {}
   for name, module in list(sys.modules.items()):
     package = name.split('.')[0]
@@ -44,6 +55,7 @@ def _plugins() -> dict[int, tuple[types.ModuleType, str]]:
       if (isinstance(value, types.ModuleType) and
           getattr(value, '_IS_TENSORFLOW_PLUGIN', False)):
         found.setdefault(id(value), (value, package))
+  _scanned = (count, found)
   return found
 
 
