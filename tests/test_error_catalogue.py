@@ -3,9 +3,10 @@
 Each test is named `test_<row id>` after its row of the table in
 docs/errors.md and asserts the exception class AND the message the row
 promises, and that nothing already published changed. The offline rows run
-`python -m t5export.offline` as a subprocess (all five at once, in a
-module-scoped fixture) and check its one stderr line, its exit status and
-that the export directory is byte-for-byte as before.
+the `python -m t5export.offline` command line in this process
+(tests/offline_cli.py; test_offline.py runs the real subprocess, errors
+included) and check its one stderr line, its exit status and that the
+export directory is byte-for-byte as before.
 `test_docs_table_matches_tests` keeps the table and the tests in step.
 """
 
@@ -20,7 +21,6 @@ import os
 import pathlib
 import re
 import shutil
-import subprocess
 import sys
 import textwrap
 
@@ -40,6 +40,7 @@ TESTS = REPO / 'tests'
 sys.path.insert(0, str(TESTS))
 import _reliability_model as model  # pylint: disable=g-import-not-at-top,wrong-import-position
 import _small_fs  # pylint: disable=g-import-not-at-top,wrong-import-position
+import offline_cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 import offline_gin  # pylint: disable=g-import-not-at-top,wrong-import-position
 from examples import models  # pylint: disable=g-import-not-at-top,wrong-import-position
 import t5export  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -51,9 +52,6 @@ from t5export._src import serving  # pylint: disable=g-import-not-at-top,wrong-i
 from t5export._src import serving_compat  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 DOC = REPO / 'docs' / 'errors.md'
-_ENV = {**os.environ,
-        'PYTHONPATH': os.pathsep.join([str(REPO), str(TESTS)]),
-        'TF_CPP_MIN_LOG_LEVEL': '2'}
 _OFFLINE_PREFIX = 't5export.offline: error: '
 
 
@@ -650,7 +648,8 @@ def _mlp_variables() -> dict:
 
 @pytest.fixture(scope='module')
 def offline_runs(tmp_path_factory):
-  """Each offline error case run at once; {case: (proc, before, after)}."""
+  """Each offline error case, run in this process (tests/offline_cli.py);
+  {case: (exit status, stderr, export dir digest before, after)}."""
   root = tmp_path_factory.mktemp('offline_errors')
   gin_file = root / 'mlp.gin'
   gin_file.write_text(_OFFLINE_GIN)
@@ -676,7 +675,7 @@ def offline_runs(tmp_path_factory):
   ckpts['mismatch'].write_bytes(serialization.msgpack_serialize(
       {'step': 5, **wrong}))
   ckpts['exists'].write_bytes(serialization.msgpack_serialize(good))
-  procs = {}
+  out = {}
   for case in _OFFLINE_CASES:
     export_dir = root / f'export_{case}'
     # An export dir that already holds a version (5 for 'exists').
@@ -684,16 +683,10 @@ def offline_runs(tmp_path_factory):
     (export_dir / ('5' if case == 'exists' else '1') / 'saved_model.pb'
      ).write_bytes(b'published earlier')
     before = _tree_digest(str(export_dir))
-    procs[case] = (subprocess.Popen(  # pylint: disable=consider-using-with
-        [sys.executable, '-m', 't5export.offline', f'--ckpt={ckpts[case]}',
-         f'--export_dir={export_dir}',
-         f'--gin_file={empty_gin if case == "empty_signatures" else gin_file}'],
-        cwd=REPO, env=_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True), export_dir, before)
-  out = {}
-  for case, (proc, export_dir, before) in procs.items():
-    _, stderr = proc.communicate(timeout=600)
-    out[case] = (proc.returncode, stderr, before,
+    result = offline_cli.run_in_process(offline_cli.command(
+        ckpts[case], export_dir,
+        empty_gin if case == 'empty_signatures' else gin_file))
+    out[case] = (result.returncode, result.stderr, before,
                  _tree_digest(str(export_dir)))
   return out
 

@@ -5,9 +5,8 @@ CheckpointManager, orbax PyTreeCheckpointer, flax msgpack) or is the real
 T5X fixture. Every format is exported once by a real `python -m
 t5export.offline` subprocess, and one error is reported by one; the
 subprocesses run concurrently in the background while other tests proceed.
-The other runs call the same CLI in this process (`offline.main` after absl
-parses the `offline.rewrite_args` command line), which is the subprocess's
-code path without the interpreter start and the imports. Every published
+The other runs call the same CLI in this process (tests/offline_cli.py),
+the subprocess's code path without the interpreter start and the imports. Every published
 version is loaded and run in one TensorFlow-only process (no JAX imported)
 and compared with the JAX model on the same params.
 """
@@ -15,21 +14,15 @@ and compared with the JAX model on the same params.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import functools
-import io
 import json
-import logging
 import os
 import pathlib
 import subprocess
 import sys
 import threading
 
-from absl import flags
-from absl import logging as absl_logging
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,6 +39,7 @@ from t5export._src import train_state
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / 'tests'))
+import offline_cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 import offline_gin  # pylint: disable=g-import-not-at-top,wrong-import-position
 import t5x_fixture_model  # pylint: disable=g-import-not-at-top,wrong-import-position
 import tf_only  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -75,52 +69,9 @@ INIT_FN = @t5x_fixture_model.init_model
 LOGICAL_AXIS_RULES = @t5export.standard_logical_axis_rules()
 """
 
-def _offline_cmd(ckpt, export_dir, gin_file, *extra) -> list[str]:
-  return [sys.executable, '-m', 't5export.offline', f'--ckpt={ckpt}',
-          f'--export_dir={export_dir}', f'--gin_file={gin_file}', *extra]
-
-
 def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
   return subprocess.run(cmd, cwd=REPO, env=_ENV, capture_output=True,
                         text=True, timeout=timeout)
-
-
-def _run_in_process(cmd: list[str]) -> subprocess.CompletedProcess:
-  """Runs an `_offline_cmd` command line in this process.
-
-  absl parses `offline.rewrite_args(argv)` as `offline.run` does, then
-  `offline.main` runs; its exit status and its stderr with the absl log
-  lines (absl logs to stderr in the subprocess) are returned as a
-  subprocess's would be. The flags, the gin config and the absl logger are
-  restored afterwards.
-
-  Args:
-    cmd: the `python -m t5export.offline` command line.
-
-  Returns:
-    The run's exit status and stderr (with the log lines).
-  """
-  argv = ['t5export.offline', *cmd[cmd.index('t5export.offline') + 1:]]
-  absl_logger = logging.getLogger('absl')
-  level = absl_logger.level
-  stderr = io.StringIO()
-  handler = logging.StreamHandler(stderr)
-  absl_logger.addHandler(handler)
-  try:
-    remaining = flags.FLAGS(offline.rewrite_args(argv))
-    absl_logging.set_verbosity(absl_logging.INFO)  # As --verbosity=0.
-    with contextlib.redirect_stderr(stderr):
-      try:
-        offline.main(remaining)
-        returncode = 0
-      except SystemExit as e:
-        returncode = e.code
-  finally:
-    flags.FLAGS.unparse_flags()
-    gin.clear_config()
-    absl_logger.removeHandler(handler)
-    absl_logger.setLevel(level)
-  return subprocess.CompletedProcess(cmd, returncode, '', stderr.getvalue())
 
 
 _TX = optax.adam(0.1)
@@ -190,7 +141,7 @@ class _Job:
     self.export_dir = export_dir
     self.expected = expected
     self.in_process = in_process
-    self.cmd = _offline_cmd(source, export_dir, gin_file, *extra)
+    self.cmd = offline_cli.command(source, export_dir, gin_file, *extra)
     self.before: dict[str, tuple[int, int]] | None = None
     self._future: concurrent.futures.Future | None = None
     self._result: subprocess.CompletedProcess | None = None
@@ -204,7 +155,7 @@ class _Job:
     if not self.in_process:
       return self._future.result(timeout=900)
     if self._result is None:  # gin and absl flags: the main thread only.
-      self._result = _run_in_process(self.cmd)
+      self._result = offline_cli.run_in_process(self.cmd)
     return self._result
 
 
@@ -355,7 +306,7 @@ def _assert_outputs(got: dict, want: dict, atol: float = 1e-5) -> None:
 def test_t5x_fixture(background, t5x_checkpoint_dir, work, tf_run):
   del background  # Started first, so those exports overlap with this one.
   export_dir = work / 'export_t5x'
-  proc = _run(_offline_cmd(t5x_checkpoint_dir, export_dir,
+  proc = _run(offline_cli.command(t5x_checkpoint_dir, export_dir,
                            work / 'fixture.gin'))
   version_dir = _assert_success(proc, export_dir, 1)
   assert 'offline [read]: t5x checkpoint' in proc.stderr
@@ -368,7 +319,7 @@ def test_t5x_fixture(background, t5x_checkpoint_dir, work, tf_run):
 
   # Publishing the same step again is refused; nothing changes.
   before = _listing(export_dir)
-  again = _run_in_process(_offline_cmd(t5x_checkpoint_dir, export_dir,
+  again = offline_cli.run_in_process(offline_cli.command(t5x_checkpoint_dir, export_dir,
                                        work / 'fixture.gin'))
   _assert_one_error(again, 'VersionExistsError: Version 1 already exists')
   assert 'overwrite' in again.stderr
