@@ -26,9 +26,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import multiprocessing
 import os
 import pathlib
-import select
 import signal
 import subprocess
 import sys
@@ -40,6 +40,7 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TESTS = REPO / 'tests'
 sys.path.insert(0, str(TESTS))
+import _kill_worker  # pylint: disable=g-import-not-at-top,wrong-import-position
 import _reliability_model as model  # pylint: disable=g-import-not-at-top,wrong-import-position
 import _report  # pylint: disable=g-import-not-at-top,wrong-import-position
 import _small_fs  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -101,68 +102,82 @@ KILL_SEED = 20261122
 KILL_AFTER_PUBLISHED = (0, 1, 2)  # Versions a worker publishes before...
 KILL_FRACTION = 1.25  # ...a kill at U(0, this) x one export's duration.
 KILL_MODES = ('exporter', 'callback', 'overwrite')  # See _kill_worker.py.
-WORKERS_AHEAD = 2  # Started before they are needed: imports overlap.
+WORKERS_AHEAD = 2  # Started before they are needed: warm-ups overlap.
 KEEP = 3
 
 
 class _KillWorker:
-  """A tests/_kill_worker.py process; its reports arrive on a pipe of ours.
+  """A tests/_kill_worker.py process, forked by `_fork_server`; its reports
+  arrive on a pipe of ours.
 
   Its stdout and stderr (TensorFlow's native logs among them) go to a log
   file and are never parsed.
   """
 
-  def __init__(self, export_dir: str, mode: str, log_path: pathlib.Path):
+  def __init__(self, context, export_dir: str, mode: str,
+               log_path: pathlib.Path):
     self.log_path = log_path
-    read_fd, write_fd = os.pipe()
-    with open(log_path, 'wb') as log:
-      self.proc = subprocess.Popen(
-          [sys.executable, str(TESTS / '_kill_worker.py'), export_dir, mode,
-           str(KEEP)], cwd=REPO, env=_report.env_for_fd(write_fd, _ENV),
-          pass_fds=(write_fd,), stdin=subprocess.PIPE, stdout=log,
-          stderr=subprocess.STDOUT, text=True)
-    os.close(write_fd)  # The worker holds the only write end: EOF on exit.
-    self._fd = read_fd
-    self._buffer = b''
+    self._conn, child_conn = context.Pipe()
+    self.proc = context.Process(
+        target=_kill_worker.run, daemon=True,
+        args=(export_dir, mode, KEEP, str(log_path), child_conn))
+    self.proc.start()
+    child_conn.close()  # The worker holds the other end: EOF on its exit.
 
   def readline(self, timeout: float) -> str:
     """The next reported line, or '' after `timeout` seconds or at EOF."""
-    deadline = time.monotonic() + timeout
-    while b'\n' not in self._buffer:
-      left = deadline - time.monotonic()
-      if left <= 0 or not select.select([self._fd], [], [], left)[0]:
-        return ''
-      chunk = os.read(self._fd, 65536)
-      if not chunk:
-        return ''
-      self._buffer += chunk
-    line, self._buffer = self._buffer.split(b'\n', 1)
-    return line.decode().strip()
+    try:
+      return self._conn.recv() if self._conn.poll(timeout) else ''
+    except EOFError:
+      return ''
+
+  def go(self) -> None:
+    self._conn.send('go')
+
+  def kill(self) -> int:
+    """SIGKILLs the worker; returns its exit code (-SIGKILL when killed)."""
+    self.proc.kill()
+    self.proc.join()
+    return self.proc.exitcode
 
   def rest(self) -> list[str]:
     """Every line still unread (call once the worker has exited)."""
-    while chunk := os.read(self._fd, 65536):
-      self._buffer += chunk
-    lines, self._buffer = self._buffer.decode().splitlines(), b''
+    lines = []
+    while line := self.readline(0):
+      lines.append(line)
     return lines
 
   def log(self) -> str:
     return self.log_path.read_text(errors='replace')[-3000:]
 
   def close(self) -> None:
-    if self.proc.poll() is None:
+    if self.proc.is_alive():
       self.proc.kill()
-      self.proc.wait()
-    if self.proc.stdin and not self.proc.stdin.closed:
-      self.proc.stdin.close()
-    if self._fd >= 0:
-      os.close(self._fd)
-      self._fd = -1
+      self.proc.join()
+    self._conn.close()
+
+
+@contextlib.contextmanager
+def _fork_server(monkeypatch):
+  """A multiprocessing context whose fork server has imported
+  `_kill_worker.PRELOAD` (TensorFlow, JAX, t5export), stopped afterwards.
+
+  Workers forked from it skip those imports (seconds of CPU each) and
+  start TensorFlow's and JAX's runtimes themselves.
+  """
+  from multiprocessing import forkserver  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv('TF_CPP_MIN_LOG_LEVEL', '2')  # Read by the server.
+  context = multiprocessing.get_context('forkserver')
+  context.set_forkserver_preload(_kill_worker.PRELOAD)
+  try:
+    yield context
+  finally:
+    forkserver._forkserver._stop()  # pylint: disable=protected-access
 
 
 @pytest.mark.slow
 def test_sigkill_at_random_moments_never_publishes_a_partial_version(
-    tmp_path):
+    tmp_path, monkeypatch):
   """20 SIGKILLs at random moments; every version left loads and checks."""
   export_dir = str(tmp_path / 'export')
   rng = np.random.default_rng(KILL_SEED)
@@ -183,69 +198,71 @@ def test_sigkill_at_random_moments_never_publishes_a_partial_version(
   cleanups_seen = 0
   kills_mid_write = 0
   newest = 0
-  workers = [_KillWorker(export_dir, modes[j], tmp_path / f'w{j}.log')
-             for j in range(min(WORKERS_AHEAD, KILLS))]
-  try:
-    for i in range(KILLS):
-      worker = workers[0]
-      line = worker.readline(300)
-      assert line == 'ready', (
-          f'kill #{i}: worker not ready: {line!r}; log {worker.log()}')
-      before = _staging(export_dir) if os.path.isdir(export_dir) else []
-      worker.proc.stdin.write('go\n')
-      worker.proc.stdin.flush()
-      j = i + WORKERS_AHEAD  # Keep WORKERS_AHEAD starting in the background.
-      if j < KILLS:
-        workers.append(_KillWorker(export_dir, modes[j],
-                                   tmp_path / f'w{j}.log'))
-      out, stamps = [], [time.monotonic()]
-      while sum(l.startswith('published') for l in out) < after[i]:
+  with _fork_server(monkeypatch) as context:
+    workers = [_KillWorker(context, export_dir, modes[j],
+                           tmp_path / f'w{j}.log')
+               for j in range(min(WORKERS_AHEAD, KILLS))]
+    try:
+      for i in range(KILLS):
+        worker = workers[0]
         line = worker.readline(300)
-        assert line, (f'kill #{i}: worker stopped early; reported {out}; '
-                      f'log {worker.log()}')
-        out.append(line)
-        if line.startswith('published'):
-          stamps.append(time.monotonic())
-      if len(stamps) > 2:  # The steady state: time between two publishes.
-        export_secs = stamps[-1] - stamps[-2]
-      delay = fractions[i] * export_secs
-      where = (f'kill #{i} ({modes[i]}, {delay:.2f}s after '
-               f'{after[i]} published)')
-      time.sleep(delay)
-      worker.proc.send_signal(signal.SIGKILL)
-      rc = worker.proc.wait()
-      out += worker.rest()
-      workers.pop(0).close()
-      assert rc == -signal.SIGKILL, (
-          f'{where}: worker exited by itself with {rc}, not by the kill; log '
-          f'{worker.log()}')
-      published = [int(l.split()[1]) for l in out if l.startswith('published')]
-      resumed = [json.loads(l.split(' ', 1)[1]) for l in out
-                 if l.startswith('resumed ')]
-      if before:
-        leftovers_before_start += 1
-      if resumed:
-        # The worker's start removed every staging dir left by earlier kills.
-        assert not [n for n in resumed[0] if n.startswith(STAGING_PREFIX)], (
-            f'{where}: after the exporter was first used: {resumed[0]}')
-        cleanups_seen += bool(before)
-      versions = _versions(export_dir) if os.path.isdir(export_dir) else []
-      staging = _staging(export_dir) if os.path.isdir(export_dir) else []
-      kills_mid_write += bool(staging)
-      report.append(f'{where}: published {published}, left versions '
-                    f'{versions}, staging {staging}')
-      for v in versions:
-        checker.check(os.path.join(export_dir, str(v)))
-      ever.update(published, versions)
-      assert len(versions) <= KEEP + 1, '\n'.join(report)  # +1: killed
-      # between publish and retention; the next export trims it.
-      assert max(versions, default=0) >= newest, '\n'.join(report)
-      newest = max(versions, default=0)
-      # Nothing lost: the KEEP newest versions ever seen are all still there.
-      assert set(sorted(ever)[-KEEP:]) <= set(versions), '\n'.join(report)
-  finally:
-    for w in workers:  # Left over when an assertion failed.
-      w.close()
+        assert line == 'ready', (
+            f'kill #{i}: worker not ready: {line!r}; log {worker.log()}')
+        before = _staging(export_dir) if os.path.isdir(export_dir) else []
+        worker.go()
+        j = i + WORKERS_AHEAD  # Keep WORKERS_AHEAD warming up meanwhile.
+        if j < KILLS:
+          workers.append(_KillWorker(context, export_dir, modes[j],
+                                     tmp_path / f'w{j}.log'))
+        out, stamps = [], [time.monotonic()]
+        while sum(l.startswith('published') for l in out) < after[i]:
+          line = worker.readline(300)
+          assert line, (f'kill #{i}: worker stopped early; reported {out}; '
+                        f'log {worker.log()}')
+          out.append(line)
+          if line.startswith('published'):
+            stamps.append(time.monotonic())
+        if len(stamps) > 2:  # The steady state: time between two publishes.
+          export_secs = stamps[-1] - stamps[-2]
+        delay = fractions[i] * export_secs
+        where = (f'kill #{i} ({modes[i]}, {delay:.2f}s after '
+                 f'{after[i]} published)')
+        time.sleep(delay)
+        rc = worker.kill()
+        out += worker.rest()
+        workers.pop(0).close()
+        assert rc == -signal.SIGKILL, (
+            f'{where}: worker exited by itself with {rc}, not by the kill; '
+            f'log {worker.log()}')
+        published = [int(l.split()[1]) for l in out
+                     if l.startswith('published')]
+        resumed = [json.loads(l.split(' ', 1)[1]) for l in out
+                   if l.startswith('resumed ')]
+        if before:
+          leftovers_before_start += 1
+        if resumed:
+          # The worker's start removed every staging dir earlier kills left.
+          assert not [n for n in resumed[0]
+                      if n.startswith(STAGING_PREFIX)], (
+              f'{where}: after the exporter was first used: {resumed[0]}')
+          cleanups_seen += bool(before)
+        versions = _versions(export_dir) if os.path.isdir(export_dir) else []
+        staging = _staging(export_dir) if os.path.isdir(export_dir) else []
+        kills_mid_write += bool(staging)
+        report.append(f'{where}: published {published}, left versions '
+                      f'{versions}, staging {staging}')
+        for v in versions:
+          checker.check(os.path.join(export_dir, str(v)))
+        ever.update(published, versions)
+        assert len(versions) <= KEEP + 1, '\n'.join(report)  # +1: killed
+        # between publish and retention; the next export trims it.
+        assert max(versions, default=0) >= newest, '\n'.join(report)
+        newest = max(versions, default=0)
+        # Nothing lost: the KEEP newest versions ever seen are all there.
+        assert set(sorted(ever)[-KEEP:]) <= set(versions), '\n'.join(report)
+    finally:
+      for w in workers:  # Left over when an assertion failed.
+        w.close()
   print('\n'.join(report))
 
   from t5export._src import exporter as exporter_lib  # pylint: disable=g-import-not-at-top
