@@ -17,7 +17,7 @@ DATA_DIR = TESTS_DIR / 'data'
 
 # JAX's persistent compilation cache, shared by every process of the
 # session: the test workers and their subprocesses compile the same tiny
-# programs many times over (a fifth of the suite's CPU on 2 cores).
+# programs many times over.
 # A fresh directory per session, removed at its end; a directory the user
 # set in JAX_COMPILATION_CACHE_DIR is used as it is and kept.
 _CACHE_ENV = 'JAX_COMPILATION_CACHE_DIR'
