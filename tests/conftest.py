@@ -40,30 +40,6 @@ def pytest_configure(config: pytest.Config) -> None:
         float(os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS']))
 
 
-# The longest test files, longest first, by their wall time on two busy
-# cores (the rest follow in collection order). `make test` gives each of
-# its two workers a whole file at a time in this order
-# (--no-loadscope-reorder); started last, these files left one worker
-# busy for minutes after the other had run out of work.
-LONGEST_FILES = (
-    'test_multiprocess.py', 'test_t5x_trainer.py', 'test_bench_smoke.py',
-    'test_reliability.py', 'test_train_example.py', 'test_exporter.py',
-    'test_callbacks.py', 'test_jax_artifacts.py', 'test_serving.py',
-    'test_serving_versions.py', 'test_offline.py', 'test_error_catalogue.py',
-    'test_t5x_states.py', 'test_jax_module.py', 'test_package.py',
-    'test_examples_models.py', 'test_t5x_models.py',
-)
-
-
-def pytest_collection_modifyitems(config: pytest.Config,
-                                  items: list[pytest.Item]) -> None:
-  """Puts the tests of `LONGEST_FILES` first, in that order (a stable sort:
-  each file's own tests keep their order)."""
-  del config
-  rank = {name: i for i, name in enumerate(LONGEST_FILES)}
-  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
-
 def pytest_runtest_setup(item: pytest.Item) -> None:
   """A test marked `t5x` runs T5X's own code: skipped, with the reason, where
   T5X is not found (an error under `T5EXPORT_REQUIRE_T5X=1`)."""
