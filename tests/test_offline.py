@@ -6,9 +6,9 @@ T5X fixture. Every format is exported once by a real `python -m
 t5export.offline` subprocess, and one error is reported by one; the
 subprocesses run concurrently in the background while other tests proceed.
 The other runs call the same CLI in this process (tests/offline_cli.py),
-the subprocess's code path without the interpreter start and the imports. Every published
-version is loaded and run in one TensorFlow-only process (no JAX imported)
-and compared with the JAX model on the same params.
+the subprocess's code path without the interpreter start and the imports.
+Every published version is loaded and run in one TensorFlow-only process
+(no JAX imported) and compared with the JAX model on the same params.
 """
 
 from __future__ import annotations
