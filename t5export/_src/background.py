@@ -25,10 +25,15 @@ class Awaitable(Protocol):
 
 def in_background(fn: Callable[[], Any],
                   name: str) -> concurrent.futures.Future:
-  """Runs `fn()` in a daemon thread called `name`; returns its future.
+  """Runs `fn()` in a thread called `name`; returns its future.
 
   `fn` (and what it holds, such as views of the caller's arrays) is
   dropped, and a stored error's frames cleared, before the future is done.
+  The thread is not a daemon: an interpreter exiting right after an export
+  waits for it. A daemon thread still running Python at exit is stopped
+  inside whatever native code it is in (a collection that frees JAX's
+  client aborts the process with "FATAL: exception not rethrown"), and its
+  work is cut short.
   """
   future: concurrent.futures.Future = concurrent.futures.Future()
   task = [fn]
@@ -46,7 +51,7 @@ def in_background(fn: Callable[[], Any],
       future.set_exception(error)
     else:
       future.set_result(result)
-  threading.Thread(target=run, name=name, daemon=True).start()
+  threading.Thread(target=run, name=name, daemon=False).start()
   return future
 
 
