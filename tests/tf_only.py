@@ -23,6 +23,10 @@ The process stays up between `run` calls, so each SavedModel is loaded and
 each signature traced once. It reports each finished request on a pipe of
 its own (never on stdout or stderr, where TensorFlow's native code logs).
 
+`run(jobs, work_dir)` sends jobs to one such process shared by the calls
+of a pytest process (a fresh one where that could hide a missing custom-op
+name; see its doc).
+
 `python` chooses the interpreter: by default this one (the project's
 TensorFlow with JAX blocked); `tf_venvs.tf_python('2.19.1')` gives one of
 an older TensorFlow with no JAX installed at all.
@@ -33,10 +37,13 @@ The process machinery (`IsolatedProcess`, `script`) is shared with
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
 import pathlib
 import pickle
 import queue
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -109,10 +116,13 @@ _TF_RUNNER = textwrap.dedent('''
       return t.numpy()
 
     def run(job):
-      if job['dir'] not in loaded:
+      # A directory written again (a test reusing a path) is loaded again.
+      pb = os.stat(os.path.join(job['dir'], 'saved_model.pb'))
+      key = (job['dir'], pb.st_ino, pb.st_mtime_ns)
+      if key not in loaded:
         import_custom_ops(job['dir'])
-        loaded[job['dir']] = tf.saved_model.load(job['dir'])
-      obj = loaded[job['dir']]
+        loaded[key] = tf.saved_model.load(job['dir'])
+      obj = loaded[key]
       if 'signature' in job:
         fn = obj.signatures[job['signature']]
         out = fn(**{k: tf.constant(v) for k, v in job['inputs'].items()})
@@ -230,6 +240,16 @@ class IsolatedProcess:
         f'the {self._name} process imported {result["loaded_blocked"]}')
     return result['outputs']
 
+  @property
+  def alive(self) -> bool:
+    """Whether the process is still running."""
+    return self._proc.poll() is None
+
+  @property
+  def work_dir(self) -> pathlib.Path:
+    """The directory it was started in (request/reply files, stderr)."""
+    return self._dir.parent
+
   def stderr(self) -> str:
     """What the process has written to stderr so far."""
     return self._stderr_path.read_text(errors='replace')
@@ -279,18 +299,56 @@ class TfOnlyProcess(IsolatedProcess):
     return self.version
 
 
+# `run`'s process, shared by the calls of this (pytest) process: started on
+# first use, ended at exit.
+_shared: TfOnlyProcess | None = None
+_shared_loaded_custom_ops = False
+
+
+def _lists_custom_ops(version_dir: str) -> bool:
+  path = pathlib.Path(version_dir) / 'assets.extra' / 't5export.json'
+  if not path.is_file():
+    return False
+  return bool(json.loads(path.read_text()).get('custom_ops'))
+
+
+def _close_shared() -> None:
+  if _shared is not None:
+    _shared.close()
+    shutil.rmtree(_shared.work_dir, ignore_errors=True)
+
+
 def run(jobs: list[dict[str, Any]],
         work_dir: str | os.PathLike[str], *,
         python: str | os.PathLike[str] | None = None) -> list[Any]:
-  """Runs the jobs in a fresh TF-only process that ends afterwards.
+  """Runs the jobs in a TF-only process.
+
+  With this interpreter, that is one process shared by the calls of this
+  pytest process (TensorFlow's import paid once; each SavedModel still
+  loaded from its files). A call gets a fresh process of its own instead
+  when `python` is given, or when the shared one has imported a version's
+  custom-op packages and these jobs' versions list none: a version that
+  fails to name its ops must not load because an earlier job imported
+  them.
 
   Args:
     jobs: see the module doc.
-    work_dir: as in `TfOnlyProcess`.
+    work_dir: as in `TfOnlyProcess` (for a fresh process).
     python: as in `TfOnlyProcess`.
 
   Returns:
     One output structure per job, numpy leaves.
   """
-  with TfOnlyProcess(work_dir, python=python) as process:
-    return process.run(jobs)
+  global _shared, _shared_loaded_custom_ops
+  custom_ops = any(_lists_custom_ops(job['dir']) for job in jobs)
+  if python is not None or (_shared_loaded_custom_ops and not custom_ops):
+    with TfOnlyProcess(work_dir, python=python) as process:
+      return process.run(jobs)
+  if _shared is None or not _shared.alive:
+    if _shared is None:
+      atexit.register(_close_shared)
+    _close_shared()
+    _shared = TfOnlyProcess(tempfile.mkdtemp(prefix='tf_only_shared_'))
+    _shared_loaded_custom_ops = False
+  _shared_loaded_custom_ops |= custom_ops
+  return _shared.run(jobs)
