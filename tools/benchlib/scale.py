@@ -98,38 +98,37 @@ def plan_scale(cfg: figures.Config) -> list[children.Item]:
           'reexports': cfg.reexports}
   items = []
 
-  def add(key, n_params, validate, bundle, **spec):
+  # Smoke: every check item in one process (a full run gives each its own).
+  def add(key, n_params, validate, **spec):
     spec = {**base, 'n_params': n_params, 'validate': validate, **spec}
     nbytes = _dense_bytes(n_params, spec['depth'], spec['dtype'])
     items.append(children.Item(key, 'check_export', {
         **spec, 'workdir': str(cfg.workdir / key.replace('/', '-'))},
-        bundle=bundle, gate=_memory_gate(nbytes, validate), timeout=3600))
+        bundle='check', gate=_memory_gate(nbytes, validate), timeout=3600))
 
   if curve:
     for i, n in enumerate(cfg.curve_sizes):
       for on in ((False, True) if i % 2 == 0 else (True, False)):
         add(f'curve/{n}/{"on" if on else "off"}', n, on,
-            f'check-{"on" if on else "off"}',
             reexports=cfg.curve_reexports)
   # The check_* pairs give the curve's top point and the big step's basis.
   reps = cfg.check_repeats if check else int(curve or big)
   for r in range(reps):
     for on in ((True, False) if r % 2 == 0 else (False, True)):
       if on or check or curve:
-        add(f'check/{"on" if on else "off"}/{r}', cfg.check_size, on,
-            f'check-{"on" if on else "off"}')
+        add(f'check/{"on" if on else "off"}/{r}', cfg.check_size, on)
   if 'check_peak_rss_first' in want:
     nbytes = _dense_bytes(cfg.check_size, cfg.check_depth, cfg.check_dtype)
     items.append(children.Item('check/phases', 'check_phases', {
         **base, 'n_params': cfg.check_size,
         'workdir': str(cfg.workdir / 'check-phases')},
-        bundle='check-off', gate=_memory_gate(nbytes, True), timeout=3600))
+        bundle='check', gate=_memory_gate(nbytes, True), timeout=3600))
   if want & {'check_peak_rss_float32', 'check_time_float32'}:
     for on in (True, False):
       add(f'f32/{"on" if on else "off"}', cfg.check_size, on,
-          f'check-{"on" if on else "off"}', dtype='float32')
+          dtype='float32')
   if big:
-    add('big/on', cfg.big_size, True, 'check-on', depth=cfg.big_depth,
+    add('big/on', cfg.big_size, True, depth=cfg.big_depth,
         reexports=1)
   return items
 
