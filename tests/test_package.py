@@ -35,11 +35,12 @@ ALL_LIGHT = ('t5export', 't5export.errors') + tuple(
     f't5export._src.{m}' for m in LIGHT_MODULES)
 
 
-def _report_heavy(heavy: tuple[str, ...]) -> str:
-  """Code that reports which of `heavy` the process has imported so far."""
+def _report_heavy(heavy: tuple[str, ...], **fields: str) -> str:
+  """Code that reports which of `heavy` the process has imported so far,
+  in a row that also holds `fields`."""
   return ('\nimport sys as _sys, _report as _r\n'
-          f'_r.emit({{"heavy": sorted({{m.split(".")[0] for m in '
-          f'_sys.modules}} & set({list(heavy)!r}))}})\n')
+          f'_r.emit({{**{fields!r}, "heavy": sorted({{m.split(".")[0] for m '
+          f'in _sys.modules}} & set({list(heavy)!r}))}})\n')
 
 
 def _run_reporting(code: str, tmp_path: pathlib.Path) -> list[dict]:
@@ -75,8 +76,8 @@ def light_imports(tmp_path_factory) -> dict[str, list[str]]:
   TensorFlow (what it imports is a subset of what the process imported);
   once one did, the rows after it say nothing about their module.
   """
-  code = ''.join(f'import {m}\n' + _report_heavy(TENSORFLOW).replace(
-      '_r.emit({', f'_r.emit({{"module": {m!r}, ') for m in ALL_LIGHT)
+  code = ''.join(f'import {m}\n' + _report_heavy(TENSORFLOW, module=m)
+                 for m in ALL_LIGHT)
   rows = _run_reporting(code, tmp_path_factory.mktemp('light'))
   return {row['module']: row['heavy'] for row in rows}
 

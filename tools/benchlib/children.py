@@ -149,7 +149,8 @@ class Item(NamedTuple):
   """One measured run: a worker task in a child process.
 
   In a full run every item gets its own process; with --smoke the items of
-  a bundle share one process (a bundle per TensorFlow import order).
+  a bundle share one process (a bundle per TensorFlow import order, and
+  one each for the artifact and the check items).
   """
   key: str
   task: str
