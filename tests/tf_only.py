@@ -43,7 +43,6 @@ import os
 import pathlib
 import pickle
 import queue
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -245,11 +244,6 @@ class IsolatedProcess:
     """Whether the process is still running."""
     return self._proc.poll() is None
 
-  @property
-  def work_dir(self) -> pathlib.Path:
-    """The directory it was started in (request/reply files, stderr)."""
-    return self._dir.parent
-
   def stderr(self) -> str:
     """What the process has written to stderr so far."""
     return self._stderr_path.read_text(errors='replace')
@@ -300,7 +294,8 @@ class TfOnlyProcess(IsolatedProcess):
 
 
 # `run`'s process, shared by the calls of this (pytest) process: started on
-# first use, ended at exit.
+# first use in that call's work_dir (pytest's temp, pruned by pytest), ended
+# at exit.
 _shared: TfOnlyProcess | None = None
 _shared_loaded_custom_ops = False
 
@@ -315,7 +310,6 @@ def _lists_custom_ops(version_dir: str) -> bool:
 def _close_shared() -> None:
   if _shared is not None:
     _shared.close()
-    shutil.rmtree(_shared.work_dir, ignore_errors=True)
 
 
 def run(jobs: list[dict[str, Any]],
@@ -333,7 +327,7 @@ def run(jobs: list[dict[str, Any]],
 
   Args:
     jobs: see the module doc.
-    work_dir: as in `TfOnlyProcess` (for a fresh process).
+    work_dir: as in `TfOnlyProcess` (where a process is started).
     python: as in `TfOnlyProcess`.
 
   Returns:
@@ -348,7 +342,7 @@ def run(jobs: list[dict[str, Any]],
     if _shared is None:
       atexit.register(_close_shared)
     _close_shared()
-    _shared = TfOnlyProcess(tempfile.mkdtemp(prefix='tf_only_shared_'))
+    _shared = TfOnlyProcess(work_dir)
     _shared_loaded_custom_ops = False
   _shared_loaded_custom_ops |= custom_ops
   return _shared.run(jobs)
