@@ -5,8 +5,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 # Test files run on two worker processes (pytest-xdist), a whole file on
-# one worker, so a module's fixtures are made once. PYTEST_WORKERS=0 runs
-# the suite in this process.
+# one worker, so a module's fixtures are made once, handed out in
+# collection order (tests/conftest.py puts the slowest files first; xdist's
+# own reorder, by number of tests, would start them last). PYTEST_WORKERS=0
+# runs the suite in this process.
 PYTEST_WORKERS ?= 2
 
 .PHONY: venv test example bench clean
@@ -22,7 +24,7 @@ $(STAMP): pyproject.toml constraints.txt
 # pytest exits 5 when it collected no tests; make treats that as failure,
 # and tools/explain_pytest_rc.sh says why instead of failing silently.
 test: $(STAMP)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS) || tools/explain_pytest_rc.sh $$?
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) || tools/explain_pytest_rc.sh $$?
 
 example: $(STAMP)
 	$(PY) -m examples.run_example
