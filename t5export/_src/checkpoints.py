@@ -100,8 +100,31 @@ def _has_params(item_dir: str) -> bool:
   return True
 
 
-def _locate(path: str | os.PathLike[str], step: int | None) -> Located:
-  """The checkpoint at `path`, or of `step` (default: the latest) under it."""
+def locate(path: str | os.PathLike[str], *,
+           step: int | None = None) -> Located:
+  """Finds the checkpoint `read_params` would read, reading no array.
+
+  A few `stat` and `listdir` calls: callers about to start slow work (the
+  offline CLI imports TensorFlow) learn at once that `path` is unusable.
+
+  Args:
+    path: as for `read_params`.
+    step: as for `read_params`.
+
+  Returns:
+    The `Located` checkpoint: its `path`, `format` and `step` (None where
+    the checkpoint's files must say).
+
+  Raises:
+    ValueError: `step` is not a non-negative int or None.
+    CheckpointNotFoundError: `path` does not exist, or has no such `step`.
+    UnknownCheckpointFormatError: `path` is not a checkpoint of a known
+      format (the message lists what was looked for).
+  """
+  if step is not None and (isinstance(step, bool) or int(step) != step
+                           or step < 0):
+    raise ValueError(f'step must be a non-negative int or None, got {step!r}.')
+  step = None if step is None else int(step)
   path = os.fspath(path)
   if not os.path.exists(path):
     raise errors.CheckpointNotFoundError(
@@ -248,10 +271,7 @@ def read_params(path: str | os.PathLike[str], *,
       format (the message lists what was looked for).
     NoParamsInCheckpointError: the checkpoint holds no params.
   """
-  if step is not None and (isinstance(step, bool) or int(step) != step
-                           or step < 0):
-    raise ValueError(f'step must be a non-negative int or None, got {step!r}.')
-  located = _locate(path, None if step is None else int(step))
+  located = locate(path, step=step)
   logging.info('Reading params of %s checkpoint %s (step %s).',
                located.format, located.path, located.step)
   parts, bytes_read = _read(located)

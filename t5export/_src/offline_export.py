@@ -162,6 +162,9 @@ def export_checkpoint(
     ExportCheckError: the SavedModel differs from JAX (nothing published).
   """
   total = time.monotonic()
+  # A path that holds no checkpoint fails now (a few stat calls), not after
+  # TensorFlow's import and the gin parsing (seconds).
+  checkpoints.locate(ckpt, step=step)
 
   def read() -> tuple[checkpoints.CheckpointContents, float]:
     start = time.monotonic()
