@@ -78,13 +78,16 @@ def _create(root: pathlib.Path, version: str) -> None:
   python = root / 'bin' / 'python'
   with open(log, 'wb') as out:
     steps = [
-        [sys.executable, '-m', 'venv', str(root)],
+        # No pip of its own (ensurepip: 7 s of CPU): this interpreter's pip
+        # installs into it (--python).
+        [sys.executable, '-m', 'venv', '--without-pip', str(root)],
         # --no-compile: pip would compile every module of the wheels (20 s
         # of CPU for TensorFlow); the probe below compiles and keeps the
         # ones an import of TensorFlow needs (most of TensorFlow's own:
         # 1,563 of 1,839), and the rest are compiled when imported.
-        [str(python), '-m', 'pip', 'install', '--disable-pip-version-check',
-         '--no-input', '--no-compile', *PACKAGES[version]],
+        [sys.executable, '-m', 'pip', '--python', str(python), 'install',
+         '--disable-pip-version-check', '--no-input', '--no-compile',
+         *PACKAGES[version]],
     ]
     for cmd in steps:
       returncode = _run_step(cmd, out)
