@@ -22,7 +22,10 @@ FLAG = '--xla_cpu_enable_concurrency_optimized_scheduler'
 
 
 def _check_memory(tmp_path, xla_flags: str | None) -> dict:
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  # Nor TensorFlow's compilation cache (conftest.py): a program compiled
+  # under the other schedule must not be read back.
+  env = {k: v for k, v in os.environ.items()
+         if k not in ('XLA_FLAGS', 'TF_XLA_FLAGS')}
   if xla_flags is not None:
     env['XLA_FLAGS'] = xla_flags
   report = tmp_path / 'report.jsonl'
