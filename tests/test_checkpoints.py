@@ -452,6 +452,29 @@ def test_unknown_format(tmp_path):
       checkpoints.read_params(path)
 
 
+def test_locate_finds_format_and_step_and_fails_as_read_params(
+    orbax_manager_dir, tmp_path, monkeypatch):
+  """locate reads no array: the format readers are never called."""
+  def refuse(located):
+    raise AssertionError(f'locate read {located}')
+  monkeypatch.setattr(checkpoints, '_read', refuse)
+  found = checkpoints.locate(orbax_manager_dir)
+  assert (found.format, found.step) == (checkpoints.ORBAX, 20)
+  assert found.path == os.path.join(orbax_manager_dir, '20', 'state')
+  assert checkpoints.locate(orbax_manager_dir, step=10).step == 10
+  with pytest.raises(errors.CheckpointNotFoundError,
+                     match=r'No checkpoint of step 15 .*\[10, 20\]'):
+    checkpoints.locate(orbax_manager_dir, step=15)
+  with pytest.raises(errors.CheckpointNotFoundError, match='does not exist'):
+    checkpoints.locate(tmp_path / 'nope')
+  (tmp_path / 'weights.txt').write_text('hello')
+  with pytest.raises(errors.UnknownCheckpointFormatError,
+                     match=r'not a checkpoint .*Looked for an orbax'):
+    checkpoints.locate(tmp_path / 'weights.txt')
+  with pytest.raises(ValueError, match='step must be a non-negative int'):
+    checkpoints.locate(orbax_manager_dir, step=-1)
+
+
 def test_unreadable_files_of_a_known_format(tmp_path):
   """Files that look like a format at first and fail inside its reader."""
   (tmp_path / 'orbax').mkdir()
