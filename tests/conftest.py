@@ -27,10 +27,19 @@ _TF_FLAGS_ENV = 'TF_XLA_FLAGS'
 _TF_CACHE_FLAG = '--tf_xla_persistent_cache_directory'
 
 
+# Young objects the garbage collector lets pile up before a pass (Python's
+# default: 700). Tracing makes objects by the million; 14 times fewer
+# passes (mostly over young objects that were alive all the same): the
+# T5X-model and callback test files took ~9% less CPU.
+_GC_YOUNG_THRESHOLD = 10_000
+
+
 def pytest_configure(config: pytest.Config) -> None:
-  """Turns on JAX's and TensorFlow's compilation caches for this session's
+  """Sets this process's garbage collection (`_GC_YOUNG_THRESHOLD`); turns
+  on JAX's and TensorFlow's compilation caches for this session's
   processes."""
   del config
+  gc.set_threshold(_GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
   if not os.environ.get(_CACHE_ENV):
     os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix='t5export-jax-cache-')
     os.environ[_CACHE_OWNER_ENV] = str(os.getpid())
@@ -79,6 +88,39 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
   items.sort(key=rank)
 
 
+def _freeze_survivors(*, everything: bool) -> None:
+  """Collects the garbage, then freezes what is left (`gc.freeze`).
+
+  What a worker process holds for long (what collection imported:
+  TensorFlow, JAX, T5X, 360k+ objects; then what each test leaves cached
+  in them: traced functions, compiled programs, module fixtures) would be
+  walked again by every full pass of the garbage collector while the next
+  tests trace. Frozen, it is out of those passes: the tests' own objects
+  are collected as before. The T5X-model and callback test files took ~9%
+  less CPU than with the imports alone frozen.
+
+  Args:
+    everything: unfreeze first, so that frozen objects that became garbage
+      (a file's module fixtures, after its last test) are collected too.
+  """
+  if everything:
+    gc.unfreeze()
+  gc.collect()
+  gc.freeze()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item,
+                            nextitem: pytest.Item | None):
+  """After each test's teardown: freezes what survived it; after a file's
+  last test (its module fixtures gone), collects the frozen objects again
+  first."""
+  result = yield
+  _freeze_survivors(
+      everything=nextitem is None or nextitem.path != item.path)
+  return result
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
   """Freezes what collection made (`gc.freeze`); starts making the
   older-TensorFlow venvs the collected tests need.
@@ -89,13 +131,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
   """
   if session.config.option.collectonly:
     return
-  # What collection imported (TensorFlow, JAX, T5X: 360k+ objects)
-  # lives as long as the process: out of the garbage collector's way, whose
-  # full passes would walk it over and over while the tests trace (on a
-  # file of T5X-model and callback tests: 119 -> 97 s of CPU). Objects made
-  # by the tests are collected as before.
-  gc.collect()
-  gc.freeze()
+  _freeze_survivors(everything=True)
   import tf_venvs  # pylint: disable=g-import-not-at-top
   wanted = {getattr(item, 'callspec', None) and item.callspec.params.get(
       'tf_process') for item in session.items}
