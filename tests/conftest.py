@@ -70,21 +70,13 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     t5x_setup.require()
 
 
-# The files that take the most time (one to six minutes each on a 2-core
-# machine, then 20 s to 1.5 min), collected first, slowest first. The
-# Makefile hands whole files to two worker processes in collection order;
-# started late, one of them kept a worker busy for minutes after the other
-# had run out of files. After these, the files left take seconds each (13
-# s at most), so the two workers end close together.
+# The files that take the most CPU (one to four minutes of it each on a
+# 2-core machine), collected first. The Makefile hands whole files to two
+# worker processes in collection order; started late, one of them kept a
+# worker busy for minutes after the other had run out of files.
 _RUN_FIRST = ('test_t5x_trainer.py', 'test_reliability.py',
               'test_multiprocess.py', 'test_train_example.py',
-              'test_bench_smoke.py', 'test_serving_versions.py',
-              'test_exporter.py', 'test_jax_artifacts.py',
-              'test_t5x_models.py', 'test_offline.py', 'test_t5x_states.py',
-              'test_jax_module.py', 'test_serving.py',
-              'test_examples_models.py', 'test_train_state.py',
-              'test_xla_schedule.py', 'test_wheel.py', 'test_package.py',
-              'test_host_buffers.py', 'test_callbacks.py')
+              'test_bench_smoke.py', 'test_exporter.py')
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
