@@ -649,17 +649,23 @@ def test_restarted_training_continues_the_version_sequence(tmp_path):
 LOAD_EXPORTS = 200
 LOAD_WARMUP = 20
 LOAD_KEEP = 3
-# Bounds on growth from after the warm-up to the end (180 exports). Open
-# files and threads must come back to exactly where they were: every
-# export opens and closes its files, and the one worker thread is reused.
+# Bounds on growth from after the warm-up to the end (180 exports). Every
+# export opens and closes its files, and the one worker thread is reused,
+# so the exports' own fds and threads come back to where they were. The
+# count is the whole pytest worker's, though, and other work in it comes
+# and goes (e.g. the background creation of the older-TF venvs,
+# tests/tf_venvs.py: a thread, its pip child's pipe and log file): one run
+# saw the worker's fds go 17, 17, 18 after exports 20, 100, 200 (a flake at
+# a bound of 0). So 2 of either may be someone else's at the instant; an
+# export leaking one per export would show ~180, one per ten exports ~18.
 # Memory: RSS is noisy (allocator arenas, TF's caches settle late), so the
 # bound is 64 MiB over 180 exports (0.36 MiB per export): above that noise
 # (measured: ~0.09 MiB per export with validate=False, i.e. ~16 MiB), yet a
 # leak of a loaded SavedModel, a JaxModule or a snapshot per export fails
 # it. With validate=True (the default, used here) it currently grows ~0.5
 # MiB per export: see test_200_exports_hold_memory_flat.
-FD_GROWTH = 0
-THREAD_GROWTH = 0
+FD_GROWTH = 2
+THREAD_GROWTH = 2
 RSS_GROWTH_MIB = 64
 
 

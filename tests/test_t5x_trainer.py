@@ -99,7 +99,17 @@ def tf_process(tmp_path_factory):
 
 
 @pytest.fixture(scope='module')
-def t5x_run(tmp_path_factory):
+def model():
+  """The tiny T5X model with T5X's defaults: beam search (decode_fn=None),
+  a SentencePiece vocabulary. One object for the module, so T5X's methods
+  the checks jit (`_t5x`) are compiled once, not once per test."""
+  t5x_setup.import_t5x()
+  return t5x_setup.tiny_model(
+      vocabulary=t5x_setup.sentencepiece_vocabulary(), decode_fn=None)
+
+
+@pytest.fixture(scope='module')
+def t5x_run(tmp_path_factory, model):
   """One T5X training run exporting through (a) the action and (b) chunks."""
   t5x_setup.import_t5x()
   import jax  # pylint: disable=g-import-not-at-top
@@ -110,9 +120,6 @@ def t5x_run(tmp_path_factory):
   from t5export._src import t5x_models  # pylint: disable=g-import-not-at-top
 
   tmp = tmp_path_factory.mktemp('t5x_run')
-  # T5X's defaults: beam search (decode_fn=None), a SentencePiece vocabulary.
-  model = t5x_setup.tiny_model(
-      vocabulary=t5x_setup.sentencepiece_vocabulary(), decode_fn=None)
   partitioner = t5x_setup.partitioner()
   initializer = _initializer(model, partitioner)
   trainer = trainer_lib.Trainer(
@@ -357,7 +364,7 @@ _TRAIN_GIN = textwrap.dedent('''\
     ''')
 
 
-def test_t5x_train_with_shipped_gin(tmp_path, tf_process):
+def test_t5x_train_with_shipped_gin(tmp_path, tf_process, model):
   t5x_setup.import_t5x()
   from t5export._src import checkpoints  # pylint: disable=g-import-not-at-top
   model_dir, export_dir = tmp_path / 'model', tmp_path / 'export'
@@ -379,8 +386,7 @@ def test_t5x_train_with_shipped_gin(tmp_path, tf_process):
   versions = sorted(int(p.name) for p in export_dir.iterdir()
                     if p.name.isdigit())
   assert versions == [2, 4], text[-3000:]
-  model = t5x_setup.tiny_model(
-      vocabulary=t5x_setup.sentencepiece_vocabulary(), decode_fn=None)
+  # The gin's model is `model`'s twin (same function, same arguments).
   partitioner = t5x_setup.partitioner()
   mesh_axes = partitioner.get_mesh_axes(
       _initializer(model, partitioner).global_train_state_shape).params

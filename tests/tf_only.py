@@ -169,6 +169,7 @@ class IsolatedProcess:
     self._dir = pathlib.Path(tempfile.mkdtemp(prefix=f'{name}_',
                                               dir=work_dir))
     self._count = 0
+    self._stopped = ''  # Why `run` can no longer be used, once it can't.
     self._stderr_path = self._dir / 'stderr.txt'
     env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
     env.update(CUDA_VISIBLE_DEVICES='', TF_CPP_MIN_LOG_LEVEL='2')
@@ -205,8 +206,13 @@ class IsolatedProcess:
     Raises:
       AssertionError: if a job fails (with its traceback), the process
         dies or takes longer than TIMEOUT_SECS (with its stderr), or one of
-        BLOCKED got imported.
+        BLOCKED got imported; on every later call once a wait was cut
+        short (timeout, death, interruption), since the process is then
+        killed.
     """
+    if self._stopped:
+      raise AssertionError(
+          f'The {self._name} process was stopped: {self._stopped}')
     self._count += 1
     request = self._dir / f'request_{self._count}.pkl'
     reply = self._dir / f'reply_{self._count}.pkl'
@@ -220,12 +226,18 @@ class IsolatedProcess:
         line = self._lines.get(
             timeout=max(0.0, deadline - time.monotonic()))
       except queue.Empty:
-        self.close(kill=True)
+        self._stop(f'request {self._count} took over {TIMEOUT_SECS}s')
         raise AssertionError(
             f'The {self._name} process took over {TIMEOUT_SECS}s; stderr:\n'
             f'{self.stderr()[-4000:]}') from None
+      except BaseException as e:
+        # Interrupted (pytest-timeout, Ctrl-C): this request's reply line
+        # may still come, and a later call would read it as its own.
+        self._stop(f'a wait for request {self._count} was interrupted '
+                   f'({type(e).__name__})')
+        raise
       if line is None:
-        self.close()
+        self._stop(f'it died during request {self._count}')
         raise AssertionError(
             f'The {self._name} process died (exit {self._proc.returncode}); '
             f'stderr:\n{self.stderr()[-4000:]}')
@@ -239,10 +251,15 @@ class IsolatedProcess:
         f'the {self._name} process imported {result["loaded_blocked"]}')
     return result['outputs']
 
+  def _stop(self, why: str) -> None:
+    """Kills the process; later `run` calls fail, saying `why`."""
+    self._stopped = why
+    self.close(kill=True)
+
   @property
   def alive(self) -> bool:
-    """Whether the process is still running."""
-    return self._proc.poll() is None
+    """Whether the process is still running (and usable)."""
+    return self._proc.poll() is None and not self._stopped
 
   def stderr(self) -> str:
     """What the process has written to stderr so far."""
