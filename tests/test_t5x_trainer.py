@@ -49,7 +49,13 @@ import tf_only  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 # Every test here runs T5X's own code (conftest.py: skipped where T5X is
 # not found, an error under T5EXPORT_REQUIRE_T5X=1).
-pytestmark = pytest.mark.t5x
+# The hang guard: pytest-timeout's limit counts a test's fixtures too, and
+# the first test here pays for the module's T5X training run (4 exports,
+# each checked) before its own checks: ~2 minutes alone, but over the
+# suite's 600 s with three suites at once on 2 cores (seen once). A hang
+# still ends with a traceback, and the TF-only waits have their own limit
+# (tests/tf_only.py).
+pytestmark = [pytest.mark.t5x, pytest.mark.timeout(1500)]
 
 LENGTHS = {'inputs': t5x_setup.INPUT_LENGTH,
            'targets': t5x_setup.TARGET_LENGTH}
