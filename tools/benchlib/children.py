@@ -149,8 +149,10 @@ class Item(NamedTuple):
   """One measured run: a worker task in a child process.
 
   In a full run every item gets its own process; with --smoke the items of
-  a bundle share one process (a bundle per TensorFlow import order, and
-  one each for the artifact and the check items).
+  a bundle share one process: one bundle per TensorFlow import order (TF
+  before the params: 'main', every item that does not care; TF after
+  them: one per side). Each process imports TensorFlow and JAX (~10 s of
+  CPU), and the smoke run is part of the test suite.
   """
   key: str
   task: str

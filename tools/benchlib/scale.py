@@ -98,13 +98,13 @@ def plan_scale(cfg: figures.Config) -> list[children.Item]:
           'reexports': cfg.reexports}
   items = []
 
-  # Smoke: every check item in one process (a full run gives each its own).
+  # Smoke: in the main bundle's process (a full run gives each its own).
   def add(key, n_params, validate, **spec):
     spec = {**base, 'n_params': n_params, 'validate': validate, **spec}
     nbytes = _dense_bytes(n_params, spec['depth'], spec['dtype'])
     items.append(children.Item(key, 'check_export', {
         **spec, 'workdir': str(cfg.workdir / key.replace('/', '-'))},
-        bundle='check', gate=_memory_gate(nbytes, validate), timeout=3600))
+        gate=_memory_gate(nbytes, validate), timeout=3600))
 
   if curve:
     for i, n in enumerate(cfg.curve_sizes):
@@ -122,7 +122,7 @@ def plan_scale(cfg: figures.Config) -> list[children.Item]:
     items.append(children.Item('check/phases', 'check_phases', {
         **base, 'n_params': cfg.check_size,
         'workdir': str(cfg.workdir / 'check-phases')},
-        bundle='check', gate=_memory_gate(nbytes, True), timeout=3600))
+        gate=_memory_gate(nbytes, True), timeout=3600))
   if want & {'check_peak_rss_float32', 'check_time_float32'}:
     for on in (True, False):
       add(f'f32/{"on" if on else "off"}', cfg.check_size, on,

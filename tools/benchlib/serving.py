@@ -177,10 +177,10 @@ def plan_artifact(cfg: figures.Config) -> list[children.Item]:
       key = f'artifact/{"on" if on else "off"}/{r}'
       items.append(children.Item(key, 'artifact', {
           'n_params': cfg.serve_size, 'depth': cfg.depth, 'artifacts': on,
-          'workdir': str(cfg.workdir / key.replace('/', '-'))},
-          # Smoke: both sides in one process (a full run gives each its
-          # own; the smoke run checks the harness, not the figure).
-          bundle='artifact'))
+          # Smoke: both sides in the main bundle's process (a full run
+          # gives each its own; the smoke run checks the harness, not the
+          # figure).
+          'workdir': str(cfg.workdir / key.replace('/', '-'))}))
   return items
 
 
