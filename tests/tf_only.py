@@ -13,10 +13,17 @@ got loaded anyway, and the caller fails if any did.
                              'serving_default', 'inputs': {'x': x}}])
 
 A job is a dict: 'dir' (a SavedModel directory), 'inputs', and either
-'signature' (a SignatureDef key; inputs are its keyword arguments) or
-'method' (a JaxModule method restored as `obj._tf_methods[name]`, called
-with the inputs tree as is). Its result is the output structure with numpy
-leaves; bfloat16 comes back as float32 (numpy alone has no bfloat16).
+'signature' (a SignatureDef key; inputs are its inputs by name, each of
+the signature's dtype) or 'method' (a JaxModule method restored as
+`obj._tf_methods[name]` by `tf.saved_model.load`, called with the inputs
+tree as is). A signature runs as TF Serving runs it: in a graph and
+session loaded from the MetaGraph (`tf.compat.v1.saved_model.loader`),
+whose function names stay the same across versions of one graph, so
+TensorFlow's XLA cache compiles a version's programs once per process
+(`tf.saved_model.load` names them anew on each load: each version of a
+T5X model compiled its beam search again, ~2 s of CPU each). Its result is
+the output structure with numpy leaves; bfloat16 comes back as float32
+(numpy alone has no bfloat16).
 Before loading a t5export version it imports the packages whose ops the
 version's metadata lists (`custom_ops`, e.g. tensorflow_text).
 The process stays up between `run` calls, so each SavedModel is loaded and
@@ -38,6 +45,7 @@ The process machinery (`IsolatedProcess`, `script`) is shared with
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import os
 import pathlib
@@ -96,9 +104,11 @@ _MAIN = textwrap.dedent('''
 
 _TF_RUNNER = textwrap.dedent('''
     import importlib, json
+    import numpy as np
     import tensorflow as tf
 
-    loaded = {}
+    loaded = {}    # For 'method' jobs: the TF2 object.
+    sessions = {}  # For 'signature' jobs: (session, signature defs).
 
     def import_custom_ops(version_dir):
       # What a user does: import the packages the version's metadata names
@@ -114,24 +124,80 @@ _TF_RUNNER = textwrap.dedent('''
         t = tf.cast(t, tf.float32)
       return t.numpy()
 
-    def run(job):
+    def key_of(version_dir):
       # A directory written again (a test reusing a path) is loaded again.
-      pb = os.stat(os.path.join(job['dir'], 'saved_model.pb'))
-      key = (job['dir'], pb.st_ino, pb.st_mtime_ns)
+      pb = os.stat(os.path.join(version_dir, 'saved_model.pb'))
+      return (version_dir, pb.st_ino, pb.st_mtime_ns)
+
+    def run_signature(job):
+      # As TF Serving runs it: a graph and session from the MetaGraph. (Its
+      # functions keep their names across versions of one graph, so the
+      # XLA cache of this process compiles a version's programs once.)
+      key = key_of(job['dir'])
+      if key not in sessions:
+        import_custom_ops(job['dir'])
+        graph = tf.Graph()
+        session = tf.compat.v1.Session(graph=graph)
+        with graph.as_default():
+          defs = tf.compat.v1.saved_model.loader.load(
+              session, [tf.saved_model.SERVING], job['dir']).signature_def
+        sessions[key] = (session, defs)
+      session, defs = sessions[key]
+      if job['signature'] not in defs:
+        raise KeyError(f"no signature {job['signature']!r}: {sorted(defs)}")
+      sig = defs[job['signature']]
+      if sorted(job['inputs']) != sorted(sig.inputs):
+        raise KeyError(f"inputs {sorted(job['inputs'])} != the signature's "
+                       f"{sorted(sig.inputs)}")
+      feed = {}
+      for name, value in job['inputs'].items():
+        want = tf.as_dtype(sig.inputs[name].dtype)
+        value = np.asarray(value)
+        # A request's dtype must be the signature's (TF Serving refuses
+        # others; a session would cast them).
+        got = tf.string if value.dtype.kind in 'OSU' else tf.as_dtype(
+            value.dtype)
+        if got != want:
+          raise TypeError(f'input {name!r}: {got.name}, the signature takes '
+                          f'{want.name}')
+        feed[sig.inputs[name].name] = value
+      out = session.run({k: v.name for k, v in sig.outputs.items()}, feed)
+      bf16 = tf.bfloat16.as_numpy_dtype
+      return {k: v.astype(np.float32) if getattr(v, 'dtype', None) == bf16
+              else v for k, v in out.items()}
+
+    def run(job):
+      if 'signature' in job:
+        return run_signature(job)
+      key = key_of(job['dir'])
       if key not in loaded:
         import_custom_ops(job['dir'])
         loaded[key] = tf.saved_model.load(job['dir'])
-      obj = loaded[key]
-      if 'signature' in job:
-        fn = obj.signatures[job['signature']]
-        out = fn(**{k: tf.constant(v) for k, v in job['inputs'].items()})
-      else:
-        out = obj._tf_methods[job['method']](job['inputs'])
+      out = loaded[key]._tf_methods[job['method']](job['inputs'])
       return tf.nest.map_structure(to_numpy, out)
 
     def version():
       return tf.__version__
 ''')
+
+
+_XLA_CACHE_FLAG = '--tf_xla_persistent_cache_directory='
+
+
+def _own_xla_cache(flags: str, python: str | os.PathLike[str]) -> str:
+  """`flags` with TensorFlow's persistent XLA cache in a directory of
+  `python`'s own.
+
+  The cache's keys do not name the TensorFlow that compiled an entry:
+  TensorFlow 2.20.0 loaded an entry that another TensorFlow of the session
+  had compiled for the same function and failed ('Symbols not found: [
+  broadcast_multiply_fusion ]'). Each interpreter (each TensorFlow) gets a
+  directory of its own beside the session's.
+  """
+  tag = hashlib.sha256(os.fspath(python).encode()).hexdigest()[:12]
+  return ' '.join(
+      f'{word}-{tag}' if word.startswith(_XLA_CACHE_FLAG) else word
+      for word in flags.split())
 
 
 def script(*, blocked: tuple[str, ...], probe: str, runner: str) -> str:
@@ -173,6 +239,8 @@ class IsolatedProcess:
     self._stderr_path = self._dir / 'stderr.txt'
     env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
     env.update(CUDA_VISIBLE_DEVICES='', TF_CPP_MIN_LOG_LEVEL='2')
+    if python is not None and _XLA_CACHE_FLAG in env.get('TF_XLA_FLAGS', ''):
+      env['TF_XLA_FLAGS'] = _own_xla_cache(env['TF_XLA_FLAGS'], python)
     if pythonpath:
       env['PYTHONPATH'] = pythonpath
     self.version: str | None = None  # Known after the first `run`.
