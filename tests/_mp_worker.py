@@ -22,6 +22,9 @@ Modes:
           refuses to publish (NonFiniteParamsError), once with
           on_error='raise' (async) and once with 'log' (sync); every
           process reports what it raised and how long close() took.
+          With --no_check the callbacks of the export (and --rules_1d)
+          phase publish unchecked (validate=False): the test compares
+          those versions with an unsharded export, bit for bit.
   silent  no TensorFlow: process 0 never reports a round of an
           `ExportCoordinator`; process 1 must not hang. With --die process
           0 exits instead, and the coordination service runs in a process
@@ -168,12 +171,14 @@ def train_and_export(args: argparse.Namespace) -> None:
   signatures = make_signatures(model)
 
   def export_phase(phase: str, state: Any, steps: range, export_dir: str,
-                   poison_at: int | None = None) -> Any:
+                   poison_at: int | None = None,
+                   validate: bool = True) -> Any:
     """Trains over `steps`, exporting every 2 steps; emits 'done:<phase>'."""
     cb = t5export.ExportCallback(
         t5export.SavedModelExporter(
             export_dir, signatures, options=t5export.ExportOptions(
-                keep=None, warmup=False, logical_axis_rules=rules)),
+                keep=None, warmup=False, validate=validate,
+                logical_axis_rules=rules)),
         export_every_steps=2, num_train_steps=steps[-1], async_export=True,
         multiprocess_timeout_secs=args.timeout)
     callbacks = {'raise': cb}
@@ -235,7 +240,7 @@ def train_and_export(args: argparse.Namespace) -> None:
     return state
 
   state = export_phase('export', state, range(1, args.steps + 1),
-                       args.export_dir)
+                       args.export_dir, validate=not args.no_check)
   if args.rules_1d:
     # The same params placed by the 1-D rules ('embed' never sharded),
     # exported at once by a second callback.
@@ -244,7 +249,7 @@ def train_and_export(args: argparse.Namespace) -> None:
     cb_1d = t5export.ExportCallback(
         t5export.SavedModelExporter(
             args.export_dir + '_1d', signatures, options=t5export.ExportOptions(
-                warmup=False,
+                warmup=False, validate=not args.no_check,
                 logical_axis_rules=rules_1d)), export_every_steps=1000,
         async_export=False, multiprocess_timeout_secs=args.timeout)
     path = cb_1d.export_now(state_1d)
@@ -341,6 +346,8 @@ def main() -> None:
                       required=True)
   parser.add_argument('--failures', action='store_true')
   parser.add_argument('--rules_1d', action='store_true')
+  parser.add_argument('--no_check', action='store_true',
+                      help='the export phase publishes unchecked')
   parser.add_argument('--process_id', type=int, default=0)
   parser.add_argument('--num_processes', type=int, default=1)
   parser.add_argument('--port', type=int, default=0)
