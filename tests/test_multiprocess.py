@@ -18,7 +18,8 @@ process 0's write) is used by the others; each test then waits for its own.
   message within the timeout (on_error='raise'), or log it and go on
   (on_error='log').
 * process 0 silent (alive, never reports) or dead: process 1 must not hang.
-* one process with 8 forced devices on a (2, 4) mesh, 2-D then 1-D rules.
+* one process with 8 forced devices on a (2, 4) mesh, 2-D then 1-D rules
+  (published unchecked: the test compares them with the unsharded export).
 * examples/launch_local.py: one job over N processes; a failure ends it.
 """
 
