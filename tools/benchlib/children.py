@@ -151,8 +151,10 @@ class Item(NamedTuple):
   In a full run every item gets its own process; with --smoke the items of
   a bundle share one process: one bundle per TensorFlow import order (TF
   before the params: 'main', every item that does not care; TF after
-  them: one per side). Each process imports TensorFlow and JAX (~10 s of
-  CPU), and the smoke run is part of the test suite.
+  them: 'tf-after', where only the first item imports TF itself: the
+  smoke run checks the harness, not the figures). Each process imports
+  TensorFlow and JAX (~10 s of CPU), and the smoke run is part of the
+  test suite.
   """
   key: str
   task: str

@@ -120,7 +120,7 @@ def plan_exports(cfg: figures.Config) -> list[children.Item]:
             'depth': cfg.depth, 'tf_first': tf_first,
             'reexports': cfg.reexports, 'raw': side != 'orbax',
             'workdir': str(cfg.workdir / key.replace('/', '-'))},
-            bundle='main' if tf_first else f'after-{side}'))
+            bundle='main' if tf_first else 'tf-after'))
   return items
 
 
