@@ -263,15 +263,17 @@ def background(work):
 
 @pytest.fixture(scope='module')
 def tf_run(work):
-  """Runs a published version in one long-lived TensorFlow-only process."""
-  with tf_only.TfOnlyProcess(work) as process:
+  """Runs a published version in a TensorFlow-only process: the one this
+  pytest process shares (`tf_only.run`; the versions here need no custom
+  ops), so TensorFlow's import is not paid again for this module."""
 
-    def run(version_dir, inputs: dict, signature='serving_default') -> dict:
-      [outputs] = process.run([{'dir': str(version_dir),
-                                'signature': signature, 'inputs': inputs}])
-      return outputs
+  def run(version_dir, inputs: dict, signature='serving_default') -> dict:
+    [outputs] = tf_only.run([{'dir': str(version_dir),
+                              'signature': signature, 'inputs': inputs}],
+                            work)
+    return outputs
 
-    yield run
+  return run
 
 
 def _metadata(version_dir: pathlib.Path):
