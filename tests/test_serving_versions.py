@@ -267,11 +267,16 @@ def t5x_beam(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope='module', params=[*tf_venvs.OLDER_TF_VERSIONS, 'ours'])
 def tf_process(request, tmp_path_factory):
-  """A TF-only process of one TensorFlow release."""
+  """A TF-only process of one TensorFlow release (ours: the one this
+  pytest process shares, `tf_only.shared_process`; these versions list no
+  custom ops, and TensorFlow's import is not paid again)."""
   version = request.param
-  python = None if version == 'ours' else tf_venvs.tf_python(version)
-  with tf_only.TfOnlyProcess(tmp_path_factory.mktemp('tf_only'),
-                             python=python) as process:
+  work = tmp_path_factory.mktemp('tf_only')
+  if version == 'ours':
+    yield version, tf_only.shared_process(work)
+    return
+  with tf_only.TfOnlyProcess(work,
+                             python=tf_venvs.tf_python(version)) as process:
     yield version, process
 
 

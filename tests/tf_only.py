@@ -32,7 +32,8 @@ its own (never on stdout or stderr, where TensorFlow's native code logs).
 
 `run(jobs, work_dir)` sends jobs to one such process shared by the calls
 of a pytest process (a fresh one where that could hide a missing custom-op
-name; see its doc).
+name; see its doc); `shared_process(work_dir)` is that process itself,
+for a module fixture.
 
 `python` chooses the interpreter: by default this one (the project's
 TensorFlow with JAX blocked); `tf_venvs.tf_python('2.19.1')` gives one of
@@ -418,16 +419,26 @@ def run(jobs: list[dict[str, Any]],
   Returns:
     One output structure per job, numpy leaves.
   """
-  global _shared, _shared_loaded_custom_ops
+  global _shared_loaded_custom_ops
   custom_ops = any(_lists_custom_ops(job['dir']) for job in jobs)
   if python is not None or (_shared_loaded_custom_ops and not custom_ops):
     with TfOnlyProcess(work_dir, python=python) as process:
       return process.run(jobs)
+  process = shared_process(work_dir)
+  _shared_loaded_custom_ops |= custom_ops
+  return process.run(jobs)
+
+
+def shared_process(work_dir: str | os.PathLike[str]) -> TfOnlyProcess:
+  """The TF-only process of this interpreter that `run` shares, started
+  in `work_dir` if there is none (or it died); ended at exit, never by
+  the caller. Jobs run on it directly may load versions with custom ops
+  only where what they test does not depend on the ops being absent."""
+  global _shared, _shared_loaded_custom_ops
   if _shared is None or not _shared.alive:
     if _shared is None:
       atexit.register(_close_shared)
     _close_shared()
     _shared = TfOnlyProcess(work_dir)
     _shared_loaded_custom_ops = False
-  _shared_loaded_custom_ops |= custom_ops
-  return _shared.run(jobs)
+  return _shared
