@@ -24,7 +24,7 @@ Modes:
           process reports what it raised and how long close() took.
           With --no_check the callbacks of the export (and --rules_1d)
           phase publish unchecked (validate=False): the test compares
-          those versions with an unsharded export, bit for bit.
+          the last version of each with an unsharded export, bit for bit.
   silent  no TensorFlow: process 0 never reports a round of an
           `ExportCoordinator`; process 1 must not hang. With --die process
           0 exits instead, and the coordination service runs in a process

@@ -19,7 +19,8 @@ process 0's write) is used by the others; each test then waits for its own.
   (on_error='log').
 * process 0 silent (alive, never reports) or dead: process 1 must not hang.
 * one process with 8 forced devices on a (2, 4) mesh, 2-D then 1-D rules
-  (published unchecked: the test compares them with the unsharded export).
+  (published unchecked: the test compares the last version of each with
+  the unsharded export).
 * examples/launch_local.py: one job over N processes; a failure ends it.
 """
 
@@ -192,10 +193,10 @@ def runs(tmp_path_factory):
                           '--timeout', str(MP_TIMEOUT)),
   }
   dirs['export8'].mkdir()
-  # Unchecked: its test compares the versions with the unsharded export,
-  # outputs included, bit for bit (the check compares the same outputs
-  # within a tolerance; it costs this run ~20 s of CPU, and export2's
-  # exports are checked).
+  # Unchecked: its test compares the last version of each rule set with
+  # the unsharded export, outputs included, bit for bit (the check compares
+  # the same outputs within a tolerance; it costs this run ~20 s of CPU,
+  # and export2's exports are checked).
   started['export8'] = run('export8', num_processes=1, devices=8,
                            args_for=lambda i: [
                                '--mode', 'export', '--mesh', '2,4',
