@@ -36,9 +36,10 @@ _GC_YOUNG_THRESHOLD = 10_000
 # The tests draw their models' random params with JAX's non-partitionable
 # threefry (the generator JAX used by default before 0.5): its XLA programs
 # compile about twice as fast on CPU (measured on ten of the heaviest test
-# files: the model inits' compiles 80 -> 46 s, the files' CPU 853 -> 807 s). t5export itself draws no random
-# numbers; nothing a test checks depends on which generator drew a param.
-# Set by the session for its subprocesses too, unless the user set it.
+# files: the model inits' compiles 80 -> 46 s, the files' CPU 853 -> 807
+# s). t5export itself draws no random numbers; nothing a test checks
+# depends on which generator drew a param. Set by the session for its
+# subprocesses too, unless the user set it.
 _THREEFRY_ENV = 'JAX_THREEFRY_PARTITIONABLE'
 
 
