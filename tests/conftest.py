@@ -63,11 +63,13 @@ def pytest_configure(config: pytest.Config) -> None:
           f'{os.path.join(os.environ[_CACHE_ENV], "tensorflow")}').strip()
   # Every compile is cached, however quick (the default skips those < 1 s).
   os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+  # A value the user set JAX read itself, at its import.
+  ours = _THREEFRY_ENV not in os.environ
   os.environ.setdefault(_THREEFRY_ENV, '0')
   jax = sys.modules.get('jax')  # A pytest plugin may have imported it.
   if jax is not None:
-    jax.config.update('jax_threefry_partitionable',
-                      os.environ[_THREEFRY_ENV].lower() in ('1', 'true'))
+    if ours:
+      jax.config.update('jax_threefry_partitionable', False)
     jax.config.update('jax_compilation_cache_dir', os.environ[_CACHE_ENV])
     jax.config.update(
         'jax_persistent_cache_min_compile_time_secs',
