@@ -268,12 +268,13 @@ def test_the_shards_of_every_version_are_written_by_the_same_threads(
       lambda x: module.methods['f']({'x': x}),
       input_signature=[tf.TensorSpec([None, 6], tf.float32)])}
   writer = writer_lib.SavedModelWriter(module, fns, shards=2)
-  threads: list[set[int]] = []
+  threads: list[set[threading.Thread]] = []
   real = writer._save_v2  # pylint: disable=protected-access
 
-  def recording(*args):
-    threads[-1].add(threading.get_ident())
-    real(*args)
+  def recording(prefix, names, *args):
+    if names:  # Not the first version's object-graph part.
+      threads[-1].add(threading.current_thread())
+    real(prefix, names, *args)
 
   monkeypatch.setattr(writer, '_save_v2', recording)
   for seed in range(3):
@@ -283,7 +284,15 @@ def test_the_shards_of_every_version_are_written_by_the_same_threads(
     loaded = tf.saved_model.load(str(tmp_path / str(seed)))
     for got, want in zip(loaded.param_vars, module.param_vars):
       np.testing.assert_array_equal(got.numpy(), want.numpy())
-  assert threads[1] and threads[2] and threads[1] | threads[2] <= threads[0]
+  # Which kept thread takes which shard is up to the scheduler (on a busy
+  # machine one thread may finish both shards of a version before the
+  # other starts), so the test asserts what holds whatever the timing:
+  # every version wrote its weights from shard threads, the three versions
+  # used no more threads than the writer keeps, and all are still alive.
+  everyone = set().union(*threads)
+  assert all(threads) and len(everyone) <= 2, threads
+  assert all(t is not threading.main_thread() and t.is_alive()
+             for t in everyone), threads
 
 
 def test_single_shard_and_bad_shards(tmp_path):
