@@ -13,24 +13,24 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = '0.1.0'
 
-# Module under t5export._src -> the public names it defines.
+# Module under t5export._src (part.module) -> the public names it defines.
 _BY_MODULE = {
-    'train_state': 'TrainState FlaxOptimTrainState InferenceState',
-    'partitioning': 'standard_logical_axis_rules shard_state',
-    'jax_module': 'JaxModule',
-    'serving': 'Signature',
-    'options': 'ExportOptions',
-    'exporter': 'SavedModelExporter',
-    'callbacks': 'ExportCallback',
-    'verify': 'load_params load_function',
-    'metadata': 'read_metadata',
-    'offline_export': 'OfflineOptions export_checkpoint',
-    'checkpoints': 'read_params',
+    'state.train_state': 'TrainState FlaxOptimTrainState InferenceState',
+    'state.partitioning': 'standard_logical_axis_rules shard_state',
+    'engine.jax_module': 'JaxModule',
+    'engine.serving': 'Signature',
+    'engine.options': 'ExportOptions',
+    'engine.exporter': 'SavedModelExporter',
+    'loop.callbacks': 'ExportCallback',
+    'versions.verify': 'load_params load_function',
+    'versions.metadata': 'read_metadata',
+    'offline.offline_export': 'OfflineOptions export_checkpoint',
+    'offline.checkpoints': 'read_params',
 }
 # Public name -> (module under t5export._src, attribute there).
 _EXPORTS = {name: (module, name) for module, names in _BY_MODULE.items()
             for name in names.split()}
-_EXPORTS['t5x_signatures'] = ('t5x_models', 'signatures')
+_EXPORTS['t5x_signatures'] = ('t5x.t5x_models', 'signatures')
 _SUBMODULES = ('errors',)
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES) + ['__version__']
@@ -53,20 +53,20 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # Static type checkers see the real names.
   from t5export import errors
-  from t5export._src.callbacks import ExportCallback
-  from t5export._src.exporter import SavedModelExporter
-  from t5export._src.jax_module import JaxModule
-  from t5export._src.checkpoints import read_params
-  from t5export._src.offline_export import export_checkpoint
-  from t5export._src.offline_export import OfflineOptions
-  from t5export._src.options import ExportOptions
-  from t5export._src.partitioning import shard_state
-  from t5export._src.partitioning import standard_logical_axis_rules
-  from t5export._src.serving import Signature
-  from t5export._src.t5x_models import signatures as t5x_signatures
-  from t5export._src.train_state import FlaxOptimTrainState
-  from t5export._src.train_state import InferenceState
-  from t5export._src.train_state import TrainState
-  from t5export._src.verify import load_function
-  from t5export._src.verify import load_params
-  from t5export._src.metadata import read_metadata
+  from t5export._src.loop.callbacks import ExportCallback
+  from t5export._src.engine.exporter import SavedModelExporter
+  from t5export._src.engine.jax_module import JaxModule
+  from t5export._src.offline.checkpoints import read_params
+  from t5export._src.offline.offline_export import export_checkpoint
+  from t5export._src.offline.offline_export import OfflineOptions
+  from t5export._src.engine.options import ExportOptions
+  from t5export._src.state.partitioning import shard_state
+  from t5export._src.state.partitioning import standard_logical_axis_rules
+  from t5export._src.engine.serving import Signature
+  from t5export._src.t5x.t5x_models import signatures as t5x_signatures
+  from t5export._src.state.train_state import FlaxOptimTrainState
+  from t5export._src.state.train_state import InferenceState
+  from t5export._src.state.train_state import TrainState
+  from t5export._src.versions.verify import load_function
+  from t5export._src.versions.verify import load_params
+  from t5export._src.versions.metadata import read_metadata

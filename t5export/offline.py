@@ -29,9 +29,9 @@ from absl import logging
 import gin
 
 from t5export import errors
-from t5export._src import host_buffers
-from t5export._src import offline_export
-from t5export._src import options as options_lib
+from t5export._src.snapshot import host_buffers
+from t5export._src.offline import offline_export
+from t5export._src.engine import options as options_lib
 
 if __name__ == '__main__':
   # Run as `__main__` by `python -m`: run the module under its real name, so
@@ -110,8 +110,8 @@ def rewrite_args(argv: Sequence[str]) -> list[str]:
 def _load_options(overrides: dict[str, Any]) -> offline_export.OfflineOptions:
   """Parses the gin config as T5X does, then applies the flags' overrides."""
   # Register every t5export configurable first: a locked config takes none.
-  from t5export._src import exporter  # pylint: disable=g-import-not-at-top,unused-import
-  from t5export._src import serving  # pylint: disable=g-import-not-at-top,unused-import
+  from t5export._src.engine import exporter  # pylint: disable=g-import-not-at-top,unused-import
+  from t5export._src.engine import serving  # pylint: disable=g-import-not-at-top,unused-import
   files, bindings = list(_GIN_FILE.value), list(_GIN_BINDINGS.value)
   for path in filter(os.path.isdir, _GIN_SEARCH_PATHS.value):
     gin.add_config_file_search_path(path)

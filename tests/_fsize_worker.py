@@ -69,7 +69,7 @@ def main(argv: list[str]) -> None:
   signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
   import _reliability_model as model  # pylint: disable=g-import-not-at-top
   import t5export  # pylint: disable=g-import-not-at-top
-  from t5export._src import callbacks  # pylint: disable=g-import-not-at-top
+  from t5export._src.loop import callbacks  # pylint: disable=g-import-not-at-top
   sig = model.signature()
   result = {'log': [], 'raise': []}
 

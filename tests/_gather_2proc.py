@@ -36,11 +36,11 @@ def main(process_id: int, num_processes: int, port: int,
 
   import optax  # pylint: disable=g-import-not-at-top
 
-  from t5export._src import host_buffers  # pylint: disable=g-import-not-at-top
-  from t5export._src import partitioning  # pylint: disable=g-import-not-at-top
-  from t5export._src import paths  # pylint: disable=g-import-not-at-top
-  from t5export._src import snapshot  # pylint: disable=g-import-not-at-top
-  from t5export._src import train_state  # pylint: disable=g-import-not-at-top
+  from t5export._src.snapshot import host_buffers  # pylint: disable=g-import-not-at-top
+  from t5export._src.state import partitioning  # pylint: disable=g-import-not-at-top
+  from t5export._src.state import paths  # pylint: disable=g-import-not-at-top
+  from t5export._src.snapshot import snapshot  # pylint: disable=g-import-not-at-top
+  from t5export._src.state import train_state  # pylint: disable=g-import-not-at-top
 
   assert jax.process_count() == num_processes
   n_local = jax.local_device_count()
@@ -78,7 +78,7 @@ def main(process_id: int, num_processes: int, port: int,
   snap_flat = paths.flatten(snap.variables)
   # The same on an accelerator (detection alone simulated): leaves over
   # both processes are all-gathered at once, the others' transfers dispatched.
-  from t5export._src import accelerators  # pylint: disable=g-import-not-at-top
+  from t5export._src.snapshot import accelerators  # pylint: disable=g-import-not-at-top
   accelerators.training_platform = lambda: 'cuda'
   staged = snapshot.take_snapshot(sharded, rules=rules, owned=None)
   staged_flat = paths.flatten(staged.on_host().variables)

@@ -24,11 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import _report  # Beside this script in tests/.
-from t5export._src import device_transfer
-from t5export._src import host_buffers
-from t5export._src import partitioning
-from t5export._src import paths
-from t5export._src import train_state
+from t5export._src.snapshot import device_transfer
+from t5export._src.snapshot import host_buffers
+from t5export._src.state import partitioning
+from t5export._src.state import paths
+from t5export._src.state import train_state
 
 
 def check(variables: dict, case: str) -> None:

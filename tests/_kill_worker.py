@@ -35,7 +35,7 @@ from typing import Any
 
 # What the fork server imports before it forks any worker.
 PRELOAD = ['tensorflow', 'jax', 'jax.numpy', 'flax', 'optax', 't5export',
-           't5export._src.exporter', 't5export._src.callbacks',
+           't5export._src.engine.exporter', 't5export._src.loop.callbacks',
            '_reliability_model', '_kill_worker']
 
 
@@ -48,8 +48,8 @@ def run(export_dir: str, mode: str, keep: int, log_path: str,
   os.close(fd)
   import _reliability_model as model  # pylint: disable=g-import-not-at-top
   import t5export  # pylint: disable=g-import-not-at-top
-  from t5export._src import callbacks  # pylint: disable=g-import-not-at-top
-  from t5export._src import exporter as exporter_lib  # pylint: disable=g-import-not-at-top
+  from t5export._src.loop import callbacks  # pylint: disable=g-import-not-at-top
+  from t5export._src.engine import exporter as exporter_lib  # pylint: disable=g-import-not-at-top
   sig = model.signature()
   scratch = tempfile.mkdtemp(prefix='t5export-kill-warmup-')
   try:

@@ -106,7 +106,7 @@ def make_signatures(model: Any) -> list[Any]:
 
 def _specs(params: Any) -> dict[str, list[Any]]:
   """Each param's PartitionSpec as JSON (path -> one entry per dim)."""
-  from t5export._src import paths  # pylint: disable=g-import-not-at-top
+  from t5export._src.state import paths  # pylint: disable=g-import-not-at-top
   flat = paths.flatten(jax.tree.map(lambda x: x.sharding.spec, params),
                        is_leaf=lambda x: isinstance(
                            x, jax.sharding.PartitionSpec))
@@ -131,9 +131,9 @@ def train_and_export(args: argparse.Namespace) -> None:
   import t5export  # pylint: disable=g-import-not-at-top
   from examples import models  # pylint: disable=g-import-not-at-top
   from t5export import errors  # pylint: disable=g-import-not-at-top
-  from t5export._src import host_buffers  # pylint: disable=g-import-not-at-top
-  from t5export._src import partitioning  # pylint: disable=g-import-not-at-top
-  from t5export._src import paths  # pylint: disable=g-import-not-at-top
+  from t5export._src.snapshot import host_buffers  # pylint: disable=g-import-not-at-top
+  from t5export._src.state import partitioning  # pylint: disable=g-import-not-at-top
+  from t5export._src.state import paths  # pylint: disable=g-import-not-at-top
 
   rows, cols = (int(v) for v in args.mesh.split(','))
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(rows, cols),
@@ -296,7 +296,7 @@ def train_and_export(args: argparse.Namespace) -> None:
 
 def silent(args: argparse.Namespace) -> None:
   """Process 0 never reports (or dies); the others must raise, not hang."""
-  from t5export._src import distributed  # pylint: disable=g-import-not-at-top
+  from t5export._src.snapshot import distributed  # pylint: disable=g-import-not-at-top
   from t5export import errors  # pylint: disable=g-import-not-at-top
 
   coord = distributed.ExportCoordinator(timeout_secs=args.timeout)

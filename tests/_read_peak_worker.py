@@ -15,9 +15,9 @@ import sys
 import _report  # tests/ is on sys.path.
 import proc_memory  # tests/ is on sys.path.
 from t5export import offline
-from t5export._src import checkpoints
-from t5export._src import host_buffers
-from t5export._src import paths
+from t5export._src.offline import checkpoints
+from t5export._src.snapshot import host_buffers
+from t5export._src.state import paths
 
 
 def main(ckpt: str, warm_up_ckpt: str) -> None:

@@ -91,9 +91,9 @@ def check_version(version_dir: str) -> int:
       incomplete or differs from the model.
   """
   import jax  # pylint: disable=g-import-not-at-top
-  from t5export._src import paths  # pylint: disable=g-import-not-at-top
-  from t5export._src import metadata  # pylint: disable=g-import-not-at-top
-  from t5export._src import verify  # pylint: disable=g-import-not-at-top
+  from t5export._src.state import paths  # pylint: disable=g-import-not-at-top
+  from t5export._src.versions import metadata  # pylint: disable=g-import-not-at-top
+  from t5export._src.versions import verify  # pylint: disable=g-import-not-at-top
   step = int(os.path.basename(version_dir))
   meta = metadata.read_metadata(version_dir)
   assert meta.step == step, (version_dir, meta.step)

@@ -36,7 +36,7 @@ def main(argv: list[str]) -> None:
   num_steps, kill_at, keep, every, ckpt_every = (int(a) for a in argv[3:8])
   from examples import train as train_lib  # pylint: disable=g-import-not-at-top
   import t5export  # pylint: disable=g-import-not-at-top
-  from t5export._src import callbacks  # pylint: disable=g-import-not-at-top
+  from t5export._src.loop import callbacks  # pylint: disable=g-import-not-at-top
   cb = callbacks.ExportCallback(
       t5export.SavedModelExporter(
           export_dir, [train_lib.mlp_signature()],

@@ -19,9 +19,9 @@ import jax
 import numpy as np
 
 import t5export
-from t5export._src import partitioning
-from t5export._src import paths
-from t5export._src import snapshot
+from t5export._src.state import partitioning
+from t5export._src.state import paths
+from t5export._src.snapshot import snapshot
 import t5x_setup
 
 

@@ -19,8 +19,8 @@ import tensorflow as tf
 import _report  # tests/ is on sys.path.
 import proc_memory  # tests/ is on sys.path.
 import t5export
-from t5export._src import verify
-from t5export._src import xla_schedule
+from t5export._src.versions import verify
+from t5export._src.engine import xla_schedule
 
 WIDTH, DEPTH = 2048, 16  # 64M params, 128 MiB in bfloat16.
 

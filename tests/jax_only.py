@@ -35,7 +35,7 @@ _JAX_RUNNER = textwrap.dedent('''
     import jax
     import numpy as np
     from t5export import errors
-    from t5export._src import verify
+    from t5export._src.versions import verify
 
     functions = {}
 

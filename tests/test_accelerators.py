@@ -1,4 +1,4 @@
-"""Tests for t5export._src.accelerators and an accelerator trainer's export.
+"""Tests for t5export._src.snapshot.accelerators and an accelerator trainer's export.
 
 No accelerator here: a simulated one replaces `training_platform` (the
 backend's detection) alone; JAX, TensorFlow and the CPU's pinned host memory
@@ -18,10 +18,10 @@ import pytest
 
 import t5export
 from t5export import errors
-from t5export._src import accelerators
-from t5export._src import exporter as exporter_lib
-from t5export._src import metadata
-from t5export._src import verify
+from t5export._src.snapshot import accelerators
+from t5export._src.engine import exporter as exporter_lib
+from t5export._src.versions import metadata
+from t5export._src.versions import verify
 
 
 @pytest.fixture
@@ -61,7 +61,7 @@ def test_check_refuses_platforms_tensorflow_cannot_run(simulated_gpu,
 def test_tensorflow_sees_no_gpu_once_the_engine_is_imported():
   # jax_module (imported by everything that builds a SavedModel) runs the
   # hook when it is imported; this TensorFlow has no GPU to hide.
-  from t5export._src import jax_module  # pylint: disable=g-import-not-at-top
+  from t5export._src.engine import jax_module  # pylint: disable=g-import-not-at-top
   del jax_module
   assert accelerators.keep_tensorflow_off_gpus.cache_info().currsize == 1
   assert accelerators.keep_tensorflow_off_gpus() == accelerators.NO_GPU

@@ -1,4 +1,4 @@
-"""Tests for t5export._src.async_export: the bounded background worker.
+"""Tests for t5export._src.loop.async_export: the bounded background worker.
 
 One item runs and one waits; `when_busy` decides what a third does: wait for
 room (the default) or replace the waiting one ('skip', latest wins).
@@ -17,7 +17,7 @@ import weakref
 
 import pytest
 
-from t5export._src import async_export
+from t5export._src.loop import async_export
 from t5export import errors
 
 TIMEOUT = 60.0  # Generous upper bound for any single wait; never reached.
@@ -267,7 +267,7 @@ def test_interpreter_exit_finishes_queued_item_without_close(tmp_path):
   out = tmp_path / 'out.txt'
   script = textwrap.dedent(f"""
       import threading
-      from t5export._src import async_export
+      from t5export._src.loop import async_export
       gate = threading.Event()
       def fn(item):
         gate.wait()
@@ -290,7 +290,7 @@ def test_interpreter_exit_finishes_queued_item_without_close(tmp_path):
 
 
 def test_is_light_no_tensorflow_or_jax_import():
-  code = ('import sys; import t5export._src.async_export; '
+  code = ('import sys; import t5export._src.loop.async_export; '
           'print(sorted(m for m in ("tensorflow", "jax") if m in sys.modules))')
   out = subprocess.run([sys.executable, '-c', code], capture_output=True,
                        text=True, timeout=60, check=True).stdout

@@ -1,4 +1,4 @@
-"""Tests for t5export._src.background: work an export runs off its caller."""
+"""Tests for t5export._src.engine.background: work an export runs off its caller."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def test_interpreter_exit_waits_for_background_work(tmp_path):
   out = tmp_path / 'done.txt'
   script = textwrap.dedent(f"""
       import time
-      from t5export._src import background
+      from t5export._src.engine import background
       def work():
         time.sleep(1.0)  # Still running when the main thread ends.
         with open({str(out)!r}, 'w') as f:
@@ -29,7 +29,7 @@ def test_interpreter_exit_waits_for_background_work(tmp_path):
 
 
 def test_an_error_in_background_work_reaches_its_future():
-  from t5export._src import background  # pylint: disable=g-import-not-at-top
+  from t5export._src.engine import background  # pylint: disable=g-import-not-at-top
 
   def fail():
     raise ValueError('the copy failed')

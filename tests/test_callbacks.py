@@ -1,4 +1,4 @@
-"""Tests for t5export._src.callbacks.ExportCallback with real training steps.
+"""Tests for t5export._src.loop.callbacks.ExportCallback with real training steps.
 
 A tiny MlpBn (params with logical axes + batch_stats) trains with optax and
 `jax.jit(donate_argnums=0)`; the callback exports while it trains and every
@@ -34,9 +34,9 @@ import tensorflow as tf
 
 import t5export
 from examples import models
-from t5export._src import callbacks
+from t5export._src.loop import callbacks
 from t5export import errors
-from t5export._src import snapshot as snapshot_lib
+from t5export._src.snapshot import snapshot as snapshot_lib
 
 FEATURES = 4
 X_SAMPLE = np.linspace(-1.0, 1.0, 3 * FEATURES, dtype=np.float32).reshape(

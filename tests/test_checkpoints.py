@@ -1,4 +1,4 @@
-"""Tests for t5export._src.checkpoints: params-only reads of real checkpoints.
+"""Tests for t5export._src.offline.checkpoints: params-only reads of real checkpoints.
 
 Every checkpoint here is written by the real library (orbax CheckpointManager,
 PyTreeCheckpointer, StandardCheckpointer, flax msgpack, tensorstore + msgpack
@@ -23,12 +23,12 @@ from flax import serialization
 from flax.training import train_state as flax_train_state
 import tensorstore as ts
 
-from t5export._src import checkpoints
+from t5export._src.offline import checkpoints
 from t5export import errors
-from t5export._src import host_buffers
-from t5export._src import orbax_checkpoints
-from t5export._src import paths
-from t5export._src import train_state
+from t5export._src.snapshot import host_buffers
+from t5export._src.offline import orbax_checkpoints
+from t5export._src.state import paths
+from t5export._src.state import train_state
 
 
 def _rchar() -> int:

@@ -44,12 +44,12 @@ import offline_cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 import offline_gin  # pylint: disable=g-import-not-at-top,wrong-import-position
 from examples import models  # pylint: disable=g-import-not-at-top,wrong-import-position
 import t5export  # pylint: disable=g-import-not-at-top,wrong-import-position
-from t5export._src import callbacks  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5export._src.loop import callbacks  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5export import errors  # pylint: disable=g-import-not-at-top,wrong-import-position
-from t5export._src import exporter as exporter_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
-from t5export._src import verify  # pylint: disable=g-import-not-at-top,wrong-import-position
-from t5export._src import serving  # pylint: disable=g-import-not-at-top,wrong-import-position
-from t5export._src import serving_compat  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5export._src.engine import exporter as exporter_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5export._src.versions import verify  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5export._src.engine import serving  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5export._src.engine import serving_compat  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 DOC = REPO / 'docs' / 'errors.md'
 _OFFLINE_PREFIX = 't5export.offline: error: '

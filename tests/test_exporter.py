@@ -1,4 +1,4 @@
-"""Tests for t5export._src.exporter with real flax models, JAX and TensorFlow.
+"""Tests for t5export._src.engine.exporter with real flax models, JAX and TensorFlow.
 
 Three real models are exported once per module (module-scoped fixtures):
 the MlpBn classifier (logical axes, batch_stats; exported twice to check
@@ -31,13 +31,13 @@ from examples import models
 from examples import tokenizer
 import t5export
 from t5export import errors
-from t5export._src import host_buffers
-from t5export._src import paths
-from t5export._src import staged_check
-from t5export._src import metadata
-from t5export._src import verify
-from t5export._src import versions
-from t5export._src import serving_compat
+from t5export._src.snapshot import host_buffers
+from t5export._src.state import paths
+from t5export._src.engine import staged_check
+from t5export._src.versions import metadata
+from t5export._src.versions import verify
+from t5export._src.versions import versions
+from t5export._src.engine import serving_compat
 import tf_only  # tests/ is on sys.path.
 
 VENV_BIN = os.path.dirname(sys.executable)

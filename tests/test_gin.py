@@ -24,9 +24,9 @@ import tensorflow as tf
 
 import t5export
 from examples import models
-from t5export._src import callbacks
-from t5export._src import partitioning
-from t5export._src import metadata
+from t5export._src.loop import callbacks
+from t5export._src.state import partitioning
+from t5export._src.versions import metadata
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # The package paths users include (README); they resolve wherever t5export
@@ -92,7 +92,7 @@ def test_package_paths_resolve_from_any_directory(tmp_path, monkeypatch):
   """'t5export/gin/...' is found through the package, not the cwd."""
   monkeypatch.chdir(tmp_path)  # No t5export/ here: only the package has it.
   gin.parse_config(textwrap.dedent(f"""
-      import t5export._src.callbacks
+      import t5export._src.loop.callbacks
       include '{EXPORT_GIN}'
       include '{PARTITIONING_GIN}'
       EXPORT_DIR = '{tmp_path}'
@@ -211,13 +211,13 @@ def test_dynamic_registration_in_a_fresh_process(tmp_path):
       import t5export
       t5export.ExportCallback.export_every_steps = 7
       ''')
-      import t5export._src.callbacks
+      import t5export._src.loop.callbacks
       with open(sys.argv[1], 'w') as f:  # Not stdout: TensorFlow's too.
         json.dump({
           'value': gin.query_parameter(
               't5export.ExportCallback.export_every_steps'),
           'same_class': t5export.ExportCallback is
-                        t5export._src.callbacks.ExportCallback,
+                        t5export._src.loop.callbacks.ExportCallback,
         }, f)
       """)
   path = tmp_path / 'result.json'

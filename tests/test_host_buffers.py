@@ -1,4 +1,4 @@
-"""Tests for t5export._src.host_buffers: the gather to host and owned arrays."""
+"""Tests for t5export._src.snapshot.host_buffers: the gather to host and owned arrays."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import pytest
 
 import _report  # tests/ is on sys.path.
 import distributed_setup  # tests/ is on sys.path.
-from t5export._src import host_buffers
-from t5export._src import paths
+from t5export._src.snapshot import host_buffers
+from t5export._src.state import paths
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 TESTS_DIR = pathlib.Path(__file__).resolve().parent

@@ -37,12 +37,12 @@ from examples import models
 from examples import tokenizer
 import t5export
 from t5export import errors
-from t5export._src import jax_artifacts
-from t5export._src import jax_module
-from t5export._src import metadata
-from t5export._src import paths
-from t5export._src import serving_compat
-from t5export._src import verify
+from t5export._src.versions import jax_artifacts
+from t5export._src.engine import jax_module
+from t5export._src.versions import metadata
+from t5export._src.state import paths
+from t5export._src.engine import serving_compat
+from t5export._src.versions import verify
 import jax_only  # tests/ is on sys.path.
 import tf_only  # tests/ is on sys.path.
 

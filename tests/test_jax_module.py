@@ -1,4 +1,4 @@
-"""Tests for t5export._src.jax_module (JaxModule).
+"""Tests for t5export._src.engine.jax_module (JaxModule).
 
 Real flax models (MlpBn from examples, an inline CNN with BatchNorm, a model
 with nested dict/tuple inputs and outputs, bfloat16 models) are converted,
@@ -25,10 +25,10 @@ import tensorflow as tf
 
 from examples import models
 from t5export import errors
-from t5export._src import host_buffers
-from t5export._src import jax_module
-from t5export._src import paths
-from t5export._src import serving
+from t5export._src.snapshot import host_buffers
+from t5export._src.engine import jax_module
+from t5export._src.state import paths
+from t5export._src.engine import serving
 import tf_only  # tests/ is on sys.path.
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -447,7 +447,7 @@ def test_tf_variable_name_is_tf_safe(path, name):
 _MEMORY_SCRIPT = textwrap.dedent('''
     import gc, json, sys, threading, time
     import jax.numpy as jnp, numpy as np, psutil, tensorflow as tf
-    from t5export._src import jax_module
+    from t5export._src.engine import jax_module
     proc = psutil.Process()
 
     class Peak:

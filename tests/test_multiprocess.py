@@ -1,4 +1,4 @@
-"""Sharded and multi-process export (t5export._src.distributed + ExportCallback).
+"""Sharded and multi-process export (t5export._src.snapshot.distributed + ExportCallback).
 
 The subprocess runs (tests/_mp_worker.py) are started together by one
 module-scoped fixture, so the idle time of one run (process 1 waiting for
@@ -222,7 +222,7 @@ def reference(tmp_path_factory):
     export(npz_path, step) -> version dir.
   """
   import t5export  # pylint: disable=g-import-not-at-top
-  from t5export._src import paths  # pylint: disable=g-import-not-at-top
+  from t5export._src.state import paths  # pylint: disable=g-import-not-at-top
 
   model = _mp_worker.make_model()
   done: dict[tuple[str, int], str] = {}
@@ -272,8 +272,8 @@ def _signature_outputs(version_dir: str) -> dict[str, np.ndarray]:
 def _assert_same_as_reference(version_dir: pathlib.Path, ref_dir: str,
                               npz_path: pathlib.Path) -> None:
   """Params and signature outputs equal the unsharded export, bit for bit."""
-  from t5export._src import paths  # pylint: disable=g-import-not-at-top
-  from t5export._src import verify  # pylint: disable=g-import-not-at-top
+  from t5export._src.state import paths  # pylint: disable=g-import-not-at-top
+  from t5export._src.versions import verify  # pylint: disable=g-import-not-at-top
 
   got = paths.flatten(verify.load_params(version_dir))
   want = paths.flatten(verify.load_params(ref_dir))
@@ -293,7 +293,7 @@ def _assert_same_as_reference(version_dir: pathlib.Path, ref_dir: str,
 def _assert_mesh_axes_recorded(version_dir: pathlib.Path,
                                specs: dict[str, list[Any]]) -> None:
   import json  # pylint: disable=g-import-not-at-top
-  from t5export._src import metadata  # pylint: disable=g-import-not-at-top
+  from t5export._src.versions import metadata  # pylint: disable=g-import-not-at-top
   meta = metadata.read_metadata(version_dir).params
   assert len(meta) == len(specs)
   for path, spec in specs.items():
@@ -338,8 +338,8 @@ def test_two_processes_export_like_one(runs, reference):
   _assert_same_as_reference(export_dir / '4', reference(npz, 4), npz)
 
   # Version 2 holds the step-2 params, not a stale or later view.
-  from t5export._src import paths  # pylint: disable=g-import-not-at-top
-  from t5export._src import verify  # pylint: disable=g-import-not-at-top
+  from t5export._src.state import paths  # pylint: disable=g-import-not-at-top
+  from t5export._src.versions import verify  # pylint: disable=g-import-not-at-top
   v2 = paths.flatten(verify.load_params(export_dir / '2'))
   v4 = paths.flatten(verify.load_params(export_dir / '4'))
   assert any(not _same_bits(v2[p], v4[p]) for p in v4)
@@ -462,7 +462,7 @@ def test_dead_writer_raises_our_own_error(runs):
 
 
 def test_coordinator_single_process_passes_through():
-  from t5export._src import distributed  # pylint: disable=g-import-not-at-top
+  from t5export._src.snapshot import distributed  # pylint: disable=g-import-not-at-top
   coord = distributed.ExportCoordinator(timeout_secs=1)
   assert not coord.active and coord.is_writer
   assert coord.run(lambda: 'made', what='x') == 'made'
@@ -481,7 +481,7 @@ def test_coordinator_single_process_passes_through():
     (0, ValueError), (-1.5, ValueError), ('60', TypeError), (True, TypeError),
     (None, TypeError)])
 def test_coordinator_rejects_bad_timeout(value, error):
-  from t5export._src import distributed  # pylint: disable=g-import-not-at-top
+  from t5export._src.snapshot import distributed  # pylint: disable=g-import-not-at-top
   with pytest.raises(error, match='multiprocess_timeout_secs'):
     distributed.ExportCoordinator(timeout_secs=value)
 

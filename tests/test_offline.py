@@ -33,9 +33,9 @@ from flax import serialization
 
 from examples import models
 from t5export import offline
-from t5export._src import offline_export
-from t5export._src import paths
-from t5export._src import train_state
+from t5export._src.offline import offline_export
+from t5export._src.state import paths
+from t5export._src.state import train_state
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / 'tests'))
@@ -367,7 +367,7 @@ def test_flax_msgpack_cast_to_bfloat16(background, tf_run):
 def test_same_version_as_the_training_callback(background, work):
   """The callback, given the same state and config, publishes the same."""
   import t5export  # pylint: disable=g-import-not-at-top
-  from t5export._src import verify  # pylint: disable=g-import-not-at-top
+  from t5export._src.versions import verify  # pylint: disable=g-import-not-at-top
 
   job = background['manager']
   assert job.result().returncode == 0, job.result().stderr[-2000:]
@@ -405,7 +405,7 @@ def test_same_version_as_the_training_callback(background, work):
 def test_export_checkpoint_api_overwrites_a_version(background, work):
   """The Python entry point, gin-free, replacing version 7 (overwrite)."""
   import t5export  # pylint: disable=g-import-not-at-top
-  from t5export._src import verify  # pylint: disable=g-import-not-at-top
+  from t5export._src.versions import verify  # pylint: disable=g-import-not-at-top
 
   job = background['pytree']
   assert job.result().returncode == 0, job.result().stderr[-2000:]
@@ -457,10 +457,10 @@ def test_the_model_is_traced_while_the_checkpoint_is_read(
   """With an init_fn the exporter is prepared (traced, graph saved) beside
   the read. Here the read waits for that preparation, which an export that
   reads first and traces afterwards would never reach."""
-  from t5export._src import checkpoints  # pylint: disable=g-import-not-at-top
+  from t5export._src.offline import checkpoints  # pylint: disable=g-import-not-at-top
   # pylint: disable-next=g-import-not-at-top
-  from t5export._src import exporter as exporter_lib
-  from t5export._src import verify  # pylint: disable=g-import-not-at-top
+  from t5export._src.engine import exporter as exporter_lib
+  from t5export._src.versions import verify  # pylint: disable=g-import-not-at-top
 
   prepared, readers = threading.Event(), []
   real_prepare, real_read = (exporter_lib.SavedModelExporter.prepare,
@@ -500,7 +500,7 @@ def test_a_checkpoint_in_other_dtypes_than_the_model_is_traced_again(
   """The model (init_fn) is float32; the checkpoint holds bfloat16 params
   and no --dtype is given: what was prepared from the model's dtypes is set
   aside and the export traces for the checkpoint's."""
-  from t5export._src import verify  # pylint: disable=g-import-not-at-top
+  from t5export._src.versions import verify  # pylint: disable=g-import-not-at-top
 
   state = _mlp_variables(4)
   params = _to_np(jax.tree_util.tree_map(

@@ -1,4 +1,4 @@
-"""Tests for t5export._src.outcomes: the tally of due exports."""
+"""Tests for t5export._src.loop.outcomes: the tally of due exports."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from t5export._src import outcomes
+from t5export._src.loop import outcomes
 
 
 def test_counts_queue_running_count_scalars_and_summarize():

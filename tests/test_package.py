@@ -19,15 +19,18 @@ import _report  # tests/ is on sys.path.
 import t5export
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-LIGHT_MODULES = ('paths', 'train_state', 'state_axes',
-                 'partitioning', 'host_buffers', 'background', 'snapshot',
-                 'async_export', 'distributed', 'versions',
-                 'checkpoints', 'orbax_checkpoints',
-                 'msgpack_checkpoints', 'triggering', 'outcomes',
-                 'serving_compat', 'tensor_bundle', 'jax_artifacts', 'verify',
-                 'staged_check', 'options', 'metadata', 'accelerators',
-                 'tf_loadable', 'custom_ops', 't5x_features',
-                 'device_transfer')
+LIGHT_MODULES = ('state.paths', 'state.train_state', 'state.state_axes',
+                 'state.partitioning', 'snapshot.host_buffers',
+                 'engine.background', 'snapshot.snapshot',
+                 'loop.async_export', 'snapshot.distributed',
+                 'versions.versions', 'offline.checkpoints',
+                 'offline.orbax_checkpoints', 'offline.msgpack_checkpoints',
+                 'loop.triggering', 'loop.outcomes', 'engine.serving_compat',
+                 'versions.tensor_bundle', 'versions.jax_artifacts',
+                 'versions.verify', 'engine.staged_check', 'engine.options',
+                 'versions.metadata', 'snapshot.accelerators',
+                 'engine.tf_loadable', 'engine.custom_ops', 't5x.t5x_features',
+                 'snapshot.device_transfer')
 TENSORFLOW = ('tensorflow', 'keras', 'tf_keras')  # keras pulls tensorflow in.
 
 
@@ -96,7 +99,7 @@ def test_light_module_does_not_import_tensorflow(module, light_imports,
 def test_tensorflow_gpu_opt_in_never_imports_tensorflow(tmp_path):
   # T5EXPORT_TF_GPU=1: the hook leaves TensorFlow alone, not even importing
   # it (without it, it must ask TensorFlow for its GPUs).
-  code = ('from t5export._src import accelerators\n'
+  code = ('from t5export._src.snapshot import accelerators\n'
           'assert accelerators.hide_gpus_from_tensorflow('
           '{accelerators.TF_GPU_ENV: "1"}) == accelerators.ALLOWED\n')
   assert _heavy_imports(code, tmp_path) == []
@@ -104,7 +107,7 @@ def test_tensorflow_gpu_opt_in_never_imports_tensorflow(tmp_path):
 
 def test_metadata_reader_is_standard_library_only(tmp_path):
   # What tools/inspect_export.py needs on a host without JAX or TensorFlow.
-  assert _heavy_imports('from t5export._src import metadata', tmp_path,
+  assert _heavy_imports('from t5export._src.versions import metadata', tmp_path,
                         heavy=TENSORFLOW + ('jax', 'jaxlib', 'numpy')) == []
 
 
@@ -124,7 +127,7 @@ def test_reading_checkpoints_does_not_import_tensorflow(tmp_path,
   ocp.PyTreeCheckpointer().save(tmp_path / 'orbax', state)
   (tmp_path / 'state.msgpack').write_bytes(
       serialization.msgpack_serialize(state))
-  code = ('from t5export._src import checkpoints\n' + ''.join(
+  code = ('from t5export._src.offline import checkpoints\n' + ''.join(
       f'checkpoints.read_params({str(p)!r})\n'
       for p in (t5x_checkpoint_dir, tmp_path / 'orbax',
                 tmp_path / 'state.msgpack')))
@@ -205,7 +208,7 @@ def test_only_errors_is_a_public_submodule():
 
 def test_gin_registers_the_contract_names():
   import gin  # pylint: disable=g-import-not-at-top
-  import t5export._src.callbacks  # noqa: F401  (registers the heavy classes)
+  import t5export._src.loop.callbacks  # noqa: F401  (registers the heavy classes)
   bindings = {
       't5export.ExportCallback.export_every_steps': 3,
       't5export.Signature.name': 'serving_default',

@@ -1,4 +1,4 @@
-"""Tests for t5export._src.partitioning: rules, mesh axes, sharding."""
+"""Tests for t5export._src.state.partitioning: rules, mesh axes, sharding."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import optax
 import pytest
 
 from t5export import errors
-from t5export._src import partitioning
-from t5export._src import paths
-from t5export._src import train_state
+from t5export._src.state import partitioning
+from t5export._src.state import paths
+from t5export._src.state import train_state
 
 ALL_DIMS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 

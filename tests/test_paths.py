@@ -1,9 +1,9 @@
-"""Tests for t5export._src.paths."""
+"""Tests for t5export._src.state.paths."""
 
 import numpy as np
 import pytest
 
-from t5export._src import paths
+from t5export._src.state import paths
 
 
 def test_flatten_orders_like_jax_and_joins_keys():

@@ -46,9 +46,9 @@ import _report  # pylint: disable=g-import-not-at-top,wrong-import-position
 import _small_fs  # pylint: disable=g-import-not-at-top,wrong-import-position
 import t5export  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5export import errors  # pylint: disable=g-import-not-at-top,wrong-import-position
-from t5export._src import metadata  # pylint: disable=g-import-not-at-top,wrong-import-position
-from t5export._src import paths  # pylint: disable=g-import-not-at-top,wrong-import-position
-from t5export._src import verify  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5export._src.versions import metadata  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5export._src.state import paths  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5export._src.versions import verify  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _ENV = {**os.environ,
         'PYTHONPATH': os.pathsep.join([str(REPO), str(TESTS)]),
@@ -265,7 +265,7 @@ def test_sigkill_at_random_moments_never_publishes_a_partial_version(
         w.close()
   print('\n'.join(report))
 
-  from t5export._src import exporter as exporter_lib  # pylint: disable=g-import-not-at-top
+  from t5export._src.engine import exporter as exporter_lib  # pylint: disable=g-import-not-at-top
   left = _staging(export_dir)
   versions = _versions(export_dir)
   exporter_lib.SavedModelExporter(
@@ -355,7 +355,7 @@ def small_fs(tmp_path):
 
 def test_full_disk_fails_export_and_training_continues(small_fs):
   """ENOSPC on a real (tiny tmpfs) disk with on_error='log', then space back."""
-  from t5export._src import callbacks  # pylint: disable=g-import-not-at-top
+  from t5export._src.loop import callbacks  # pylint: disable=g-import-not-at-top
   export_dir = os.path.join(small_fs, 'export')
   cb = callbacks.ExportCallback(
       t5export.SavedModelExporter(
@@ -398,7 +398,7 @@ def _export_fails_while_unwritable_then_recovers(export_dir: str,
     unwritable: a context manager factory; exports fail inside it.
     cause: the OS error text the failures must carry.
   """
-  from t5export._src import exporter as exporter_lib  # pylint: disable=g-import-not-at-top
+  from t5export._src.engine import exporter as exporter_lib  # pylint: disable=g-import-not-at-top
   exporter = exporter_lib.SavedModelExporter(
       export_dir, [model.signature()],
       options=t5export.ExportOptions(keep=KEEP))
@@ -483,7 +483,7 @@ def _with_bad_values(step: int, bad: dict[str, float]) -> dict:
 @pytest.fixture(scope='module')
 def nan_exporters(tmp_path_factory):
   """Two exporters on fresh directories: the default one and an allowing one."""
-  from t5export._src import exporter as exporter_lib  # pylint: disable=g-import-not-at-top
+  from t5export._src.engine import exporter as exporter_lib  # pylint: disable=g-import-not-at-top
   root = tmp_path_factory.mktemp('non_finite')
   refusing = exporter_lib.SavedModelExporter(
       str(root / 'refuse'), [model.signature()],
@@ -546,7 +546,7 @@ def test_allow_non_finite_publishes_them_as_they_are(nan_exporters, value):
 def test_non_finite_export_in_training_is_logged_and_training_goes_on(
     tmp_path):
   """ExportCallback(on_error='log'): a NaN step is refused, the next exports."""
-  from t5export._src import callbacks  # pylint: disable=g-import-not-at-top
+  from t5export._src.loop import callbacks  # pylint: disable=g-import-not-at-top
   export_dir = str(tmp_path / 'export')
   cb = callbacks.ExportCallback(
       t5export.SavedModelExporter(
@@ -589,7 +589,7 @@ RESUME_EVERY, RESUME_CKPT_EVERY = 2, 4
 def test_restarted_training_continues_the_version_sequence(tmp_path):
   """Killed at step 11, restarted from its checkpoint: 12, 14, 16 follow."""
   from examples import train as train_lib  # pylint: disable=g-import-not-at-top
-  from t5export._src import callbacks  # pylint: disable=g-import-not-at-top
+  from t5export._src.loop import callbacks  # pylint: disable=g-import-not-at-top
   workdir, export_dir = str(tmp_path / 'run'), str(tmp_path / 'export')
   proc = subprocess.run(
       [sys.executable, str(TESTS / '_resume_worker.py'), workdir, export_dir,
@@ -683,7 +683,7 @@ def _resources() -> dict[str, int]:
 @pytest.fixture(scope='module')
 def load_run(tmp_path_factory):
   """200 async exports (every step, keep=3), watched after each one."""
-  from t5export._src import callbacks  # pylint: disable=g-import-not-at-top
+  from t5export._src.loop import callbacks  # pylint: disable=g-import-not-at-top
   export_dir = str(tmp_path_factory.mktemp('load') / 'export')
   cb = callbacks.ExportCallback(
       t5export.SavedModelExporter(

@@ -1,4 +1,4 @@
-"""Tests for t5export._src.serving (Signature, make_module, serving functions).
+"""Tests for t5export._src.engine.serving (Signature, make_module, serving functions).
 
 End-to-end cases save real flax models (TinyT5 with string pre/post-
 processing and integer tokens of two lengths, MlpBn, a lookup-table
@@ -18,7 +18,7 @@ import tensorflow as tf
 from examples import models
 from examples import tokenizer
 from t5export import errors
-from t5export._src import serving
+from t5export._src.engine import serving
 import tf_only  # pylint: disable=g-bad-import-order
 
 MAX_DECODE_LEN = 4

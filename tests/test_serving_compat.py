@@ -19,7 +19,7 @@ import pytest
 
 import t5export
 from t5export import errors
-from t5export._src import serving_compat
+from t5export._src.engine import serving_compat
 
 
 @pytest.mark.parametrize('target, version', [

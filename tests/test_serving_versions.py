@@ -43,7 +43,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import t5export
-from t5export._src import accelerators
+from t5export._src.snapshot import accelerators
 from examples import models
 from examples import tokenizer
 from examples import train as train_lib
@@ -239,7 +239,7 @@ def t5x_beam(tmp_path_factory) -> dict:
   of a batch of another size."""
   t5x_setup.import_t5x()
   from t5x import models as t5x_models_lib  # pylint: disable=g-import-not-at-top
-  from t5export._src import t5x_models  # pylint: disable=g-import-not-at-top
+  from t5export._src.t5x import t5x_models  # pylint: disable=g-import-not-at-top
   tiny = t5x_setup.tiny_model()
   model = t5x_models_lib.EncoderDecoderModel(  # decode_fn: T5X's default.
       module=tiny.module, input_vocabulary=tiny.input_vocabulary,

@@ -1,4 +1,4 @@
-"""Tests for t5export._src.snapshot: strip, resolve axes, gather to host."""
+"""Tests for t5export._src.snapshot.snapshot: strip, resolve axes, gather to host."""
 
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ import pytest
 
 from examples import models
 from t5export import errors
-from t5export._src import accelerators
-from t5export._src import device_transfer
-from t5export._src import host_buffers
-from t5export._src import partitioning
-from t5export._src import paths
-from t5export._src import snapshot
-from t5export._src import train_state
+from t5export._src.snapshot import accelerators
+from t5export._src.snapshot import device_transfer
+from t5export._src.snapshot import host_buffers
+from t5export._src.state import partitioning
+from t5export._src.state import paths
+from t5export._src.snapshot import snapshot
+from t5export._src.state import train_state
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -188,7 +188,10 @@ def test_snapshot_of_sharded_state_8_devices(t5_variables, tmp_path):
   code = '''
 import json, pickle, sys
 import jax, numpy as np, optax
-from t5export._src import partitioning, paths, snapshot, train_state
+from t5export._src.state import partitioning
+from t5export._src.state import paths
+from t5export._src.snapshot import snapshot
+from t5export._src.state import train_state
 variables = pickle.load(open(sys.argv[1], 'rb'))
 rules = partitioning.standard_logical_axis_rules(parameter_partitioning_dims=2)
 mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2),

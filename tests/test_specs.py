@@ -1,4 +1,4 @@
-"""Tests for t5export._src.specs: parsing input specs and naming inputs/outputs.
+"""Tests for t5export._src.engine.specs: parsing input specs and naming inputs/outputs.
 
 How a `Signature` uses the parsed specs (TF input signature, polymorphic
 shapes, validation messages with the signature's name) is tested in
@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 from t5export import errors
-from t5export._src import specs
+from t5export._src.engine import specs
 
 
 @pytest.mark.parametrize('text, dims', [

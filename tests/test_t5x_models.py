@@ -1,4 +1,4 @@
-"""Tests for t5export._src.t5x_models: signatures built from T5X's own models.
+"""Tests for t5export._src.t5x.t5x_models: signatures built from T5X's own models.
 
 The encoder-decoder signatures are checked end to end, in a TensorFlow-only
 process, against T5X's Trainer in tests/test_t5x_trainer.py; here: a
@@ -22,7 +22,7 @@ sys.path.insert(0, str(TESTS))
 import t5x_setup  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from t5export import errors  # pylint: disable=g-import-not-at-top,wrong-import-position
-from t5export._src import t5x_models  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5export._src.t5x import t5x_models  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 # Every test here runs T5X's own code (conftest.py: skipped where T5X is
 # not found, an error under T5EXPORT_REQUIRE_T5X=1).
@@ -42,7 +42,7 @@ def test_decoder_only_text_signatures_match_t5x(tmp_path, vocabulary,
                                                  tf_2_19_process):
   import jax  # pylint: disable=g-import-not-at-top
   import t5export  # pylint: disable=g-import-not-at-top
-  from t5export._src import metadata  # pylint: disable=g-import-not-at-top
+  from t5export._src.versions import metadata  # pylint: disable=g-import-not-at-top
   model = t5x_setup.decoder_only_model(vocabulary=vocabulary)
   length = LENGTHS['inputs'] + LENGTHS['targets']  # Prefix LM layout.
   # Seed 3: weights whose greedy decodes are not all EOS at once.

@@ -25,10 +25,10 @@ import numpy as np
 import pytest
 
 import t5export
-from t5export._src import partitioning
-from t5export._src import paths
-from t5export._src import snapshot
-from t5export._src import verify
+from t5export._src.state import partitioning
+from t5export._src.state import paths
+from t5export._src.snapshot import snapshot
+from t5export._src.versions import verify
 import t5x_setup  # tests/ is on sys.path.
 import tf_only
 

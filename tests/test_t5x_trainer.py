@@ -123,7 +123,7 @@ def t5x_run(tmp_path_factory, model):
   from t5x import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
   from t5x import utils  # pylint: disable=g-import-not-at-top
   import t5export  # pylint: disable=g-import-not-at-top
-  from t5export._src import t5x_models  # pylint: disable=g-import-not-at-top
+  from t5export._src.t5x import t5x_models  # pylint: disable=g-import-not-at-top
 
   tmp = tmp_path_factory.mktemp('t5x_run')
   partitioner = t5x_setup.partitioner()
@@ -277,8 +277,8 @@ def _check_version(version_dir, params, model, tf_process, mesh_axes, *,
                    text, names=('serving_default', 'score', 'logits',
                                 'encode'), some_text=True):
   """TF-only outputs == T5X's; weights bit-exact; mesh axes == T5X's."""
-  from t5export._src import metadata  # pylint: disable=g-import-not-at-top
-  from t5export._src import verify  # pylint: disable=g-import-not-at-top
+  from t5export._src.versions import metadata  # pylint: disable=g-import-not-at-top
+  from t5export._src.versions import verify  # pylint: disable=g-import-not-at-top
   # Weights: bit-exact, every leaf, nothing extra.
   exported = _flat(_numpy_tree(verify.load_params(version_dir)['params']))
   expected = _flat(params)
@@ -302,7 +302,7 @@ def test_train_eval_action_exports_at_first_eval_after_each_multiple(
   action = t5x_run['action']
   assert action.versions() == EXPECTED_VERSIONS
   assert t5x_run['action_versions_before_close'] == EXPECTED_VERSIONS
-  from t5export._src import metadata  # pylint: disable=g-import-not-at-top
+  from t5export._src.versions import metadata  # pylint: disable=g-import-not-at-top
   for step in EXPECTED_VERSIONS:
     version_dir = t5x_run['tmp'] / 'action' / str(step)
     _check_version(version_dir, t5x_run['params_at'][step], t5x_run['model'],
@@ -372,7 +372,7 @@ _TRAIN_GIN = textwrap.dedent('''\
 
 def test_t5x_train_with_shipped_gin(tmp_path, tf_process, model):
   t5x_setup.import_t5x()
-  from t5export._src import checkpoints  # pylint: disable=g-import-not-at-top
+  from t5export._src.offline import checkpoints  # pylint: disable=g-import-not-at-top
   model_dir, export_dir = tmp_path / 'model', tmp_path / 'export'
   config = tmp_path / 'tiny_train.gin'
   config.write_text(

@@ -1,4 +1,4 @@
-"""Tests for t5export._src.tensor_bundle against checkpoints TensorFlow wrote.
+"""Tests for t5export._src.versions.tensor_bundle against checkpoints TensorFlow wrote.
 
 Every tensor is written by TensorFlow (`SaveV2`, `MergeV2Checkpoints`,
 `tf.saved_model.save`) and read back both by TensorFlow's own reader and by
@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 from t5export import errors
-from t5export._src import tensor_bundle
+from t5export._src.versions import tensor_bundle
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 
 

@@ -1,4 +1,4 @@
-"""Tests for t5export._src.tf_loadable: ops rewritten so TensorFlow loads them.
+"""Tests for t5export._src.engine.tf_loadable: ops rewritten so TensorFlow loads them.
 
 Here, in JAX alone: the export's `lax.top_k` on a polymorphic shape equals
 `lax.top_k` bit for bit (ties, NaN, signed zeros, any axis, inside loops
@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from t5export import errors
-from t5export._src import serving_compat
-from t5export._src import tf_loadable
+from t5export._src.engine import serving_compat
+from t5export._src.engine import tf_loadable
 
 
 def _export(fn, shapes, example, *, rewrite=True):

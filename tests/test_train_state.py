@@ -1,4 +1,4 @@
-"""Tests for t5export._src.train_state on real flax models and real optax."""
+"""Tests for t5export._src.state.train_state on real flax models and real optax."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import pytest
 
 from examples import models
 from t5export import errors
-from t5export._src import paths
-from t5export._src import train_state as ts_lib
+from t5export._src.state import paths
+from t5export._src.state import train_state as ts_lib
 
 WI = 'encoder_layers_0/mlp/wi'  # A TinyT5 param with axes ('embed', 'mlp').
 

@@ -1,4 +1,4 @@
-"""Tests for t5export._src.triggering: when an export is due.
+"""Tests for t5export._src.loop.triggering: when an export is due.
 
 Time is passed explicitly (`t`), so the `every_secs` cases need no sleeps.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from t5export._src import triggering
+from t5export._src.loop import triggering
 
 
 def _due_steps(trigger: triggering.Trigger, steps, t: float = 0.0):

@@ -1,4 +1,4 @@
-"""Tests for t5export._src.verify against real SavedModels and real JAX."""
+"""Tests for t5export._src.versions.verify against real SavedModels and real JAX."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 import tensorflow as tf
 
 from t5export import errors
-from t5export._src import metadata
-from t5export._src import verify
+from t5export._src.versions import metadata
+from t5export._src.versions import verify
 
 _PATHS = ('params/dense/kernel', 'params/dense/bias', 'params/emb/table',
           'batch_stats/bn/mean')

@@ -299,7 +299,7 @@ def test_offline_cli_includes_the_packaged_offline_gin(venv, home, root):
               cwd=home, timeout=600)
   assert sorted(os.listdir(export_dir)) == [str(STEP)]
   version_dir = export_dir / str(STEP)
-  from t5export._src import metadata  # pylint: disable=g-import-not-at-top
+  from t5export._src.versions import metadata  # pylint: disable=g-import-not-at-top
   assert metadata.read_metadata(version_dir).step == STEP
   [outputs] = tf_only.run([{'dir': str(version_dir),
                             'signature': 'serving_default',
@@ -322,7 +322,7 @@ def test_training_gin_includes_the_packaged_export_gin(venv, home, root):
   # t5export/__init__.py guards against): informative, not asserted.
   del result['util_before_parse']
   assert result == {
-      'type': 't5export._src.callbacks.ExportCallback',
+      'type': 't5export._src.loop.callbacks.ExportCallback',
       'export_dir': str(export_dir),
       'export_every_steps': 10,  # The binding, over export.gin's 1000.
       'keep': 2,  # train.gin, over export.gin's 5.

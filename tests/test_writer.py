@@ -1,4 +1,4 @@
-"""Tests for t5export._src.writer: the graph saved once, weights per version.
+"""Tests for t5export._src.engine.writer: the graph saved once, weights per version.
 
 Every version (the first one too) has its weights written in parallel
 shards beside the graph TensorFlow saved without a checkpoint. Each must
@@ -20,11 +20,11 @@ import pytest
 import tensorflow as tf
 
 import t5export
-from t5export._src import jax_module
-from t5export._src import paths as paths_lib
-from t5export._src import tensor_bundle
-from t5export._src import verify
-from t5export._src import writer as writer_lib
+from t5export._src.engine import jax_module
+from t5export._src.state import paths as paths_lib
+from t5export._src.versions import tensor_bundle
+from t5export._src.versions import verify
+from t5export._src.engine import writer as writer_lib
 
 
 def _mlp(variables, inputs):

@@ -1,4 +1,4 @@
-"""Tests for t5export._src.xla_schedule: the check's XLA temporaries.
+"""Tests for t5export._src.engine.xla_schedule: the check's XLA temporaries.
 
 TensorFlow's XLA, left to its concurrency-optimized CPU schedule, converts
 every bfloat16 kernel to float32 before the first dot: the check of a

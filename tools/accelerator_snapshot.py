@@ -78,11 +78,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from t5export._src import accelerators
-from t5export._src import device_transfer
-from t5export._src import snapshot
-from t5export._src import train_state
-from t5export._src import verify
+from t5export._src.snapshot import accelerators
+from t5export._src.snapshot import device_transfer
+from t5export._src.snapshot import snapshot
+from t5export._src.state import train_state
+from t5export._src.versions import verify
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 DEFAULT_LAYOUTS = '15x8192x8192,240x2048x2048'

@@ -154,9 +154,9 @@ def worker_phases(spec: dict[str, Any]) -> dict[str, Any]:
   import jax
   import tensorflow as tf
   import t5export
-  from t5export._src import staged_check
-  from t5export._src import verify
-  from t5export._src import xla_schedule
+  from t5export._src.engine import staged_check
+  from t5export._src.versions import verify
+  from t5export._src.engine import xla_schedule
   variables = make_variables(spec['n_params'], spec['depth'], spec['dtype'])
   width = model.mlp_width(spec['n_params'], spec['depth'])
   sig = _signature(width)

@@ -29,8 +29,8 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from t5export import errors  # pylint: disable=g-import-not-at-top
-from t5export._src import metadata  # pylint: disable=g-import-not-at-top
-from t5export._src import versions  # pylint: disable=g-import-not-at-top
+from t5export._src.versions import metadata  # pylint: disable=g-import-not-at-top
+from t5export._src.versions import versions  # pylint: disable=g-import-not-at-top
 
 
 def _mib(nbytes: int) -> str:

@@ -82,7 +82,7 @@ def worker_export(spec: dict[str, Any]) -> dict[str, Any]:
     variables = jax.block_until_ready(compiled(variables))
   out = {'phases': phases.phases, 'param_bytes': nbytes}
   if spec['side'] == 'ours':
-    from t5export._src import writer
+    from t5export._src.engine import writer
     out['shards'] = writer.default_shards()  # Threads writing a version.
   return out
 

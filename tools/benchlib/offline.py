@@ -100,7 +100,7 @@ def worker_offline(spec: dict[str, Any]) -> dict[str, Any]:
   width = model.mlp_width(spec['n_params'], spec['depth'])
   sig = model.mlp_signature(width)
   from t5export import offline
-  from t5export._src import offline_export
+  from t5export._src.offline import offline_export
   offline.release_freed_memory()  # As the CLI does before anything else.
   with phases('offline'):
     # What `python -m t5export.offline --ckpt ...` runs after parsing gin.

@@ -26,7 +26,7 @@ def worker_artifact(spec: dict[str, Any]) -> dict[str, Any]:
   spec: n_params, depth, artifacts, workdir.
   """
   import tensorflow  # noqa: F401
-  from t5export._src import metadata
+  from t5export._src.versions import metadata
   variables = model.make_variables(spec['n_params'], spec['depth'])
   width = model.mlp_width(spec['n_params'], spec['depth'])
   side = model.OursSide(pathlib.Path(spec['workdir']) / 'ours', width,

@@ -82,8 +82,8 @@ def _snapshot_vs_memcpy(state: Any, targets: Any) -> dict[str, float]:
   """
   import jax
   import numpy as np
-  from t5export._src import device_transfer
-  from t5export._src import snapshot
+  from t5export._src.snapshot import device_transfer
+  from t5export._src.snapshot import snapshot
   variables = state.variables
   jax.block_until_ready(variables)
   t0 = time.perf_counter()

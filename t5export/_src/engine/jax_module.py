@@ -17,11 +17,11 @@ import numpy as np
 import tensorflow as tf
 
 from t5export import errors
-from t5export._src import accelerators
-from t5export._src import host_buffers
-from t5export._src import paths
-from t5export._src import serving_compat
-from t5export._src import tf_loadable
+from t5export._src.snapshot import accelerators
+from t5export._src.snapshot import host_buffers
+from t5export._src.state import paths
+from t5export._src.engine import serving_compat
+from t5export._src.engine import tf_loadable
 
 # Before any TensorFlow op: the exporting process's TF leaves the GPUs alone.
 accelerators.keep_tensorflow_off_gpus()

@@ -19,12 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from t5export import errors
-from t5export._src import checkpoints
-from t5export._src import host_buffers
-from t5export._src import options as options_lib
-from t5export._src import paths
-from t5export._src import train_state
-from t5export._src import versions
+from t5export._src.offline import checkpoints
+from t5export._src.snapshot import host_buffers
+from t5export._src.engine import options as options_lib
+from t5export._src.state import paths
+from t5export._src.state import train_state
+from t5export._src.versions import versions
 
 DTYPES = ('float32', 'bfloat16', 'float16')
 
@@ -232,6 +232,6 @@ def export_checkpoint(
 def _exporter(export_dir: str, options: OfflineOptions) -> Any:
   """A `SavedModelExporter` (the import that loads TensorFlow)."""
   # pylint: disable-next=g-import-not-at-top
-  from t5export._src import exporter as exporter_lib
+  from t5export._src.engine import exporter as exporter_lib
   return exporter_lib.SavedModelExporter(
       export_dir, options.signatures, options=options.export_options)

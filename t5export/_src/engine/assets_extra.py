@@ -16,14 +16,14 @@ import numpy as np
 import tensorflow as tf
 
 import t5export
-from t5export._src import custom_ops
-from t5export._src import jax_artifacts
-from t5export._src import metadata
-from t5export._src import options as options_lib
-from t5export._src import paths
-from t5export._src import serving
-from t5export._src import snapshot as snapshot_lib
-from t5export._src import writer as writer_lib
+from t5export._src.engine import custom_ops
+from t5export._src.versions import jax_artifacts
+from t5export._src.versions import metadata
+from t5export._src.engine import options as options_lib
+from t5export._src.state import paths
+from t5export._src.engine import serving
+from t5export._src.snapshot import snapshot as snapshot_lib
+from t5export._src.engine import writer as writer_lib
 from tensorflow.core.protobuf import saved_model_pb2
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from t5export import errors
-from t5export._src import t5x_features
+from t5export._src.t5x import t5x_features
 
 # Sample requests (the export check, TF Serving's warm-up), cycled to the
 # batch size: inputs and, for `score`, their targets.

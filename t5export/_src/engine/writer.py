@@ -24,10 +24,10 @@ from tensorflow.core.protobuf import saved_model_pb2
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 
 from t5export import errors
-from t5export._src import background
-from t5export._src import jax_module
-from t5export._src import tensor_bundle
-from t5export._src import versions
+from t5export._src.engine import background
+from t5export._src.engine import jax_module
+from t5export._src.versions import tensor_bundle
+from t5export._src.versions import versions
 from tensorflow_serving.apis import model_pb2
 from tensorflow_serving.apis import predict_pb2
 from tensorflow_serving.apis import prediction_log_pb2

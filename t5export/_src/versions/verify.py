@@ -15,14 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from t5export import errors
-from t5export._src import accelerators
-from t5export._src import custom_ops
-from t5export._src import jax_artifacts
-from t5export._src import metadata
-from t5export._src import paths
-from t5export._src import tensor_bundle
-from t5export._src import tf_loadable
-from t5export._src import xla_schedule
+from t5export._src.snapshot import accelerators
+from t5export._src.engine import custom_ops
+from t5export._src.versions import jax_artifacts
+from t5export._src.versions import metadata
+from t5export._src.state import paths
+from t5export._src.versions import tensor_bundle
+from t5export._src.engine import tf_loadable
+from t5export._src.engine import xla_schedule
 
 # The tracked attribute of JaxModule that holds the params, in order.
 _PARAM_VARS_ATTR = 'param_vars'

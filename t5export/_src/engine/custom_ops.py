@@ -15,7 +15,7 @@ import types
 from typing import Any
 
 from t5export import errors
-from t5export._src import metadata
+from t5export._src.versions import metadata
 
 
 def graph_op_types(saved_model: Any) -> set[str]:

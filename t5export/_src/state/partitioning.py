@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from t5export import errors
-from t5export._src import paths
+from t5export._src.state import paths
 
 PartitionSpec = jax.sharding.PartitionSpec
 # One mesh axis, several (sharded over their product), or None (replicated).

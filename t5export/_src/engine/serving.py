@@ -13,9 +13,9 @@ import numpy as np
 import tensorflow as tf
 
 from t5export import errors
-from t5export._src import jax_module
-from t5export._src import paths
-from t5export._src import specs
+from t5export._src.engine import jax_module
+from t5export._src.state import paths
+from t5export._src.engine import specs
 
 _SIGNATURE_NAME = re.compile(r'^[A-Za-z_][A-Za-z0-9_.\-]*$')
 

@@ -10,8 +10,8 @@ from typing import Any
 import jax
 
 from t5export import errors
-from t5export._src import metadata
-from t5export._src import serving_compat
+from t5export._src.versions import metadata
+from t5export._src.engine import serving_compat
 
 ARTIFACT_DIR = os.path.join(metadata.ASSETS_EXTRA, 'jax_exported')
 

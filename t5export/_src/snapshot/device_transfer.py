@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5export._src import host_buffers
+from t5export._src.snapshot import host_buffers
 
 DEVICE_COPY = 'device_copy'
 PINNED_HOST = 'pinned_host'

@@ -15,11 +15,11 @@ import jax
 import numpy as np
 
 from t5export import errors
-from t5export._src import accelerators
-from t5export._src import background
-from t5export._src import metadata
-from t5export._src import paths
-from t5export._src import verify
+from t5export._src.snapshot import accelerators
+from t5export._src.engine import background
+from t5export._src.versions import metadata
+from t5export._src.state import paths
+from t5export._src.versions import verify
 
 
 # Elements per np.isfinite call: its boolean temporary stays small (heap

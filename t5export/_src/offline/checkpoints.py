@@ -14,10 +14,10 @@ import jax
 import numpy as np
 
 from t5export import errors
-from t5export._src import host_buffers
-from t5export._src import msgpack_checkpoints
-from t5export._src import orbax_checkpoints
-from t5export._src import paths
+from t5export._src.snapshot import host_buffers
+from t5export._src.offline import msgpack_checkpoints
+from t5export._src.offline import orbax_checkpoints
+from t5export._src.state import paths
 
 ORBAX = 'orbax'
 T5X = 't5x'

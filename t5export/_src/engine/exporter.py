@@ -21,21 +21,21 @@ import jax
 import numpy as np
 
 from t5export import errors
-from t5export._src import accelerators
-from t5export._src import assets_extra
-from t5export._src import background
-from t5export._src import host_buffers
-from t5export._src import jax_artifacts as jax_artifacts_lib
-from t5export._src import jax_module
-from t5export._src import metadata
-from t5export._src import options as options_lib
-from t5export._src import paths
-from t5export._src import serving
-from t5export._src import snapshot as snapshot_lib
-from t5export._src import staged_check
-from t5export._src import train_state
-from t5export._src import versions as versions_lib
-from t5export._src import writer as writer_lib
+from t5export._src.snapshot import accelerators
+from t5export._src.engine import assets_extra
+from t5export._src.engine import background
+from t5export._src.snapshot import host_buffers
+from t5export._src.versions import jax_artifacts as jax_artifacts_lib
+from t5export._src.engine import jax_module
+from t5export._src.versions import metadata
+from t5export._src.engine import options as options_lib
+from t5export._src.state import paths
+from t5export._src.engine import serving
+from t5export._src.snapshot import snapshot as snapshot_lib
+from t5export._src.engine import staged_check
+from t5export._src.state import train_state
+from t5export._src.versions import versions as versions_lib
+from t5export._src.engine import writer as writer_lib
 
 
 @gin.configurable('SavedModelExporter', module='t5export')

@@ -20,7 +20,7 @@ from typing_extensions import runtime_checkable
 from typing_extensions import Self
 
 from t5export import errors
-from t5export._src import state_axes
+from t5export._src.state import state_axes
 
 
 class _Keep:

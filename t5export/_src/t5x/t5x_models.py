@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from t5export import errors
-from t5export._src import serving
-from t5export._src import t5x_features
-from t5export._src import t5x_text
+from t5export._src.engine import serving
+from t5export._src.t5x import t5x_features
+from t5export._src.t5x import t5x_text
 
 SAMPLE_BATCH = 2  # Batch of the sample inputs when the batch is polymorphic.
 

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from absl import logging
 
-from t5export._src import host_buffers
+from t5export._src.snapshot import host_buffers
 
 
 class Awaitable(Protocol):

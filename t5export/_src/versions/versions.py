@@ -19,7 +19,7 @@ from absl import logging
 import numpy as np
 
 from t5export import errors
-from t5export._src import metadata
+from t5export._src.versions import metadata
 
 STAGING_PREFIX = '.tmp-'
 _VERSION_RE = re.compile(r'^[0-9]+$')

@@ -8,8 +8,8 @@ from typing import Any
 
 import gin
 
-from t5export._src import serving_compat
-from t5export._src import versions
+from t5export._src.engine import serving_compat
+from t5export._src.versions import versions
 
 @gin.configurable(module='t5export')
 @dataclasses.dataclass(frozen=True, kw_only=True)

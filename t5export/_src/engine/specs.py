@@ -13,7 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from t5export import errors
-from t5export._src import paths
+from t5export._src.state import paths
 
 Dim = int | str  # a static size, or the name of a polymorphic dimension
 

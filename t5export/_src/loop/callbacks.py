@@ -11,14 +11,14 @@ from absl import logging
 import gin
 import jax
 
-from t5export._src import async_export as async_lib
-from t5export._src import distributed
+from t5export._src.loop import async_export as async_lib
+from t5export._src.snapshot import distributed
 from t5export import errors
-from t5export._src import exporter as exporter_lib
-from t5export._src import outcomes as outcomes_lib
-from t5export._src import snapshot as snapshot_lib
-from t5export._src import triggering
-from t5export._src import versions
+from t5export._src.engine import exporter as exporter_lib
+from t5export._src.loop import outcomes as outcomes_lib
+from t5export._src.snapshot import snapshot as snapshot_lib
+from t5export._src.loop import triggering
+from t5export._src.versions import versions
 
 
 def _view(get: Callable[[outcomes_lib.Outcomes], Any], doc: str) -> property:

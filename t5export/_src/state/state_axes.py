@@ -15,7 +15,7 @@ import numpy as np
 import optax
 
 from t5export import errors
-from t5export._src import paths
+from t5export._src.state import paths
 
 AxisMetadata = flax_partitioning.AxisMetadata
 _AXES_SUFFIX = '_axes'

@@ -19,7 +19,7 @@ from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import numpy as np
 
-from t5export._src import paths
+from t5export._src.state import paths
 
 # TensorFlow's CPU kernels require 64-byte aligned tensor data (they abort
 # the process otherwise); owned arrays are allocated at this alignment.

@@ -11,12 +11,12 @@ from absl import logging
 import jax
 import numpy as np
 
-from t5export._src import accelerators
-from t5export._src import device_transfer
-from t5export._src import host_buffers
-from t5export._src import partitioning
-from t5export._src import paths
-from t5export._src import train_state
+from t5export._src.snapshot import accelerators
+from t5export._src.snapshot import device_transfer
+from t5export._src.snapshot import host_buffers
+from t5export._src.state import partitioning
+from t5export._src.state import paths
+from t5export._src.state import train_state
 
 AxesByPath = dict[str, tuple[Any, ...]]
 

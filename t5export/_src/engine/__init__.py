@@ -1,0 +1,1 @@
+"""The engine: a host snapshot staged, checked and published as a version."""

@@ -1,0 +1,1 @@
+"""The loop part: when a training loop exports, in the background."""

@@ -1,0 +1,1 @@
+"""The offline part: checkpoints read (params only) and exported."""

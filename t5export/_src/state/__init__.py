@@ -1,0 +1,1 @@
+"""The state part: train states, their logical axes and leaf naming (no TF)."""

@@ -1,0 +1,1 @@
+"""The T5X part: signatures built from T5X's own models."""
