@@ -11,7 +11,7 @@ import importlib
 import importlib.util  # noqa: F401  pylint: disable=unused-import
 from typing import TYPE_CHECKING, Any
 
-__version__ = '0.1.0'
+from t5export._src.release import __version__
 
 # Module under t5export._src (part.module) -> the public names it defines.
 _BY_MODULE = {

@@ -91,6 +91,7 @@ def check_version(version_dir: str) -> int:
       incomplete or differs from the model.
   """
   import jax  # pylint: disable=g-import-not-at-top
+  from t5export._src.engine import staged_check
   from t5export._src.state import paths  # pylint: disable=g-import-not-at-top
   from t5export._src.versions import metadata  # pylint: disable=g-import-not-at-top
   from t5export._src.versions import verify  # pylint: disable=g-import-not-at-top
@@ -104,9 +105,9 @@ def check_version(version_dir: str) -> int:
   for path, value in want.items():
     np.testing.assert_array_equal(np.asarray(stored[path]), value,
                                   err_msg=f'{version_dir}: {path}')
-  actual, = verify.run_signatures_isolated(
+  actual, = staged_check.run_signatures_isolated(
       version_dir, [(SIGNATURE, {'x': SAMPLE_X})])
-  verify.compare_outputs(
+  staged_check.compare_outputs(
       SIGNATURE, actual, jax.jit(serve)(expected, {'x': SAMPLE_X}),
       atol=1e-5, rtol=1e-5)
   return step

@@ -2,7 +2,7 @@
 
 XLA reads its flags once per process, so each case needs its own. Exports a
 bfloat16 Dense stack unchecked, then runs the version as the check does
-(`verify.run_signatures_isolated`) and reports the peak RSS that adds, as
+(`staged_check.run_signatures_isolated`) and reports the peak RSS that adds, as
 a multiple of the param bytes (the kernel's VmHWM after clear_refs).
 """
 
@@ -19,7 +19,7 @@ import tensorflow as tf
 import _report  # tests/ is on sys.path.
 import proc_memory  # tests/ is on sys.path.
 import t5export
-from t5export._src.versions import verify
+from t5export._src.engine import staged_check
 from t5export._src.engine import xla_schedule
 
 WIDTH, DEPTH = 2048, 16  # 64M params, 128 MiB in bfloat16.
@@ -51,7 +51,7 @@ def main(export_dir: str) -> None:
   flags_before = os.environ.get('XLA_FLAGS')
   proc_memory.reset_peak()
   rss = proc_memory.status('VmRSS:')
-  (out,) = verify.run_signatures_isolated(path, [('serving_default',
+  (out,) = staged_check.run_signatures_isolated(path, [('serving_default',
                                                    {'x': x})])
   added = (proc_memory.status('VmHWM:') - rss) / (WIDTH * WIDTH * DEPTH * 2)
   np.testing.assert_allclose(out['y'], np.asarray(_mlp(

@@ -19,6 +19,7 @@ import pytest
 import t5export
 from t5export import errors
 from t5export._src.snapshot import accelerators
+from t5export._src.engine import tf_devices
 from t5export._src.engine import exporter as exporter_lib
 from t5export._src.versions import metadata
 from t5export._src.versions import verify
@@ -43,8 +44,8 @@ def test_default_platforms_add_cpu_to_the_training_platform(monkeypatch,
 
 
 def test_check_runs_on_cpu_when_lowered_for_it(simulated_gpu):
-  assert accelerators.check_platform(('cpu', 'cuda')) == 'cpu'
-  assert accelerators.check_platform(('cuda', 'cpu')) == 'cpu'
+  assert tf_devices.check_platform(('cpu', 'cuda')) == 'cpu'
+  assert tf_devices.check_platform(('cuda', 'cpu')) == 'cpu'
 
 
 @pytest.mark.parametrize('lowered', [('cuda',), ('tpu',), ('rocm', 'tpu')])
@@ -54,7 +55,7 @@ def test_check_refuses_platforms_tensorflow_cannot_run(simulated_gpu,
                      match=re.escape(f'platforms={lowered!r})') +
                      r".*its TensorFlow runs \['cpu'\]\. Add 'cpu' to "
                      'platforms') as raised:
-    accelerators.check_platform(lowered)
+    tf_devices.check_platform(lowered)
   assert raised.value.runnable == ('cpu',)
 
 
@@ -63,20 +64,20 @@ def test_tensorflow_sees_no_gpu_once_the_engine_is_imported():
   # hook when it is imported; this TensorFlow has no GPU to hide.
   from t5export._src.engine import jax_module  # pylint: disable=g-import-not-at-top
   del jax_module
-  assert accelerators.keep_tensorflow_off_gpus.cache_info().currsize == 1
-  assert accelerators.keep_tensorflow_off_gpus() == accelerators.NO_GPU
+  assert tf_devices.keep_tensorflow_off_gpus.cache_info().currsize == 1
+  assert tf_devices.keep_tensorflow_off_gpus() == tf_devices.NO_GPU
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   assert tf.config.get_visible_devices('GPU') == []
-  assert accelerators.tensorflow_platforms() == ('cpu',)
+  assert tf_devices.tensorflow_platforms() == ('cpu',)
 
 
 @pytest.mark.parametrize('value', ['1', 'true', 'YES'])
 def test_opting_in_leaves_tensorflow_alone(value):
   # (tests/test_package.py checks that this path never imports TensorFlow.)
-  assert accelerators.hide_gpus_from_tensorflow(
-      {accelerators.TF_GPU_ENV: value}) == accelerators.ALLOWED
-  assert accelerators.hide_gpus_from_tensorflow(
-      {accelerators.TF_GPU_ENV: '0'}) == accelerators.NO_GPU
+  assert tf_devices.hide_gpus_from_tensorflow(
+      {tf_devices.TF_GPU_ENV: value}) == tf_devices.ALLOWED
+  assert tf_devices.hide_gpus_from_tensorflow(
+      {tf_devices.TF_GPU_ENV: '0'}) == tf_devices.NO_GPU
 
 
 # --- a simulated GPU trainer, end to end ------------------------------------

@@ -44,6 +44,7 @@ import offline_cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 import offline_gin  # pylint: disable=g-import-not-at-top,wrong-import-position
 from examples import models  # pylint: disable=g-import-not-at-top,wrong-import-position
 import t5export  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5export._src.engine import staged_check
 from t5export._src.loop import callbacks  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5export import errors  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5export._src.engine import exporter as exporter_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -403,9 +404,9 @@ def test_version_needs_a_missing_ops_package(tmp_path, monkeypatch):
                      r'TensorFlow \(e\.g\. pip install '
                      r'"tensorflow-text==2\.19\.\*" beside TensorFlow 2\.19\), '
                      r'and load the version again\.'):
-    verify.run_signatures_isolated(path, request)
+    staged_check.run_signatures_isolated(path, request)
   monkeypatch.undo()
-  out, = verify.run_signatures_isolated(path, request)
+  out, = staged_check.run_signatures_isolated(path, request)
   np.testing.assert_allclose(out['logits'], jax.jit(model.serve)(
       model.params_for(1), {'x': np.full((1, model.FEATURES), 3.0,
                                          np.float32)})['logits'], atol=1e-5)

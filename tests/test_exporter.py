@@ -380,16 +380,16 @@ def test_second_export_updates_in_place_without_retracing(mlp):
       np.testing.assert_array_equal(paths.flatten(params)[name], value)
   x = _rng_x(2, 9, 16)
   for path, state in zip(mlp['paths'], mlp['states']):
-    actual, = verify.run_signatures_isolated(
+    actual, = staged_check.run_signatures_isolated(
         path, [('serving_default', {'x': x})])
-    verify.compare_outputs(
+    staged_check.compare_outputs(
         'serving_default', actual,
         models.make_mlp_serve_fn(mlp['model'])(state.variables, {'x': x}),
         atol=1e-5, rtol=1e-5)
 
 
 def test_call_exported_round_trip(mlp):
-  fn = verify.call_exported(mlp['paths'][1], 'serving_default')
+  fn = staged_check.call_exported(mlp['paths'][1], 'serving_default')
   x = _rng_x(3, 4, 16)
   out = fn({'x': x})
   np.testing.assert_allclose(
@@ -681,27 +681,31 @@ def test_validate_needs_sample_inputs(tmp_path):
   assert not meta.signatures['serving_default'].has_sample_inputs
 
 
+def _check_finite(tree):
+  staged_check.check_finite(paths.leaves(tree))
+
+
 def test_flatten_metrics_and_check_finite():
   assert versions.flatten_metrics(
       {'a': {'b': np.float32(0.5), 'c': jnp.int32(3)}, 'd': 'x'}) == {
           'a/b': 0.5, 'a/c': 3, 'd': 'x'}
-  staged_check.check_finite({'w': jnp.ones(3, jnp.bfloat16),
+  _check_finite({'w': jnp.ones(3, jnp.bfloat16),
                              'i': np.arange(3)})
   with pytest.raises(errors.NonFiniteParamsError, match=r"'params/w' holds 2"):
-    staged_check.check_finite(
+    _check_finite(
         {'params': {'w': jnp.array([np.inf, 1, -np.inf], jnp.bfloat16)}})
   # Large leaves are checked block by block: a NaN in the last, partial
   # block is found, and the message counts every bad value of the leaf.
   size = 3 * staged_check._FINITE_BLOCK + 6  # pylint: disable=protected-access
   w = np.ones((size,), np.float32)
-  staged_check.check_finite({'w': w.reshape(2, -1)})
+  _check_finite({'w': w.reshape(2, -1)})
   w[7], w[-1] = np.inf, np.nan
   with pytest.raises(errors.NonFiniteParamsError,
                      match=rf"'w' holds 2 non-finite value\(s\) .* of {size}"):
-    staged_check.check_finite({'w': w.reshape(2, -1)})
+    _check_finite({'w': w.reshape(2, -1)})
   w[7] = 0.0
   with pytest.raises(errors.NonFiniteParamsError, match=r"'w' holds 1 "):
-    staged_check.check_finite({'w': w.reshape(2, -1)})
+    _check_finite({'w': w.reshape(2, -1)})
 
 
 # --- how params reach the variables: views, owned arrays ---------------------
@@ -988,11 +992,11 @@ def test_prepare_traces_from_shapes_then_the_first_export_writes_weights(
   assert not export_dir.exists()
   traces = exporter.module.trace_count
   assert traces >= 1
-  assert exporter._writer.reuses_graph  # pylint: disable=protected-access
+  assert exporter._stage.writer.reuses_graph  # pylint: disable=protected-access
   path = exporter.export(
       t5export.InferenceState.create(variables).replace_step(3), owned=True)
   assert exporter.module.trace_count == traces
-  assert exporter.module.shares_memory(variables)
+  assert exporter.module.shares_memory(jax.tree_util.tree_leaves(variables))
   assert sorted(os.listdir(path)) == [
       'assets', 'assets.extra', 'fingerprint.pb', 'saved_model.pb',
       'variables']
@@ -1001,9 +1005,9 @@ def test_prepare_traces_from_shapes_then_the_first_export_writes_weights(
     np.testing.assert_array_equal(verify.load_params(path)['params'][name],
                                   expected['params'][name])
   x = _rng_x(2, 12, 8)
-  actual, = verify.run_signatures_isolated(
+  actual, = staged_check.run_signatures_isolated(
       path, [('serving_default', {'x': x})])
-  verify.compare_outputs('serving_default', actual, _dense(expected, {'x': x}),
+  staged_check.compare_outputs('serving_default', actual, _dense(expected, {'x': x}),
                          atol=1e-6, rtol=1e-6)
   with pytest.raises(RuntimeError, match=(
       r'already prepared or used; prepare a new exporter before its first')):

@@ -311,7 +311,9 @@ def test_artifact_follows_the_serving_target():
     exported = jax.export.deserialize(bytearray(module.serialize_method('f')))
     assert exported.calling_convention_version == calling_convention
     assert exported.platforms == module.platforms
-    entry = jax_artifacts.describe(module.serialize_method('f'), 'f', target)
+    entry = jax_artifacts.describe(
+        module.serialize_method('f'), 'f',
+        stablehlo_version=target and target.stablehlo_version)
     assert entry['stablehlo_version'] == target.stablehlo_version
     x = np.arange(12, dtype=np.float32).reshape(3, 4)
     np.testing.assert_array_equal(

@@ -706,7 +706,7 @@ def test_borrowed_values_share_the_callers_memory_in_variable_order():
     source = jax.device_put(_dense_variables(8, dtype))
     module = _dense_module(jax.tree_util.tree_map(np.zeros_like, source))
     views = host_buffers.gather_to_host(source, owned=False)
-    lent = module.borrowed_values(views)
+    lent = module.borrowed_values(paths.leaves(views))
     assert lent is not None and len(lent) == len(module.param_vars)
     for tensor, path in zip(lent, module.param_paths):
       view = paths.flatten(views)[path]
@@ -731,4 +731,4 @@ def test_borrowed_values_decline_what_needs_a_copy(case):
     variables['params']['w'] = host_buffers.aligned_empty((1, 8), w.dtype)
   elif case == 'jax_array':
     variables['params']['w'] = jnp.asarray(w)
-  assert module.borrowed_values(variables) is None
+  assert module.borrowed_values(paths.leaves(variables)) is None

@@ -33,6 +33,7 @@ from flax import serialization
 
 from examples import models
 from t5export import offline
+from t5export._src.engine import staged_check
 from t5export._src.offline import offline_export
 from t5export._src.state import paths
 from t5export._src.state import train_state
@@ -487,9 +488,9 @@ def test_the_model_is_traced_while_the_checkpoint_is_read(
   for key, value in paths.flatten(
       {'params': state.params, **state.flax_mutables}).items():
     np.testing.assert_array_equal(got[key], value)
-  actual, = verify.run_signatures_isolated(
+  actual, = staged_check.run_signatures_isolated(
       path, [('serving_default', {'x': _MLP_X})])
-  verify.compare_outputs(
+  staged_check.compare_outputs(
       'serving_default', actual,
       _mlp_jax({'params': state.params, **state.flax_mutables}),
       atol=1e-5, rtol=1e-5)

@@ -29,6 +29,7 @@ LIGHT_MODULES = ('state.paths', 'state.train_state', 'state.state_axes',
                  'versions.tensor_bundle', 'versions.jax_artifacts',
                  'versions.verify', 'engine.staged_check', 'engine.options',
                  'versions.metadata', 'snapshot.accelerators',
+                 'engine.tf_devices',
                  'engine.tf_loadable', 'engine.custom_ops', 't5x.t5x_features',
                  'snapshot.device_transfer')
 TENSORFLOW = ('tensorflow', 'keras', 'tf_keras')  # keras pulls tensorflow in.
@@ -99,9 +100,9 @@ def test_light_module_does_not_import_tensorflow(module, light_imports,
 def test_tensorflow_gpu_opt_in_never_imports_tensorflow(tmp_path):
   # T5EXPORT_TF_GPU=1: the hook leaves TensorFlow alone, not even importing
   # it (without it, it must ask TensorFlow for its GPUs).
-  code = ('from t5export._src.snapshot import accelerators\n'
-          'assert accelerators.hide_gpus_from_tensorflow('
-          '{accelerators.TF_GPU_ENV: "1"}) == accelerators.ALLOWED\n')
+  code = ('from t5export._src.engine import tf_devices\n'
+          'assert tf_devices.hide_gpus_from_tensorflow('
+          '{tf_devices.TF_GPU_ENV: "1"}) == tf_devices.ALLOWED\n')
   assert _heavy_imports(code, tmp_path) == []
 
 

@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 from t5export import errors
+from t5export._src.engine import staged_check
 from t5export._src.versions import metadata
 from t5export._src.versions import verify
 
@@ -188,8 +189,8 @@ def test_metadata_round_trip_and_damaged_file(tmp_path):
 
 def _compare(model_dir, name, jax_fn, inputs):
   """Runs signature `name` in TensorFlow and compares it with `jax_fn`."""
-  actual, = verify.run_signatures_isolated(model_dir, [(name, inputs)])
-  return verify.compare_outputs(name, actual, jax_fn(dict(inputs)),
+  actual, = staged_check.run_signatures_isolated(model_dir, [(name, inputs)])
+  return staged_check.compare_outputs(name, actual, jax_fn(dict(inputs)),
                                 atol=1e-5, rtol=1e-5)
 
 
@@ -255,7 +256,7 @@ def test_compare_outputs_names_the_kind_and_its_fix(kind, actual, expected,
   with pytest.raises(errors.ExportCheckError,
                      match=rf"signature 's', output '{name}': {what}\. The "
                      r'version was not published\. ') as info:
-    verify.compare_outputs('s', actual, expected, atol=0, rtol=0)
+    staged_check.compare_outputs('s', actual, expected, atol=0, rtol=0)
   assert info.value.kind == kind
   assert str(info.value).endswith(errors.ExportCheckError.FIXES[kind])
   # Only a difference of values can be a matter of tolerance.
@@ -271,7 +272,7 @@ def test_unknown_signature(model_dir, inputs):
 
 
 def test_call_exported_eager_and_jit(model_dir):
-  fn = verify.call_exported(model_dir, 'numeric')
+  fn = staged_check.call_exported(model_dir, 'numeric')
   values = _values(0)
   for batch in (1, 5):
     x = np.random.default_rng(batch).normal(size=(batch, 3)).astype(
@@ -282,7 +283,7 @@ def test_call_exported_eager_and_jit(model_dir):
     np.testing.assert_allclose(out['y'], expected, rtol=1e-6, atol=1e-6)
   # Under jit the output shape must be given for the polymorphic batch.
   x = np.ones((2, 3), np.float32)
-  jitted_fn = verify.call_exported(
+  jitted_fn = staged_check.call_exported(
       model_dir, 'numeric',
       output_shape_dtype={'y': jax.ShapeDtypeStruct((2, 2), jnp.float32)})
   out = jax.jit(lambda x: jitted_fn({'x': x})['y'] * 2)(x)
@@ -293,7 +294,7 @@ def test_call_exported_eager_and_jit(model_dir):
 
 def test_compare_outputs_reports_abs_and_rel_error():
   # The relative error skips JAX zeros (where it has no meaning).
-  errs = verify.compare_outputs(
+  errs = staged_check.compare_outputs(
       's', {'y': np.array([2.5, 0.05, 8.0], np.float32)},
       {'y': np.array([2.0, 0.0, 8.0], np.float32)}, atol=0.5, rtol=0)
   assert errs['y'].max_abs_error == 0.5

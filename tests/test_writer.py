@@ -21,6 +21,7 @@ import tensorflow as tf
 
 import t5export
 from t5export._src.engine import jax_module
+from t5export._src.engine import staged_check
 from t5export._src.state import paths as paths_lib
 from t5export._src.versions import tensor_bundle
 from t5export._src.versions import verify
@@ -75,7 +76,7 @@ def _assert_holds(path: str, seed: int) -> None:
     for leaf in ('kernel', 'bias'):
       np.testing.assert_array_equal(loaded['params'][name][leaf], layer[leaf])
   x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(2, 6)
-  (out,) = verify.run_signatures_isolated(path, [('serving_default',
+  (out,) = staged_check.run_signatures_isolated(path, [('serving_default',
                                                   {'x': x})])
   np.testing.assert_allclose(out['y'], np.asarray(_mlp(want, {'x': x})['y']),
                              rtol=1e-5, atol=1e-6)
@@ -107,7 +108,7 @@ def test_every_version_writes_sharded_variables_and_later_ones_reuse_the_graph(
     assert not os.path.exists(os.path.join(path, 'variables',
                                            'variables_temp'))
     tf.saved_model.experimental.read_fingerprint(path)  # Written again.
-  assert exporter._writer.reuses_graph  # pylint: disable=protected-access
+  assert exporter._stage.writer.reuses_graph  # pylint: disable=protected-access
 
 
 @pytest.mark.parametrize('index', [0, 1, 2])
@@ -228,7 +229,7 @@ def test_reuse_graph_false_saves_every_version_in_full(tmp_path):
       options=t5export.ExportOptions(reuse_graph=False))
   exporter.export(_state(0, 1))
   second = exporter.export(_state(1, 2))
-  assert not exporter._writer.reuses_graph  # pylint: disable=protected-access
+  assert not exporter._stage.writer.reuses_graph  # pylint: disable=protected-access
   assert sorted(os.listdir(os.path.join(second, 'variables'))) == [
       'variables.data-00000-of-00001', 'variables.index']
   np.testing.assert_array_equal(
@@ -368,7 +369,7 @@ def test_durable_false_fsyncs_nothing_and_the_versions_still_serve(
   assert synced == []
   assert exporter.versions() == [3]
   x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(2, 6)
-  (out,) = verify.run_signatures_isolated(
+  (out,) = staged_check.run_signatures_isolated(
       paths[-1], [('serving_default', {'x': x})])
   np.testing.assert_allclose(
       out['y'], np.asarray(_mlp(_variables(2), {'x': x})['y']), rtol=1e-5,

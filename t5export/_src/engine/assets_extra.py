@@ -1,10 +1,10 @@
-"""Writes a staged version's `assets.extra/`: `t5export.json`, `config.gin`
-(with gin), the `jax.export` artifacts and the warm-up requests."""
+"""Writes a staged version's `assets.extra/`: `config.gin` (with gin), the
+`jax.export` artifacts and the warm-up requests, and drafts `t5export.json`
+(publishing writes it once the check is in)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-import datetime
 import os
 from typing import Any
 
@@ -15,11 +15,11 @@ import jaxlib
 import numpy as np
 import tensorflow as tf
 
-import t5export
 from t5export._src.engine import custom_ops
 from t5export._src.versions import jax_artifacts
 from t5export._src.versions import metadata
 from t5export._src.engine import options as options_lib
+from t5export._src import release
 from t5export._src.state import paths
 from t5export._src.engine import serving
 from t5export._src.snapshot import snapshot as snapshot_lib
@@ -50,16 +50,16 @@ def _signature(sig: serving.Signature, signature_def: Any,
       has_sample_inputs=sig.sample_inputs is not None, jax_artifact=artifact)
 
 
-def _params(module: Any,
-            snap: snapshot_lib.HostSnapshot) -> dict[str, metadata.Param]:
-  source = paths.flatten(snap.variables)
+def _params(module: Any, snap: snapshot_lib.HostSnapshot,
+            flat: paths.Leaves) -> dict[str, metadata.Param]:
   params = {}
-  for path, var in zip(module.param_paths, module.param_vars):
+  for path, var, source in zip(module.param_paths, module.param_vars,
+                               flat.leaves):
     logical = (snap.logical_axes or {}).get(path)
     mesh = (snap.mesh_axes or {}).get(path)  # A PartitionSpec or None.
     params[path] = metadata.Param(
         shape=tuple(var.shape.as_list()), dtype=var.dtype.name,
-        source_dtype=np.dtype(np.asarray(source[path]).dtype).name,
+        source_dtype=np.dtype(np.asarray(source).dtype).name,
         logical_axes=None if logical is None else tuple(logical),
         mesh_axes=None if mesh is None else tuple(_jsonable(list(mesh))))
   return params
@@ -68,35 +68,18 @@ def _params(module: Any,
 def write(staging: str, *, module: Any,
           signatures: Sequence[serving.Signature],
           artifacts: Mapping[str, tuple[bytes, dict[str, Any]]],
-          snap: snapshot_lib.HostSnapshot, check: metadata.Check,
-          metrics: dict[str, Any], options: options_lib.ExportOptions,
-          model_name: str) -> int:
-  """Writes a staged, checked version's `assets.extra/` (`artifacts`: name ->
-  (jax.export bytes, metadata entry)); returns the warm-up request count."""
+          snap: snapshot_lib.HostSnapshot, flat: paths.Leaves,
+          options: options_lib.ExportOptions,
+          model_name: str) -> metadata.Metadata:
+  """Writes a staged version's `assets.extra/` but `t5export.json`
+  (`artifacts`: name -> (jax.export bytes, metadata entry)); returns the
+  draft of its metadata (no check, no metrics yet)."""
   for name, (data, _) in artifacts.items():
     path = os.path.join(staging, jax_artifacts.artifact_file(name))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, 'wb') as f:
       f.write(data)
-  # The SignatureDefs as saved (the functions would trace them again).
-  proto = saved_model_pb2.SavedModel()
-  with open(os.path.join(staging, 'saved_model.pb'), 'rb') as f:
-    proto.ParseFromString(f.read())
-  defs = proto.meta_graphs[0].signature_def
-  metadata.write(staging, metadata.Metadata(
-      step=int(snap.step),
-      time_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-      versions={m.__name__: m.__version__
-                for m in (jax, jaxlib, tf, flax, t5export)},
-      serving=options.serving_target.describe(),
-      platforms=tuple(module.platforms),
-      options={k: getattr(options, k) for k in (
-          'trainable', 'jit_compile', 'cast_bfloat16', 'reuse_graph',
-          'jax_artifacts', 'durable')},
-      signatures={s.name: _signature(s, defs[s.name], artifacts.get(
-          s.name, (None, None))[1]) for s in signatures},
-      params=_params(module, snap), nbytes=int(snap.nbytes), check=check,
-      metrics=metrics, custom_ops=custom_ops.find(proto)))
+  os.makedirs(os.path.join(staging, metadata.ASSETS_EXTRA), exist_ok=True)
   # The operative config lists the defaults of every configurable called,
   # so it is never empty by itself: write it only when gin is in use.
   if (gin.config_str().strip() or gin.config_is_locked()) and (
@@ -104,10 +87,28 @@ def write(staging: str, *, module: Any,
     with open(os.path.join(staging, metadata.GIN_CONFIG_FILE), 'w',
               encoding='utf-8') as f:
       f.write(config)
-  if not options.warmup:
-    return 0
-  return writer_lib.write_warmup_requests(
-      os.path.join(staging, metadata.WARMUP_FILE), model_name,
-      [(sig.name, sig.sample_inputs,
-        {k: sig.inputs[k].dtype for k in sig.sample_inputs})
-       for sig in signatures if sig.sample_inputs is not None])
+  if options.warmup:
+    writer_lib.write_warmup_requests(
+        os.path.join(staging, metadata.WARMUP_FILE), model_name,
+        [(sig.name, sig.sample_inputs,
+          {k: sig.inputs[k].dtype for k in sig.sample_inputs})
+         for sig in signatures if sig.sample_inputs is not None])
+  # The SignatureDefs as saved (the functions would trace them again).
+  proto = saved_model_pb2.SavedModel()
+  with open(os.path.join(staging, 'saved_model.pb'), 'rb') as f:
+    proto.ParseFromString(f.read())
+  defs = proto.meta_graphs[0].signature_def
+  return metadata.Metadata(
+      step=int(snap.step), time_utc='',
+      versions={m.__name__: m.__version__ for m in (jax, jaxlib, tf, flax)} |
+      {'t5export': release.__version__},
+      serving=options.serving_target.describe(),
+      platforms=tuple(module.platforms),
+      options={k: getattr(options, k) for k in (
+          'trainable', 'jit_compile', 'cast_bfloat16', 'reuse_graph',
+          'jax_artifacts', 'durable')},
+      signatures={s.name: _signature(s, defs[s.name], artifacts.get(
+          s.name, (None, None))[1]) for s in signatures},
+      params=_params(module, snap, flat), nbytes=int(snap.nbytes),
+      check=metadata.Check(checked=False, reason='not checked yet'),
+      metrics={}, custom_ops=custom_ops.find(proto))

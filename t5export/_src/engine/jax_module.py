@@ -18,13 +18,14 @@ import tensorflow as tf
 
 from t5export import errors
 from t5export._src.snapshot import accelerators
+from t5export._src.engine import tf_devices
 from t5export._src.snapshot import host_buffers
 from t5export._src.state import paths
 from t5export._src.engine import serving_compat
 from t5export._src.engine import tf_loadable
 
 # Before any TensorFlow op: the exporting process's TF leaves the GPUs alone.
-accelerators.keep_tensorflow_off_gpus()
+tf_devices.keep_tensorflow_off_gpus()
 
 _INVALID_NAME_CHARS = re.compile(r'[^A-Za-z0-9_.\-/]')
 
@@ -252,11 +253,11 @@ class JaxModule(tf.Module):
                        input_signature=[meta.input_signatures[method_name]],
                        jit_compile=jit_compile, autograph=False)
 
-  def shares_memory(self, variables: Any) -> bool:
-    """Whether every variable's memory is that of `variables`' numpy leaf."""
-    leaves = jax.tree_util.tree_leaves(variables)
-    return len(leaves) == len(self.param_vars) and all(
-        mine is x for mine, x in zip(self._memory.arrays, leaves))
+  def shares_memory(self, values: Sequence[Any]) -> bool:
+    """Whether every variable's memory is that of its numpy value (in
+    `param_vars` order)."""
+    return len(values) == len(self.param_vars) and all(
+        mine is x for mine, x in zip(self._memory.arrays, values))
 
   def _variable_tree(self) -> Any:
     return jax.tree_util.tree_unflatten(self._meta.treedef,
@@ -346,27 +347,27 @@ class JaxModule(tf.Module):
     return self._to_jax_dtypes(
         jax.tree_util.tree_unflatten(self._meta.treedef, values))
 
-  def borrowed_values(self, variables: Any) -> list[tf.Tensor] | None:
-    """`variables`' leaves as tensors sharing their memory, to read now.
+  def borrowed_values(self, flat: paths.Leaves) -> list[tf.Tensor] | None:
+    """The leaves of `flat` as tensors sharing their memory, to read now.
 
     For writing a version from the caller's values while the variables are
-    still being filled. The caller keeps `variables` unchanged meanwhile.
+    still being filled. The caller keeps the arrays unchanged meanwhile.
 
     Args:
-      variables: a pytree with the constructor's leaf paths.
+      flat: the variables flattened (`paths.leaves`), the constructor's
+        leaf paths.
 
     Returns:
       One tensor per variable in `param_vars` order, or None if a leaf
       would need a copy (layout, alignment, a cast or a dtype conversion).
     """
     meta = self._meta
-    flat = paths.flatten(variables)
-    if tuple(flat) != meta.paths or any(meta.cast_to_f32):
+    if flat.paths != meta.paths or any(meta.cast_to_f32):
       return None
     views = [host_buffers.borrowed(x) if isinstance(x, np.ndarray) and
              x.shape == s and x.dtype == jax.dtypes.canonicalize_dtype(x.dtype)
              else None
-             for x, s in zip((flat[p] for p in meta.paths), meta.shapes)]
+             for x, s in zip(flat.leaves, meta.shapes)]
     if any(v is None for v in views):
       return None
     with tf.device('/CPU:0'):
@@ -393,16 +394,18 @@ class JaxModule(tf.Module):
       errors.VariableMismatchError: the structure, a shape or a dtype
         differs (the message names the leaves); no variable is changed.
     """
+    return self.update_leaves(paths.leaves(variables), owned=owned)
+
+  def update_leaves(self, flat: paths.Leaves, *, owned: bool = False) -> int:
+    """`update_variables` of a tree flattened once (`paths.leaves`)."""
     meta = self._meta
-    flat = paths.flatten(variables)
-    treedef = jax.tree_util.tree_structure(variables)
-    if tuple(flat) != meta.paths or treedef != meta.treedef:
+    if flat.paths != meta.paths or flat.treedef != meta.treedef:
       detail = '; '.join(f'{what} {names}' for what, names in (
-          ('missing', [p for p in meta.paths if p not in flat]),
-          ('unexpected', [p for p in flat if p not in set(meta.paths)]))
+          ('missing', [p for p in meta.paths if p not in flat.paths]),
+          ('unexpected', [p for p in flat.paths if p not in set(meta.paths)]))
                          if names) or (
-          f'same leaf paths, different pytree structure: got {treedef}, '
-          f'expected {meta.treedef}')
+          f'same leaf paths, different pytree structure: got '
+          f'{flat.treedef}, expected {meta.treedef}')
       raise errors.VariableMismatchError(
           'update_variables: the variables do not have the structure the '
           f'module was built with ({detail}). Pass the same tree as at '
@@ -419,9 +422,9 @@ class JaxModule(tf.Module):
           'or build a new JaxModule.')
     viewed, in_place = self._memory.viewed(), 0
     with tf.device('/CPU:0'):
-      for i, (var, path, cast) in enumerate(zip(
-          self.param_vars, meta.paths, meta.cast_to_f32)):
-        leaf = np.asarray(flat[path])  # No copy on CPU.
+      for i, (var, value, cast) in enumerate(zip(
+          self.param_vars, flat.leaves, meta.cast_to_f32)):
+        leaf = np.asarray(value)  # No copy on CPU.
         given = _taken_as_is(leaf, cast=cast, owned=owned)
         target = None if given or i in viewed else self._memory.writable(
             i, var)

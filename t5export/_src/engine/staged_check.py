@@ -1,12 +1,16 @@
-"""Checks before publishing: finite params, staged outputs equal JAX's.
+"""The check before publishing: finite params, then the staged version run
+in TensorFlow as TF Serving runs it and compared with JAX (export step 6).
 
-Importing this module does not import TensorFlow (docs/internals.md).
+Also what runs a version in TensorFlow for tests and tools
+(`run_signatures_isolated`, `call_exported`). Importing this module does
+not import TensorFlow (docs/internals.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-import concurrent.futures
+from collections.abc import Callable, Mapping, Sequence
+import functools
+import os
 import time
 from typing import Any
 
@@ -15,11 +19,13 @@ import jax
 import numpy as np
 
 from t5export import errors
+from t5export._src.engine import custom_ops
+from t5export._src.engine import tf_loadable
+from t5export._src.engine import xla_schedule
 from t5export._src.snapshot import accelerators
-from t5export._src.engine import background
-from t5export._src.versions import metadata
+from t5export._src.engine import tf_devices
 from t5export._src.state import paths
-from t5export._src.versions import verify
+from t5export._src.versions import metadata
 
 
 # Elements per np.isfinite call: its boolean temporary stays small (heap
@@ -27,71 +33,232 @@ from t5export._src.versions import verify
 _FINITE_BLOCK = 1 << 16
 
 
-def check_finite(variables: Any) -> None:
+def check_finite(flat: paths.Leaves) -> None:
   """Raises NonFiniteParamsError naming the first leaf with NaN/Inf."""
-  for path, leaf in paths.flatten(variables).items():
+  for path, leaf in flat.items():
     array = np.asarray(leaf)
     if not jax.numpy.issubdtype(array.dtype, jax.numpy.inexact):
       continue
-    flat = array.reshape(-1)  # ml_dtypes floats (bfloat16) have isfinite.
-    if not all(np.isfinite(flat[i:i + _FINITE_BLOCK]).all()
-               for i in range(0, flat.size, _FINITE_BLOCK)):
-      finite = np.count_nonzero(np.isfinite(flat))  # Only for the message.
-      raise errors.NonFiniteParamsError(path, int(flat.size - finite),
-                                        int(flat.size))
+    flat_array = array.reshape(-1)  # ml_dtypes floats (bfloat16) have isfinite.
+    if not all(np.isfinite(flat_array[i:i + _FINITE_BLOCK]).all()
+               for i in range(0, flat_array.size, _FINITE_BLOCK)):
+      finite = np.count_nonzero(np.isfinite(flat_array))  # For the message.
+      raise errors.NonFiniteParamsError(path, int(flat_array.size - finite),
+                                        int(flat_array.size))
 
 
-class Pending:
-  """JAX references computed beside the write, once `after` is done.
+class Checker:
+  """The check of every version of one exporter."""
 
-  The module's variables must not change until `finish` or `abandon`.
-  """
-
-  def __init__(self, signatures: Sequence[Any], module: Any, *, atol: float,
-               rtol: float, after: background.Awaitable | None = None,
-               platform: str = 'cpu'):
-    """Starts the JAX side (`platform`: where TF and JAX both run it)."""
+  def __init__(self, signatures: Sequence[Any], *, validate: bool,
+               allow_non_finite: bool, atol: float, rtol: float,
+               platform: str | None):
+    """`platform`: where TF and JAX both run the check (None: no check)."""
     # The exporter checked that every signature has its sample inputs.
-    self._signatures = signatures
+    self._signatures = list(signatures)
+    self._validate, self._allow_non_finite = validate, allow_non_finite
     self._atol, self._rtol = atol, rtol
     self._platform = platform
-    self._jax_device = str(accelerators.jax_device(platform))
 
-    def references() -> tuple[list[Any], float]:
-      if after is not None:
-        after.result()  # The module's values are there.
-      start = time.monotonic()
-      return ([sig.reference_outputs(module, sig.sample_inputs,
-                                     platform=platform)
-               for sig in signatures], time.monotonic() - start)
+  def check(self, staged: Any) -> metadata.Check:
+    """Checks a `stage.Staged` version while its files are being written.
 
-    self._pool = concurrent.futures.ThreadPoolExecutor(
-        1, thread_name_prefix='t5export-check')
-    self._future = self._pool.submit(references)
+    The finite test and the JAX side run here, beside the write; then the
+    written version runs in TensorFlow.
 
-  def finish(self, staging: str) -> metadata.Check:
-    """Runs `staging` in TF; ExportCheckError names the first output off."""
-    # The JAX temporaries are gone before TensorFlow restores the weights.
-    self._pool.shutdown(wait=True)
-    expected, jax_seconds = self._future.result()
+    Returns:
+      What was checked, for the version's metadata.
+
+    Raises:
+      NonFiniteParamsError: a param holds NaN/Inf (`allow_non_finite`).
+      ExportCheckError: the staged SavedModel differs from JAX.
+      UnloadableSignatureError: TensorFlow cannot load or run a signature.
+    """
+    if not self._allow_non_finite:
+      check_finite(staged.flat)
+    if not self._validate:
+      return metadata.Check(checked=False,
+                            reason='ExportOptions(validate=False)')
+    platform = self._platform
+    if staged.fill is not None:
+      staged.fill.result()  # The module's values are there.
     start = time.monotonic()
-    actuals = verify.run_signatures_isolated(
-        staging, [(sig.name, sig.sample_inputs) for sig in self._signatures],
-        platform=self._platform)
+    expected = [sig.reference_outputs(staged.module, sig.sample_inputs,
+                                      platform=platform)
+                for sig in self._signatures]
+    jax_seconds = time.monotonic() - start
+    staged.written()
+    start = time.monotonic()
+    actuals = run_signatures_isolated(
+        staged.directory,
+        [(sig.name, sig.sample_inputs) for sig in self._signatures],
+        platform=platform)
     logging.info('t5export: check of %s on %s: JAX references in %.2fs '
                  '(beside the write), TensorFlow load and run in %.2fs.',
-                 staging, self._platform, jax_seconds,
+                 staged.directory, platform, jax_seconds,
                  time.monotonic() - start)
     checks = {}
     for sig, actual, want in zip(self._signatures, actuals, expected):
-      checks[sig.name] = metadata.SignatureCheck(1, verify.compare_outputs(
+      checks[sig.name] = metadata.SignatureCheck(1, compare_outputs(
           sig.name, actual, want, atol=self._atol, rtol=self._rtol))
-    return metadata.Check(
+    check = metadata.Check(
         checked=True, atol=self._atol, rtol=self._rtol, signatures=checks,
-        tf_platform=self._platform,
-        tf_device=accelerators.TF_DEVICES[self._platform],
-        jax_platform=self._platform, jax_device=self._jax_device)
+        tf_platform=platform, tf_device=tf_devices.TF_DEVICES[platform],
+        jax_platform=platform,
+        jax_device=str(accelerators.jax_device(platform)))
+    logging.info('t5export: step %d: check %s.', staged.step, check.summary())
+    return check
 
-  def abandon(self) -> None:
-    """Waits for the JAX side and drops it (the export failed meanwhile)."""
-    self._pool.shutdown(wait=True)  # Its error, if any, stays unraised.
+
+def _named_outputs(outputs: Any) -> dict[str, Any]:
+  """A signature's outputs as {name: value}; pytrees are named by path."""
+  if isinstance(outputs, Mapping) and all(
+      not isinstance(v, (Mapping, list, tuple)) for v in outputs.values()):
+    return dict(outputs)
+  return paths.flatten(outputs)
+
+
+def compare_outputs(signature_name: str, actual: Mapping[str, Any],
+                    expected: Any, *, atol: float,
+                    rtol: float) -> dict[str, metadata.OutputCheck]:
+  """Each output's errors against JAX's, or ExportCheckError (first by name).
+
+  Numbers must satisfy `|a - e| <= atol + rtol * |e|` (equal inf/NaN agree).
+  """
+  fail = functools.partial(errors.ExportCheckError, signature_name)
+  actual, expected = _named_outputs(actual), _named_outputs(expected)
+  for name in sorted(set(actual) ^ set(expected)):
+    kind, where = (('extra_output', 'not returned by JAX') if name in actual
+                   else ('missing_output', 'missing from the SavedModel'))
+    raise fail(name, kind=kind, detail=f'{where}; SavedModel outputs '
+               f'{sorted(actual)}, JAX outputs {sorted(expected)}')
+  result = {}
+  for name in sorted(actual):
+    a, e = np.asarray(actual[name]), np.asarray(expected[name])
+    if a.shape != e.shape:
+      raise fail(name, kind='shape',
+                 detail=f'shape mismatch: {a.shape} vs JAX {e.shape}')
+    strings = a.dtype.kind in 'OSU', e.dtype.kind in 'OSU'
+    if strings[0] != strings[1] or (not any(strings) and a.dtype != e.dtype):
+      raise fail(name, kind='dtype',
+                 detail=f'dtype mismatch: {a.dtype} vs JAX {e.dtype}')
+    if all(strings):
+      equal = np.asarray(a.astype(object) == e.astype(object))
+      if not np.all(equal):
+        first = tuple(int(i) for i in np.argwhere(~equal)[0])
+        raise fail(name, kind='strings', detail=(
+            f'strings differ at index {first}: {a[first]!r} vs JAX '
+            f'{e[first]!r}'))
+      result[name] = metadata.OutputCheck(0.0, 0.0)
+      continue
+    a64, e64 = a.astype(np.float64), e.astype(np.float64)
+    same = (a64 == e64) | (np.isnan(a64) & np.isnan(e64))
+    with np.errstate(invalid='ignore'):
+      diff = np.where(same, 0.0, np.abs(a64 - e64))
+    max_err = float(np.max(diff)) if diff.size else 0.0
+    if np.any((diff > atol + rtol * np.abs(e64)) | ~np.isfinite(diff)):
+      raise fail(
+          name, kind='values', max_abs_error=max_err,
+          detail=f'values differ beyond atol={atol:g}, rtol={rtol:g}: max '
+          f'abs error {max_err:.6g} vs JAX')
+    scale = (e64 != 0) & np.isfinite(e64)  # Where |jax| can divide.
+    rel = diff[scale] / np.abs(e64[scale])
+    result[name] = metadata.OutputCheck(
+        max_err, float(np.max(rel)) if rel.size else 0.0)
+  return result
+
+
+def _no_signature(name: str, version_dir: str,
+                  names: Any) -> errors.SignatureError:
+  names = sorted(n for n in names if not n.startswith('__'))  # Init ops.
+  return errors.SignatureError(
+      f'signature_name={name!r} is not in the SavedModel at '
+      f'{version_dir!r}; it has {names}.')
+
+
+def run_signatures_isolated(
+    version_dir: str | os.PathLike[str],
+    requests: Sequence[tuple[str, Mapping[str, Any]]], *,
+    platform: str = 'cpu') -> list[dict[str, Any]]:
+  """Runs `(signature, inputs)` requests in a throw-away TF graph and session.
+
+  As TF Serving loads it; unlike `tf.saved_model.load` nothing stays cached.
+  With `platform='cpu'` the session has no GPU, so the version runs its CPU
+  lowering even where TensorFlow may use GPUs.
+  A signature TensorFlow cannot load or run (an op it lacks or cannot
+  refine) raises `errors.UnloadableSignatureError`, from TensorFlow's error.
+  The packages whose ops the version's metadata lists are imported first.
+
+  Raises:
+    errors.MissingOpsPackageError: such a package is not installed.
+    errors.SignatureError: a request names no signature or input of it.
+    errors.UnloadableSignatureError: as above.
+  """
+  version_dir = os.fspath(version_dir)
+  custom_ops.import_for_version(version_dir)
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  tf_devices.keep_tensorflow_off_gpus()
+  xla_schedule.use_memory_optimized_schedule(tf)
+  config = (tf.compat.v1.ConfigProto(device_count={'GPU': 0})
+            if platform == 'cpu' else None)
+  results = []
+  with tf.Graph().as_default() as graph:
+    with tf.compat.v1.Session(graph=graph, config=config) as session:
+      signature_defs = tf.compat.v1.saved_model.loader.load(
+          session, [tf.saved_model.SERVING], version_dir).signature_def
+      for name, inputs in requests:
+        if name not in signature_defs:
+          raise _no_signature(name, version_dir, signature_defs)
+        sig_def = signature_defs[name]
+        unknown = sorted(set(inputs) - set(sig_def.inputs))
+        if unknown:
+          raise errors.SignatureError(
+              f'Signature {name!r} of {version_dir!r} has no input(s) '
+              f'{unknown}; its inputs are {sorted(sig_def.inputs)}.')
+        feed = {sig_def.inputs[k].name: np.asarray(v)
+                for k, v in inputs.items()}
+        fetch = {k: v.name for k, v in sig_def.outputs.items()}
+        try:
+          results.append(session.run(fetch, feed))
+        except tf.errors.OpError as e:
+          refused = tf_loadable.refusal(name, e.message, tf.__version__)
+          if refused is None:
+            raise
+          raise refused from e
+  return results
+
+
+def call_exported(version_dir: str | os.PathLike[str], signature_name: str,
+                  *, output_shape_dtype: Any = None
+                  ) -> Callable[[Mapping[str, Any]], dict[str, jax.Array]]:
+  """A JAX-callable running an exported signature in TF (`jax2tf.call_tf`).
+
+  Under `jax.jit`, pass `output_shape_dtype` (`{output: ShapeDtypeStruct}`)
+  if the output shapes depend on polymorphic inputs.
+  """
+  from jax.experimental import jax2tf  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  tf_devices.keep_tensorflow_off_gpus()
+  version_dir = os.fspath(version_dir)
+  custom_ops.import_for_version(version_dir)
+  loaded = tf.saved_model.load(version_dir)
+  if signature_name not in loaded.signatures:
+    raise _no_signature(signature_name, version_dir, loaded.signatures)
+  tf_sig = loaded.signatures[signature_name]
+  spec = tf_sig.structured_input_signature[1]
+
+  def tf_fn(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    feed = {k: tf.cast(v, spec[k].dtype) if k in spec else v
+            for k, v in inputs.items()}
+    return dict(tf_sig(**feed))
+
+  extra = ({} if output_shape_dtype is None else
+           {'output_shape_dtype': output_shape_dtype})
+  jax_fn = jax2tf.call_tf(tf_fn, **extra)
+
+  def call(inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
+    return jax_fn(dict(inputs))
+
+  call.saved_model = loaded  # type: ignore[attr-defined]  # Kept alive.
+  call.signature = tf_sig  # type: ignore[attr-defined]
+  return call

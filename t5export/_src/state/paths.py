@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+import dataclasses
 from typing import Any
 
 import jax
@@ -19,6 +20,29 @@ def flatten(tree: Any, *, is_leaf: Any = None,
   flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
   return {'/'.join(filter(None, (prefix, path_str(keypath)))): leaf
           for keypath, leaf in flat}
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaves:
+  """A tree flattened once: its structure, each leaf's path, the leaves.
+
+  In `tree_flatten` order, which is a `JaxModule`'s variable order: an
+  export flattens the snapshot once and hands this to every step.
+  """
+  treedef: Any
+  paths: tuple[str, ...]
+  leaves: tuple[Any, ...]
+
+  def items(self) -> zip:
+    """(path, leaf) pairs."""
+    return zip(self.paths, self.leaves)
+
+
+def leaves(tree: Any) -> Leaves:
+  """`tree` flattened once, with its structure and leaf paths."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  return Leaves(treedef, tuple(path_str(k) for k, _ in flat),
+                tuple(leaf for _, leaf in flat))
 
 
 def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:

@@ -11,7 +11,6 @@ import jax
 
 from t5export import errors
 from t5export._src.versions import metadata
-from t5export._src.engine import serving_compat
 
 ARTIFACT_DIR = os.path.join(metadata.ASSETS_EXTRA, 'jax_exported')
 
@@ -21,8 +20,8 @@ def artifact_file(signature_name: str) -> str:
   return os.path.join(ARTIFACT_DIR, f'{signature_name}.bin')
 
 
-def describe(data: bytes, signature_name: str,
-             target: serving_compat.ServingTarget | None) -> dict[str, Any]:
+def describe(data: bytes, signature_name: str, *,
+             stablehlo_version: str | None) -> dict[str, Any]:
   """The metadata entry of one artifact (`signatures[name]['jax_artifact']`)."""
   exported = jax.export.deserialize(bytearray(data))
   return {
@@ -30,7 +29,7 @@ def describe(data: bytes, signature_name: str,
       'nbytes': len(data),
       'platforms': list(exported.platforms),
       'calling_convention_version': exported.calling_convention_version,
-      'stablehlo_version': None if target is None else target.stablehlo_version,
+      'stablehlo_version': stablehlo_version,
   }
 
 

@@ -1,6 +1,7 @@
 """An export_dir's version directories: layout, atomic publish, retention.
 
 Versions are integer subdirectories; staging and doomed ones hide as `.tmp-*`.
+Publishing (export step 7) is `VersionDirectory.begin` and `Version.publish`.
 """
 
 from __future__ import annotations
@@ -9,10 +10,12 @@ from collections.abc import Mapping, Sequence
 import contextlib
 import ctypes
 import dataclasses
+import datetime
 import os
 import re
 import shutil
-from typing import Any
+import time
+from typing import Any, Protocol
 import uuid
 
 from absl import logging
@@ -177,7 +180,7 @@ class VersionDirectory:
                keep_best: KeepBest | None, overwrite: bool,
                durable: bool = True):
     self.export_dir = d = export_dir
-    self._durable, self._overwrite = durable, overwrite
+    self.durable, self._overwrite = durable, overwrite
     self._keep, self._keep_best = keep, keep_best
     self._metrics: dict[int, dict[str, Any]] = {}
     if os.path.exists(d) and not os.path.isdir(d):
@@ -217,6 +220,30 @@ class VersionDirectory:
         self._metrics[v] = {}  # Not ours, or unreadable: kept by age only.
     return stale
 
+  def begin(self, step: int, metrics: Mapping[str, Any] | None) -> Version:
+    """Claims version `step` before any work: the version to publish.
+
+    Raises:
+      ValueError: `step` is negative.
+      VersionExistsError: the version exists and `overwrite` is False.
+      MetricNotNumericError: the `keep_best` metric is not a number.
+    """
+    if step < 0:
+      raise ValueError(
+          f'The step is {step}; versions are non-negative integers (TF Serving '
+          'ignores other directory names). Export a state with step >= 0.')
+    final = self.version_dir(step)
+    if os.path.exists(final) and not self._overwrite:
+      raise errors.VersionExistsError(final, step)
+    metrics = flatten_metrics(metrics)
+    best = self._keep_best
+    if best is not None and best.score(metrics, step) is None:
+      logging.warning(
+          't5export: step %d has no metric %r (keep_best); it can only be '
+          'kept as one of the newest. Metrics given: %s.', step, best.metric,
+          sorted(metrics))
+    return Version(self, step, self.staging_dir(step), metrics)
+
   def version_dir(self, step: int) -> str:
     return os.path.join(self.export_dir, str(step))
 
@@ -246,7 +273,7 @@ class VersionDirectory:
     self._sync_dir()
 
   def _sync_dir(self) -> None:
-    if self._durable:
+    if self.durable:
       fsync(self.export_dir)
 
   def apply_retention(self, protect: int,
@@ -271,3 +298,55 @@ class VersionDirectory:
     if removed:
       self._sync_dir()
     return removed
+
+
+class Staged(Protocol):
+  """What publishing needs of a staged version (`stage.Staged`)."""
+  directory: str
+
+  def written(self) -> metadata.Metadata:
+    ...
+
+  def synced(self) -> None:
+    ...
+
+
+class Version:
+  """One version on its way to `<export_dir>/<step>` (from `begin`)."""
+
+  def __init__(self, directory: VersionDirectory, step: int, staging: str,
+               metrics: dict[str, Any]):
+    self.step, self.staging, self.metrics = step, staging, metrics
+    self._directory = directory
+    self._start = time.monotonic()
+
+  def publish(self, staged: Staged, check: metadata.Check) -> str:
+    """Completes the metadata, flushes, renames into place, then retention.
+
+    Args:
+      staged: the staged version (written into `self.staging`).
+      check: what the check found.
+
+    Returns:
+      The published version directory.
+
+    Raises:
+      VersionExistsError: the version appeared meanwhile (no `overwrite`).
+      OSError: a flush or the rename failed.
+    """
+    draft = staged.written()
+    metadata.write(staged.directory, dataclasses.replace(
+        draft, check=check, metrics=self.metrics,
+        time_utc=datetime.datetime.now(datetime.timezone.utc).isoformat()))
+    staged.synced()  # The weights, flushed beside the check.
+    d = self._directory
+    if d.durable:  # assets.extra/ and the directories; the rest is clean.
+      fsync_tree(staged.directory)
+    final = d.version_dir(self.step)
+    d.publish(staged.directory, final)
+    removed = d.apply_retention(self.step, self.metrics)
+    logging.info('t5export: published version %d at %s in %.2fs (%.1f MiB); '
+                 'retention removed %s.', self.step, final,
+                 time.monotonic() - self._start, dir_nbytes(final) / 2**20,
+                 removed or 'nothing')
+    return final

@@ -1,0 +1,304 @@
+"""Stage: a host snapshot written as a staged version (export step 5).
+
+The one owner of the `JaxModule` an exporter serves: built on the first
+export (traced once), its variables updated in place on every later one.
+It makes the borrow-or-fill choice of the first export, owns the writer
+and writes `assets.extra/` but `t5export.json`, which publishing writes
+once the check is in. The snapshot's variables are flattened here once,
+in the module's order, and that flat list (`Staged.flat`) is what every
+later step reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+import concurrent.futures
+import gc
+import os
+import shutil
+import tempfile
+import threading
+import time
+from typing import Any
+
+from absl import logging
+import jax
+import numpy as np
+
+from t5export._src.engine import assets_extra
+from t5export._src.engine import background
+from t5export._src.engine import jax_module
+from t5export._src.engine import options as options_lib
+from t5export._src.engine import serving
+from t5export._src.engine import writer as writer_lib
+from t5export._src.snapshot import host_buffers
+from t5export._src.snapshot import snapshot as snapshot_lib
+from t5export._src.state import paths
+from t5export._src.versions import jax_artifacts
+from t5export._src.versions import metadata
+from t5export._src.versions import versions
+
+
+class Fill:
+  """The copy of the caller's values into the first module's variables.
+
+  It runs once, in a thread (`t5export-fill`), from `start()` or from the
+  first `result()`/`exception()`; until it is done the caller's arrays must
+  stay alive and unchanged (views of JAX buffers: immutable; a donation
+  copies instead of reusing them).
+  """
+
+  def __init__(self, copy: Callable[[], None], nbytes: int):
+    """`copy()` fills the variables; `nbytes`: how much it copies (logs)."""
+    self._copy, self._nbytes = copy, nbytes
+    self._lock = threading.Lock()
+    self._future: concurrent.futures.Future | None = None
+
+  def start(self) -> Fill:
+    """Starts the copy unless it started; returns self."""
+    with self._lock:
+      if self._future is None:
+        self._future = background.in_background(self._run, 't5export-fill')
+    return self
+
+  def result(self, timeout: float | None = None) -> None:
+    """Starts the copy if needed and waits; raises its error."""
+    return self.start()._future.result(timeout)
+
+  def exception(self, timeout: float | None = None) -> BaseException | None:
+    """Starts the copy if needed and waits; returns its error or None."""
+    return self.start()._future.exception(timeout)
+
+  def _run(self) -> None:
+    # What the module's build and the graph save freed goes back to the
+    # system before the copy faults in the variables' memory (it would
+    # stay in the allocator, on top of the variables, at this peak).
+    host_buffers.return_freed_memory()
+    start = time.monotonic()
+    copy, self._copy = self._copy, None
+    try:
+      copy()
+    finally:  # The caller's arrays go before anyone is told (no view may
+      del copy  # be left for a donating step right after `module`).
+    logging.info('t5export: filled the variables (%.1f MiB) in %.2fs.',
+                 self._nbytes / 2**20, time.monotonic() - start)
+    # The module's build leaves the export's frames (which hold the
+    # snapshot) in a reference cycle with frames of JAX's tracing; only a
+    # full collection frees them, once, here off the training thread.
+    gc.collect()
+
+
+class Staged:
+  """One version being staged: its files are written in the background.
+
+  A context manager: leaving it with an error waits for the work still
+  running and removes the staged directory; leaving it normally (the
+  version was published) starts the first module's fill if nothing read
+  the variables before.
+
+  Attributes:
+    directory: the staging directory.
+    step: the version's step.
+    flat: the snapshot's variables flattened once, in the module's order.
+    module: the `JaxModule`, holding this version's values (once `fill`
+      is done, if there is one).
+    fill: the first module's fill, or None.
+  """
+
+  def __init__(self, directory: str, step: int, flat: paths.Leaves,
+               module: jax_module.JaxModule, fill: Fill | None,
+               written: concurrent.futures.Future,
+               synced: concurrent.futures.Future):
+    self.directory, self.step, self.flat = directory, step, flat
+    self.module, self.fill = module, fill
+    self._written, self._synced = written, synced
+
+  def written(self) -> metadata.Metadata:
+    """Waits for every file but `t5export.json`; returns its draft.
+
+    Raises:
+      The error that stopped the write.
+    """
+    return self._written.result()
+
+  def synced(self) -> None:
+    """Waits until the written files are flushed (durable exports)."""
+    self._synced.result()
+
+  def __enter__(self) -> Staged:
+    return self
+
+  def __exit__(self, kind: Any, *unused: Any) -> None:
+    if kind is None:
+      if self.fill is not None:  # Done by the next export at the latest.
+        self.fill.start()
+      return
+    # Nothing may write into a directory being removed, nor the
+    # variables after this.
+    concurrent.futures.wait([self._written, self._synced])
+    if self.fill is not None:
+      self.fill.exception()  # Waits, without raising.
+    shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class Stage:
+  """Stages versions of one exporter's signatures."""
+
+  def __init__(self, signatures: Sequence[serving.Signature],
+               options: options_lib.ExportOptions,
+               platforms: tuple[str, ...], model_name: str):
+    self._signatures = list(signatures)
+    self._options, self._platforms = options, platforms
+    self._model_name = model_name
+    self._module: jax_module.JaxModule | None = None
+    self._writer: writer_lib.SavedModelWriter | None = None
+    # Signature name -> (jax.export artifact, its metadata entry).
+    self._artifacts: dict[str, tuple[bytes, dict[str, Any]]] = {}
+    # The first module's fill, once its version is published.
+    self._filling: Fill | None = None
+
+  @property
+  def module(self) -> jax_module.JaxModule | None:
+    """The module (None before the first version); see the exporter's."""
+    if self._filling is not None:
+      self._filling.result()
+    return self._module
+
+  @property
+  def writer(self) -> writer_lib.SavedModelWriter | None:
+    """The writer (None before the first version)."""
+    return self._writer
+
+  @property
+  def prepared(self) -> bool:
+    """Whether the module exists (prepared or exported)."""
+    return self._module is not None
+
+  def prepare(self, variables: Any) -> bool:
+    """Builds the module over empty arrays shaped like `variables`, makes
+    the artifacts and saves the graph; returns whether the graph is kept."""
+    empty = jax.tree_util.tree_map(
+        lambda x: host_buffers.aligned_empty(
+            np.shape(x), jax.dtypes.canonicalize_dtype(x.dtype)), variables)
+    self._build(paths.leaves(empty), owned=True)
+    if self._options.jax_artifacts:
+      self._serialize_methods()
+    with tempfile.TemporaryDirectory(prefix='t5export-graph-') as scratch:
+      # Not under export_dir: preparing leaves no trace there.
+      return self._writer.save_graph_ahead(os.path.join(scratch, 'graph'))
+
+  def stage(self, snap: snapshot_lib.HostSnapshot, directory: str) -> Staged:
+    """Puts `snap`'s values into the module and starts writing `directory`.
+
+    Returns at once with the write under way (`Staged.written`).
+
+    Raises:
+      VariableMismatchError: the params changed structure, shape or dtype
+        since the first version.
+    """
+    start = time.monotonic()
+    flat = paths.leaves(snap.variables)
+    fill = None
+    if self._module is None:
+      # Until it is done, `module` and the next version wait for it.
+      fill = self._filling = self._build(flat, owned=snap.owned)
+    else:
+      self._finish_fill()
+      in_place = self._module.update_leaves(flat, owned=snap.owned)
+      logging.debug('t5export: %d of %d variables updated in place.',
+                    in_place, len(self._module.param_vars))
+    # The first version is written from the caller's values if they can be
+    # read without a copy; the variables are filled when something reads
+    # them (the check's JAX side), else once the version is published.
+    values = None if fill is None else self._module.borrowed_values(flat)
+    if values is None and fill is not None:
+      fill.start()  # The writer reads the variables.
+    synced: concurrent.futures.Future = concurrent.futures.Future()
+
+    def write() -> metadata.Metadata:
+      try:
+        draft = self._write(snap, flat, directory, values, fill, start)
+      except BaseException:
+        synced.set_result(None)
+        raise
+      # Checked: flushed beside the check's TensorFlow run (unchecked, each
+      # shard was flushed as it was written); publishing waits for it.
+      o = self._options
+      background.in_background(
+          lambda: o.durable and o.validate and versions.fsync_tree(directory),
+          't5export-fsync').add_done_callback(
+              lambda f: _copy_outcome(f, synced))
+      return draft
+
+    return Staged(directory, int(snap.step), flat, self._module, fill,
+                  background.in_background(write, 't5export-write'), synced)
+
+  def _write(self, snap: snapshot_lib.HostSnapshot, flat: paths.Leaves,
+             directory: str, values: Any, fill: Fill | None,
+             start: float) -> metadata.Metadata:
+    """Writes the version's files; returns the draft of its metadata."""
+    o = self._options
+    # The artifacts are made while the first version's weights are written.
+    written = self._writer.write(
+        directory, after=fill, values=values,
+        meanwhile=self._serialize_methods if o.jax_artifacts and
+        not self._artifacts else None)
+    logging.info('t5export: step %d: saved to %s in %.2fs (%s).', snap.step,
+                 directory, time.monotonic() - start,
+                 'new variables' if written == 'variables' else 'full save')
+    return assets_extra.write(
+        directory, module=self._module, signatures=self._signatures,
+        artifacts=self._artifacts, snap=snap, flat=flat, options=o,
+        model_name=self._model_name)
+
+  def _build(self, flat: paths.Leaves, *, owned: bool) -> Fill | None:
+    """Builds the module and the writer; returns its fill (not started)."""
+    o = self._options
+    variables = jax.tree_util.tree_unflatten(flat.treedef, flat.leaves)
+    later = (None if owned or o.cast_bfloat16 else
+             host_buffers.fill_later(variables))
+    module = serving.make_module(
+        variables if later is None else later[0], self._signatures,
+        trainable=o.trainable, jit_compile=o.jit_compile,
+        platforms=self._platforms, cast_bfloat16=o.cast_bfloat16,
+        owned=owned or later is not None, serving_target=o.serving_target)
+    fill = None
+    if later is not None and module.shares_memory(
+        jax.tree_util.tree_leaves(later[0])):
+      fill = Fill(later[1], host_buffers.tree_nbytes(variables))
+    elif later is not None:  # TensorFlow copied the empty arrays.
+      module.update_leaves(flat)
+    self._writer = writer_lib.SavedModelWriter(
+        module, serving.serving_functions(module, self._signatures),
+        reuse_graph=o.reuse_graph,
+        fsync_shards=o.durable and not o.validate)
+    self._module = module
+    return fill
+
+  def _serialize_methods(self) -> None:
+    """The `jax.export` artifact of each signature's method (once)."""
+    target = self._options.serving_target
+    artifacts = {}
+    for sig in self._signatures:
+      data = self._module.serialize_method(sig.name)
+      artifacts[sig.name] = (data, jax_artifacts.describe(
+          data, sig.name, stablehlo_version=target and target.stablehlo_version))
+    self._artifacts = artifacts
+
+  def _finish_fill(self) -> None:
+    """Waits for the first module's fill; a failure only costs a warning,
+    since every variable is about to be assigned."""
+    filling, self._filling = self._filling, None
+    if filling is not None and filling.exception() is not None:
+      logging.warning('t5export: the variables were not filled after the '
+                      'first version (%r); this export writes them all.',
+                      filling.exception())
+
+
+def _copy_outcome(source: concurrent.futures.Future,
+                  target: concurrent.futures.Future) -> None:
+  """Gives `target` the result or error of the done `source`."""
+  if source.exception() is not None:
+    target.set_exception(source.exception())
+  else:
+    target.set_result(None)
