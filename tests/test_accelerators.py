@@ -8,6 +8,7 @@ are real. tools/accelerator_snapshot.py measures on a real one.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import re
 
 import jax
@@ -59,16 +60,111 @@ def test_check_refuses_platforms_tensorflow_cannot_run(simulated_gpu,
   assert raised.value.runnable == ('cpu',)
 
 
-def test_tensorflow_sees_no_gpu_once_the_engine_is_imported():
+class _GpuHostTensorFlow:
+  """The real TensorFlow, but its `tf.config` reports one GPU.
+
+  Only the GPU answers of list_physical_devices, get_visible_devices and
+  set_visible_devices are faked (the CPU's stay real). `started`: the
+  runtime already initialized its devices (a TensorFlow op ran), so
+  set_visible_devices raises as TensorFlow's does then.
+  """
+
+  def __init__(self, monkeypatch, *, started: bool = False,
+               visible: bool = True):
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    self.gpus = [tf.config.PhysicalDevice(name='/physical_device:GPU:0',
+                                          device_type='GPU')]
+    self.visible = list(self.gpus) if visible else []
+    self.started = started
+    self.set_calls = []
+    real_list = tf.config.list_physical_devices
+    real_get = tf.config.get_visible_devices
+    real_set = tf.config.set_visible_devices
+
+    def list_physical_devices(device_type=None):
+      return list(self.gpus) if device_type == 'GPU' else real_list(
+          device_type)
+
+    def get_visible_devices(device_type=None):
+      return list(self.visible) if device_type == 'GPU' else real_get(
+          device_type)
+
+    def set_visible_devices(devices, device_type=None):
+      if device_type != 'GPU':
+        return real_set(devices, device_type)
+      self.set_calls.append(list(devices))
+      if self.started:
+        raise RuntimeError(
+            'Visible devices cannot be modified after being initialized')
+      self.visible = list(devices)
+
+    for fn in (list_physical_devices, get_visible_devices,
+               set_visible_devices):
+      monkeypatch.setattr(tf.config, fn.__name__, fn)
+
+
+@pytest.fixture
+def warnings_logged(monkeypatch):
+  logged = []
+  monkeypatch.setattr(tf_devices.logging, 'warning',
+                      lambda msg, *args: logged.append(msg % args))
+  return logged
+
+
+def test_importing_the_engine_hides_the_gpus_from_tensorflow(monkeypatch):
   # jax_module (imported by everything that builds a SavedModel) runs the
-  # hook when it is imported; this TensorFlow has no GPU to hide.
-  from t5export._src.engine import jax_module  # pylint: disable=g-import-not-at-top
-  del jax_module
-  assert tf_devices.keep_tensorflow_off_gpus.cache_info().currsize == 1
-  assert tf_devices.keep_tensorflow_off_gpus() == tf_devices.NO_GPU
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  assert tf.config.get_visible_devices('GPU') == []
+  # hook when it is imported: its code, run again as a first import runs
+  # it, with a TensorFlow that sees a GPU and a fresh once-per-process hook
+  # (the module's own import, with the real TensorFlow, is done first).
+  from t5export._src.engine import jax_module  # pylint: disable=g-import-not-at-top,unused-import
+  monkeypatch.delenv(tf_devices.TF_GPU_ENV, raising=False)
+  fake = _GpuHostTensorFlow(monkeypatch)
+  monkeypatch.setattr(tf_devices, 'keep_tensorflow_off_gpus',
+                      functools.cache(
+                          tf_devices.keep_tensorflow_off_gpus.__wrapped__))
+  spec = importlib.util.find_spec('t5export._src.engine.jax_module')
+  spec.loader.exec_module(importlib.util.module_from_spec(spec))
+  assert fake.set_calls == [[]]
+  assert tf_devices.keep_tensorflow_off_gpus() == tf_devices.HIDDEN
+  assert fake.set_calls == [[]]  # Once per process.
+  # So the check finds no GPU for TensorFlow to run a version on.
   assert tf_devices.tensorflow_platforms() == ('cpu',)
+
+
+def test_gpus_are_hidden_before_tensorflow_starts(monkeypatch,
+                                                  warnings_logged):
+  fake = _GpuHostTensorFlow(monkeypatch)
+  assert tf_devices.hide_gpus_from_tensorflow({}) == tf_devices.HIDDEN
+  assert fake.set_calls == [[]] and fake.visible == []
+  assert warnings_logged == []
+
+
+def test_opted_in_gpus_stay_visible_to_tensorflow(monkeypatch):
+  fake = _GpuHostTensorFlow(monkeypatch)
+  assert tf_devices.hide_gpus_from_tensorflow(
+      {tf_devices.TF_GPU_ENV: '1'}) == tf_devices.ALLOWED
+  assert fake.set_calls == [] and fake.visible == fake.gpus
+  assert tf_devices.tensorflow_platforms() in (('cpu', 'cuda'),
+                                                 ('cpu', 'rocm'))
+
+
+def test_too_late_when_tensorflow_already_started_on_the_gpus(
+    monkeypatch, warnings_logged):
+  fake = _GpuHostTensorFlow(monkeypatch, started=True)
+  assert tf_devices.hide_gpus_from_tensorflow({}) == tf_devices.TOO_LATE
+  assert fake.set_calls == [[]] and fake.visible == fake.gpus
+  assert len(warnings_logged) == 1
+  assert 'could not hide the GPUs from TensorFlow' in warnings_logged[0]
+  assert tf_devices.TF_GPU_ENV in warnings_logged[0]
+
+
+def test_started_with_the_gpus_already_hidden_is_not_too_late(
+    monkeypatch, warnings_logged):
+  # The program hid them itself before its first TensorFlow op.
+  fake = _GpuHostTensorFlow(monkeypatch, started=True, visible=False)
+  assert tf_devices.hide_gpus_from_tensorflow({}) == tf_devices.HIDDEN
+  assert fake.set_calls == [[]]
+  assert warnings_logged == []
 
 
 @pytest.mark.parametrize('value', ['1', 'true', 'YES'])
