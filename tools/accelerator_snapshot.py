@@ -37,10 +37,13 @@ times, with nothing else on the training thread (no reference fetched
 before a take); per export, the take and the next steps' time.
 
 With `--version DIR` it also runs `t5export.load_function` of that version
-(exported elsewhere for ('cpu', <this platform>)) on the accelerator and on
-the host CPU, with the sample inputs saved beside it, and reports the
-largest difference. `--make-version DIR` (on a host with TensorFlow) exports
-such a version: a tiny float32 encoder, `inputs.npz` beside it.
+(exported elsewhere for ('cpu', <this platform>)) on the accelerator, with
+the sample inputs saved beside it, and reports its largest difference from
+`jax.jit` of the method exported (the tiny encoder below) on the version's
+params (`load_params`) on the same device, and from `load_function` on the
+host CPU (on a GPU: what its TF32 matmuls change). `--make-version DIR`
+(on a host with TensorFlow) exports such a version: a tiny float32 encoder,
+`inputs.npz` beside it.
 
 It prints a table and writes the figures as JSON (`--out`).
 
@@ -326,21 +329,31 @@ def make_version(export_dir: str, platforms: Sequence[str]) -> str:
 
 
 def compare_load_function(version_dir: str) -> dict[str, Any]:
-  """`load_function` on the default device against the host CPU."""
+  """`load_function` of a `make_version` version against `jax.jit` of the
+  method it exported, on the version's params, both on the default device;
+  and against `load_function` on the host CPU."""
   with np.load(os.path.join(version_dir, 'inputs.npz')) as f:
     inputs = {k: f[k] for k in f.files}
   fn = verify.load_function(version_dir, SIGNATURE)
   out = jax.block_until_ready(fn(inputs))
   device = str(next(iter(jax.tree_util.tree_leaves(out)[0].devices())))
+  ref = jax.block_until_ready(
+      jax.jit(_encoder)(verify.load_params(version_dir), inputs))
+  ref_device = str(next(iter(jax.tree_util.tree_leaves(ref)[0].devices())))
   cpu = jax.local_devices(backend='cpu')[0]
   with jax.default_device(cpu):
-    ref_fn = verify.load_function(version_dir, SIGNATURE)
-    ref = jax.block_until_ready(ref_fn(inputs))
-  diffs = {k: float(np.max(np.abs(np.asarray(out[k], np.float64) -
-                                  np.asarray(ref[k], np.float64))))
-           for k in ref}
-  return {'version': version_dir, 'device': device, 'reference': str(cpu),
-          'max_abs_diff': diffs}
+    on_cpu = jax.block_until_ready(
+        verify.load_function(version_dir, SIGNATURE)(inputs))
+
+  def max_abs_diff(a, b):
+    return {k: float(np.max(np.abs(np.asarray(a[k], np.float64) -
+                                   np.asarray(b[k], np.float64)))) for k in b}
+
+  return {'version': version_dir, 'device': device,
+          'reference': f'jax.jit(_encoder) on {ref_device}',
+          'max_abs_diff': max_abs_diff(out, ref),
+          'host_cpu': str(cpu), 'max_abs_diff_host_cpu': max_abs_diff(
+              out, on_cpu)}
 
 
 def _table(result: dict[str, Any]) -> str:
@@ -373,7 +386,8 @@ def _table(result: dict[str, Any]) -> str:
   if 'load_function' in result:
     lf = result['load_function']
     lines.append(f"load_function on {lf['device']} vs {lf['reference']}: "
-                 f"max abs diff {lf['max_abs_diff']}")
+                 f"max abs diff {lf['max_abs_diff']}; vs load_function on "
+                 f"{lf['host_cpu']}: {lf['max_abs_diff_host_cpu']}")
   return '\n'.join(lines)
 
 
