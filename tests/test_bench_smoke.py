@@ -98,7 +98,7 @@ def test_smoke_exits_cleanly(smoke_run):
 def test_every_figure_is_a_ratio_or_an_explicit_error(smoke_run):
   records = _records(smoke_run['proc'])
   # A figure's load averages are the machine's, read while the run went
-  # on: within what the test saw (to the 2 decimals /proc/loadavg has).
+  # on: within what the test saw (the record rounds them to 2 decimals).
   low, high = min(smoke_run['loads']), max(smoke_run['loads'])
   names = _figure_names()
   assert sorted(records) == sorted(names)
