@@ -192,11 +192,14 @@ def test_peak_figures_show_each_window_and_the_whole_run(smoke_run):
     # One whole-run peak per run, for both figures; it holds the first
     # export's window (same start).
     # The re-export's peak in TF's 8 MiB write buffers, beside the number
-    # of threads that write a version: one per CPU, at most 8; each takes
-    # one whole buffer (BENCHMARKS.md), the rest is well under one.
+    # of threads that write a version: one per CPU, at most 8; each thread
+    # that writes takes one whole buffer (BENCHMARKS.md), the rest is well
+    # under one. How many of the pool's threads write a small version
+    # depends on timing (one may write every shard on a busy machine), so
+    # the bound is one buffer at least and one per thread at most.
     buffers = re['in_tf_write_buffers']
     assert buffers['shard_threads'] == max(1, min(8, os.cpu_count())), re
-    assert abs(buffers['of_8_mib'] - buffers['shard_threads']) < 0.5, re
+    assert 0.5 < buffers['of_8_mib'] < buffers['shard_threads'] + 0.5, re
     whole = first['whole_run_peak_added']
     assert whole == re['whole_run_peak_added'], (first, re)
     assert whole['durable'] >= first['ratio'] * 0.999, first
