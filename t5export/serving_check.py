@@ -56,7 +56,7 @@ def check(version_dir: str, *, xla: bool = True) -> dict[str, object]:
   Returns:
     {'tf_version', 'xla', 'disable_xla_library', 'custom_ops', 'requests':
     [{'index', 'signature', 'outputs': {name: shape}}], 'error': the failed
-    request's status line or None, 'jax_imported'}.
+    request's status line or None}.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   report = {'version_dir': version_dir, 'tf_version': tf.__version__,
@@ -74,7 +74,6 @@ def check(version_dir: str, *, xla: bool = True) -> dict[str, object]:
         {'index': i, 'signature': s.request.signature,
          'outputs': {k: list(v.shape) for k, v in sorted(s.outputs.items())}}
         for i, s in enumerate(served)]
-  report['jax_imported'] = 'jax' in sys.modules
   return report
 
 
