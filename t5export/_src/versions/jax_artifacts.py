@@ -5,13 +5,11 @@
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 from typing import Any
 
 import jax
-# The serialization schema version JAX writes (its private constant; the
-# flatbuffer itself records 3 for older readers' sake up to JAX 0.10).
-from jax._src.export import serialization as jax_serialization
 
 from t5export import errors
 from t5export._src.versions import metadata
@@ -24,6 +22,17 @@ def artifact_file(signature_name: str) -> str:
   return os.path.join(ARTIFACT_DIR, f'{signature_name}.bin')
 
 
+def _serialization_version() -> int | None:
+  """The serialization schema version this JAX writes: its private
+  `_SERIALIZATION_VERSION` (the flatbuffer itself records 3 there up to
+  JAX 0.10, for older readers); None where JAX has moved it."""
+  try:
+    module = importlib.import_module('jax._src.export.serialization')
+  except ImportError:
+    return None
+  return getattr(module, '_SERIALIZATION_VERSION', None)
+
+
 def describe(data: bytes, signature_name: str, *,
              stablehlo_version: str | None) -> dict[str, Any]:
   """The metadata entry of one artifact (`signatures[name]['jax_artifact']`)."""
@@ -33,8 +42,7 @@ def describe(data: bytes, signature_name: str, *,
       'nbytes': len(data),
       'sha256': hashlib.sha256(data).hexdigest(),
       'jax_version': jax.__version__,
-      'serialization_version': getattr(
-          jax_serialization, '_SERIALIZATION_VERSION', None),
+      'serialization_version': _serialization_version(),
       'platforms': list(exported.platforms),
       'calling_convention_version': exported.calling_convention_version,
       'stablehlo_version': stablehlo_version,
