@@ -164,9 +164,11 @@ def _status(error: tf.errors.OpError) -> str:
   """'CODE: message', as absl::Status prints (the Python-side preamble
   'Graph execution error: ... Detected at node ...' left out)."""
   message = error.message
-  marker = '\nNode: '
-  if message.startswith('Graph execution error:') and marker in message:
-    message = message.split(marker, 1)[1].split('\n', 1)[-1]
+  preamble, marker = 'Graph execution error:\n\n', '\nNode: '
+  if message.startswith(preamble):
+    message = message[len(preamble):]
+    if message.startswith('Detected at node') and marker in message:
+      message = message.split(marker, 1)[1].split('\n', 1)[-1]
   return f'{error_codes_pb2.Code.Name(error.error_code)}: {message}'
 
 
