@@ -382,6 +382,13 @@ def test_warmup_request_fails(published, tmp_path):
   # The published version's own warm-up serves as the server loads it.
   [served] = warmup_check.replay_staged_warmup(str(version))
   assert served.request.signature == model.SIGNATURE
+  # In a session already holding the bundle (the check's), the same.
+  from t5export._src.engine import server_replay  # pylint: disable=g-import-not-at-top
+  session, defs = server_replay.load(str(version))
+  [again] = warmup_check.replay_staged_warmup(str(version), session=session,
+                                              signature_defs=defs)
+  for name, value in served.outputs.items():
+    np.testing.assert_array_equal(again.outputs[name], value)
   x = np.zeros((2, model.FEATURES), np.float64)
   writer_lib.write_warmup_requests(
       str(version / 'assets.extra' / 'tf_serving_warmup_requests'), 'm',

@@ -11,21 +11,32 @@ the metadata records and the README asks for.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from t5export import errors
 from t5export._src.engine import server_replay
 
 
-def replay_staged_warmup(staging_dir: str) -> list[server_replay.Served]:
+def replay_staged_warmup(
+    staging_dir: str, *, session: Any = None,
+    signature_defs: Mapping[str, Any] | None = None
+) -> list[server_replay.Served]:
   """Replays a staged version's warm-up requests in this process.
 
-  Loads the TF1 bundle with the `serve` tag into a Session of its own and
-  runs each `PredictionLog` of the warm-up file through it, as the model
-  server's `RunSavedModelWarmup` does. Call it after the warm-up file is
-  written (a version without one replays nothing).
+  Runs each `PredictionLog` of the warm-up file through the TF1 bundle
+  with the `serve` tag, as the model server's `RunSavedModelWarmup` does:
+  in `session` when given (the check's own, already loaded: the warm-up
+  requests are the sample inputs, so nothing is compiled again), else in a
+  Session loaded here. Call it after the warm-up file is written (a version
+  without one replays nothing).
 
   Args:
     staging_dir: the staged version directory (SavedModel and
       `assets.extra/` written).
+    session: a `tf.compat.v1.Session` holding `staging_dir`'s bundle, or
+      None.
+    signature_defs: that bundle's signature defs (with `session`).
 
   Returns:
     Each request (signature, numpy inputs) and the session's outputs, in
@@ -36,7 +47,8 @@ def replay_staged_warmup(staging_dir: str) -> list[server_replay.Served]:
       the request, its signature and TensorFlow's status line.
   """
   try:
-    return server_replay.replay(staging_dir)
+    return server_replay.replay(staging_dir, session=session,
+                                signature_defs=signature_defs)
   except server_replay.ReplayError as e:
     raise errors.WarmupReplayError(
         staging_dir, index=e.index, signature=e.signature,
