@@ -354,3 +354,50 @@ class MissingOpsPackageError(T5ExportError, ImportError):
         f'Install {pip_name}, the release that matches your TensorFlow '
         f'(e.g. pip install "{pip_name}==2.19.*" beside TensorFlow 2.19), '
         'and load the version again.')
+
+
+class JaxArtifactChecksumError(T5ExportError, ValueError):
+  """A version's `jax.export` artifact is not the file the export wrote.
+
+  Attributes:
+    path: the artifact file.
+    expected: the sha256 its version's metadata records.
+    actual: the sha256 of the file as read.
+  """
+
+  def __init__(self, path: str, *, expected: str, actual: str, fix: str):
+    self.path, self.expected, self.actual = path, expected, actual
+    super().__init__(
+        f'{path!r} is damaged: its sha256 is {actual}, the version\'s '
+        f'metadata records {expected}. {fix}')
+
+
+class JaxArtifactVersionError(T5ExportError, ValueError):
+  """The running JAX cannot run a version's `jax.export` artifact (written
+  by a JAX too old or too new for it)."""
+
+
+class WarmupReplayError(T5ExportError, RuntimeError):
+  """A version's TF Serving warm-up request fails: the model server would
+  not load the version.
+
+  Attributes:
+    version_dir: the (staged) version.
+    index: the failing request's position in the warm-up file, or None.
+    signature: the signature it names, or None.
+    status: the status line TensorFlow returned.
+  """
+
+  def __init__(self, version_dir: str, *, index: int | None,
+               signature: str | None, status: str):
+    self.version_dir, self.index = version_dir, index
+    self.signature, self.status = signature, status
+    which = ('its warm-up file' if index is None else
+             f'warm-up request {index} (signature {signature!r})')
+    super().__init__(
+        f'TF Serving would not load {version_dir!r}: {which} fails in the '
+        f'server\'s load path (TF1 session, serve tag): {status}. The model '
+        'server runs every warm-up request before it serves a version; fix '
+        'the signature or its sample_inputs (the warm-up requests are the '
+        'sample inputs), or pass ExportOptions(warmup=False) to publish '
+        'without warm-up requests.')

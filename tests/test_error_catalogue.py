@@ -337,6 +337,73 @@ def test_version_already_exists(published):
   _assert_kept(published, before)
 
 
+def test_jax_artifact_damaged(published, tmp_path):
+  before = _tree_digest(published.export_dir)
+  version = tmp_path / '1'
+  shutil.copytree(os.path.join(published.export_dir, '1'), version)
+  artifact = version / 'assets.extra' / 'jax_exported' / 'serving_default.bin'
+  data = bytearray(artifact.read_bytes())
+  data[len(data) // 2] ^= 0xff  # The same size: only the checksum tells.
+  artifact.write_bytes(bytes(data))
+  with pytest.raises(errors.JaxArtifactChecksumError,
+                     match=re.escape(repr(str(artifact))) + r' is damaged: '
+                     r"its sha256 is [0-9a-f]{64}, the version's metadata "
+                     r'records [0-9a-f]{64}\. Copy the version again\. '
+                     r'Re-export it with jax_artifacts=True'):
+    verify.load_function(str(version), model.SIGNATURE)
+  assert _tree_digest(published.export_dir) == before
+
+
+def test_jax_artifact_from_another_jax(published, tmp_path):
+  before = _tree_digest(published.export_dir)
+  version = tmp_path / '1'
+  shutil.copytree(os.path.join(published.export_dir, '1'), version)
+  meta_file = version / 'assets.extra' / 't5export.json'
+  meta = json.loads(meta_file.read_text())
+  entry = meta['signatures'][model.SIGNATURE]['jax_artifact']
+  low = jax.export.minimum_supported_calling_convention_version
+  entry.update(calling_convention_version=low - 1, jax_version='0.4.20')
+  meta_file.write_text(json.dumps(meta))
+  with pytest.raises(errors.JaxArtifactVersionError, match=(
+      rf"JAX {re.escape(jax.__version__)} cannot run 'assets\.extra/"
+      r"jax_exported/serving_default\.bin' of version '.*1': it was written "
+      rf'by JAX 0\.4\.20 with calling convention {low - 1} \(too old for '
+      r'it\); this JAX runs calling conventions .* Ways out: run the version '
+      r'in TensorFlow, which still serves it')):
+    verify.load_function(str(version), model.SIGNATURE)
+  assert _tree_digest(published.export_dir) == before
+
+
+def test_warmup_request_fails(published, tmp_path):
+  from t5export._src.engine import warmup_check  # pylint: disable=g-import-not-at-top
+  from t5export._src.engine import writer as writer_lib  # pylint: disable=g-import-not-at-top
+  version = tmp_path / '1'
+  shutil.copytree(os.path.join(published.export_dir, '1'), version)
+  # The published version's own warm-up serves as the server loads it.
+  [served] = warmup_check.replay_staged_warmup(str(version))
+  assert served.request.signature == model.SIGNATURE
+  # In a session already holding the bundle (the check's), the same.
+  from t5export._src.engine import server_replay  # pylint: disable=g-import-not-at-top
+  session, defs = server_replay.load(str(version))
+  [again] = warmup_check.replay_staged_warmup(str(version), session=session,
+                                              signature_defs=defs)
+  for name, value in served.outputs.items():
+    np.testing.assert_array_equal(again.outputs[name], value)
+  x = np.zeros((2, model.FEATURES), np.float64)
+  writer_lib.write_warmup_requests(
+      str(version / 'assets.extra' / 'tf_serving_warmup_requests'), 'm',
+      [(model.SIGNATURE, {'x': x}, {'x': 'float64'})])
+  before = _tree_digest(str(version))
+  with pytest.raises(errors.WarmupReplayError, match=(
+      rf"TF Serving would not load {re.escape(repr(str(version)))}: warm-up "
+      rf"request 0 \(signature '{model.SIGNATURE}'\) fails in the server's "
+      r"load path \(TF1 session, serve tag\): INVALID_ARGUMENT: input 'x' "
+      r'is float64, the signature takes float32\. The model server runs '
+      r'every warm-up request before it serves a version')):
+    warmup_check.replay_staged_warmup(str(version))
+  assert _tree_digest(str(version)) == before
+
+
 def test_version_without_jax_artifact(published, tmp_path):
   before = _tree_digest(published.export_dir)
   # Version 1 as a t5export from before jax.export artifacts wrote it.

@@ -281,7 +281,9 @@ def test_metadata_content(mlp):
   assert meta.serving == {
       'serving_tf_version': '2.19', 'calling_convention_version': 9,
       'stablehlo_version': '1.9.1',
-      'loads_on': 'TensorFlow / TF Serving >= 2.19'}
+      'loads_on': 'TensorFlow / TF Serving >= 2.19',
+      'model_server_flags': ['--xla_cpu_compilation_enabled=true'],
+      'gpu_model_server_flags': ['--xla_gpu_compilation_enabled=true']}
   assert meta.platforms == ('cpu',)
   sig = meta.signatures['serving_default']
   assert sig.inputs == {'x': {'shape': 'b, 16', 'dtype': 'float32'}}

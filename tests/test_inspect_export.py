@@ -43,6 +43,15 @@ def test_lists_versions_served_version_and_leftovers(export_dir):
   assert 'passed on cpu (max abs err' in lines['10']
   assert 'accuracy=0.5' in lines['10']
   assert 'staging leftovers: .tmp-30-0123abcd' in out
+  # The command lines that serve it, with the flag the server needs.
+  path = os.path.abspath(export_dir)
+  assert (f'  tensorflow_model_server --port=8500 --rest_api_port=8501 '
+          f'--model_name=m --model_base_path={path} '
+          '--xla_cpu_compilation_enabled=true\n') in out
+  assert (f'  docker run -p 8500:8500 -p 8501:8501 --mount type=bind,'
+          f'source={path},target=/models/m -e MODEL_NAME=m -t '
+          'tensorflow/serving --xla_cpu_compilation_enabled=true\n') in out
+  assert 'latest-gpu' not in out  # Lowered for cpu only.
 
 
 def test_one_version_in_full_and_as_json(export_dir):
@@ -68,6 +77,11 @@ def test_one_version_in_full_and_as_json(export_dir):
   assert info['files']['warmup_requests'] is True
   assert info['check'].startswith('passed')
   assert info['serving']['serving_tf_version'] == '2.19'
+  assert info['serving']['model_server_flags'] == [
+      '--xla_cpu_compilation_enabled=true']
+  assert info['serve']['tensorflow_model_server'].endswith(
+      f'--model_base_path={os.path.abspath(export_dir)} '
+      '--xla_cpu_compilation_enabled=true')
   proc = _run(export_dir, '--json')
   assert [v['step'] for v in json.loads(proc.stdout)['versions']] == [10, 20]
 

@@ -22,8 +22,11 @@ tolerance instead.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -288,6 +291,10 @@ def test_metadata_records_the_artifacts(mlp, t5):
         'calling_convention_version'] == 9
     assert entry['stablehlo_version'] == meta.serving[
         'stablehlo_version']
+    with open(file, 'rb') as f:
+      assert entry['sha256'] == hashlib.sha256(f.read()).hexdigest()
+    assert entry['jax_version'] == jax.__version__
+    assert entry['serialization_version'] == 11  # JAX 0.10's writer.
     assert meta.options['jax_artifacts'] is True
   first, second = (open(os.path.join(p, jax_artifacts.artifact_file(
       'serving_default')), 'rb').read() for p in mlp['paths'])
@@ -413,3 +420,75 @@ def test_load_function_exposes_the_exported_for_your_own_jit(mlp):
   # The stored variables are the state's, in the model's own structure.
   assert jax.tree_util.tree_structure(fn.variables) == \
       jax.tree_util.tree_structure(mlp['states'][1].variables)
+
+
+def _rewrite_artifact(version_dir: str, data: bytes, **entry) -> None:
+  """Puts `data` in as the version's artifact with a metadata entry that
+  matches it (as if another JAX had written both); `entry` overrides."""
+  with open(os.path.join(version_dir, jax_artifacts.artifact_file(
+      'serving_default')), 'wb') as f:
+    f.write(data)
+  meta_file = os.path.join(version_dir, metadata.FILE)
+  with open(meta_file) as f:
+    meta = json.load(f)
+  meta['signatures']['serving_default']['jax_artifact'].update(
+      nbytes=len(data), sha256=hashlib.sha256(data).hexdigest(), **entry)
+  with open(meta_file, 'w') as f:
+    json.dump(meta, f)
+
+
+def test_damaged_or_foreign_artifacts_are_t5export_errors(mlp, tmp_path):
+  src = mlp['paths'][0]
+  with open(os.path.join(src, jax_artifacts.artifact_file(
+      'serving_default')), 'rb') as f:
+    data = f.read()
+  exported = jax.export.deserialize(bytearray(data))
+  low = jax.export.minimum_supported_calling_convention_version
+  high = jax.export.maximum_supported_calling_convention_version
+  dirs = {}
+  for name in ('damaged', 'old', 'new', 'refused'):
+    dirs[name] = str(tmp_path / name)
+    shutil.copytree(src, dirs[name])
+  # Same size, one byte changed: the checksum names the file.
+  damaged = bytearray(data)
+  damaged[len(data) // 2] ^= 0xff
+  with open(os.path.join(dirs['damaged'], jax_artifacts.artifact_file(
+      'serving_default')), 'wb') as f:
+    f.write(bytes(damaged))
+  with pytest.raises(errors.JaxArtifactChecksumError,
+                     match=re.escape(os.path.join(
+                         dirs['damaged'], 'assets.extra', 'jax_exported',
+                         'serving_default.bin')) + r"' is damaged: its sha256 "
+                     r"is [0-9a-f]{64}, the version's metadata records "
+                     + hashlib.sha256(data).hexdigest() +
+                     r'\. Copy the version again\.'):
+    verify.load_function(dirs['damaged'], 'serving_default')
+  # Written by a JAX whose calling convention this one no longer (or does
+  # not yet) run: the real artifact, its version number faked.
+  for name, version, jax_version, age in (
+      ('old', low - 1, '0.4.20', 'too old'),
+      ('new', high + 1, '0.12.0', 'too new')):
+    _rewrite_artifact(dirs[name], dataclasses.replace(
+        exported, calling_convention_version=version).serialize(),
+                      calling_convention_version=version,
+                      jax_version=jax_version)
+    with pytest.raises(errors.JaxArtifactVersionError, match=(
+        rf"JAX {re.escape(jax.__version__)} cannot run 'assets\.extra/"
+        rf"jax_exported/serving_default\.bin' of version '.*{name}': it was "
+        rf'written by JAX {re.escape(jax_version)} with calling convention '
+        rf'{version} \({age} for it\); this JAX runs calling conventions '
+        rf'{low}\.\.{high}\. .*Ways out: run the version in TensorFlow, '
+        r'which still serves it \(tf\.saved_model\.load\(.*\)\.signatures'
+        r"\['serving_default'\]\); re-export it with this JAX \(offline: "
+        rf'from its checkpoint\); or load it with JAX '
+        rf'{re.escape(jax_version)}\.')):
+      verify.load_function(dirs[name], 'serving_default')
+  # Bytes this JAX cannot deserialize (checksum intact): JAX's own error,
+  # wrapped, never raw.
+  _rewrite_artifact(dirs['refused'], data[:len(data) // 2],
+                    jax_version='0.12.0')
+  with pytest.raises(errors.JaxArtifactVersionError,
+                     match=r'written by JAX 0\.12\.0 with calling convention '
+                     r'9; this JAX runs calling conventions .*JAX refused it: '
+                     r'error: unpack_from requires a buffer'):
+    verify.load_function(dirs['refused'], 'serving_default')

@@ -36,7 +36,10 @@ def test_default_is_the_oldest_reachable_release():
   assert serving_compat.oldest_supported() == '2.19'
   assert serving_compat.resolve().describe() == {
       'serving_tf_version': '2.19', 'calling_convention_version': 9,
-      'stablehlo_version': '1.9.1', 'loads_on': 'TensorFlow / TF Serving >= 2.19'}
+      'stablehlo_version': '1.9.1',
+      'loads_on': 'TensorFlow / TF Serving >= 2.19',
+      'model_server_flags': ['--xla_cpu_compilation_enabled=true'],
+      'gpu_model_server_flags': ['--xla_gpu_compilation_enabled=true']}
 
 
 @pytest.mark.parametrize('target, message', [

@@ -30,9 +30,12 @@ Exported once, loaded in each release:
 
 from __future__ import annotations
 
+import base64
 import functools
+import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -44,6 +47,8 @@ import pytest
 
 import t5export
 from t5export._src.snapshot import accelerators
+from t5export._src.t5x import t5x_features
+from t5export._src.t5x import t5x_text
 from examples import models
 from examples import tokenizer
 from examples import train as train_lib
@@ -114,6 +119,8 @@ class _Exports:
     self.dirs: dict[str, str] = {}
     self.jobs: dict[str, list[dict]] = {}
     self.expected: dict[str, list[dict]] = {}
+    # name -> JAX's answer to any inputs (for the warm-up requests).
+    self.jax: dict[str, object] = {}
 
 
 @pytest.fixture(scope='module')
@@ -140,6 +147,7 @@ def exports(tmp_path_factory) -> _Exports:
     out.expected[name] = [
         {k: np.asarray(v) for k, v in fn({'params': _poly_params(step)},
                                          {'x': x}).items()} for x in inputs]
+    out.jax[name] = functools.partial(fn, {'params': _poly_params(step)})
 
   # 'newer': the same model for TF >= 2.20.
   exporter = t5export.SavedModelExporter(
@@ -149,6 +157,7 @@ def exports(tmp_path_factory) -> _Exports:
       {'params': _poly_params(10)}).replace_step(1))
   out.jobs['newer'] = out.jobs['poly10']
   out.expected['newer'] = out.expected['poly10']
+  out.jax['newer'] = out.jax['poly10']
 
   # 'accel': a GPU trainer's default export (simulated: only the backend's
   # detection says 'cuda'), lowered for cpu and cuda, checked on CPU.
@@ -167,6 +176,7 @@ def exports(tmp_path_factory) -> _Exports:
   out.expected['accel'] = [
       {k: np.asarray(v) for k, v in fn({'params': _poly_params(11)},
                                        {'x': x}).items()} for x in inputs]
+  out.jax['accel'] = functools.partial(fn, {'params': _poly_params(11)})
 
   # 'topk': lax.top_k with a polymorphic batch.
   scale = {'params': {'scale': np.float32(1.0)}}  # Exact: no rounding.
@@ -180,6 +190,7 @@ def exports(tmp_path_factory) -> _Exports:
   out.expected['topk'] = [
       {k: np.asarray(v) for k, v in jax.jit(_top_k_serve)(
           scale, {'x': x}).items()} for x in tied]
+  out.jax['topk'] = functools.partial(jax.jit(_top_k_serve), scale)
 
   # 'bf16': bfloat16 params and outputs.
   rng = np.random.default_rng(5)
@@ -195,6 +206,8 @@ def exports(tmp_path_factory) -> _Exports:
   out.jobs['bf16'] = [{'inputs': {'x': bf16_x}}]
   out.expected['bf16'] = [{'y': np.asarray(jax.jit(_bf16_serve)(
       {'params': bf16_params}, {'x': bf16_x})['y'], np.float32)}]
+  out.jax['bf16'] = lambda inputs: {'y': np.asarray(jax.jit(_bf16_serve)(
+      {'params': bf16_params}, inputs)['y'], np.float32)}
 
   # 't5': the example's string-in/string-out tiny T5.
   task = train_lib.make_task('tiny_t5', SMALL_T5)
@@ -208,6 +221,10 @@ def exports(tmp_path_factory) -> _Exports:
       'encoder_tokens': tokenizer.encode(STRINGS, train_lib.ENCODER_LEN)})
   out.expected['t5'] = [{'text': tokenizer.decode_bytes(
       np.asarray(tokens['tokens']))}]
+  out.jax['t5'] = lambda inputs: {'text': tokenizer.decode_bytes(np.asarray(
+      serve({'params': variables['params']}, {
+          'encoder_tokens': tokenizer.encode(
+              inputs['text'], train_lib.ENCODER_LEN)})['tokens']))}
 
   # 'offline': python -m t5export.offline with defaults.
   mlp_state = t5export.InferenceState.create(
@@ -229,6 +246,7 @@ def exports(tmp_path_factory) -> _Exports:
   mlp_serve = jax.jit(models.make_mlp_serve_fn(models.MlpBn()))
   out.expected['offline'] = [{k: np.asarray(v) for k, v in mlp_serve(
       mlp_variables, {'x': _MLP_X}).items()}]
+  out.jax['offline'] = functools.partial(mlp_serve, mlp_variables)
   return out
 
 
@@ -261,8 +279,20 @@ def t5x_beam(tmp_path_factory) -> dict:
       'encoder_input_tokens': tokens,
       'decoder_input_tokens': np.zeros((3, t5x_setup.TARGET_LENGTH),
                                        np.int32)})
+  answers = {}  # T5X's answers to other tokens, by their bytes.
+
+  def t5x_answer(tokens):
+    key = (tokens.shape, tokens.tobytes())
+    if key not in answers:
+      decodes, aux = predict(state.params, {
+          'encoder_input_tokens': tokens,
+          'decoder_input_tokens': np.zeros(
+              (len(tokens), t5x_setup.TARGET_LENGTH), np.int32)})
+      answers[key] = np.asarray(decodes), np.asarray(aux['scores'])
+    return answers[key]
+
   return {'dir': path, 'tokens': tokens, 'decodes': np.asarray(decodes),
-          'scores': np.asarray(aux['scores'])}
+          'scores': np.asarray(aux['scores']), 't5x': t5x_answer}
 
 
 @pytest.fixture(scope='module', params=[*tf_venvs.OLDER_TF_VERSIONS, 'ours'])
@@ -349,6 +379,68 @@ def test_top_k_on_a_polymorphic_batch_equals_jax(tf_process, exports):
     np.testing.assert_array_equal(got['values'], want['values'])
 
 
+def _assert_like_jax(got: dict, want: dict, name: str) -> None:
+  assert sorted(got) == sorted(want), name
+  for key, value in want.items():
+    if name == 't5':  # Strings.
+      assert list(got[key]) == list(value), key
+      continue
+    value = np.asarray(value)
+    assert got[key].shape == value.shape, key
+    if name == 'bf16':  # Two bfloat16 ulps at the largest output.
+      atol = 2 * 2.0 ** (np.floor(np.log2(np.max(np.abs(value)))) - 7)
+    else:
+      atol = 0 if value.dtype.kind in 'iu' or name == 'topk' else 1e-5
+    np.testing.assert_allclose(got[key], value, rtol=0, atol=atol,
+                               err_msg=f'{name}/{key}')
+
+
+@pytest.mark.parametrize(
+    'name', ['poly10', 'poly20', 'accel', 'offline', 'topk', 'bf16', 't5',
+             'newer'])
+def test_warmup_replays_as_tf_serving_loads_it(tf_process, exports, name):
+  # The model server's load path with XLA on (as started with
+  # --xla_cpu_compilation_enabled=true): the serve bundle in a session,
+  # then every warm-up request; each answers as JAX does.
+  version, process = tf_process
+  job = tf_only.replay_job(exports.dirs[name])
+  if name == 'newer' and version.startswith('2.19'):
+    with pytest.raises(AssertionError,
+                       match=r"warm-up request 0 \(signature "
+                       r"'serving_default'\): INVALID_ARGUMENT: .*"
+                       r'XlaCallModuleOp with version 10 is not supported'):
+      process.run([job])
+    return
+  [served] = process.run([job])
+  assert [s['signature'] for s in served] == ['serving_default']
+  for request in served:
+    _assert_like_jax(request['outputs'], exports.jax[name](request['inputs']),
+                     name)
+
+
+def test_without_the_xla_flag_the_server_loads_no_version(exports, tmp_path):
+  # tensorflow_model_server started without --xla_cpu_compilation_enabled
+  # calls DisableXlaCompilation() (main.cc); the shipped tool does the same
+  # through ctypes, in a process of its own (it cannot be undone). In the
+  # oldest release a default export targets, whose venv holds no JAX (one
+  # fresh process: 2.20.0 and 2.21 fail alike, docs/internals.md).
+  version = tf_venvs.OLDER_TF_VERSIONS[0]
+  python = tf_venvs.tf_python(version)
+  proc = subprocess.run(
+      [str(python), '-m', 't5export.serving_check', exports.dirs['poly10'],
+       '--xla', 'off', '--json'], cwd=tmp_path, capture_output=True,
+      text=True, timeout=300, check=False,
+      env={**os.environ, 'PYTHONPATH': str(REPO), 'TF_CPP_MIN_LOG_LEVEL': '2',
+           'CUDA_VISIBLE_DEVICES': ''})
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  report = json.loads(proc.stdout.splitlines()[-1])
+  assert report['error'] == (
+      "warm-up request 0 (signature 'serving_default'): INTERNAL: XLA "
+      'compilation disabled\n\t [[{{node StatefulPartitionedCall}}]]')
+  assert report['disable_xla_library'].endswith('/libtensorflow_cc.so.2')
+  assert report['tf_version'] == version
+
+
 @pytest.mark.t5x
 def test_t5x_beam_search_decodes_like_t5x(tf_process, t5x_beam):
   _, process = tf_process
@@ -359,3 +451,79 @@ def test_t5x_beam_search_decodes_like_t5x(tf_process, t5x_beam):
   np.testing.assert_array_equal(got['decodes'], t5x_beam['decodes'])
   np.testing.assert_allclose(got['scores'], t5x_beam['scores'], rtol=0,
                              atol=1e-5)
+
+
+@pytest.mark.t5x
+def test_t5x_beam_search_warmup_replays_like_t5x(tf_process, t5x_beam):
+  # The server's load path (XLA on) on beam search: its warm-up requests
+  # decode as T5X's predict_batch_with_aux does.
+  _, process = tf_process
+  [served] = process.run([tf_only.replay_job(t5x_beam['dir'])])
+  assert [s['signature'] for s in served] == ['serving_default']
+  for request in served:
+    decodes, scores = t5x_beam['t5x'](request['inputs']['encoder_input_tokens'])
+    np.testing.assert_array_equal(request['outputs']['decodes'], decodes)
+    np.testing.assert_allclose(request['outputs']['scores'], scores, rtol=0,
+                               atol=1e-5)
+
+
+def _rest_value(value):
+  """A JSON value as TF Serving reads it: strings as bytes, {"b64": ...}
+  as the bytes it encodes, lists element-wise."""
+  if isinstance(value, dict) and set(value) == {'b64'}:
+    return base64.b64decode(value['b64'])
+  if isinstance(value, str):
+    return value.encode()
+  if isinstance(value, list):
+    return [_rest_value(v) for v in value]
+  return value
+
+
+def _rest_tensors(body: dict, input_names: tuple[str, ...]) -> dict:
+  """A predict body's tensors by TF Serving's JSON rules (api_rest.md):
+  `instances` rows (the values themselves for one named input, else one
+  object per row naming every input) or `inputs` columns, not both."""
+  assert ('instances' in body) != ('inputs' in body), body
+  if 'instances' in body:
+    rows = body['instances']
+    assert isinstance(rows, list) and rows, body
+    if all(isinstance(r, dict) and set(r) != {'b64'} for r in rows):
+      assert all(set(r) == set(rows[0]) for r in rows), body
+      columns = {n: [_rest_value(r[n]) for r in rows] for n in rows[0]}
+    else:
+      assert len(input_names) == 1, (body, input_names)
+      columns = {input_names[0]: [_rest_value(r) for r in rows]}
+  else:
+    columns = body['inputs']
+    if not (isinstance(columns, dict) and set(columns) != {'b64'}):
+      assert len(input_names) == 1, (body, input_names)
+      columns = {input_names[0]: columns}
+    columns = {n: _rest_value(v) for n, v in columns.items()}
+  assert sorted(columns) == sorted(input_names), (body, input_names)
+  return {n: np.array(v, dtype=object) if isinstance(
+      np.asarray(v).flat[0], bytes) else np.asarray(v)
+          for n, v in columns.items()}
+
+
+def test_readme_rest_bodies_are_requests_the_server_accepts(exports,
+                                                            tmp_path):
+  bodies = [json.loads(b) for b in re.findall(
+      r"curl -d '(\{.*?\})'", (REPO / 'README.md').read_text(), re.S)]
+  assert len(bodies) >= 3
+  layout = t5x_features.ENCODER_DECODER
+  for body in bodies:
+    name = body.get('signature_name', 'serving_default')
+    if 'x' in json.dumps(body.get('inputs', {})):
+      # The float32 body: through a version of an `x` [b, 16] signature,
+      # in the server's session, against JAX.
+      tensors = _rest_tensors(body, ('x',))
+      x = tensors['x'].astype(np.float32)
+      [got] = tf_only.shared_process(tmp_path).run([{
+          'dir': exports.dirs['offline'], 'signature': name,
+          'inputs': {'x': x}}])
+      _assert_like_jax(got, exports.jax['offline']({'x': x}), 'offline')
+      continue
+    # T5X text signatures: strings [b] named as t5x_text names them.
+    tensors = _rest_tensors(body, t5x_text.text_inputs(
+        layout, score=name == 'score'))
+    assert all(v.dtype == object and v.ndim == 1 for v in tensors.values())

@@ -334,6 +334,39 @@ def test_text_version_answers_in_tf_2_19_with_tensorflow_text(
                  t5x_run['params_at'][step], t5x_run['model'],
                  tf_2_19_process, text=True, names=('serving_default', 'score'))
   assert tf_2_19_process.tf_version == '2.19.1'
+  # TF Serving's load path (XLA on): every warm-up request of the version
+  # (SentencePiece text in and out) serves, as T5X answers the same texts.
+  _check_warmup_replay(t5x_run['tmp'] / 'action' / str(step),
+                       t5x_run['params_at'][step], t5x_run['model'],
+                       tf_2_19_process)
+
+
+def _check_warmup_replay(version_dir, params, model, process):
+  """The warm-up requests replayed as the model server does equal T5X's
+  answers (batches padded to _INPUTS' size by repeating rows: the methods
+  stay compiled once; rows are independent)."""
+  [served] = process.run([tf_only.replay_job(version_dir)])
+  assert sorted(s['signature'] for s in served) == ['score',
+                                                     'serving_default']
+  for request in served:
+    texts = {k: [t.decode() for t in v] for k, v in request['inputs'].items()}
+    n = len(texts['inputs'])
+    rows = [i % n for i in range(len(_INPUTS))]
+    batch = t5x_setup.seqio_batch(
+        model.input_vocabulary, [texts['inputs'][i] for i in rows],
+        [texts.get('targets', texts['inputs'])[i] for i in rows],
+        task_feature_lengths=LENGTHS)
+    got = request['outputs']
+    if request['signature'] == 'score':
+      want = np.asarray(_t5x(model, 'score')(params, batch))[:n]
+      np.testing.assert_allclose(got['scores'], want, rtol=0, atol=ATOL)
+      continue
+    decodes, aux = _t5x(model, 'predict')(params, batch)
+    assert [t.decode() for t in got['outputs']] == [
+        model.output_vocabulary.decode(row.tolist())
+        for row in np.asarray(decodes)[:n]]
+    np.testing.assert_allclose(got['scores'], np.asarray(aux['scores'])[:n],
+                               rtol=0, atol=ATOL)
 
 
 # --- (c) python -m t5x.train with the shipped gin ---------------------------

@@ -16,7 +16,11 @@ A job is a dict: 'dir' (a SavedModel directory), 'inputs', and either
 'signature' (a SignatureDef key; inputs are its inputs by name, each of
 the signature's dtype) or 'method' (a JaxModule method restored as
 `obj._tf_methods[name]` by `tf.saved_model.load`, called with the inputs
-tree as is). A signature runs as TF Serving runs it: in a graph and
+tree as is), or 'replay' (`replay_job`: TF Serving's load path, every
+warm-up request of the version run through its session by
+t5export/_src/engine/server_replay.py, run as a file; the output is a list
+of {'signature', 'inputs', 'outputs'}, one per request). A signature runs
+as TF Serving runs it: in a graph and
 session loaded from the MetaGraph (`tf.compat.v1.saved_model.loader`),
 whose function names stay the same across versions of one graph, so
 TensorFlow's XLA cache compiles a version's programs once per process
@@ -61,6 +65,8 @@ import time
 from typing import Any
 
 BLOCKED = ('jax', 'jaxlib', 'flax', 't5export')
+SERVER_REPLAY = (pathlib.Path(__file__).resolve().parents[1] / 't5export' /
+                 '_src' / 'engine' / 'server_replay.py')
 TIMEOUT_SECS = 300  # For one `run` call; the process shares 2 CPU cores.
 _DONE = 'isolated: reply written'
 
@@ -134,16 +140,7 @@ _TF_RUNNER = textwrap.dedent('''
       # As TF Serving runs it: a graph and session from the MetaGraph. (Its
       # functions keep their names across versions of one graph, so the
       # XLA cache of this process compiles a version's programs once.)
-      key = key_of(job['dir'])
-      if key not in sessions:
-        import_custom_ops(job['dir'])
-        graph = tf.Graph()
-        session = tf.compat.v1.Session(graph=graph)
-        with graph.as_default():
-          defs = tf.compat.v1.saved_model.loader.load(
-              session, [tf.saved_model.SERVING], job['dir']).signature_def
-        sessions[key] = (session, defs)
-      session, defs = sessions[key]
+      session, defs = bundle(job)
       if job['signature'] not in defs:
         raise KeyError(f"no signature {job['signature']!r}: {sorted(defs)}")
       sig = defs[job['signature']]
@@ -167,7 +164,40 @@ _TF_RUNNER = textwrap.dedent('''
       return {k: v.astype(np.float32) if getattr(v, 'dtype', None) == bf16
               else v for k, v in out.items()}
 
+    replayers = {}  # server_replay.py's path -> its namespace.
+
+    def bundle(job):
+      key = key_of(job['dir'])
+      if key not in sessions:
+        import_custom_ops(job['dir'])
+        graph = tf.Graph()
+        session = tf.compat.v1.Session(graph=graph)
+        with graph.as_default():
+          defs = tf.compat.v1.saved_model.loader.load(
+              session, [tf.saved_model.SERVING], job['dir']).signature_def
+        sessions[key] = (session, defs)
+      return sessions[key]
+
+    def run_replay(job):
+      # TF Serving's load path: every warm-up request through the session,
+      # by t5export's server_replay run as a file (t5export is blocked).
+      path = job['replay']
+      if path not in replayers:
+        import runpy
+        replayers[path] = runpy.run_path(path)
+      session, defs = bundle(job)
+      served = replayers[path]['replay'](job['dir'], session=session,
+                                         signature_defs=defs)
+      bf16 = tf.bfloat16.as_numpy_dtype
+      return [{'signature': s.request.signature,
+               'inputs': dict(s.request.inputs),
+               'outputs': {k: v.astype(np.float32) if getattr(
+                   v, 'dtype', None) == bf16 else v
+                           for k, v in s.outputs.items()}} for s in served]
+
     def run(job):
+      if 'replay' in job:
+        return run_replay(job)
       if 'signature' in job:
         return run_signature(job)
       key = key_of(job['dir'])
@@ -199,6 +229,11 @@ def _own_xla_cache(flags: str, python: str | os.PathLike[str]) -> str:
   return ' '.join(
       f'{word}-{tag}' if word.startswith(_XLA_CACHE_FLAG) else word
       for word in flags.split())
+
+
+def replay_job(version_dir: str | os.PathLike[str]) -> dict[str, str]:
+  """A job replaying `version_dir` as TF Serving loads it (module doc)."""
+  return {'dir': os.fspath(version_dir), 'replay': str(SERVER_REPLAY)}
 
 
 def script(*, blocked: tuple[str, ...], probe: str, runner: str) -> str:

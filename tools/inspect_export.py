@@ -6,8 +6,10 @@
   python tools/inspect_export.py EXPORT_DIR --json     # machine-readable
 
 For an export directory: each published version (step, time, size, check
-result, metrics), the one TensorFlow Serving serves (the highest), and any
-staging leftovers of an interrupted export. For a version: the library
+result, metrics), the one TensorFlow Serving serves (the highest), any
+staging leftovers of an interrupted export, and the command lines that
+serve the directory (`tensorflow_model_server` and its docker image, with
+the flags the versions need: `--xla_cpu_compilation_enabled=true`). For a version: the library
 versions it was written with, platforms, signatures (inputs and outputs,
 and the `jax.export` artifact's file and size), the check per signature,
 parameter count and bytes, and the extra files.
@@ -39,6 +41,42 @@ def _mib(nbytes: int) -> str:
   return f'{nbytes / 2**20:.1f} MiB'
 
 
+def serving_commands(export_dir: str,
+                     serving: dict[str, Any] | None,
+                     platforms: Sequence[str] = ()) -> dict[str, str]:
+  """The command lines that serve `export_dir` with TF Serving.
+
+  Args:
+    export_dir: the directory of versions (its basename is the model name).
+    serving: the served version's `serving` metadata (None: written before
+      it was recorded; the flags every t5export version needs are used).
+    platforms: the version's platforms; a GPU command when it has 'cuda'.
+
+  Returns:
+    {'tensorflow_model_server': ..., 'docker': ...[, 'docker_gpu': ...]}.
+  """
+  export_dir = os.path.abspath(export_dir)
+  name = os.path.basename(os.path.normpath(export_dir))
+  serving = serving or {}
+  flags = ' '.join(serving.get('model_server_flags',
+                               metadata.MODEL_SERVER_FLAGS))
+  mount = (f'--mount type=bind,source={export_dir},target=/models/{name} '
+           f'-e MODEL_NAME={name}')
+  out = {
+      'tensorflow_model_server': (
+          f'tensorflow_model_server --port=8500 --rest_api_port=8501 '
+          f'--model_name={name} --model_base_path={export_dir} {flags}'),
+      'docker': (f'docker run -p 8500:8500 -p 8501:8501 {mount} '
+                 f'-t tensorflow/serving {flags}'),
+  }
+  if 'cuda' in platforms:
+    gpu = ' '.join(serving.get('gpu_model_server_flags',
+                               metadata.GPU_MODEL_SERVER_FLAGS))
+    out['docker_gpu'] = (f'docker run --gpus all -p 8500:8500 -p 8501:8501 '
+                         f'{mount} -t tensorflow/serving:latest-gpu {gpu}')
+  return out
+
+
 def describe_export_dir(export_dir: str) -> dict[str, Any]:
   """Summary of every published version and the staging leftovers.
 
@@ -46,7 +84,8 @@ def describe_export_dir(export_dir: str) -> dict[str, Any]:
     export_dir: the directory TF Serving watches.
 
   Returns:
-    {'export_dir', 'served', 'versions': [...], 'staging': [...]}.
+    {'export_dir', 'served', 'versions': [...], 'staging': [...],
+    'serve': `serving_commands` of the served version}.
 
   Raises:
     errors.VersionNotFoundError: `export_dir` is not a directory.
@@ -55,7 +94,7 @@ def describe_export_dir(export_dir: str) -> dict[str, Any]:
     raise errors.VersionNotFoundError(
         f'{export_dir!r} is not a directory; pass an export_dir or one of its '
         'version directories.')
-  rows = []
+  rows, served_meta = [], None
   for step in versions.list_versions(export_dir):
     path = os.path.join(export_dir, str(step))
     row: dict[str, Any] = {'step': step, 'path': path,
@@ -67,12 +106,16 @@ def describe_export_dir(export_dir: str) -> dict[str, Any]:
     else:
       row.update(time_utc=meta.time_utc, check=meta.check.summary(),
                  metrics=dict(meta.metrics))
+      served_meta = meta
     rows.append(row)
   staging = sorted(n for n in os.listdir(export_dir)
                    if n.startswith(versions.STAGING_PREFIX))
   return {'export_dir': os.path.abspath(export_dir),
           'served': rows[-1]['step'] if rows else None,
-          'versions': rows, 'staging': staging}
+          'versions': rows, 'staging': staging,
+          'serve': serving_commands(
+              export_dir, served_meta and served_meta.serving,
+              served_meta.platforms if served_meta else ())}
 
 
 def describe_version(version_dir: str, *, params: bool) -> dict[str, Any]:
@@ -100,6 +143,8 @@ def describe_version(version_dir: str, *, params: bool) -> dict[str, Any]:
                                   metadata.NOT_RECORDED else sig.jax_artifact)}
           for name, sig in meta.signatures.items()},
       'check': meta.check.summary(),
+      'serve': serving_commands(os.path.dirname(os.path.abspath(
+          version_dir)), meta.serving, meta.platforms),
       'check_detail': dataclasses.asdict(meta.check),
       'metrics': dict(meta.metrics),
       'custom_ops': {k: list(v) for k, v in meta.custom_ops.items()},
@@ -130,6 +175,9 @@ def _print_export_dir(info: dict[str, Any]) -> None:
             f'{_mib(row["bytes"]):>10}  {row["check"]}'
             f'{"; " + metrics if metrics else ""}')
   print('staging leftovers: ' + (', '.join(info['staging']) or 'none'))
+  print('serve it with (without the --xla flag the server loads no version):')
+  for command in info['serve'].values():
+    print(f'  {command}')
 
 
 def _print_version(info: dict[str, Any]) -> None:
@@ -142,6 +190,7 @@ def _print_version(info: dict[str, Any]) -> None:
       f'{serving["loads_on"]} (XlaCallModule calling convention '
       f'{serving["calling_convention_version"]})' if serving else
       'not recorded (written before t5export recorded its serving target)'))
+  print('  served by: ' + info['serve']['tensorflow_model_server'])
   for package, ops in info['custom_ops'].items():
     print(f'  needs the ops of {package} ({", ".join(ops)}): import it '
           'before loading in Python; TF Serving has tensorflow-text\'s '

@@ -17,6 +17,7 @@ from jax._src.export import _export as jax_export_impl
 from jax._src.lib import _jax as jax_lib
 
 from t5export import errors
+from t5export._src.versions import metadata
 
 # (TF minor release, newest calling-convention version its XlaCallModule
 # accepts, StableHLO version it reads), oldest first.
@@ -43,6 +44,8 @@ class ServingTarget:
         'calling_convention_version': self.calling_convention_version,
         'stablehlo_version': self.stablehlo_version,
         'loads_on': f'TensorFlow / TF Serving >= {self.tf_version}',
+        'model_server_flags': list(metadata.MODEL_SERVER_FLAGS),
+        'gpu_model_server_flags': list(metadata.GPU_MODEL_SERVER_FLAGS),
     }
 
 

@@ -20,6 +20,13 @@ WARMUP_FILE = os.path.join(ASSETS_EXTRA, 'tf_serving_warmup_requests')
 FORMAT_VERSION = 2
 # `Signature.jax_artifact` of a version written before t5export wrote them.
 NOT_RECORDED = 'not recorded'
+# What `tensorflow_model_server` needs to serve any t5export version (its
+# programs are XLA's: jax2tf's XlaCallModule). Without one of these flags
+# the server calls DisableXlaCompilation() and every version fails its
+# first warm-up request (docs/internals.md, "Served by TF Serving").
+MODEL_SERVER_FLAGS = ('--xla_cpu_compilation_enabled=true',)
+# On a GPU model server (it enables XLA:CPU too); TF Serving >= 2.18.
+GPU_MODEL_SERVER_FLAGS = ('--xla_gpu_compilation_enabled=true',)
 
 
 @dataclasses.dataclass(frozen=True)
