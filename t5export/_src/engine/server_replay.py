@@ -138,8 +138,10 @@ def read_requests(version_dir: str) -> list[Request]:
   if not tf.io.gfile.exists(path):
     return []
   requests = []
-  for index, record in enumerate(tf.data.TFRecordDataset(path)):
-    logs = dict(_fields(record.numpy()))
+  # A plain reader, not tf.data: it also runs inside a graph's context (the
+  # pre-publish check replays in its own session).
+  for index, record in enumerate(tf.compat.v1.io.tf_record_iterator(path)):
+    logs = dict(_fields(record))
     if _PREDICT_LOG not in logs:
       kinds = [_LOG_TYPES.get(n, f'field {n}') for n in logs]
       raise ReplayError(

@@ -64,7 +64,8 @@ class Checker:
     """Checks a `stage.Staged` version while its files are being written.
 
     The finite test and the JAX side run here, beside the write; then the
-    written version runs in TensorFlow.
+    written version runs in TensorFlow as TF Serving loads it: the sample
+    inputs, then its own warm-up requests, the first thing the server runs.
 
     Returns:
       What was checked, for the version's metadata.
@@ -73,6 +74,7 @@ class Checker:
       NonFiniteParamsError: a param holds NaN/Inf (`allow_non_finite`).
       ExportCheckError: the staged SavedModel differs from JAX.
       UnloadableSignatureError: TensorFlow cannot load or run a signature.
+      WarmupReplayError: a warm-up request fails as the server would fail it.
     """
     if not self._allow_non_finite:
       check_finite(staged.flat)
@@ -92,7 +94,7 @@ class Checker:
     actuals = run_signatures_isolated(
         staged.directory,
         [(sig.name, sig.sample_inputs) for sig in self._signatures],
-        platform=platform)
+        platform=platform, warmup=True)
     logging.info('t5export: check of %s on %s: JAX references in %.2fs '
                  '(beside the write), TensorFlow load and run in %.2fs.',
                  staged.directory, platform, jax_seconds,
@@ -179,7 +181,7 @@ def _no_signature(name: str, version_dir: str,
 def run_signatures_isolated(
     version_dir: str | os.PathLike[str],
     requests: Sequence[tuple[str, Mapping[str, Any]]], *,
-    platform: str = 'cpu') -> list[dict[str, Any]]:
+    platform: str = 'cpu', warmup: bool = False) -> list[dict[str, Any]]:
   """Runs `(signature, inputs)` requests in a throw-away TF graph and session.
 
   As TF Serving loads it; unlike `tf.saved_model.load` nothing stays cached.
@@ -188,11 +190,16 @@ def run_signatures_isolated(
   A signature TensorFlow cannot load or run (an op it lacks or cannot
   refine) raises `errors.UnloadableSignatureError`, from TensorFlow's error.
   The packages whose ops the version's metadata lists are imported first.
+  With `warmup`, the version's own warm-up requests are then replayed in
+  the same session as TF Serving replays them before it serves a version
+  (`warmup_check`).
 
   Raises:
     errors.MissingOpsPackageError: such a package is not installed.
     errors.SignatureError: a request names no signature or input of it.
     errors.UnloadableSignatureError: as above.
+    errors.WarmupReplayError: `warmup` and a warm-up request fails as the
+      server's `RunPredict` would fail it.
   """
   version_dir = os.fspath(version_dir)
   custom_ops.import_for_version(version_dir)
@@ -225,6 +232,11 @@ def run_signatures_isolated(
           if refused is None:
             raise
           raise refused from e
+      if warmup:  # TensorFlow is imported: so may the replay be.
+        # pylint: disable-next=g-import-not-at-top
+        from t5export._src.engine import warmup_check
+        warmup_check.replay_staged_warmup(
+            version_dir, session=session, signature_defs=signature_defs)
   return results
 
 
