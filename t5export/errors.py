@@ -211,6 +211,18 @@ class ExportDirError(T5ExportError, OSError):
   """`export_dir` is a file or not writable: pass a directory you can write."""
 
 
+class UnsupportedURLError(T5ExportError, ValueError):
+  """A URL whose scheme t5export cannot use: pass gs://... or a local path."""
+
+  def __init__(self, url: str, *, argument: str, supported: Sequence[str]):
+    self.url, self.argument = url, argument
+    super().__init__(
+        f'{argument}={url!r} has a URL scheme t5export cannot read or write '
+        f'(supported: {", ".join(supported)}, or a local path); nothing was '
+        'written. Pass a gs://bucket/path URL or a local directory; it is '
+        'never taken as a local path named after the URL.')
+
+
 class ExportFailedError(T5ExportError, RuntimeError):
   """A background export failed (`__cause__`); raised on the next call."""
 

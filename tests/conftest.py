@@ -179,6 +179,28 @@ def tf_2_19_process(tmp_path_factory):
     yield process
 
 
+@pytest.fixture(scope='session')
+def gcs_emulator():
+  """The session's GCS emulator on 127.0.0.1 (tests/gcs_emulator.py), its
+  address in this process's environment (and its subprocesses') while it
+  runs."""
+  import gcs_emulator as emulator_lib  # pylint: disable=g-import-not-at-top
+  emulator = emulator_lib.Emulator()
+  with pytest.MonkeyPatch.context() as patch:
+    for name, value in emulator.environment.items():
+      patch.setenv(name, value)
+    yield emulator
+  emulator.stop()
+
+
+@pytest.fixture
+def gcs_bucket(gcs_emulator) -> str:
+  """A new empty bucket of the emulator, as 'gs://<bucket>'."""
+  gcs_emulator.on_upload = None
+  yield f'gs://{gcs_emulator.new_bucket()}'
+  gcs_emulator.on_upload = None
+
+
 @pytest.fixture
 def t5x_checkpoint_dir(tmp_path) -> pathlib.Path:
   """A private copy of the real T5X checkpoint in tests/data (adamw_f32)."""

@@ -1,0 +1,122 @@
+"""A GCS emulator on 127.0.0.1 for the tests (gcp-storage-emulator, in memory).
+
+The emulator's HTTP server runs in a thread of the test process; it counts
+the object bytes it serves (`media_bytes`), and `on_upload` lets a test act
+when an object is about to be stored (e.g. kill the uploading process).
+`environment` holds what the clients need to find it: gcsfs reads
+`STORAGE_EMULATOR_HOST`, TensorStore `TENSORSTORE_GCS_HTTP_URL` (and a
+token it does not check), etils.epath (orbax's small files) uses fsspec,
+not TensorFlow's GCS file system, which ignores the emulator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import functools
+import http.server
+import io
+import itertools
+import threading
+
+from gcp_storage_emulator import server as emulator_server
+from gcp_storage_emulator import storage as emulator_storage
+from gcp_storage_emulator.handlers import buckets as emulator_buckets
+
+
+class _CountingWriter(io.RawIOBase):
+  """The response stream, counting what is written to it."""
+
+  def __init__(self, raw):
+    super().__init__()
+    self.raw, self.written = raw, 0
+
+  def write(self, data) -> int:
+    self.written += len(data)
+    return self.raw.write(data)
+
+  def flush(self) -> None:
+    self.raw.flush()
+
+  def writable(self) -> bool:
+    return True
+
+
+class _Handler(emulator_server.RequestHandler):
+  """Counts the bytes of object reads; calls the server's `on_upload`."""
+
+  def setup(self) -> None:
+    super().setup()
+    self.wfile = _CountingWriter(self.wfile)
+
+  def do_GET(self) -> None:  # pylint: disable=invalid-name
+    before = self.wfile.written
+    super().do_GET()
+    if 'alt=media' in self.path:  # An object's bytes, with its headers.
+      self.server.media_bytes += self.wfile.written - before
+
+  def log_message(self, *args) -> None:
+    del args
+
+
+class _Storage(emulator_storage.Storage):
+  """Calls `on_upload(object name)` before it stores an object."""
+  on_upload: Callable[[str], None] | None = None
+
+  def create_file(self, bucket_name, file_name, *args, **kwargs):
+    if self.on_upload is not None:
+      self.on_upload(file_name)
+    return super().create_file(bucket_name, file_name, *args, **kwargs)
+
+
+class _Server(http.server.HTTPServer):
+  media_bytes = 0
+
+  def handle_error(self, request, client_address) -> None:
+    del request, client_address  # A client that hung up (e.g. killed).
+
+
+class Emulator:
+  """The emulator: `url`, `new_bucket()`, `media_bytes`, `on_upload`."""
+
+  def __init__(self):
+    self._storage = _Storage(use_memory_fs=True)
+    self._httpd = _Server(('127.0.0.1', 0),
+                          functools.partial(_Handler, self._storage))
+    self.url = f'http://127.0.0.1:{self._httpd.server_address[1]}'
+    self._names = itertools.count()
+    self._thread = threading.Thread(target=self._httpd.serve_forever,
+                                    name='gcs-emulator', daemon=True)
+    self._thread.start()
+
+  @property
+  def environment(self) -> dict[str, str]:
+    return {'STORAGE_EMULATOR_HOST': self.url,
+            'TENSORSTORE_GCS_HTTP_URL': self.url,
+            'GOOGLE_AUTH_TOKEN_FOR_TESTING': 'emulator',
+            'EPATH_USE_TF': 'false',
+            'GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT': 'false'}
+
+  def new_bucket(self) -> str:
+    """A new empty bucket's name."""
+    name = f't5export-test-{next(self._names)}'
+    emulator_buckets.create_bucket(name, self._storage)
+    return name
+
+  @property
+  def media_bytes(self) -> int:
+    """Bytes served by object reads so far (bodies and their headers)."""
+    return self._httpd.media_bytes
+
+  @property
+  def on_upload(self) -> Callable[[str], None] | None:
+    return self._storage.on_upload
+
+  @on_upload.setter
+  def on_upload(self, callback: Callable[[str], None] | None) -> None:
+    """`callback(object_name)` before each upload is stored (None: off)."""
+    self._storage.on_upload = callback
+
+  def stop(self) -> None:
+    self._httpd.shutdown()
+    self._httpd.server_close()
+    self._thread.join()
