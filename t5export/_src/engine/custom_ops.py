@@ -16,6 +16,7 @@ from typing import Any
 
 from t5export import errors
 from t5export._src.versions import metadata
+from t5export._src.versions import storage
 
 
 def graph_op_types(saved_model: Any) -> set[str]:
@@ -105,8 +106,8 @@ def import_packages(custom_ops: Mapping[str, Iterable[str]], *,
 def import_for_version(version_dir: str | os.PathLike[str]) -> None:
   """Imports what a version's metadata says its ops need (nothing for a
   directory without metadata, such as one still being staged)."""
-  version_dir = os.fspath(version_dir)
-  if not os.path.isfile(os.path.join(version_dir, metadata.FILE)):
+  version_dir = storage.checked(version_dir, argument='version_dir')
+  if not storage.isfile(storage.join(version_dir, metadata.FILE)):
     return
   custom_ops = metadata.read_metadata(version_dir).custom_ops
   if custom_ops:

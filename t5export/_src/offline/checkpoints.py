@@ -18,6 +18,7 @@ from t5export._src.snapshot import host_buffers
 from t5export._src.offline import msgpack_checkpoints
 from t5export._src.offline import orbax_checkpoints
 from t5export._src.state import paths
+from t5export._src.versions import storage
 
 ORBAX = 'orbax'
 T5X = 't5x'
@@ -45,7 +46,7 @@ Located = NamedTuple('Located', [('format', str), ('path', str),
 
 
 def _is_orbax_item(path: str) -> bool:
-  return os.path.isfile(os.path.join(path, orbax_checkpoints.METADATA))
+  return storage.isfile(storage.join(path, orbax_checkpoints.METADATA))
 
 
 def _step_of_name(name: str, *, strict: bool = False) -> int | None:
@@ -60,30 +61,30 @@ def _step_of_name(name: str, *, strict: bool = False) -> int | None:
 
 def _locate_single(path: str) -> Located | None:
   """Identifies one checkpoint (not a directory of steps), or None."""
-  path = os.path.abspath(path)
-  name_step = _step_of_name(os.path.basename(path), strict=True)
-  parent = os.path.dirname(path)
-  parent_step = _step_of_name(os.path.basename(parent), strict=True)
-  if os.path.isfile(path):
+  path = path if storage.is_url(path) else os.path.abspath(path)
+  name_step = _step_of_name(storage.basename(path), strict=True)
+  parent = storage.dirname(path)
+  parent_step = _step_of_name(storage.basename(parent), strict=True)
+  if storage.isfile(path):
     fmt = msgpack_checkpoints.file_format(path)
     step = parent_step if fmt == T5X else name_step
     return None if fmt is None else Located(fmt, path, step)
   if _is_orbax_item(path):
     # An item of a CheckpointManager step: the step directory has the step.
-    in_step_dir = not os.path.isfile(
-        os.path.join(path, _ORBAX_STEP_METADATA)) and os.path.isfile(
-            os.path.join(parent, _ORBAX_STEP_METADATA))
+    in_step_dir = not storage.isfile(
+        storage.join(path, _ORBAX_STEP_METADATA)) and storage.isfile(
+            storage.join(parent, _ORBAX_STEP_METADATA))
     return Located(ORBAX, path, parent_step if in_step_dir else name_step)
-  t5x_file = os.path.join(path, msgpack_checkpoints.T5X_FILE)
+  t5x_file = storage.join(path, msgpack_checkpoints.T5X_FILE)
   if msgpack_checkpoints.file_format(t5x_file) == T5X:
     return Located(T5X, t5x_file, name_step)
   try:
-    names = os.listdir(path)
+    names = storage.listdir(path)
   except OSError:
     return None
   # The step's orbax items, likeliest first; one holding params wins.
   rank = {n: i for i, n in enumerate(_ITEM_PREFERENCE)}
-  items = [os.path.join(path, n) for n in sorted(
+  items = [storage.join(path, n) for n in sorted(
       names, key=lambda n: (rank.get(n, len(rank)), n))]
   items = [i for i in items if _is_orbax_item(i)]
   items = [i for i in items if _has_params(i)] or items
@@ -125,8 +126,8 @@ def locate(path: str | os.PathLike[str], *,
                            or step < 0):
     raise ValueError(f'step must be a non-negative int or None, got {step!r}.')
   step = None if step is None else int(step)
-  path = os.fspath(path)
-  if not os.path.exists(path):
+  path = storage.checked(path, argument='ckpt')
+  if not storage.exists(path):
     raise errors.CheckpointNotFoundError(
         f'Checkpoint path {path!r} does not exist. Pass the checkpoint '
         'directory or file (--ckpt).')
@@ -140,9 +141,9 @@ def locate(path: str | os.PathLike[str], *,
       located = located._replace(step=step)
     return located
   steps = {}  # The numbered entries of a manager / model directory.
-  for name in os.listdir(path) if os.path.isdir(path) else ():
+  for name in storage.listdir(path) if storage.isdir(path) else ():
     entry_step = _step_of_name(name)
-    found = entry_step is not None and _locate_single(os.path.join(path, name))
+    found = entry_step is not None and _locate_single(storage.join(path, name))
     if found:
       steps[entry_step] = found._replace(step=entry_step)
   if not steps:
@@ -215,7 +216,7 @@ def _read(located: Located) -> tuple[dict[str, Any], int | None]:
     tree = orbax_checkpoints.structure(path)
   else:
     tree = msgpack_checkpoints.read_tree(path, looked_for=_LOOKED_FOR)
-    bytes_read = os.path.getsize(path)
+    bytes_read = storage.size(path)
   if not isinstance(tree, Mapping):
     raise errors.UnknownCheckpointFormatError(
         f'{fmt} checkpoint {path!r} holds a {type(tree).__name__}, not a '
@@ -254,7 +255,8 @@ def read_params(path: str | os.PathLike[str], *,
     path: a checkpoint file or directory: an orbax CheckpointManager
       directory, one step's directory or an item directory; a T5X model
       directory, `checkpoint_<step>` directory or its `checkpoint` file; a
-      flax msgpack file.
+      flax msgpack file. Locally or in a bucket (`gs://...`): only the
+      params' and mutables' arrays are read from it.
     step: which step to read from a directory of steps (default: the
       latest). For a single checkpoint it must match its step, if known.
 

@@ -11,11 +11,13 @@ import msgpack
 import numpy as np
 
 from t5export import errors
+from t5export._src.versions import storage
 
 T5X_FILE = 'checkpoint'
 # Keys of a train-state dict holding optimizer state, never decoded.
 _OPTIMIZER_KEYS = frozenset({'opt_state', 'param_states'})
 _MSGPACK_LIMIT = 2**31 - 1
+_HEAD_BLOCK = 2**16  # What `file_format` fetches of a file in a bucket.
 
 
 def file_format(path: str) -> str | None:
@@ -23,7 +25,7 @@ def file_format(path: str) -> str | None:
   another file opening a msgpack map, else None (reads the first key)."""
   size = None
   try:
-    with open(path, 'rb') as f:
+    with storage.open_read(path, block_size=_HEAD_BLOCK) as f:
       unpacker = msgpack.Unpacker(f, raw=False, read_size=4096,
                                   max_buffer_size=_MSGPACK_LIMIT)
       size = unpacker.read_map_header()
@@ -80,7 +82,7 @@ def _stream(unpacker: msgpack.Unpacker, depth: int) -> Any:
 def read_tree(path: str, *, looked_for: str) -> Any:
   """The decoded file without its optimizer subtrees (T5X specs stay dicts);
   `looked_for` names the formats tried, for an unreadable file's error."""
-  with open(path, 'rb') as f:
+  with storage.open_read(path) as f:
     unpacker = msgpack.Unpacker(
         f, raw=False, ext_hook=_ext_hook, strict_map_key=False,
         max_buffer_size=_MSGPACK_LIMIT)
@@ -101,27 +103,26 @@ def _is_ts_spec(leaf: Any) -> bool:
 def read_tensorstore_leaves(tree: Any, path: str) -> tuple[Any, int]:
   """`tree` with its TensorStore specs (beside the T5X file `path`) read
   concurrently, and the bytes of their files."""
-  ckpt_dir = os.path.dirname(os.path.abspath(path))
+  ckpt_dir = storage.dirname(path if storage.is_url(path) else
+                             os.path.abspath(path))
   specs = [x for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_ts_spec)
            if _is_ts_spec(x)]
   if not specs:
     return tree, 0
   import tensorstore as ts  # pylint: disable=g-import-not-at-top
 
-  for spec in specs:  # Read locally, the relative path made absolute as T5X.
+  dirs = []
+  for spec in specs:  # Where the checkpoint is now, as T5X reads it.
     spec.get('metadata', {}).pop('chunks', None)
     spec.get('metadata', {}).pop('compressor', None)
-    store = spec.get('kvstore', spec)
-    if store.get('driver') in ('gcs', 'gfile'):  # A copied checkpoint.
-      store['driver'] = 'file'
-      store.pop('bucket', None)
-    store['path'] = os.path.join(ckpt_dir, store['path'])
+    store = spec.get('kvstore') or {}  # Relative: written as T5X does.
+    relative = store['path'] if 'path' in store else spec.pop('path')
+    dirs.append(storage.join(ckpt_dir, relative))
+    spec['kvstore'] = storage.tensorstore_kvstore(dirs[-1])
   opened = [ts.open(spec, open=True, read=True) for spec in specs]
   reads = iter([future.result().read() for future in opened])
   # tree_map visits the leaves in tree_leaves' order, the order of `reads`.
   tree = jax.tree_util.tree_map(
       lambda x: np.asarray(next(reads).result()) if _is_ts_spec(x) else x,
       tree, is_leaf=_is_ts_spec)
-  dirs = [spec.get('kvstore', spec)['path'] for spec in specs]
-  return tree, sum(os.path.getsize(os.path.join(root, f)) for d in dirs
-                   for root, _, files in os.walk(d) for f in files)
+  return tree, sum(storage.tree_nbytes(d) for d in dirs)

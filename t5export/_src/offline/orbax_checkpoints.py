@@ -6,13 +6,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 import dataclasses
 import json
-import os
 from typing import Any
 
 import jax
 import numpy as np
 
 from t5export import errors
+from t5export._src.versions import storage
 
 METADATA = '_METADATA'
 
@@ -36,8 +36,7 @@ def read_counter() -> int | None:
 def structure(item_dir: str) -> Any:
   """The checkpoint's tree (dicts, lists, `_Leaf`s) read from `_METADATA`
   (orbax's `metadata()` would open every array, optimizer state included)."""
-  with open(os.path.join(item_dir, METADATA)) as f:
-    metadata = json.load(f)
+  metadata = json.loads(storage.read_text(storage.join(item_dir, METADATA)))
   entries = isinstance(metadata, dict) and metadata.get('tree_metadata')
   if not isinstance(entries, dict):
     raise errors.UnknownCheckpointFormatError(
@@ -72,7 +71,8 @@ def structure(item_dir: str) -> Any:
 def restore(item_dir: str, tree: Mapping[str, Any],
             keypaths: Sequence[tuple[str, ...]]) -> tuple[Any, int | None]:
   """The subtrees of `tree` (its `structure`) at `keypaths` restored alone
-  (numpy leaves), and the bytes this process read meanwhile (or None)."""
+  (numpy leaves), and the bytes this process read meanwhile (None: unknown,
+  e.g. from a bucket: TensorStore's network reads are not counted)."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
   if () in keypaths:
@@ -94,4 +94,5 @@ def restore(item_dir: str, tree: Mapping[str, Any],
         item_dir, args=ocp.args.PyTreeRestore(
             item=item, restore_args=args, partial_restore=True))
     after = read_counter()
-  return restored, after - before if None not in (before, after) else None
+  known = None not in (before, after) and not storage.is_url(item_dir)
+  return restored, after - before if known else None

@@ -13,6 +13,7 @@ import jax
 
 from t5export import errors
 from t5export._src.versions import metadata
+from t5export._src.versions import storage
 
 ARTIFACT_DIR = os.path.join(metadata.ASSETS_EXTRA, 'jax_exported')
 
@@ -106,8 +107,7 @@ def read(version_dir: str, signature_name: str,
     raise errors.NoJaxArtifactError(
         f'{where}: it was exported with jax_artifacts=False. {fix}')
   try:
-    with open(os.path.join(version_dir, entry['file']), 'rb') as f:
-      data = f.read()
+    data = storage.read_bytes(storage.join(version_dir, entry['file']))
   except OSError as e:
     raise errors.NoJaxArtifactError(
         f'{where}: {entry["file"]} cannot be read ({e.strerror or e}). '

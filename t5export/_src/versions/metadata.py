@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from t5export import errors
+from t5export._src.versions import storage
 
 ASSETS_EXTRA = 'assets.extra'
 FILE = os.path.join(ASSETS_EXTRA, 't5export.json')
@@ -165,7 +166,8 @@ def read_metadata(version_dir: str | os.PathLike[str]) -> Metadata:
   """Reads the t5export metadata of a published (or staged) version.
 
   Args:
-    version_dir: a version directory such as `<export_dir>/1000`.
+    version_dir: a version directory such as `<export_dir>/1000`, or its
+      URL (`gs://bucket/exports/1000`).
 
   Returns:
     The typed `assets.extra/t5export.json`.
@@ -173,17 +175,19 @@ def read_metadata(version_dir: str | os.PathLike[str]) -> Metadata:
   Raises:
     VersionNotFoundError: if the directory or its metadata file is missing,
       or the file is not t5export metadata.
+    UnsupportedURLError: `version_dir` is a URL of another scheme.
   """
-  version_dir = os.fspath(version_dir)
-  path = os.path.join(version_dir, FILE)
-  if not os.path.isfile(path):
+  version_dir = storage.checked(version_dir, argument='version_dir')
+  path = storage.join(version_dir, FILE)
+  try:
+    text = storage.read_text(path)
+  except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
     raise errors.VersionNotFoundError(
         f'{version_dir!r} is not a t5export version: {FILE} is '
         'missing. Pass a version directory such as <export_dir>/<step>, '
-        'not the export_dir itself.')
+        'not the export_dir itself.') from None
   try:
-    with open(path, encoding='utf-8') as f:
-      return _parse(json.load(f))
+    return _parse(json.loads(text))
   except (ValueError, KeyError, TypeError, AttributeError) as e:
     raise errors.VersionNotFoundError(
         f'{path!r} is not t5export metadata ({type(e).__name__}: {e}). '

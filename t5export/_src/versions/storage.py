@@ -78,6 +78,13 @@ def parse(location: str | os.PathLike[str], *, argument: str) -> str:
   return 'gs://' + '/'.join(parts)
 
 
+def checked(location: str | os.PathLike[str], *, argument: str) -> str:
+  """A location to read from: a URL in its canonical form (see `parse`), a
+  local path as given (relative stays relative, for messages)."""
+  parsed = parse(location, argument=argument)
+  return parsed if is_url(parsed) else os.fspath(location)
+
+
 def join(location: str, *parts: str) -> str:
   """`location/part/...` (URLs join with '/')."""
   if is_url(location):
@@ -88,6 +95,13 @@ def join(location: str, *parts: str) -> str:
 def basename(location: str) -> str:
   return posixpath.basename(location.rstrip('/')) if is_url(
       location) else os.path.basename(location)
+
+
+def dirname(location: str) -> str:
+  if is_url(location):
+    parent = posixpath.dirname(location.rstrip('/'))
+    return parent if parent != 'gs:' else location  # The bucket's own.
+  return os.path.dirname(location)
 
 
 def bucket_and_key(url: str) -> tuple[str, str]:
@@ -186,10 +200,12 @@ def read_range(location: str, offset: int, length: int) -> bytes:
 
 
 @contextlib.contextmanager
-def open_read(location: str) -> Iterator[IO[bytes]]:
-  """A binary file object to stream `location` from (read-ahead for URLs)."""
+def open_read(location: str, *,
+              block_size: int | None = None) -> Iterator[IO[bytes]]:
+  """A binary file object to stream `location` from; for a URL, each read
+  past its buffer fetches `block_size` bytes (default: gcsfs's)."""
   if is_url(location):
-    with _gcs().open(location, 'rb') as f:
+    with _gcs().open(location, 'rb', block_size=block_size) as f:
       yield f
   else:
     with open(location, 'rb') as f:

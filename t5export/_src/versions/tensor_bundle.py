@@ -15,6 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from t5export import errors
+from t5export._src.versions import storage
 
 OBJECT_GRAPH_KEY = '_CHECKPOINTABLE_OBJECT_GRAPH'
 _MAGIC = 0xdb4775248b80fb57
@@ -208,10 +209,9 @@ class BundleReader:
     self.prefix = os.fspath(prefix)
     index = self.prefix + '.index'
     try:
-      with open(index, 'rb') as f:
-        # The empty key holds the BundleHeaderProto; None: a sliced tensor.
-        self._entries = {k.decode(): _entry(v) if k else dict(_fields(v))
-                         for k, v in _table_entries(f.read())}
+      # The empty key holds the BundleHeaderProto; None: a sliced tensor.
+      self._entries = {k.decode(): _entry(v) if k else dict(_fields(v))
+                       for k, v in _table_entries(storage.read_bytes(index))}
       header = self._entries.pop('', {})
       self._num_shards = header.get(1, 1)
       if header.get(2, 0) != 0:
@@ -243,9 +243,13 @@ class BundleReader:
           f'holds {len(self._entries)} tensors, e.g. {self.keys()[:3]}.')
     path = f'{self.prefix}.data-{entry.shard_id:05d}-of-{self._num_shards:05d}'
     try:
-      with open(path, 'rb') as f:
-        f.seek(entry.offset)
-        raw = np.fromfile(f, np.uint8, count=entry.size)
+      if storage.is_url(path):  # One ranged read of the tensor's bytes.
+        raw = np.frombuffer(storage.read_range(path, entry.offset, entry.size),
+                            np.uint8)
+      else:
+        with open(path, 'rb') as f:
+          f.seek(entry.offset)
+          raw = np.fromfile(f, np.uint8, count=entry.size)
     except OSError as e:
       raise errors.VariablesFormatError(
           f'Cannot read tensor {key!r} from {path!r} ({e.strerror or e}): the '

@@ -18,6 +18,7 @@ from t5export import errors
 from t5export._src.versions import jax_artifacts
 from t5export._src.versions import metadata
 from t5export._src.state import paths
+from t5export._src.versions import storage
 from t5export._src.versions import tensor_bundle
 
 # The tracked attribute of JaxModule that holds the params, in order.
@@ -29,7 +30,7 @@ def _read_variables(version_dir: str,
   """{parameter path: stored array}, in the metadata's order."""
   names = list(meta.params)
   reader = tensor_bundle.BundleReader(
-      os.path.join(version_dir, 'variables', 'variables'))
+      storage.join(version_dir, 'variables', 'variables'))
   keys = tensor_bundle.param_checkpoint_keys(
       reader.read_strings(tensor_bundle.OBJECT_GRAPH_KEY)[0],
       attribute=_PARAM_VARS_ATTR)
@@ -61,7 +62,7 @@ def load_params(version_dir: str | os.PathLike[str]) -> dict[str, Any]:
     ParamsMismatchError: if the metadata and the stored variables disagree.
     VariablesFormatError: if the variables files are damaged.
   """
-  version_dir = os.fspath(version_dir)
+  version_dir = storage.checked(version_dir, argument='version_dir')
   flat = _read_variables(version_dir, metadata.read_metadata(version_dir))
   return paths.unflatten({k: jnp.asarray(v) for k, v in flat.items()})
 
@@ -90,7 +91,7 @@ def load_function(version_dir: str | os.PathLike[str],
     ParamsMismatchError, VariablesFormatError: as for `load_params`, or
       the artifact and the stored variables do not match.
   """
-  version_dir = os.fspath(version_dir)
+  version_dir = storage.checked(version_dir, argument='version_dir')
   meta = metadata.read_metadata(version_dir)
   exported = jax_artifacts.read(version_dir, signature_name, meta)
   flat = _read_variables(version_dir, meta)
