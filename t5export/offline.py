@@ -32,6 +32,7 @@ from t5export import errors
 from t5export._src.snapshot import host_buffers
 from t5export._src.offline import offline_export
 from t5export._src.engine import options as options_lib
+from t5export._src.versions import storage
 
 if __name__ == '__main__':
   # Run as `__main__` by `python -m`: run the module under its real name, so
@@ -148,11 +149,16 @@ def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {list(argv[1:])}.')
   release_freed_memory()
-  export_dir = os.path.abspath(_EXPORT_DIR.value)
-  existed = os.path.isdir(export_dir)
-  before = set(os.listdir(export_dir)) if existed else set()
+  export_dir = existed = None
+  before = set()
   overrides = {f.name: f.value for f in _OVERRIDES if f.value is not None}
   try:
+    # A URL of another scheme fails here (never a local path); a gs:// one
+    # is left as the exporter leaves a failed upload.
+    export_dir = storage.parse(_EXPORT_DIR.value, argument='--export_dir')
+    if not storage.is_url(export_dir):
+      existed = os.path.isdir(export_dir)
+      before = set(os.listdir(export_dir)) if existed else set()
     # The flags' values fail here, before the checkpoint is read.
     options_lib.ExportOptions(**overrides)
     offline_export.export_checkpoint(
@@ -160,7 +166,7 @@ def main(argv: Sequence[str]) -> None:
         options=functools.partial(_load_options, overrides))
   except BaseException as e:
     # Leave `export_dir` as it was before the failed run.
-    if os.path.isdir(export_dir):
+    if existed is not None and os.path.isdir(export_dir):
       for name in set(os.listdir(export_dir)) - before:
         if name.startswith('.tmp-'):
           shutil.rmtree(os.path.join(export_dir, name), ignore_errors=True)

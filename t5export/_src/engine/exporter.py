@@ -30,6 +30,8 @@ from t5export._src.snapshot import snapshot as snapshot_lib
 from t5export._src.state import paths
 from t5export._src.state import train_state
 from t5export._src.versions import versions as versions_lib
+from t5export._src.versions import bucket_versions
+from t5export._src.versions import storage
 
 
 @gin.configurable('SavedModelExporter', module='t5export')
@@ -50,7 +52,9 @@ class SavedModelExporter:
 
     Args:
       export_dir: the directory TF Serving watches (versions are its integer
-        subdirectories); created on first use if missing.
+        subdirectories); created on first use if missing. A `gs://bucket/
+        path` URL publishes to the bucket (staged and checked locally,
+        uploaded with `saved_model.pb` last).
       signatures: the `t5export.Signature`s every version serves.
       options: how versions are written, checked and kept.
 
@@ -60,6 +64,8 @@ class SavedModelExporter:
         `sample_inputs`.
       TypeError: a signature or `options` is of the wrong type.
       ValueError: a gin macro (EXPORT_DIR, SIGNATURES) was left unset.
+      UnsupportedURLError: `export_dir` is a URL of a scheme other than
+        gs://.
     """
     for name, value in (('export_dir', export_dir), ('signatures', signatures)):
       if value is gin.REQUIRED:  # A macro left unset.
@@ -68,7 +74,8 @@ class SavedModelExporter:
             f"{name.upper()} macro in your gin file after include "
             "'t5export/gin/export.gin' (gin.finalize() reports such gaps at "
             'parse time).')
-    self._export_dir = os.path.abspath(os.fspath(export_dir))
+    # A URL stays one (gs://), or is refused: never a local path.
+    self._export_dir = storage.parse(export_dir, argument='export_dir')
     self._signatures = serving.check_signatures(signatures)
     options = options_lib.ExportOptions() if options is None else options
     if not isinstance(options, options_lib.ExportOptions):
@@ -92,7 +99,7 @@ class SavedModelExporter:
 
   @property
   def export_dir(self) -> str:
-    """The absolute export directory."""
+    """The absolute export directory, or its gs:// URL."""
     return self._export_dir
 
   @property
@@ -113,7 +120,7 @@ class SavedModelExporter:
   def _dir(self) -> versions_lib.VersionDirectory:
     """The version directory, prepared and resumed on first use."""
     o = self._options
-    directory = versions_lib.VersionDirectory(
+    directory = bucket_versions.open_directory(
         self._export_dir, keep=o.keep, keep_best=o.keep_best,
         overwrite=o.overwrite, durable=o.durable)
     stale = directory.resume()
@@ -127,7 +134,7 @@ class SavedModelExporter:
     """Stages every version: the module, the writer, `assets.extra/`."""
     return stage_lib.Stage(
         self._signatures, self._options, self._platforms,
-        model_name=os.path.basename(self._export_dir) or 'model')
+        model_name=storage.basename(self._export_dir) or 'model')
 
   @functools.cached_property
   def _checker(self) -> staged_check.Checker:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-import os
 import time
 from typing import Any
 
@@ -18,6 +17,7 @@ from t5export._src.engine import exporter as exporter_lib
 from t5export._src.loop import outcomes as outcomes_lib
 from t5export._src.snapshot import snapshot as snapshot_lib
 from t5export._src.loop import triggering
+from t5export._src.versions import storage
 from t5export._src.versions import versions
 
 
@@ -288,7 +288,7 @@ class ExportCallback:
       self._outcomes.record(
           'skipped', step, f'already published in {self.exporter.export_dir} '
           '(or being written); not exporting it again')
-      return os.path.join(self.exporter.export_dir, str(step)) if sync else (
+      return storage.join(self.exporter.export_dir, str(step)) if sync else (
           None)
     item = (snap, dict(metrics or {}))
     if not sync:

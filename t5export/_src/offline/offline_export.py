@@ -8,7 +8,6 @@ from collections.abc import Callable, Sequence
 import concurrent.futures
 import dataclasses
 import inspect
-import os
 import time
 from typing import Any
 
@@ -24,6 +23,7 @@ from t5export._src.snapshot import host_buffers
 from t5export._src.engine import options as options_lib
 from t5export._src.state import paths
 from t5export._src.state import train_state
+from t5export._src.versions import storage
 from t5export._src.versions import versions
 
 DTYPES = ('float32', 'bfloat16', 'float16')
@@ -162,6 +162,7 @@ def export_checkpoint(
     ExportCheckError: the SavedModel differs from JAX (nothing published).
   """
   total = time.monotonic()
+  export_dir = storage.parse(export_dir, argument='export_dir')
   # A path that holds no checkpoint fails now (a few stat calls), not after
   # TensorFlow's import and the gin parsing (seconds).
   checkpoints.locate(ckpt, step=step)
@@ -199,8 +200,9 @@ def export_checkpoint(
     raise errors.CheckpointNotFoundError(
         f'Checkpoint {contents.path!r} does not record its step; pass --step '
         'N to give the version number to publish.')
-  final = os.path.join(os.path.abspath(export_dir), str(version))
-  if os.path.exists(final) and not options.export_options.overwrite:
+  final = storage.join(export_dir, str(version))
+  if (version in versions.list_versions(export_dir) and
+      not options.export_options.overwrite):
     raise errors.VersionExistsError(final, version)
 
   start = time.monotonic()

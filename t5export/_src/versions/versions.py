@@ -23,13 +23,27 @@ import numpy as np
 
 from t5export import errors
 from t5export._src.versions import metadata
+from t5export._src.versions import storage
 
 STAGING_PREFIX = '.tmp-'
+# A version in a bucket is complete once this object is there (uploaded last).
+SAVED_MODEL = 'saved_model.pb'
 _VERSION_RE = re.compile(r'^[0-9]+$')
 
 
 def list_versions(export_dir: str) -> list[int]:
-  """The published versions of `export_dir`, ascending ([] if missing)."""
+  """The published versions of `export_dir`, ascending ([] if missing).
+
+  In a bucket (a gs:// `export_dir`), a numeric prefix is a version once
+  its `saved_model.pb` is there: published versions upload it last.
+  """
+  if storage.is_url(export_dir):
+    try:
+      names = storage.listdir(export_dir)
+    except FileNotFoundError:
+      return []
+    return sorted(int(n) for n in names if _VERSION_RE.match(n) and
+                  storage.isfile(storage.join(export_dir, n, SAVED_MODEL)))
   if not os.path.isdir(export_dir):
     return []
   return sorted(int(n) for n in os.listdir(export_dir)
@@ -122,7 +136,9 @@ def flatten_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def dir_nbytes(path: str) -> int:
-  """The total size of the files under `path`, in bytes."""
+  """The total size of the files under `path` (a URL too), in bytes."""
+  if storage.is_url(path):
+    return storage.tree_nbytes(path)
   total = 0
   for root, _, files in os.walk(path):
     for name in files:
@@ -233,7 +249,7 @@ class VersionDirectory:
           f'The step is {step}; versions are non-negative integers (TF Serving '
           'ignores other directory names). Export a state with step >= 0.')
     final = self.version_dir(step)
-    if os.path.exists(final) and not self._overwrite:
+    if self.published(step) and not self._overwrite:
       raise errors.VersionExistsError(final, step)
     metrics = flatten_metrics(metrics)
     best = self._keep_best
@@ -246,6 +262,10 @@ class VersionDirectory:
 
   def version_dir(self, step: int) -> str:
     return os.path.join(self.export_dir, str(step))
+
+  def published(self, step: int) -> bool:
+    """Whether version `step` is there."""
+    return os.path.exists(self.version_dir(step))
 
   def staging_dir(self, step: int) -> str:
     """A fresh `<export_dir>/.tmp-<step>-<nonce>` path (not created)."""
@@ -272,6 +292,9 @@ class VersionDirectory:
     os.rename(staging, final)
     self._sync_dir()
 
+  def _remove_version(self, step: int) -> None:
+    _remove(self.version_dir(step))
+
   def _sync_dir(self) -> None:
     if self.durable:
       fsync(self.export_dir)
@@ -293,7 +316,7 @@ class VersionDirectory:
       keep.update(v for _, v in sorted(scored, reverse=True)[:best.n])
     removed = [v for v in versions if v not in keep]
     for v in removed:
-      _remove(self.version_dir(v))
+      self._remove_version(v)
       self._metrics.pop(v, None)
     if removed:
       self._sync_dir()
