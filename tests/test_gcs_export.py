@@ -68,7 +68,7 @@ def _assert_params(version_url: str, step: int) -> None:
 
 
 def test_export_to_bucket_and_read_back(gcs_emulator, gcs_bucket, cwd,
-                                        tmp_path):
+                                        tmp_path, capsys):
   url = gcs_bucket + '/exports'
   exporter = t5export.SavedModelExporter(
       url, [model.signature()], options=t5export.ExportOptions(keep=2))
@@ -106,6 +106,35 @@ def test_export_to_bucket_and_read_back(gcs_emulator, gcs_bucket, cwd,
   assert cb.summary().startswith('1 due: 1 published')
   assert cb.published == [f'{url}/4']  # What its log line names.
   assert cb.bytes_written == storage.tree_nbytes(f'{url}/4')
+  _inspect(url, capsys)
+
+
+def _inspect(url: str, capsys) -> None:
+  """tools/inspect_export.py on an export_dir in a bucket holding 3 and 4."""
+  sys.path.insert(0, str(REPO / 'tools'))
+  try:
+    import inspect_export  # pylint: disable=g-import-not-at-top
+  finally:
+    sys.path.remove(str(REPO / 'tools'))
+  storage.write_bytes(url + '/9/variables/variables.index', b'cut short')
+  info = inspect_export.describe_export_dir(url)
+  assert (info['export_dir'], info['served'], info['staging']) == (
+      url, 4, ['9'])
+  assert [(r['step'], r['path']) for r in info['versions']] == [
+      (3, f'{url}/3'), (4, f'{url}/4')]
+  assert info['versions'][1]['bytes'] == storage.tree_nbytes(url + '/4')
+  assert f'--model_base_path={url} ' in info['serve'][
+      'tensorflow_model_server']
+  assert f"-e MODEL_BASE_PATH={url.rsplit('/', 1)[0]} " in info['serve'][
+      'docker']
+  one = inspect_export.describe_version(url + '/4', params=False)
+  assert (one['version_dir'], one['step']) == (f'{url}/4', 4)
+  capsys.readouterr()
+  assert inspect_export.main([url + '/4', '--json']) == 0
+  assert f'"version_dir": "{url}/4"' in capsys.readouterr().out
+  assert inspect_export.main([UNSUPPORTED]) == 1
+  assert capsys.readouterr().err.startswith(
+      f'inspect_export: path={UNSUPPORTED!r} has a URL scheme')
 
 
 def test_killed_mid_upload_leaves_no_version_and_restart_cleans(
@@ -248,3 +277,4 @@ def test_offline_cli_from_bucket_to_bucket(gcs_emulator, gcs_bucket, cwd,
                for n in storage.listdir(ckpt) if n.startswith('target.'))
   assert served < params + optimizer / 2, (served, params, optimizer)
   assert list(cwd.iterdir()) == []
+

@@ -4,6 +4,7 @@
   python tools/inspect_export.py EXPORT_DIR/600        # one version in full
   python tools/inspect_export.py EXPORT_DIR --params   # ... with its params
   python tools/inspect_export.py EXPORT_DIR --json     # machine-readable
+  python tools/inspect_export.py gs://bucket/exports   # in a bucket
 
 For an export directory: each published version (step, time, size, check
 result, metrics), the one TensorFlow Serving serves (the highest), any
@@ -32,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from t5export import errors  # pylint: disable=g-import-not-at-top
 from t5export._src.versions import metadata  # pylint: disable=g-import-not-at-top
+from t5export._src.versions import storage  # pylint: disable=g-import-not-at-top
 from t5export._src.versions import versions  # pylint: disable=g-import-not-at-top
 
 
@@ -47,7 +49,8 @@ def serving_commands(export_dir: str,
   """The command lines that serve `export_dir` with TF Serving.
 
   Args:
-    export_dir: the directory of versions (its basename is the model name).
+    export_dir: the directory of versions (its basename is the model
+      name), or its gs:// URL (docker: credentials mounted from a key file).
     serving: the served version's `serving` metadata (None: written before
       it was recorded; the flags every t5export version needs are used).
     platforms: the version's platforms; a GPU command when it has 'cuda'.
@@ -55,13 +58,19 @@ def serving_commands(export_dir: str,
   Returns:
     {'tensorflow_model_server': ..., 'docker': ...[, 'docker_gpu': ...]}.
   """
-  export_dir = os.path.abspath(export_dir)
-  name = os.path.basename(os.path.normpath(export_dir))
+  export_dir = storage.parse(export_dir, argument='export_dir')
+  name = storage.basename(export_dir)
   serving = serving or {}
   flags = ' '.join(serving.get('model_server_flags',
                                metadata.MODEL_SERVER_FLAGS))
-  mount = (f'--mount type=bind,source={export_dir},target=/models/{name} '
-           f'-e MODEL_NAME={name}')
+  if storage.is_url(export_dir):  # The server reads the bucket itself.
+    mount = (f'-e MODEL_BASE_PATH={storage.dirname(export_dir)} '
+             f'-e MODEL_NAME={name} '
+             '-e GOOGLE_APPLICATION_CREDENTIALS=/key.json '
+             '-v /path/to/key.json:/key.json:ro')
+  else:
+    mount = (f'--mount type=bind,source={export_dir},target=/models/{name} '
+             f'-e MODEL_NAME={name}')
   out = {
       'tensorflow_model_server': (
           f'tensorflow_model_server --port=8500 --rest_api_port=8501 '
@@ -81,22 +90,25 @@ def describe_export_dir(export_dir: str) -> dict[str, Any]:
   """Summary of every published version and the staging leftovers.
 
   Args:
-    export_dir: the directory TF Serving watches.
+    export_dir: the directory TF Serving watches, or its gs:// URL.
 
   Returns:
     {'export_dir', 'served', 'versions': [...], 'staging': [...],
-    'serve': `serving_commands` of the served version}.
+    'serve': `serving_commands` of the served version}; in a bucket,
+    'staging' lists numeric prefixes of uploads that did not finish.
 
   Raises:
     errors.VersionNotFoundError: `export_dir` is not a directory.
+    errors.UnsupportedURLError: a URL of another scheme.
   """
-  if not os.path.isdir(export_dir):
+  export_dir = storage.parse(export_dir, argument='path')
+  if not storage.isdir(export_dir):
     raise errors.VersionNotFoundError(
         f'{export_dir!r} is not a directory; pass an export_dir or one of its '
         'version directories.')
   rows, served_meta = [], None
   for step in versions.list_versions(export_dir):
-    path = os.path.join(export_dir, str(step))
+    path = storage.join(export_dir, str(step))
     row: dict[str, Any] = {'step': step, 'path': path,
                            'bytes': versions.dir_nbytes(path)}
     try:
@@ -108,9 +120,12 @@ def describe_export_dir(export_dir: str) -> dict[str, Any]:
                  metrics=dict(meta.metrics))
       served_meta = meta
     rows.append(row)
-  staging = sorted(n for n in os.listdir(export_dir)
-                   if n.startswith(versions.STAGING_PREFIX))
-  return {'export_dir': os.path.abspath(export_dir),
+  published = {str(row['step']) for row in rows}
+  staging = sorted(n for n in storage.listdir(export_dir)
+                   if n.startswith(versions.STAGING_PREFIX) or (
+                       storage.is_url(export_dir) and n.isdigit() and
+                       n not in published))
+  return {'export_dir': export_dir,
           'served': rows[-1]['step'] if rows else None,
           'versions': rows, 'staging': staging,
           'serve': serving_commands(
@@ -122,7 +137,7 @@ def describe_version(version_dir: str, *, params: bool) -> dict[str, Any]:
   """The metadata of one version, summarised.
 
   Args:
-    version_dir: `<export_dir>/<step>`.
+    version_dir: `<export_dir>/<step>` (a gs:// URL too).
     params: include every parameter's shape, dtype and axes.
 
   Returns:
@@ -131,9 +146,10 @@ def describe_version(version_dir: str, *, params: bool) -> dict[str, Any]:
   Raises:
     errors.VersionNotFoundError: not a t5export version.
   """
+  version_dir = storage.parse(version_dir, argument='path')
   meta = metadata.read_metadata(version_dir)
   out = {
-      'version_dir': os.path.abspath(version_dir),
+      'version_dir': version_dir,
       'step': meta.step, 'time_utc': meta.time_utc,
       'written_with': dict(meta.versions), 'platforms': list(meta.platforms),
       'serving': meta.serving, 'options': dict(meta.options),
@@ -150,7 +166,7 @@ def describe_version(version_dir: str, *, params: bool) -> dict[str, Any]:
       'custom_ops': {k: list(v) for k, v in meta.custom_ops.items()},
       'n_params': len(meta.params), 'param_bytes': meta.nbytes,
       'bytes_on_disk': versions.dir_nbytes(version_dir),
-      'files': {name: os.path.exists(os.path.join(version_dir, rel))
+      'files': {name: storage.exists(storage.join(version_dir, rel))
                 for name, rel in (('gin_config', metadata.GIN_CONFIG_FILE),
                                   ('warmup_requests', metadata.WARMUP_FILE))},
   }
@@ -227,7 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help='print JSON instead of text')
   args = parser.parse_args(argv)
   try:
-    if os.path.isfile(os.path.join(args.path, metadata.FILE)):
+    path = storage.parse(args.path, argument='path')
+    if storage.isfile(storage.join(path, metadata.FILE)):
       info = describe_version(args.path, params=args.params)
       show = _print_version
     else:
