@@ -189,6 +189,18 @@ def test_export_dir_under_a_file(tmp_path):
   assert (tmp_path / 'file').read_text() == 'x'
 
 
+def test_export_dir_unsupported_url(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(errors.UnsupportedURLError,
+                     match=r"^export_dir='nosuchscheme://b/exports' has a URL "
+                     r'scheme t5export cannot read or write \(supported: '
+                     r'gs://, or a local path\); nothing was written\. Pass a '
+                     r'gs://bucket/path URL or a local directory'):
+    exporter_lib.SavedModelExporter('nosuchscheme://b/exports',
+                                    [model.signature()])
+  assert os.listdir(tmp_path) == []
+
+
 def test_export_dir_not_writable(tmp_path):
   # Permission bits, for root too (its DAC override is lowered for the
   # block); a read-only filesystem gives the same error with "Read-only file
