@@ -59,6 +59,7 @@ from typing import Any
 from benchlib import children
 from benchlib import exports
 from benchlib import figures
+from benchlib import gcs
 from benchlib import in_child
 from benchlib import offline
 from benchlib import records
@@ -100,6 +101,7 @@ WORKERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     'artifact': serving.worker_artifact,
     'offline_write': offline.worker_offline_write,
     'offline': offline.worker_offline,
+    'gcs': gcs.worker_gcs,
     'check_export': _check_memory_worker('check_export'),
     'check_phases': _check_memory_worker('check_phases'),
 }
@@ -138,6 +140,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...], Callable, Callable], ...] = (
     ('offline', ('offline_read_bytes', 'offline_time_vs_raw_nondurable',
                  'offline_time_vs_raw_fsync_durable', 'offline_peak_rss'),
      offline.plan_offline, offline.parse_offline),
+    ('gcs', gcs.FIGURES, gcs.plan_gcs, gcs.parse_gcs),
     ('artifact', ('jax_artifact_time', 'jax_artifact_bytes'),
      serving.plan_artifact, serving.parse_artifact),
     ('scale', scale.SCALE_FIGURES, scale.plan_scale, scale.parse_scale),

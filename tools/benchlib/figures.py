@@ -87,6 +87,14 @@ FIGURES: dict[str, tuple[str, Callable[[float], bool], str, str]] = {
     'offline_read_bytes': _fig(
         *_at_most(1.05),
         'bytes read from disk / param bytes, orbax checkpoint with Adam'),
+    'gcs_export_time': _fig(
+        *_at_most(1.5),
+        'export into a bucket (GCS emulator on 127.0.0.1) / local export + '
+        'raw upload of its files to the same emulator'),
+    'gcs_offline_read_bytes': _fig(
+        *_at_most(1.05),
+        'bytes the GCS emulator served to an offline export / param bytes, '
+        'orbax checkpoint with Adam in the bucket'),
     'offline_time_vs_raw_nondurable': _fig(
         *_at_most(1.5),
         'offline export time / raw read + raw write of the param bytes',
