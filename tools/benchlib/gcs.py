@@ -43,15 +43,22 @@ def _offline(emulator: Any, spec: dict[str, Any], work: str) -> dict:
   import orbax.checkpoint as ocp
   import t5export
   from t5export._src.offline import offline_export
+  from t5export._src.versions import storage
   variables = model.make_variables(spec['n_params'], spec['depth'])
   ts = t5export.FlaxOptimTrainState.create(optax.adam(1e-3), variables)
   grads = jax.tree_util.tree_map(lambda p: p * 0.5 + 0.01, ts.params)
   ts = ts.apply_gradient(grads).replace_step(1000)
   del grads
-  ckpt = f'gs://{emulator.new_bucket()}/ckpt'
-  with ocp.CheckpointManager(ckpt) as manager:
+  # Written locally and uploaded: the emulator refuses TensorStore's
+  # conditional write of a large OCDBT manifest ("Malformed
+  # StorageGeneration"); reading is what is measured.
+  local = os.path.join(work, 'ckpt')
+  with ocp.CheckpointManager(local) as manager:
     manager.save(1000, args=ocp.args.StandardSave(ts.state_dict()))
     manager.wait_until_finished()
+  ckpt = f'gs://{emulator.new_bucket()}/ckpt'
+  storage.upload_tree(local, ckpt)
+  shutil.rmtree(local, ignore_errors=True)
   state_bytes = sum(int(a.nbytes) for a in jax.tree_util.tree_leaves(
       ts.state_dict()))
   del ts
