@@ -26,6 +26,7 @@ from t5export._src.snapshot import accelerators
 from t5export._src.engine import tf_devices
 from t5export._src.state import paths
 from t5export._src.versions import metadata
+from t5export._src.versions import storage
 
 
 # Elements per np.isfinite call: its boolean temporary stays small (heap
@@ -201,7 +202,7 @@ def run_signatures_isolated(
     errors.WarmupReplayError: `warmup` and a warm-up request fails as the
       server's `RunPredict` would fail it.
   """
-  version_dir = os.fspath(version_dir)
+  version_dir = storage.checked(version_dir, argument='version_dir')
   custom_ops.import_for_version(version_dir)
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   tf_devices.keep_tensorflow_off_gpus()
@@ -251,7 +252,7 @@ def call_exported(version_dir: str | os.PathLike[str], signature_name: str,
   from jax.experimental import jax2tf  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   tf_devices.keep_tensorflow_off_gpus()
-  version_dir = os.fspath(version_dir)
+  version_dir = storage.checked(version_dir, argument='version_dir')
   custom_ops.import_for_version(version_dir)
   loaded = tf.saved_model.load(version_dir)
   if signature_name not in loaded.signatures:
