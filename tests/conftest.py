@@ -61,6 +61,14 @@ def pytest_configure(config: pytest.Config) -> None:
       os.environ[_TF_FLAGS_ENV] = (
           f'{tf_flags} {_TF_CACHE_FLAG}='
           f'{os.path.join(os.environ[_CACHE_ENV], "tensorflow")}').strip()
+  # gs:// paths of etils.epath (orbax's small files) through fsspec/gcsfs,
+  # which reach the tests' GCS emulator, not TensorFlow's GCS file system
+  # (which ignores it). epath reads this once per process, at its first
+  # path of any kind, so it is set here, before any test; it changes
+  # nothing for local paths. gcsfs's plain file system, not its zonal/HNS
+  # probe (read at gcsfs's import).
+  os.environ.setdefault('EPATH_USE_TF', 'false')
+  os.environ.setdefault('GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT', 'false')
   # Every compile is cached, however quick (the default skips those < 1 s).
   os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
   # A value the user set JAX read itself, at its import.

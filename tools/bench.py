@@ -56,7 +56,14 @@ import time
 import traceback
 from typing import Any
 
-from benchlib import children
+# etils.epath (orbax's small files) reads EPATH_USE_TF once, at its first
+# path of any kind: gs:// through fsspec reaches the GCS emulator of the
+# gcs_* figures (TensorFlow's GCS file system ignores it); local paths are
+# unaffected. Set before anything imports orbax, in every child.
+os.environ.setdefault('EPATH_USE_TF', 'false')
+os.environ.setdefault('GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT', 'false')
+
+from benchlib import children  # pylint: disable=g-import-not-at-top,wrong-import-position
 from benchlib import exports
 from benchlib import figures
 from benchlib import gcs

@@ -28,7 +28,8 @@ FIGURES = ('gcs_export_time', 'gcs_offline_read_bytes')
 
 
 def _emulator() -> Any:
-  """A started emulator, its address in this process's environment."""
+  """A started emulator, its address in this process's environment (the
+  children's EPATH_USE_TF is set by bench.py, at their start)."""
   sys.path.insert(0, str(children.REPO / 'tests'))
   import gcs_emulator  # pylint: disable=g-import-not-at-top
   emulator = gcs_emulator.Emulator()
