@@ -869,6 +869,21 @@ def test_a_version_whose_warmup_the_server_refuses_is_never_published(
   assert t5export.read_metadata(path).check.checked
 
 
+def test_the_check_takes_a_warmup_answer_only_for_the_same_inputs():
+  # The check's sample inputs are the version's warm-up requests, so the
+  # replay answers them; anything else still runs in the session.
+  same = staged_check._same_inputs  # pylint: disable=protected-access
+  sent = {'x': np.array([[1.0, 2.0]], np.float32),
+          's': np.array([b'ab', b'c'], object)}
+  assert same(sent, {'x': [[1.0, 2.0]], 's': ['ab', 'c']})
+  assert same(sent, {'x': np.array([[1.0, 2.0]], np.float64),
+                     's': np.array([b'ab', b'c'])})
+  assert not same(sent, {'x': [[1.0, 2.5]], 's': ['ab', 'c']})
+  assert not same(sent, {'x': [[1.0, 2.0]], 's': ['ab', 'd']})
+  assert not same(sent, {'x': [1.0, 2.0], 's': ['ab', 'c']})  # Shape.
+  assert not same(sent, {'x': [[1.0, 2.0]]})  # An input fewer.
+
+
 def test_a_first_export_with_nan_is_refused_after_the_module_is_built(
     tmp_path):
   # The first export checks the params beside the module's build: the
