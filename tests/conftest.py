@@ -157,9 +157,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
   import tf_venvs  # pylint: disable=g-import-not-at-top
   wanted = {getattr(item, 'callspec', None) and item.callspec.params.get(
       'tf_process') for item in session.items}
-  if any('tf_2_19_process' in getattr(item, 'fixturenames', ())
-         for item in session.items):
-    wanted.add('2.19.1')
+  for fixture, version in _TEXT_TF_PROCESSES.items():
+    if any(fixture in getattr(item, 'fixturenames', ())
+           for item in session.items):
+      wanted.add(version)
   versions = tuple(v for v in tf_venvs.OLDER_TF_VERSIONS if v in wanted)
   if versions:
     tf_venvs.prepare_in_background(versions)
@@ -176,15 +177,32 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(os.environ[_CACHE_ENV], ignore_errors=True)
 
 
+# The session fixtures below: a TensorFlow-only process of an older
+# release's venv with its tensorflow-text (tests/tf_venvs.py).
+_TEXT_TF_PROCESSES = {'tf_2_19_process': '2.19.1',
+                      'tf_2_20_process': '2.20.0'}
+
+
+def _text_tf_process(tmp_path_factory, version: str):
+  import tf_only  # pylint: disable=g-import-not-at-top
+  import tf_venvs  # pylint: disable=g-import-not-at-top
+  with tf_only.TfOnlyProcess(
+      tmp_path_factory.mktemp('tf_' + '_'.join(version.split('.')[:2])),
+      python=tf_venvs.tf_python(version)) as process:
+    yield process
+
+
 @pytest.fixture(scope='session')
 def tf_2_19_process(tmp_path_factory):
   """A TensorFlow-only process of the TF 2.19.1 venv (with its
   tensorflow-text; tests/tf_venvs.py), shared by the session's tests."""
-  import tf_only  # pylint: disable=g-import-not-at-top
-  import tf_venvs  # pylint: disable=g-import-not-at-top
-  with tf_only.TfOnlyProcess(tmp_path_factory.mktemp('tf_2_19'),
-                             python=tf_venvs.tf_python('2.19.1')) as process:
-    yield process
+  yield from _text_tf_process(tmp_path_factory, '2.19.1')
+
+
+@pytest.fixture(scope='session')
+def tf_2_20_process(tmp_path_factory):
+  """The same for the TF 2.20.0 venv (with its tensorflow-text)."""
+  yield from _text_tf_process(tmp_path_factory, '2.20.0')
 
 
 @pytest.fixture(scope='session')

@@ -3,8 +3,8 @@
 TF Serving trails TensorFlow, so a version published with default options
 must load on TensorFlow 2.19 (the oldest release JAX 0.10 can target), 2.20
 and our own 2.21. Each release runs in a process of its own with no JAX:
-2.19.1 and 2.20.0 from virtualenvs holding only `tensorflow-cpu`
-(`tf_venvs`, created on first use), 2.21 from the project's venv with JAX
+2.19.1 and 2.20.0 from virtualenvs holding only TensorFlow and its
+tensorflow-text (`tf_venvs`, created on first use), 2.21 from the project's venv with JAX
 made unimportable (`tf_only`).
 
 Exported once, loaded in each release:

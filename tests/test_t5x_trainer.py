@@ -26,7 +26,8 @@ and encode == its module; the weights read back with `verify.load_params`
 are bit-exact; the metadata's mesh axes equal
 `PjitPartitioner.get_mesh_axes`. A text version of (a) (T5X's defaults:
 beam search, SentencePiece) also answers in the TF 2.19.1 venv, with its
-tensorflow-text.
+tensorflow-text, and its warm-up requests replay there and in the TF
+2.20.0 venv (with its tensorflow-text) as T5X answers them.
 """
 
 from __future__ import annotations
@@ -339,6 +340,17 @@ def test_text_version_answers_in_tf_2_19_with_tensorflow_text(
   _check_warmup_replay(t5x_run['tmp'] / 'action' / str(step),
                        t5x_run['params_at'][step], t5x_run['model'],
                        tf_2_19_process)
+
+
+def test_text_version_warmup_replays_in_tf_2_20_with_tensorflow_text(
+    t5x_run, tf_2_20_process):
+  # The replay alone (its requests are the decode and score signatures,
+  # SentencePiece text in and out): the check above, in the next release.
+  step = EXPECTED_VERSIONS[-1]
+  _check_warmup_replay(t5x_run['tmp'] / 'action' / str(step),
+                       t5x_run['params_at'][step], t5x_run['model'],
+                       tf_2_20_process)
+  assert tf_2_20_process.tf_version == '2.20.0'
 
 
 def _check_warmup_replay(version_dir, params, model, process):

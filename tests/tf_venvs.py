@@ -4,9 +4,9 @@ TF Serving releases trail TensorFlow's, so a version must load on the
 TensorFlow users serve with, not only on the one we develop with.
 `tf_python('2.19.1')` returns the interpreter of `<repo>/.venv-tf/2.19.1/`,
 a virtualenv holding TensorFlow 2.19.1 (`PACKAGES`), what it depends on
-and, for 2.19.1, the matching `tensorflow-text` (whose ops text versions
-use; TF Serving builds them in), but no jax and no t5export, creating it
-on first use. The
+and the matching `tensorflow-text` (whose ops text versions use; TF
+Serving builds them in; for 2.20.0 installed without its dependencies,
+`NO_DEPS`), but no jax and no t5export, creating it on first use. The
 directory is ignored by git and kept between runs (made again when what it
 should hold changes); a lock file makes concurrent test processes of one
 checkout wait for a single creation. pip's output goes to
@@ -32,14 +32,29 @@ VENVS_DIR = REPO_ROOT / '.venv-tf'
 # project's own TensorFlow (constraints.txt) is tested by tf_only with JAX
 # blocked.
 OLDER_TF_VERSIONS = ('2.19.1', '2.20.0')
-# What each venv holds. 2.19.1 also loads text versions, so it has the
-# tensorflow-text built for it, and the `tensorflow` wheel: tensorflow-text
-# 2.19's ops need symbols (tflite::shim::TfShapeInferenceContext) that
-# `tensorflow-cpu` 2.19.1 does not export.
+# What each venv holds. 2.19.1 and 2.20.0 also load text versions, so they
+# have the tensorflow-text built for them. 2.19.1 has the `tensorflow`
+# wheel: tensorflow-text 2.19's ops need symbols
+# (tflite::shim::TfShapeInferenceContext) that `tensorflow-cpu` 2.19.1 does
+# not export. tensorflow-text 2.20's ops load beside `tensorflow-cpu` 2.20.0
+# (all 30 of its op libraries), but the package requires the `tensorflow`
+# wheel, whose files pip would write over `tensorflow-cpu`'s (620 MB more
+# to fetch): it is installed after PACKAGES, without its dependencies
+# (`NO_DEPS`).
 PACKAGES = {
     '2.19.1': ('tensorflow==2.19.1', 'tensorflow-text==2.19.0'),
     '2.20.0': ('tensorflow-cpu==2.20.0',),
 }
+NO_DEPS = {
+    '2.20.0': ('tensorflow-text==2.20.0',),
+}
+
+
+def _requirements(version: str) -> tuple[str, ...]:
+  """What the venv of `version` holds (the stamp's words)."""
+  if version not in NO_DEPS:
+    return PACKAGES[version]
+  return (*PACKAGES[version], '--no-deps', *NO_DEPS[version])
 
 _INSTALL_TIMEOUT_SECS = 1200
 
@@ -89,6 +104,11 @@ def _create(root: pathlib.Path, version: str) -> None:
          '--disable-pip-version-check', '--no-input', '--no-compile',
          *PACKAGES[version]],
     ]
+    if version in NO_DEPS:
+      steps.append(
+          [sys.executable, '-m', 'pip', '--python', str(python), 'install',
+           '--disable-pip-version-check', '--no-input', '--no-compile',
+           '--no-deps', *NO_DEPS[version]])
     for cmd in steps:
       returncode = _run_step(cmd, out)
       if returncode:
@@ -99,7 +119,7 @@ def _create(root: pathlib.Path, version: str) -> None:
   probe = subprocess.run(
       [str(python), '-c', 'import importlib.util, tensorflow as tf; ' + (
           'import tensorflow_text; ' if any(
-              p.startswith('tensorflow-text') for p in PACKAGES[version])
+              p.startswith('tensorflow-text') for p in _requirements(version))
           else '') +
        'print(tf.__version__, importlib.util.find_spec("jax") is None)'],
       capture_output=True, text=True, timeout=600, check=False,
@@ -132,8 +152,8 @@ def tf_python(version: str) -> pathlib.Path:
   root = VENVS_DIR / version
   stamp = root / '.complete'
   # The stamp says what was installed (older ones hold the version alone).
-  contents = (version if PACKAGES[version] == (f'tensorflow-cpu=={version}',)
-              else ' '.join(PACKAGES[version]))
+  contents = (version if _requirements(version) == (
+      f'tensorflow-cpu=={version}',) else ' '.join(_requirements(version)))
   VENVS_DIR.mkdir(exist_ok=True)
   with open(VENVS_DIR / f'{version}.lock', 'w') as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
