@@ -220,8 +220,19 @@ def run_signatures_isolated(
       if warmup:  # TensorFlow is imported: so may the replay be.
         # pylint: disable-next=g-import-not-at-top
         from t5export._src.engine import warmup_check
-        replayed = warmup_check.replay_staged_warmup(
-            version_dir, session=session, signature_defs=signature_defs)
+        try:
+          replayed = warmup_check.replay_staged_warmup(
+              version_dir, session=session, signature_defs=signature_defs)
+        except errors.WarmupReplayError as e:
+          # An op this TensorFlow cannot run fails the first request that
+          # reaches it: name the op and its fix, as for the sample inputs.
+          op_error = getattr(e.__cause__, '__cause__', None)
+          refused = (tf_loadable.refusal(e.signature, op_error.message,
+                                         tf.__version__)
+                     if isinstance(op_error, tf.errors.OpError) else None)
+          if refused is None:
+            raise
+          raise refused from op_error
       for name, inputs in requests:
         if name not in signature_defs:
           raise _no_signature(name, version_dir, signature_defs)
