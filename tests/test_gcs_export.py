@@ -30,6 +30,7 @@ from t5export._src.versions import storage
 from t5export._src.versions import versions
 import _reliability_model as model  # tests/ is on sys.path.
 import offline_cli
+import offline_gin
 import t5x_fixture_model
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -226,20 +227,7 @@ def test_unsupported_scheme_offline_cli(cwd, t5x_checkpoint_dir, tmp_path):
   assert list(cwd.iterdir()) == []
 
 
-_FIXTURE_GIN = f"""
-from __gin__ import dynamic_registration
-import t5export
-import t5x_fixture_model
-include 't5export/gin/offline.gin'
-SIGNATURES = [@t5export.Signature()]
-t5export.Signature:
-  name = 'serving_default'
-  method = @t5x_fixture_model.serve
-  input_specs = {{'tokens': ('b, n', 'int32')}}
-  sample_inputs = {{'tokens': {TOKENS.tolist()}}}
-INIT_FN = @t5x_fixture_model.init_model
-LOGICAL_AXIS_RULES = @t5export.standard_logical_axis_rules()
-"""
+_FIXTURE_GIN = offline_gin.t5x_fixture(TOKENS)
 
 
 def test_offline_cli_from_bucket_to_bucket(gcs_emulator, gcs_bucket, cwd,

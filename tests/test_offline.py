@@ -55,20 +55,7 @@ _TOKENS = np.array([[1, 2, 3, 63, 0], [5, 6, 7, 8, 9]], np.int32)
 
 _MLP_GIN = offline_gin.mlp(_MLP_X[:2], logical_axis_rules=True)
 
-_FIXTURE_GIN = f"""
-from __gin__ import dynamic_registration
-import t5export
-import t5x_fixture_model
-include 't5export/gin/offline.gin'
-SIGNATURES = [@t5export.Signature()]
-t5export.Signature:
-  name = 'serving_default'
-  method = @t5x_fixture_model.serve
-  input_specs = {{'tokens': ('b, n', 'int32')}}
-  sample_inputs = {{'tokens': {_TOKENS.tolist()}}}
-INIT_FN = @t5x_fixture_model.init_model
-LOGICAL_AXIS_RULES = @t5export.standard_logical_axis_rules()
-"""
+_FIXTURE_GIN = offline_gin.t5x_fixture(_TOKENS)
 
 def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
   return subprocess.run(cmd, cwd=REPO, env=_ENV, capture_output=True,

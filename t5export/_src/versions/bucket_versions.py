@@ -19,7 +19,6 @@ import uuid
 from absl import logging
 
 from t5export import errors
-from t5export._src.versions import metadata
 from t5export._src.versions import storage
 from t5export._src.versions import versions
 
@@ -93,12 +92,7 @@ class BucketVersionDirectory(versions.VersionDirectory):
                         'finish (no %s).', url, versions.SAVED_MODEL)
         storage.remove_tree(url)
         stale.append(url)
-    for v in self.versions():
-      try:
-        self._metrics[v] = dict(
-            metadata.read_metadata(self.version_dir(v)).metrics)
-      except errors.VersionNotFoundError:
-        self._metrics[v] = {}  # Not ours, or unreadable: kept by age only.
+    self._read_metrics()
     return stale
 
   def version_dir(self, step: int) -> str:

@@ -228,13 +228,17 @@ class VersionDirectory:
       logging.warning('t5export: removing stale staging directory %s (left '
                       'by an interrupted export).', name)
       shutil.rmtree(os.path.join(self.export_dir, name), ignore_errors=True)
+    self._read_metrics()
+    return stale
+
+  def _read_metrics(self) -> None:
+    """Reads each published version's metrics (for `keep_best`)."""
     for v in self.versions():
       try:
         self._metrics[v] = dict(
             metadata.read_metadata(self.version_dir(v)).metrics)
       except errors.VersionNotFoundError:
         self._metrics[v] = {}  # Not ours, or unreadable: kept by age only.
-    return stale
 
   def begin(self, step: int, metrics: Mapping[str, Any] | None) -> Version:
     """Claims version `step` before any work: the version to publish.
