@@ -387,18 +387,18 @@ def test_jax_artifact_from_another_jax(published, tmp_path):
 
 
 def test_warmup_request_fails(published, tmp_path):
-  from t5export._src.engine import warmup_check  # pylint: disable=g-import-not-at-top
+  from t5export._src.engine import staged_check  # pylint: disable=g-import-not-at-top
   from t5export._src.engine import writer as writer_lib  # pylint: disable=g-import-not-at-top
   version = tmp_path / '1'
   shutil.copytree(os.path.join(published.export_dir, '1'), version)
   # The published version's own warm-up serves as the server loads it.
-  [served] = warmup_check.replay_staged_warmup(str(version))
+  [served] = staged_check.replay_warmup(str(version))
   assert served.request.signature == model.SIGNATURE
   # In a session already holding the bundle (the check's), the same.
   from t5export._src.engine import server_replay  # pylint: disable=g-import-not-at-top
   session, defs = server_replay.load(str(version))
-  [again] = warmup_check.replay_staged_warmup(str(version), session=session,
-                                              signature_defs=defs)
+  [again] = staged_check.replay_warmup(str(version), session=session,
+                                        signature_defs=defs)
   for name, value in served.outputs.items():
     np.testing.assert_array_equal(again.outputs[name], value)
   x = np.zeros((2, model.FEATURES), np.float64)
@@ -412,7 +412,7 @@ def test_warmup_request_fails(published, tmp_path):
       r"load path \(TF1 session, serve tag\): INVALID_ARGUMENT: input 'x' "
       r'is float64, the signature takes float32\. The model server runs '
       r'every warm-up request before it serves a version')):
-    warmup_check.replay_staged_warmup(str(version))
+    staged_check.replay_warmup(str(version))
   assert _tree_digest(str(version)) == before
 
 

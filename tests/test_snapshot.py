@@ -317,6 +317,9 @@ def test_accelerator_snapshot_is_in_flight_then_bit_exact_after_donation(
   assert not done.in_flight and done.owned and done.on_host() is done
   _assert_plain_numpy(done.variables)
   _assert_bit_equal(done.variables, expected)
+  # Flattened once there, in tree order: the arrays the variables hold.
+  assert all(a is b for a, b in zip(
+      done.flat.leaves, jax.tree_util.tree_leaves(done.variables), strict=True))
   # One piece per leaf: numpy reads the pinned memory in place.
   assert not any(x.flags.writeable for x in jax.tree_util.tree_leaves(
       done.variables))
@@ -390,5 +393,9 @@ def test_accelerator_snapshot_keeps_host_leaves_unless_owned(simulated_gpu):
   owned = snapshot.take_snapshot(state, owned=True)
   assert owned.owned
   assert not np.shares_memory(owned.variables['params']['host'], mine)
-  np.testing.assert_array_equal(owned.on_host().variables['params']['host'],
-                                mine)
+  host = owned.on_host()
+  np.testing.assert_array_equal(host.variables['params']['host'], mine)
+  # Nothing in flight on CPU: on_host only flattens, once.
+  assert host.flat.paths == ('params/dev', 'params/host')
+  assert host.flat.leaves[1] is host.variables['params']['host']
+  assert host.on_host() is host

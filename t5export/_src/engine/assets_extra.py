@@ -20,7 +20,6 @@ from t5export._src.versions import jax_artifacts
 from t5export._src.versions import metadata
 from t5export._src.engine import options as options_lib
 from t5export._src import release
-from t5export._src.state import paths
 from t5export._src.engine import serving
 from t5export._src.snapshot import snapshot as snapshot_lib
 from t5export._src.engine import writer as writer_lib
@@ -50,11 +49,11 @@ def _signature(sig: serving.Signature, signature_def: Any,
       has_sample_inputs=sig.sample_inputs is not None, jax_artifact=artifact)
 
 
-def _params(module: Any, snap: snapshot_lib.HostSnapshot,
-            flat: paths.Leaves) -> dict[str, metadata.Param]:
+def _params(module: Any,
+            snap: snapshot_lib.HostSnapshot) -> dict[str, metadata.Param]:
   params = {}
   for path, var, source in zip(module.param_paths, module.param_vars,
-                               flat.leaves):
+                               snap.flat.leaves):
     logical = (snap.logical_axes or {}).get(path)
     mesh = (snap.mesh_axes or {}).get(path)  # A PartitionSpec or None.
     params[path] = metadata.Param(
@@ -68,7 +67,7 @@ def _params(module: Any, snap: snapshot_lib.HostSnapshot,
 def write(staging: str, *, module: Any,
           signatures: Sequence[serving.Signature],
           artifacts: Mapping[str, tuple[bytes, dict[str, Any]]],
-          snap: snapshot_lib.HostSnapshot, flat: paths.Leaves,
+          snap: snapshot_lib.HostSnapshot,
           options: options_lib.ExportOptions,
           model_name: str) -> metadata.Metadata:
   """Writes a staged version's `assets.extra/` but `t5export.json`
@@ -109,6 +108,6 @@ def write(staging: str, *, module: Any,
           'jax_artifacts', 'durable')},
       signatures={s.name: _signature(s, defs[s.name], artifacts.get(
           s.name, (None, None))[1]) for s in signatures},
-      params=_params(module, snap, flat), nbytes=int(snap.nbytes),
+      params=_params(module, snap), nbytes=int(snap.nbytes),
       check=metadata.Check(checked=False, reason='not checked yet'),
       metrics={}, custom_ops=custom_ops.find(proto))

@@ -4,9 +4,9 @@ The one owner of the `JaxModule` an exporter serves: built on the first
 export (traced once), its variables updated in place on every later one.
 It makes the borrow-or-fill choice of the first export, owns the writer
 and writes `assets.extra/` but `t5export.json`, which publishing writes
-once the check is in. The snapshot's variables are flattened here once,
-in the module's order, and that flat list (`Staged.flat`) is what every
-later step reads.
+once the check is in. It reads the snapshot's variables as `on_host()`
+flattened them, once, in the module's order (`HostSnapshot.flat`), and
+hands that flat list on (`Staged.flat`).
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ class Stage:
     empty = jax.tree_util.tree_map(
         lambda x: host_buffers.aligned_empty(
             np.shape(x), jax.dtypes.canonicalize_dtype(x.dtype)), variables)
-    self._build(paths.leaves(empty), owned=True)
+    self._build(empty, paths.leaves(empty), owned=True, nbytes=0)
     if self._options.jax_artifacts:
       self._serialize_methods()
     with tempfile.TemporaryDirectory(prefix='t5export-graph-') as scratch:
@@ -192,32 +192,21 @@ class Stage:
 
     Returns at once with the write under way (`Staged.written`).
 
+    Args:
+      snap: the snapshot on the host (`on_host()`: its `flat` is set).
+      directory: the staging directory to write (not there yet).
+
     Raises:
       VariableMismatchError: the params changed structure, shape or dtype
         since the first version.
     """
     start = time.monotonic()
-    flat = paths.leaves(snap.variables)
-    fill = None
-    if self._module is None:
-      # Until it is done, `module` and the next version wait for it.
-      fill = self._filling = self._build(flat, owned=snap.owned)
-    else:
-      self._finish_fill()
-      in_place = self._module.update_leaves(flat, owned=snap.owned)
-      logging.debug('t5export: %d of %d variables updated in place.',
-                    in_place, len(self._module.param_vars))
-    # The first version is written from the caller's values if they can be
-    # read without a copy; the variables are filled when something reads
-    # them (the check's JAX side), else once the version is published.
-    values = None if fill is None else self._module.borrowed_values(flat)
-    if values is None and fill is not None:
-      fill.start()  # The writer reads the variables.
+    fill, values = self._take(snap)
     synced: concurrent.futures.Future = concurrent.futures.Future()
 
     def write() -> metadata.Metadata:
       try:
-        draft = self._write(snap, flat, directory, values, fill, start)
+        draft = self._write(snap, directory, values, fill, start)
       except BaseException:
         synced.set_result(None)
         raise
@@ -230,11 +219,38 @@ class Stage:
               lambda f: _copy_outcome(f, synced))
       return draft
 
-    return Staged(directory, int(snap.step), flat, self._module, fill,
+    return Staged(directory, int(snap.step), snap.flat, self._module, fill,
                   background.in_background(write, 't5export-write'), synced)
 
-  def _write(self, snap: snapshot_lib.HostSnapshot, flat: paths.Leaves,
-             directory: str, values: Any, fill: Fill | None,
+  def _take(self, snap: snapshot_lib.HostSnapshot) -> tuple[Fill | None, Any]:
+    """The module takes `snap`'s values: built from them on the first
+    version, updated in place on later ones.
+
+    Returns:
+      The first module's fill (None: nothing to fill), and the values the
+      writer reads instead of the variables (None: the variables).
+    """
+    if self._module is not None:
+      self._finish_fill()
+      in_place = self._module.update_leaves(snap.flat, owned=snap.owned)
+      logging.debug('t5export: %d of %d variables updated in place.',
+                    in_place, len(self._module.param_vars))
+      return None, None
+    # Until it is done, `module` and the next version wait for the fill.
+    fill = self._filling = self._build(snap.variables, snap.flat,
+                                       owned=snap.owned, nbytes=snap.nbytes)
+    if fill is None:
+      return None, None
+    # The first version is written from the caller's values if they can be
+    # read without a copy; the variables are filled when something reads
+    # them (the check's JAX side), else once the version is published.
+    values = self._module.borrowed_values(snap.flat)
+    if values is None:
+      fill.start()  # The writer reads the variables.
+    return fill, values
+
+  def _write(self, snap: snapshot_lib.HostSnapshot, directory: str,
+             values: Any, fill: Fill | None,
              start: float) -> metadata.Metadata:
     """Writes the version's files; returns the draft of its metadata."""
     o = self._options
@@ -248,13 +264,14 @@ class Stage:
                  'new variables' if written == 'variables' else 'full save')
     return assets_extra.write(
         directory, module=self._module, signatures=self._signatures,
-        artifacts=self._artifacts, snap=snap, flat=flat, options=o,
+        artifacts=self._artifacts, snap=snap, options=o,
         model_name=self._model_name)
 
-  def _build(self, flat: paths.Leaves, *, owned: bool) -> Fill | None:
-    """Builds the module and the writer; returns its fill (not started)."""
+  def _build(self, variables: Any, flat: paths.Leaves, *, owned: bool,
+             nbytes: int) -> Fill | None:
+    """Builds the module and the writer from `variables` (`flat`: the same
+    flattened; `nbytes`: their size); returns its fill (not started)."""
     o = self._options
-    variables = jax.tree_util.tree_unflatten(flat.treedef, flat.leaves)
     later = (None if owned or o.cast_bfloat16 else
              host_buffers.fill_later(variables))
     module = serving.make_module(
@@ -265,7 +282,7 @@ class Stage:
     fill = None
     if later is not None and module.shares_memory(
         jax.tree_util.tree_leaves(later[0])):
-      fill = Fill(later[1], host_buffers.tree_nbytes(variables))
+      fill = Fill(later[1], nbytes)
     elif later is not None:  # TensorFlow copied the empty arrays.
       module.update_leaves(flat)
     self._writer = writer_lib.SavedModelWriter(

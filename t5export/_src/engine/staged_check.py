@@ -193,7 +193,7 @@ def run_signatures_isolated(
   The packages whose ops the version's metadata lists are imported first.
   With `warmup`, the version's own warm-up requests are first replayed in
   the session as TF Serving replays them before it serves a version
-  (`warmup_check`); a request with the same signature and inputs as one of
+  (`replay_warmup`); a request with the same signature and inputs as one of
   them is answered by that replay instead of running again (the check's
   sample inputs are the warm-up requests).
 
@@ -218,21 +218,8 @@ def run_signatures_isolated(
           session, [tf.saved_model.SERVING], version_dir).signature_def
       replayed = []
       if warmup:  # TensorFlow is imported: so may the replay be.
-        # pylint: disable-next=g-import-not-at-top
-        from t5export._src.engine import warmup_check
-        try:
-          replayed = warmup_check.replay_staged_warmup(
-              version_dir, session=session, signature_defs=signature_defs)
-        except errors.WarmupReplayError as e:
-          # An op this TensorFlow cannot run fails the first request that
-          # reaches it: name the op and its fix, as for the sample inputs.
-          op_error = getattr(e.__cause__, '__cause__', None)
-          refused = (tf_loadable.refusal(e.signature, op_error.message,
-                                         tf.__version__)
-                     if isinstance(op_error, tf.errors.OpError) else None)
-          if refused is None:
-            raise
-          raise refused from op_error
+        replayed = replay_warmup(version_dir, session=session,
+                                 signature_defs=signature_defs)
       for name, inputs in requests:
         if name not in signature_defs:
           raise _no_signature(name, version_dir, signature_defs)
@@ -259,6 +246,56 @@ def run_signatures_isolated(
             raise
           raise refused from e
   return results
+
+
+def replay_warmup(version_dir: str, *, session: Any = None,
+                  signature_defs: Mapping[str, Any] | None = None) -> list[Any]:
+  """Replays a staged version's own warm-up requests, as TF Serving does.
+
+  Runs each `PredictionLog` of `assets.extra/tf_serving_warmup_requests`
+  through the TF1 bundle with the `serve` tag, as the model server's
+  `RunSavedModelWarmup` does before it serves a version (it refuses the
+  version when one fails; docs/internals.md, "Served by TF Serving"):
+  in `session` when given (the check's own, already loaded: the warm-up
+  requests are the sample inputs, so nothing is compiled again), else in a
+  Session loaded here. XLA stays as this process has it (on): the server
+  needs `--xla_cpu_compilation_enabled=true`, which the metadata's
+  `serving.model_server_flags` records.
+
+  Args:
+    version_dir: the (staged) version directory, its SavedModel and
+      `assets.extra/` written.
+    session: a `tf.compat.v1.Session` holding `version_dir`'s bundle, or
+      None.
+    signature_defs: that bundle's signature defs (with `session`).
+
+  Returns:
+    Each request (`server_replay.Served`: signature, numpy inputs) and the
+    session's outputs, in file order; [] without a warm-up file.
+
+  Raises:
+    UnloadableSignatureError: a request reaches an op this TensorFlow
+      cannot run (named with its fix, as for the sample inputs).
+    WarmupReplayError: a request fails (or the file cannot be read) as the
+      server would fail it, naming the request, its signature and
+      TensorFlow's status line.
+  """
+  # pylint: disable-next=g-import-not-at-top
+  from t5export._src.engine import server_replay  # Imports TensorFlow.
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  try:
+    return server_replay.replay(version_dir, session=session,
+                                signature_defs=signature_defs)
+  except server_replay.ReplayError as e:
+    op_error = e.__cause__
+    refused = (tf_loadable.refusal(e.signature, op_error.message,
+                                   tf.__version__)
+               if isinstance(op_error, tf.errors.OpError) else None)
+    if refused is not None:
+      raise refused from op_error
+    raise errors.WarmupReplayError(
+        version_dir, index=e.index, signature=e.signature,
+        status=e.status) from e
 
 
 def _same_inputs(sent: Mapping[str, np.ndarray],

@@ -27,6 +27,8 @@ class HostSnapshot:
 
   On an accelerator the variables' leaves are `device_transfer.InFlight`
   until `on_host()` (the export worker) waits for their transfers.
+  `on_host()` also flattens the variables, once: `flat`, in the order of a
+  `JaxModule`'s variables, is what every later step of an export reads.
   """
   step: int
   variables: dict[str, Any]
@@ -34,6 +36,7 @@ class HostSnapshot:
   mesh_axes: AxesByPath | None  # None: unknown.
   nbytes: int
   owned: bool = False  # Nobody else references the arrays: TF may adopt them.
+  flat: paths.Leaves | None = None  # The variables flattened (`on_host()`).
 
   @property
   def in_flight(self) -> bool:
@@ -41,14 +44,18 @@ class HostSnapshot:
     return device_transfer.in_flight(self.variables)
 
   def on_host(self) -> HostSnapshot:
-    """This snapshot with every transfer to host finished (waits for them)."""
-    if not self.in_flight:
+    """This snapshot on the host, flattened: every transfer to host
+    finished (waits for them), `flat` set (self if both are done)."""
+    if self.flat is not None:  # Set only here, once the values are there.
       return self
-    start = time.perf_counter()
-    variables = device_transfer.finish_transfer(self.variables)
-    logging.info('Snapshot of step %d: on the host in %.3fs.', self.step,
-                 time.perf_counter() - start)
-    return dataclasses.replace(self, variables=variables)
+    variables = self.variables
+    if self.in_flight:
+      start = time.perf_counter()
+      variables = device_transfer.finish_transfer(variables)
+      logging.info('Snapshot of step %d: on the host in %.3fs.', self.step,
+                   time.perf_counter() - start)
+    return dataclasses.replace(self, variables=variables,
+                               flat=paths.leaves(variables))
 
 
 def _axes_by_path(spec_state: train_state.InferenceState) -> AxesByPath:
