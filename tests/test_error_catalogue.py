@@ -388,7 +388,7 @@ def test_jax_artifact_from_another_jax(published, tmp_path):
 
 def test_warmup_request_fails(published, tmp_path):
   from t5export._src.engine import staged_check  # pylint: disable=g-import-not-at-top
-  from t5export._src.engine import writer as writer_lib  # pylint: disable=g-import-not-at-top
+  from t5export._src.engine import assets_extra  # pylint: disable=g-import-not-at-top
   version = tmp_path / '1'
   shutil.copytree(os.path.join(published.export_dir, '1'), version)
   # The published version's own warm-up serves as the server loads it.
@@ -402,7 +402,7 @@ def test_warmup_request_fails(published, tmp_path):
   for name, value in served.outputs.items():
     np.testing.assert_array_equal(again.outputs[name], value)
   x = np.zeros((2, model.FEATURES), np.float64)
-  writer_lib.write_warmup_requests(
+  assets_extra.write_warmup_requests(
       str(version / 'assets.extra' / 'tf_serving_warmup_requests'), 'm',
       [(model.SIGNATURE, {'x': x}, {'x': 'float64'})])
   before = _tree_digest(str(version))

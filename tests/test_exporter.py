@@ -847,13 +847,13 @@ def test_a_version_whose_warmup_the_server_refuses_is_never_published(
   # The check replays the staged version's own warm-up file as TF Serving
   # does before it serves a version. A request the server's RunPredict
   # refuses (here: a signature the version does not have) fails the export.
-  from t5export._src.engine import writer as writer_lib  # pylint: disable=g-import-not-at-top
-  real = writer_lib.write_warmup_requests
+  from t5export._src.engine import assets_extra  # pylint: disable=g-import-not-at-top
+  real = assets_extra.write_warmup_requests
 
   def renamed(path, model_name, requests):
     return real(path, model_name, [('not_a_signature', inputs, dtypes)
                                    for _, inputs, dtypes in requests])
-  monkeypatch.setattr(writer_lib, 'write_warmup_requests', renamed)
+  monkeypatch.setattr(assets_extra, 'write_warmup_requests', renamed)
   params = jax.tree_util.tree_map(jnp.asarray, _dense_params(16))
   exporter = t5export.SavedModelExporter(tmp_path / 'm', [_dense_signature()])
   state = t5export.InferenceState.create({'params': params})
@@ -863,7 +863,7 @@ def test_a_version_whose_warmup_the_server_refuses_is_never_published(
                      r'Serving signature key "not_a_signature" not found'):
     exporter.export(state.replace_step(1))
   assert os.listdir(tmp_path / 'm') == []
-  monkeypatch.setattr(writer_lib, 'write_warmup_requests', real)
+  monkeypatch.setattr(assets_extra, 'write_warmup_requests', real)
   path = exporter.export(state.replace_step(2))  # Its own warm-up serves.
   assert exporter.versions() == [2]
   assert t5export.read_metadata(path).check.checked

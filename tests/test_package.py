@@ -21,7 +21,7 @@ import t5export
 REPO = pathlib.Path(__file__).resolve().parents[1]
 LIGHT_MODULES = ('state.paths', 'state.train_state', 'state.state_axes',
                  'state.partitioning', 'snapshot.host_buffers',
-                 'engine.background', 'snapshot.snapshot',
+                 'snapshot.snapshot',
                  'loop.async_export', 'snapshot.distributed',
                  'versions.versions', 'offline.checkpoints',
                  'offline.orbax_checkpoints', 'offline.msgpack_checkpoints',

@@ -17,7 +17,7 @@ import pytest
 import tensorflow as tf
 
 from t5export._src.engine import server_replay
-from t5export._src.engine import writer as writer_lib
+from t5export._src.engine import assets_extra
 from tensorflow_serving.apis import prediction_log_pb2
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,7 +34,7 @@ def test_warmup_file_reads_as_tensorflow_serving_api_parses_it(tmp_path):
        {'tokens': tf.int32, 'weights': tf.float32}),
       ('', {'x': np.float32(2.5)}, {'x': tf.float32}),
   ]
-  assert writer_lib.write_warmup_requests(path, 'm', requests) == 3
+  assert assets_extra.write_warmup_requests(path, 'm', requests) == 3
   got = server_replay.read_requests(str(tmp_path))
   # The same records, parsed by tensorflow-serving-api's own classes.
   want = [prediction_log_pb2.PredictionLog.FromString(r.numpy()).predict_log

@@ -67,7 +67,7 @@ def _write_metadata(path: str, names) -> metadata.Metadata:
       params={n: metadata.Param((1,), 'float32', 'float32') for n in names},
       nbytes=0, check=metadata.Check(checked=False, reason='test'),
       metrics={})
-  metadata.write(path, meta)
+  metadata.write_metadata(path, meta)
   return meta
 
 
@@ -159,7 +159,7 @@ def test_metadata_round_trip_and_damaged_file(tmp_path):
                                          ('embed', None),
                                          (('data', 'model'), None))},
       nbytes=12, check=check, metrics={'acc': 0.5})
-  metadata.write(str(tmp_path), written)
+  metadata.write_metadata(str(tmp_path), written)
   assert metadata.read_metadata(tmp_path) == written
   assert check.summary() == (
       'passed on cpu (max abs err 1e-07; atol=1e-05, rtol=0)')

@@ -22,8 +22,10 @@ from t5export._src.engine import options as options_lib
 from t5export._src import release
 from t5export._src.engine import serving
 from t5export._src.snapshot import snapshot as snapshot_lib
-from t5export._src.engine import writer as writer_lib
 from tensorflow.core.protobuf import saved_model_pb2
+from tensorflow_serving.apis import model_pb2
+from tensorflow_serving.apis import predict_pb2
+from tensorflow_serving.apis import prediction_log_pb2
 
 
 def _jsonable(value: Any) -> Any:
@@ -64,6 +66,26 @@ def _params(module: Any,
   return params
 
 
+def write_warmup_requests(
+    path: str, model_name: str,
+    requests: Sequence[tuple[str, Mapping[str, Any], Mapping[str, Any]]]
+) -> int:
+  """Writes TF Serving warm-up requests; returns how many (none: no file)."""
+  with tf.io.TFRecordWriter(path) as records:
+    for name, inputs, dtypes in requests:
+      request = predict_pb2.PredictRequest(model_spec=model_pb2.ModelSpec(
+          name=model_name, signature_name=name))
+      for key, value in inputs.items():
+        request.inputs[key].CopyFrom(tf.make_tensor_proto(
+            np.asarray(value), dtype=dtypes[key]))
+      log = prediction_log_pb2.PredictionLog(
+          predict_log=prediction_log_pb2.PredictLog(request=request))
+      records.write(log.SerializeToString())
+  if not requests:
+    os.remove(path)
+  return len(requests)
+
+
 def write(staging: str, *, module: Any,
           signatures: Sequence[serving.Signature],
           artifacts: Mapping[str, tuple[bytes, dict[str, Any]]],
@@ -87,7 +109,7 @@ def write(staging: str, *, module: Any,
               encoding='utf-8') as f:
       f.write(config)
   if options.warmup:
-    writer_lib.write_warmup_requests(
+    write_warmup_requests(
         os.path.join(staging, metadata.WARMUP_FILE), model_name,
         [(sig.name, sig.sample_inputs,
           {k: sig.inputs[k].dtype for k in sig.sample_inputs})

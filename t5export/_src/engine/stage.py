@@ -6,7 +6,9 @@ It makes the borrow-or-fill choice of the first export, owns the writer
 and writes `assets.extra/` but `t5export.json`, which publishing writes
 once the check is in. It reads the snapshot's variables as `on_host()`
 flattened them, once, in the module's order (`HostSnapshot.flat`), and
-hands that flat list on (`Staged.flat`).
+hands that flat list on (`Staged.flat`). Its work off the export's
+thread (the write, the flush, the first module's fill) runs in threads of
+its own (`in_background`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import shutil
 import tempfile
 import threading
+import traceback
 import time
 from typing import Any
 
@@ -26,7 +29,6 @@ import jax
 import numpy as np
 
 from t5export._src.engine import assets_extra
-from t5export._src.engine import background
 from t5export._src.engine import jax_module
 from t5export._src.engine import options as options_lib
 from t5export._src.engine import serving
@@ -37,6 +39,38 @@ from t5export._src.state import paths
 from t5export._src.versions import jax_artifacts
 from t5export._src.versions import metadata
 from t5export._src.versions import versions
+
+
+def in_background(fn: Callable[[], Any],
+                  name: str) -> concurrent.futures.Future:
+  """Runs `fn()` in a thread called `name`; returns its future.
+
+  `fn` (and what it holds, such as views of the caller's arrays) is
+  dropped, and a stored error's frames cleared, before the future is done.
+  The thread is not a daemon: an interpreter exiting right after an export
+  waits for it. A daemon thread still running Python at exit is stopped
+  inside whatever native code it is in (a collection that frees JAX's
+  client aborts the process with "FATAL: exception not rethrown"), and its
+  work is cut short.
+  """
+  future: concurrent.futures.Future = concurrent.futures.Future()
+  task = [fn]
+  del fn
+
+  def run() -> None:
+    call = task.pop()
+    try:
+      result, error = call(), None
+    except BaseException as e:  # pylint: disable=broad-except
+      result, error = None, e
+      traceback.clear_frames(e.__traceback__)
+    del call
+    if error is not None:
+      future.set_exception(error)
+    else:
+      future.set_result(result)
+  threading.Thread(target=run, name=name, daemon=False).start()
+  return future
 
 
 class Fill:
@@ -58,7 +92,7 @@ class Fill:
     """Starts the copy unless it started; returns self."""
     with self._lock:
       if self._future is None:
-        self._future = background.in_background(self._run, 't5export-fill')
+        self._future = in_background(self._run, 't5export-fill')
     return self
 
   def result(self, timeout: float | None = None) -> None:
@@ -106,12 +140,27 @@ class Staged:
   """
 
   def __init__(self, directory: str, step: int, flat: paths.Leaves,
-               module: jax_module.JaxModule, fill: Fill | None,
-               written: concurrent.futures.Future,
-               synced: concurrent.futures.Future):
+               module: jax_module.JaxModule, fill: Fill | None, *,
+               write: Callable[[], metadata.Metadata], flush: bool):
+    """Starts `write()` (it returns the metadata's draft) in a thread; once
+    it is done, with `flush`, fsyncs what it wrote in another (beside the
+    check's TensorFlow run: publishing waits for it)."""
     self.directory, self.step, self.flat = directory, step, flat
     self.module, self.fill = module, fill
-    self._written, self._synced = written, synced
+    self._synced: concurrent.futures.Future = concurrent.futures.Future()
+    self._written = in_background(write, 't5export-write')
+    self._written.add_done_callback(
+        lambda done: self._flush(done, flush))
+
+  def _flush(self, written: concurrent.futures.Future, flush: bool) -> None:
+    """After the write: fsyncs `directory` in a thread when asked (and the
+    write succeeded), then tells `synced()`."""
+    if written.exception() is not None or not flush:
+      self._synced.set_result(None)
+      return
+    in_background(lambda: versions.fsync_tree(self.directory),
+                  't5export-fsync').add_done_callback(
+                      lambda done: _copy_outcome(done, self._synced))
 
   def written(self) -> metadata.Metadata:
     """Waits for every file but `t5export.json`; returns its draft.
@@ -202,25 +251,13 @@ class Stage:
     """
     start = time.monotonic()
     fill, values = self._take(snap)
-    synced: concurrent.futures.Future = concurrent.futures.Future()
-
-    def write() -> metadata.Metadata:
-      try:
-        draft = self._write(snap, directory, values, fill, start)
-      except BaseException:
-        synced.set_result(None)
-        raise
-      # Checked: flushed beside the check's TensorFlow run (unchecked, each
-      # shard was flushed as it was written); publishing waits for it.
-      o = self._options
-      background.in_background(
-          lambda: o.durable and o.validate and versions.fsync_tree(directory),
-          't5export-fsync').add_done_callback(
-              lambda f: _copy_outcome(f, synced))
-      return draft
-
+    o = self._options
+    # Checked: flushed beside the check (unchecked, each shard was flushed
+    # as it was written).
     return Staged(directory, int(snap.step), snap.flat, self._module, fill,
-                  background.in_background(write, 't5export-write'), synced)
+                  write=lambda: self._write(snap, directory, values, fill,
+                                            start),
+                  flush=o.durable and o.validate)
 
   def _take(self, snap: snapshot_lib.HostSnapshot) -> tuple[Fill | None, Any]:
     """The module takes `snap`'s values: built from them on the first

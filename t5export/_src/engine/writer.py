@@ -13,27 +13,31 @@ import os
 import pathlib
 import shutil
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from absl import logging
 from google.protobuf import message
-import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import types_pb2
 from tensorflow.core.protobuf import saved_model_pb2
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 
 from t5export import errors
-from t5export._src.engine import background
 from t5export._src.engine import jax_module
 from t5export._src.versions import tensor_bundle
 from t5export._src.versions import versions
-from tensorflow_serving.apis import model_pb2
-from tensorflow_serving.apis import predict_pb2
-from tensorflow_serving.apis import prediction_log_pb2
 
 _REWRITTEN = ('variables', 'fingerprint.pb')
 _PARAMS_ATTRIBUTE = 'param_vars'  # JaxModule.param_vars
+
+
+
+class Awaitable(Protocol):
+  """What `SavedModelWriter.write` waits for before reading the variables
+  (a future, the stage's `Fill`): `result()` returns once it is done."""
+
+  def result(self, timeout: float | None = None) -> Any:
+    ...
 
 
 def default_shards() -> int:
@@ -104,7 +108,7 @@ class SavedModelWriter:
       shutil.rmtree(scratch, ignore_errors=True)
 
   def write(self, directory: str, *,
-            after: background.Awaitable | None = None,
+            after: Awaitable | None = None,
             values: Sequence[tf.Tensor] | None = None,
             meanwhile: Callable[[], Any] | None = None) -> str:
     """Writes `directory` and returns 'full' or 'variables'.
@@ -313,23 +317,3 @@ def _param_keys(directory: str,
       stored = {a.checkpoint_key for n in graph.nodes for a in n.attributes}
       return data, keys if stored == set(keys) else None
   return b'', None
-
-
-def write_warmup_requests(
-    path: str, model_name: str,
-    requests: Sequence[tuple[str, Mapping[str, Any], Mapping[str, Any]]]
-) -> int:
-  """Writes TF Serving warm-up requests; returns how many (none: no file)."""
-  with tf.io.TFRecordWriter(path) as records:
-    for name, inputs, dtypes in requests:
-      request = predict_pb2.PredictRequest(model_spec=model_pb2.ModelSpec(
-          name=model_name, signature_name=name))
-      for key, value in inputs.items():
-        request.inputs[key].CopyFrom(tf.make_tensor_proto(
-            np.asarray(value), dtype=dtypes[key]))
-      log = prediction_log_pb2.PredictionLog(
-          predict_log=prediction_log_pb2.PredictLog(request=request))
-      records.write(log.SerializeToString())
-  if not requests:
-    os.remove(path)
-  return len(requests)

@@ -115,7 +115,7 @@ class Metadata:
   format_version: int = FORMAT_VERSION
 
 
-def write(version_dir: str, meta: Metadata) -> None:
+def write_metadata(version_dir: str, meta: Metadata) -> None:
   """Writes `meta` as `<version_dir>/assets.extra/t5export.json`."""
   os.makedirs(os.path.join(version_dir, ASSETS_EXTRA), exist_ok=True)
   with open(os.path.join(version_dir, FILE), 'w', encoding='utf-8') as f:

@@ -362,7 +362,7 @@ class Version:
       OSError: a flush or the rename failed.
     """
     draft = staged.written()
-    metadata.write(staged.directory, dataclasses.replace(
+    metadata.write_metadata(staged.directory, dataclasses.replace(
         draft, check=check, metrics=self.metrics,
         time_utc=datetime.datetime.now(datetime.timezone.utc).isoformat()))
     staged.synced()  # The weights, flushed beside the check.

@@ -1,4 +1,4 @@
-"""Tests for t5export._src.engine.background: work an export runs off its caller."""
+"""Tests for the stage's threads (`stage.in_background`): work off the caller."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ def test_interpreter_exit_waits_for_background_work(tmp_path):
   out = tmp_path / 'done.txt'
   script = textwrap.dedent(f"""
       import time
-      from t5export._src.engine import background
+      from t5export._src.engine import stage
       def work():
         time.sleep(1.0)  # Still running when the main thread ends.
         with open({str(out)!r}, 'w') as f:
           f.write('finished')
-      background.in_background(work, 't5export-exit-test')
+      stage.in_background(work, 't5export-exit-test')
       """)
   proc = subprocess.run([sys.executable, '-c', script], capture_output=True,
                         text=True, timeout=60, check=False)
@@ -29,10 +29,10 @@ def test_interpreter_exit_waits_for_background_work(tmp_path):
 
 
 def test_an_error_in_background_work_reaches_its_future():
-  from t5export._src.engine import background  # pylint: disable=g-import-not-at-top
+  from t5export._src.engine import stage  # pylint: disable=g-import-not-at-top
 
   def fail():
     raise ValueError('the copy failed')
 
-  error = background.in_background(fail, 't5export-error-test').exception(60)
+  error = stage.in_background(fail, 't5export-error-test').exception(60)
   assert isinstance(error, ValueError) and str(error) == 'the copy failed'
