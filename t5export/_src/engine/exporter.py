@@ -251,7 +251,7 @@ class SavedModelExporter:
     """
     version = self._dir.begin(int(snap.step), metrics)
     self._checker  # pylint: disable=pointless-statement  # Can it run?
-    snap = snap.on_host()  # An accelerator's transfers arrive now.
+    snap = snap.on_host()  # Transfers arrive; the variables flattened once.
     with self._stage.stage(snap, version.staging) as staged:
       check = self._checker.check(staged)
       return version.publish(staged, check)
