@@ -31,7 +31,6 @@ _REWRITTEN = ('variables', 'fingerprint.pb')
 _PARAMS_ATTRIBUTE = 'param_vars'  # JaxModule.param_vars
 
 
-
 class Awaitable(Protocol):
   """What `SavedModelWriter.write` waits for before reading the variables
   (a future, the stage's `Fill`): `result()` returns once it is done."""
