@@ -102,11 +102,24 @@ _RUN_FIRST = ('test_t5x_trainer.py', 'test_reliability.py',
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-  """Puts the files of `_RUN_FIRST` first, in that order (a stable sort:
-  the tests of a file keep theirs)."""
-  def rank(item: pytest.Item) -> int:
+  """Puts the files of `_RUN_FIRST` first, in that order, and in each file
+  the tests that use an older TensorFlow's venv (`_TEXT_TF_PROCESSES`)
+  after its others (a stable sort: otherwise the tests of a file keep
+  their order).
+
+  A fresh clone creates those venvs in the background from collection on
+  (`pytest_collection_finish`), ~2 minutes of pip on a busy machine. The
+  T5X trainer file, run first, reached its TF 2.20.0 test while that venv
+  was still being made and its worker sat idle for 83 s (CI's durations);
+  with the file's other tests first (`python -m t5x.train`, ~1 minute)
+  the venvs are ready by then.
+  """
+  def rank(item: pytest.Item) -> tuple[int, bool]:
     name = item.path.name
-    return _RUN_FIRST.index(name) if name in _RUN_FIRST else len(_RUN_FIRST)
+    waits = any(f in getattr(item, 'fixturenames', ())
+                for f in _TEXT_TF_PROCESSES)
+    return (_RUN_FIRST.index(name) if name in _RUN_FIRST
+            else len(_RUN_FIRST)), waits
   items.sort(key=rank)
 
 
