@@ -33,4 +33,4 @@ bench: $(STAMP)
 	$(PY) tools/bench.py
 
 clean:
-	rm -rf $(VENV) .venv-tf example_output bench_output
+	rm -rf $(VENV) example_output bench_output

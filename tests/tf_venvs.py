@@ -2,22 +2,29 @@
 
 TF Serving releases trail TensorFlow's, so a version must load on the
 TensorFlow users serve with, not only on the one we develop with.
-`tf_python('2.19.1')` returns the interpreter of `<repo>/.venv-tf/2.19.1/`,
-a virtualenv holding TensorFlow 2.19.1 (`PACKAGES`), what it depends on
-and the matching `tensorflow-text` (whose ops text versions use; TF
-Serving builds them in; for 2.20.0 installed without its dependencies,
-`NO_DEPS`), but no jax and no t5export, creating it on first use. The
-directory is ignored by git and kept between runs (made again when what it
-should hold changes); a lock file makes concurrent test processes of one
-checkout wait for a single creation. pip's output goes to
-`<venv>/pip.log`; a failed creation fails the test with its tail.
+`tf_python('2.19.1')` returns the interpreter of a virtualenv holding
+TensorFlow 2.19.1 (`PACKAGES`), what it depends on and the matching
+`tensorflow-text` (whose ops text versions use; TF Serving builds them in;
+for 2.20.0 installed without its dependencies, `NO_DEPS`), but no jax and
+no t5export, creating it on first use.
+
+The venvs are kept outside the checkout, in `venvs_dir()`
+(`~/.cache/t5export/tf-venvs/` unless `T5EXPORT_TF_VENVS` or
+`XDG_CACHE_HOME` says otherwise), shared by every clone on the machine:
+the two take 3.6 GB, and a fresh clone spent about 1.5 minutes of its
+suite making them again. A venv's folder is named by its release and a
+digest of what it holds and of the Python it is made from, so a change of
+either makes a new one beside it. A lock file per folder makes concurrent
+test processes (of one checkout or several) wait for a single creation; a
+creation cut short leaves no stamp and is made again. pip's output goes
+to `<venv>/pip.log`; a failed creation fails the test with its tail.
 `prepare_in_background` starts the creations when a session collects tests
 that need them (conftest.py), so they are made while other tests run.
 """
-
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import pathlib
 import shutil
@@ -25,8 +32,8 @@ import subprocess
 import sys
 import threading
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-VENVS_DIR = REPO_ROOT / '.venv-tf'
+# Names another folder for the venvs (`venvs_dir`).
+VENVS_ENV = 'T5EXPORT_TF_VENVS'
 
 # The older TensorFlow releases a default export must load on; the
 # project's own TensorFlow (constraints.txt) is tested by tf_only with JAX
@@ -137,6 +144,24 @@ def _create(root: pathlib.Path, version: str) -> None:
         f'{probe.stderr[-3000:]}')
 
 
+def venvs_dir() -> pathlib.Path:
+  """Where the venvs are kept: `$T5EXPORT_TF_VENVS`, else
+  `$XDG_CACHE_HOME/t5export/tf-venvs` (`~/.cache/...` without it)."""
+  if os.environ.get(VENVS_ENV):
+    return pathlib.Path(os.environ[VENVS_ENV])
+  cache = (os.environ.get('XDG_CACHE_HOME') or
+           os.path.join(os.path.expanduser('~'), '.cache'))
+  return pathlib.Path(cache) / 't5export' / 'tf-venvs'
+
+
+def _folder_name(version: str) -> str:
+  """`<version>-<digest>`: the digest of what the venv holds and of the
+  Python it is made from (the base interpreter, not this checkout's
+  venv)."""
+  words = '\n'.join((*_requirements(version), sys.version, sys.base_prefix))
+  return f'{version}-{hashlib.sha256(words.encode()).hexdigest()[:12]}'
+
+
 def tf_python(version: str) -> pathlib.Path:
   """The interpreter of a TensorFlow-`version`-only venv, created if needed.
 
@@ -147,15 +172,21 @@ def tf_python(version: str) -> pathlib.Path:
     The venv's `bin/python`.
 
   Raises:
-    AssertionError: the venv could not be created (with pip's output).
+    AssertionError: the venv could not be created (with pip's output), or
+      the folder that keeps the venvs cannot be made.
   """
-  root = VENVS_DIR / version
+  parent = venvs_dir()
+  try:
+    parent.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise AssertionError(
+        f'Cannot make {parent}, where the TensorFlow venvs are kept '
+        f'({e.strerror or e}). Set {VENVS_ENV} to a folder this user can '
+        'write.') from e
+  root = parent / _folder_name(version)
   stamp = root / '.complete'
-  # The stamp says what was installed (older ones hold the version alone).
-  contents = (version if _requirements(version) == (
-      f'tensorflow-cpu=={version}',) else ' '.join(_requirements(version)))
-  VENVS_DIR.mkdir(exist_ok=True)
-  with open(VENVS_DIR / f'{version}.lock', 'w') as lock:
+  contents = ' '.join(_requirements(version))
+  with open(parent / f'{root.name}.lock', 'w') as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if not stamp.exists() or stamp.read_text() != contents:
       _create(root, version)
