@@ -21,6 +21,7 @@ to `<venv>/pip.log`; a failed creation fails the test with its tail.
 `prepare_in_background` starts the creations when a session collects tests
 that need them (conftest.py), so they are made while other tests run.
 """
+
 from __future__ import annotations
 
 import fcntl
