@@ -107,12 +107,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
   after its others (a stable sort: otherwise the tests of a file keep
   their order).
 
-  A fresh clone creates those venvs in the background from collection on
-  (`pytest_collection_finish`), ~2 minutes of pip on a busy machine. The
-  T5X trainer file, run first, reached its TF 2.20.0 test while that venv
-  was still being made and its worker sat idle for 83 s (CI's durations);
-  with the file's other tests first (`python -m t5x.train`, ~1 minute)
-  the venvs are ready by then.
+  A machine's first run creates those venvs in the background from
+  collection on (`pytest_collection_finish`), ~2 minutes of pip on a busy
+  machine. The T5X trainer file, run first, reached its TF 2.20.0 test
+  while that venv was still being made and its worker sat idle for 83 s
+  (CI's durations); with the file's other tests first (`python -m
+  t5x.train`, ~1 minute) the venvs are ready by then.
   """
   def rank(item: pytest.Item) -> tuple[int, bool]:
     name = item.path.name
@@ -160,7 +160,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
   """Freezes what collection made (`gc.freeze`); starts making the
   older-TensorFlow venvs the collected tests need.
 
-  A fresh clone spends about two minutes creating them (pip); begun now,
+  A machine's first run spends about two minutes creating them (pip;
+  tests/tf_venvs.py keeps them outside the checkout); begun now,
   they are made while other tests run. The tests' own `tf_python` call
   waits for a creation under way.
   """
