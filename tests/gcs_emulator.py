@@ -3,6 +3,7 @@
 The emulator's HTTP server runs in a thread of the test process; it counts
 the object bytes it serves (`media_bytes`), and `on_upload` lets a test act
 when an object is about to be stored (e.g. kill the uploading process).
+It also mends one upload the emulator would store wrong (`_Handler`).
 `environment` holds what the clients need to find it: gcsfs reads
 `STORAGE_EMULATOR_HOST`, TensorStore `TENSORSTORE_GCS_HTTP_URL` (and a
 token it does not check), etils.epath (orbax's small files) uses fsspec,
@@ -16,6 +17,7 @@ import functools
 import http.server
 import io
 import itertools
+import re
 import threading
 
 from gcp_storage_emulator import server as emulator_server
@@ -41,12 +43,46 @@ class _CountingWriter(io.RawIOBase):
     return True
 
 
+def _close_with_crlf(body: bytes, content_type: str) -> bytes:
+  """A multipart body whose closing delimiter follows a CRLF.
+
+  gcsfs writes a multipart upload with bare LF line endings, and so ends
+  it with LF, "--", the boundary, "--". The emulator's MIME parser takes
+  the line ending before a delimiter to be the delimiter's: an object
+  whose last byte is CR loses it, since CR LF is one line ending (stored
+  one byte short: one object in 256 of random bytes; TensorStore then
+  reads a checkpoint's file as DATA_LOSS or OUT_OF_RANGE). A body that
+  starts its first delimiter's line with LF gets CR LF before its closing
+  one, so the parser takes those two and the object stays whole.
+  """
+  match = re.search(r'boundary="?([^";]+)"?', content_type)
+  if match is None:
+    return body
+  boundary = b'--' + match.group(1).encode()
+  close = b'\n' + boundary + b'--'
+  at = body.rfind(close)
+  if not body.startswith(boundary + b'\n') or at < 0:
+    return body  # CR LF line endings (or no multipart): parsed right.
+  return body[:at] + b'\r' + body[at:]
+
+
 class _Handler(emulator_server.RequestHandler):
-  """Counts the bytes of object reads; calls the server's `on_upload`."""
+  """Counts the bytes of object reads; calls the server's `on_upload`;
+  mends multipart uploads (`_close_with_crlf`)."""
 
   def setup(self) -> None:
     super().setup()
     self.wfile = _CountingWriter(self.wfile)
+
+  def do_POST(self) -> None:  # pylint: disable=invalid-name
+    content_type = self.headers.get('Content-Type', '')
+    length = self.headers.get('Content-Length')
+    if content_type.startswith('multipart/related') and length:
+      body = _close_with_crlf(self.rfile.read(int(length)), content_type)
+      self.rfile = io.BytesIO(body)  # The connection ends after this one.
+      del self.headers['Content-Length']
+      self.headers['Content-Length'] = str(len(body))
+    super().do_POST()
 
   def do_GET(self) -> None:  # pylint: disable=invalid-name
     before = self.wfile.written

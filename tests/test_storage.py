@@ -92,6 +92,22 @@ def test_upload_tree_stores_last_files_last(gcs_emulator, gcs_bucket,
   assert storage.read_bytes(url + '/fingerprint.pb') == b'fingerprint.pb' * 10
 
 
+@pytest.mark.parametrize('ending', [b'\r', b'\n', b'\r\n', b'\n\r', b'x'])
+def test_objects_ending_in_line_breaks_come_back_whole(gcs_bucket, tmp_path,
+                                                       ending):
+  # The emulator's multipart parser once cut a final CR (tests/gcs_emulator).
+  data = np.random.default_rng(1).bytes(300) + ending
+  local = tmp_path / 'tree'
+  (local / 'd').mkdir(parents=True)
+  (local / 'd' / 'a.bin').write_bytes(data)
+  (local / 'b.bin').write_bytes(data[::-1] + ending)
+  storage.upload_tree(str(local), gcs_bucket + '/up')
+  storage.write_bytes(gcs_bucket + '/one.bin', data)
+  assert storage.read_bytes(gcs_bucket + '/up/d/a.bin') == data
+  assert storage.read_bytes(gcs_bucket + '/up/b.bin') == data[::-1] + ending
+  assert storage.read_bytes(gcs_bucket + '/one.bin') == data
+
+
 def test_tensorstore_kvstore_reads_what_was_written(root):
   import tensorstore as ts  # pylint: disable=g-import-not-at-top
   spec = {'driver': 'zarr',
