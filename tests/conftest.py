@@ -103,7 +103,7 @@ _RUN_FIRST = ('test_t5x_trainer.py', 'test_reliability.py',
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
   """Puts the files of `_RUN_FIRST` first, in that order, and in each file
-  the tests that use an older TensorFlow's venv (`_TEXT_TF_PROCESSES`)
+  the tests that use an older TensorFlow's venv (`_older_tf_versions`)
   after its others (a stable sort: otherwise the tests of a file keep
   their order).
 
@@ -116,11 +116,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
   """
   def rank(item: pytest.Item) -> tuple[int, bool]:
     name = item.path.name
-    waits = any(f in getattr(item, 'fixturenames', ())
-                for f in _TEXT_TF_PROCESSES)
     return (_RUN_FIRST.index(name) if name in _RUN_FIRST
-            else len(_RUN_FIRST)), waits
+            else len(_RUN_FIRST)), bool(_older_tf_versions(item))
   items.sort(key=rank)
+
+
+def _older_tf_versions(item: pytest.Item) -> set[str]:
+  """The older TensorFlow releases whose venv `item` uses: through a
+  fixture of `_TEXT_TF_PROCESSES`, or as its `tf_process` parameter."""
+  import tf_venvs  # pylint: disable=g-import-not-at-top
+  fixtures = getattr(item, 'fixturenames', ())
+  versions = {v for f, v in _TEXT_TF_PROCESSES.items() if f in fixtures}
+  callspec = getattr(item, 'callspec', None)
+  if callspec is not None:
+    versions.add(callspec.params.get('tf_process'))
+  return versions & set(tf_venvs.OLDER_TF_VERSIONS)
 
 
 def _freeze_survivors(*, everything: bool) -> None:
@@ -169,12 +179,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     return
   _freeze_survivors(everything=True)
   import tf_venvs  # pylint: disable=g-import-not-at-top
-  wanted = {getattr(item, 'callspec', None) and item.callspec.params.get(
-      'tf_process') for item in session.items}
-  for fixture, version in _TEXT_TF_PROCESSES.items():
-    if any(fixture in getattr(item, 'fixturenames', ())
-           for item in session.items):
-      wanted.add(version)
+  wanted = set().union(*map(_older_tf_versions, session.items))
   versions = tuple(v for v in tf_venvs.OLDER_TF_VERSIONS if v in wanted)
   if versions:
     tf_venvs.prepare_in_background(versions)
