@@ -267,24 +267,19 @@ class Stage:
       The first module's fill (None: nothing to fill), and the values the
       writer reads instead of the variables (None: the variables).
     """
-    if self._module is not None:
-      self._finish_fill()
-      in_place = self._module.update_leaves(snap.flat, owned=snap.owned)
-      logging.debug('t5export: %d of %d variables updated in place.',
-                    in_place, len(self._module.param_vars))
-      return None, None
-    # Until it is done, `module` and the next version wait for the fill.
-    fill = self._filling = self._build(snap.variables, snap.flat,
-                                       owned=snap.owned, nbytes=snap.nbytes)
-    if fill is None:
-      return None, None
-    # The first version is written from the caller's values if they can be
-    # read without a copy; the variables are filled when something reads
-    # them (the check's JAX side), else once the version is published.
-    values = self._module.borrowed_values(snap.flat)
-    if values is None:
-      fill.start()  # The writer reads the variables.
-    return fill, values
+    if self._module is None:
+      # Until it is done, `module` and the next version wait for the fill.
+      fill, values = self._build(snap.variables, snap.flat,
+                                 owned=snap.owned, nbytes=snap.nbytes)
+      self._filling = fill
+      if fill is not None and values is None:
+        fill.start()  # The writer reads the variables.
+      return fill, values
+    self._finish_fill()
+    in_place = self._module.update_leaves(snap.flat, owned=snap.owned)
+    logging.debug('t5export: %d of %d variables updated in place.',
+                  in_place, len(self._module.param_vars))
+    return None, None
 
   def _write(self, snap: snapshot_lib.HostSnapshot, directory: str,
              values: Any, fill: Fill | None,
@@ -305,9 +300,24 @@ class Stage:
         model_name=self._model_name)
 
   def _build(self, variables: Any, flat: paths.Leaves, *, owned: bool,
-             nbytes: int) -> Fill | None:
+             nbytes: int) -> tuple[Fill | None, Any]:
     """Builds the module and the writer from `variables` (`flat`: the same
-    flattened; `nbytes`: their size); returns its fill (not started)."""
+    flattened; `nbytes`: their size).
+
+    The borrow-or-fill choice, for values the caller still references
+    (not `owned`): the module is built over empty aligned arrays
+    (`host_buffers.fill_later`). Where TensorFlow adopted them, a copy
+    fills them later (`Fill`), and the first version is written from the
+    caller's values if they can be read without a copy; the variables are
+    filled when something reads them (the check's JAX side), else once the
+    version is published. Where TensorFlow copied them, the variables take
+    the values now.
+
+    Returns:
+      The module's fill (not started; None: nothing to fill), and the
+      values the writer reads instead of the variables (None: the
+      variables).
+    """
     o = self._options
     later = (None if owned or o.cast_bfloat16 else
              host_buffers.fill_later(variables))
@@ -316,18 +326,17 @@ class Stage:
         trainable=o.trainable, jit_compile=o.jit_compile,
         platforms=self._platforms, cast_bfloat16=o.cast_bfloat16,
         owned=owned or later is not None, serving_target=o.serving_target)
-    fill = None
-    if later is not None and module.shares_memory(
-        jax.tree_util.tree_leaves(later[0])):
-      fill = Fill(later[1], nbytes)
-    elif later is not None:  # TensorFlow copied the empty arrays.
+    functions = serving.serving_functions(module, self._signatures)
+    adopted = later is not None and module.shares_memory(
+        jax.tree_util.tree_leaves(later[0]))
+    if later is not None and not adopted:  # TF copied the empty arrays.
       module.update_leaves(flat)
+    values = module.borrowed_values(flat) if adopted else None
     self._writer = writer_lib.SavedModelWriter(
-        module, serving.serving_functions(module, self._signatures),
-        reuse_graph=o.reuse_graph,
+        module, functions, reuse_graph=o.reuse_graph,
         fsync_shards=o.durable and not o.validate)
     self._module = module
-    return fill
+    return (Fill(later[1], nbytes) if adopted else None), values
 
   def _serialize_methods(self) -> None:
     """The `jax.export` artifact of each signature's method (once)."""
