@@ -6,7 +6,7 @@ Python process in which tensorflow (and keras, tensorflow_serving,
 tensorboard) cannot be imported: a meta-path hook raises ImportError for
 them before anything else is imported, and after each request the process
 reports whether any got loaded anyway (the caller then fails). The process
-machinery is `tf_only.IsolatedProcess`: requests and replies are files, and
+machinery is `isolated.IsolatedProcess`: requests and replies are files, and
 the process signals each reply on a pipe of its own, never on stdout.
 
 A job is a dict: 'dir' (a version directory) and either
@@ -25,7 +25,7 @@ import pathlib
 import textwrap
 from typing import Any
 
-import tf_only  # tests/ is on sys.path.
+import isolated  # tests/ is on sys.path.
 
 BLOCKED = ('tensorflow', 'keras', 'tf_keras', 'tensorflow_serving',
            'tensorboard')
@@ -59,7 +59,7 @@ _JAX_RUNNER = textwrap.dedent('''
 ''')
 
 
-class JaxOnlyProcess(tf_only.IsolatedProcess):
+class JaxOnlyProcess(isolated.IsolatedProcess):
   """One long-lived Python process with JAX and t5export, no TensorFlow."""
 
   def __init__(self, work_dir: str | os.PathLike[str]):
@@ -70,8 +70,8 @@ class JaxOnlyProcess(tf_only.IsolatedProcess):
     """
     super().__init__(
         work_dir, name='JAX-only', pythonpath=str(_REPO),
-        source=tf_only.script(blocked=BLOCKED, probe='tensorflow',
-                              runner=_JAX_RUNNER))
+        source=isolated.script(blocked=BLOCKED, probe='tensorflow',
+                               runner=_JAX_RUNNER))
 
 
 def run(jobs: list[dict[str, Any]],
