@@ -36,7 +36,6 @@ import pathlib
 import shutil
 import sys
 import tempfile
-import types
 from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -155,6 +154,7 @@ def worker_phases(spec: dict[str, Any]) -> dict[str, Any]:
   import jax
   import tensorflow as tf
   import t5export
+  from t5export._src.engine import stage
   from t5export._src.engine import staged_check
   from t5export._src.engine import xla_schedule
   variables = make_variables(spec['n_params'], spec['depth'], spec['dtype'])
@@ -196,9 +196,9 @@ def worker_phases(spec: dict[str, Any]) -> dict[str, Any]:
     staged_check.compare_outputs(sig.name, actual, expected, atol=1e-5, rtol=1e-5)
   gc.collect()
   with steps('whole check (exporter)'):
-    staged = types.SimpleNamespace(  # What the check reads of a Staged.
-        directory=path, step=0, flat=None, module=exporter.module, fill=None,
-        written=lambda: None)
+    # The version written above, as a Staged whose write is done.
+    staged = stage.Staged(path, 0, None, exporter.module, None,
+                          write=lambda: None, flush=False)
     staged_check.Checker([sig], validate=True, allow_non_finite=True,
                          atol=1e-5, rtol=1e-5, platform='cpu').check(staged)
   compiled = jax.jit(serve).lower(exporter.module.jax_variables(),
