@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 import concurrent.futures
+import functools
 import gc
 import os
 import shutil
@@ -116,10 +117,6 @@ class Fill:
       del copy  # be left for a donating step right after `module`).
     logging.info('t5export: filled the variables (%.1f MiB) in %.2fs.',
                  self._nbytes / 2**20, time.monotonic() - start)
-    # The module's build leaves the export's frames (which hold the
-    # snapshot) in a reference cycle with frames of JAX's tracing; only a
-    # full collection frees them, once, here off the training thread.
-    gc.collect()
 
 
 class Staged:
@@ -141,26 +138,23 @@ class Staged:
 
   def __init__(self, directory: str, step: int, flat: paths.Leaves,
                module: jax_module.JaxModule, fill: Fill | None, *,
-               write: Callable[[], metadata.Metadata], flush: bool):
+               write: Callable[[], metadata.Metadata], flush: bool,
+               on_exit: Callable[[], None] | None = None):
     """Starts `write()` (it returns the metadata's draft) in a thread; once
     it is done, with `flush`, fsyncs what it wrote in another (beside the
-    check's TensorFlow run: publishing waits for it)."""
+    check's TensorFlow run: publishing waits for it). `on_exit()` runs
+    last when the context is left, either way."""
     self.directory, self.step, self.flat = directory, step, flat
     self.module, self.fill = module, fill
+    self._on_exit = on_exit
     self._synced: concurrent.futures.Future = concurrent.futures.Future()
     self._written = in_background(write, 't5export-write')
-    self._written.add_done_callback(
-        lambda done: self._flush(done, flush))
-
-  def _flush(self, written: concurrent.futures.Future, flush: bool) -> None:
-    """After the write: fsyncs `directory` in a thread when asked (and the
-    write succeeded), then tells `synced()`."""
-    if written.exception() is not None or not flush:
-      self._synced.set_result(None)
-      return
-    in_background(lambda: versions.fsync_tree(self.directory),
-                  't5export-fsync').add_done_callback(
-                      lambda done: _copy_outcome(done, self._synced))
+    # The futures keep their callbacks: none may hold this object, whose
+    # `flat` views the caller's arrays (a cycle would keep them, and so
+    # a second copy of the params past a donating step, until the next
+    # collection).
+    self._written.add_done_callback(functools.partial(
+        _flush, directory=directory, synced=self._synced, flush=flush))
 
   def written(self) -> metadata.Metadata:
     """Waits for every file but `t5export.json`; returns its draft.
@@ -181,13 +175,15 @@ class Staged:
     if kind is None:
       if self.fill is not None:  # Done by the next export at the latest.
         self.fill.start()
-      return
-    # Nothing may write into a directory being removed, nor the
-    # variables after this.
-    concurrent.futures.wait([self._written, self._synced])
-    if self.fill is not None:
-      self.fill.exception()  # Waits, without raising.
-    shutil.rmtree(self.directory, ignore_errors=True)
+    else:
+      # Nothing may write into a directory being removed, nor the
+      # variables after this.
+      concurrent.futures.wait([self._written, self._synced])
+      if self.fill is not None:
+        self.fill.exception()  # Waits, without raising.
+      shutil.rmtree(self.directory, ignore_errors=True)
+    if self._on_exit is not None:
+      self._on_exit()
 
 
 class Stage:
@@ -205,12 +201,16 @@ class Stage:
     self._artifacts: dict[str, tuple[bytes, dict[str, Any]]] = {}
     # The first module's fill, once its version is published.
     self._filling: Fill | None = None
+    # The collection after the first version (`_collect_first_cycles`).
+    self._collecting: concurrent.futures.Future | None = None
 
   @property
   def module(self) -> jax_module.JaxModule | None:
     """The module (None before the first version); see the exporter's."""
     if self._filling is not None:
       self._filling.result()
+    if self._collecting is not None:
+      self._collecting.result()
     return self._module
 
   @property
@@ -250,6 +250,7 @@ class Stage:
         since the first version.
     """
     start = time.monotonic()
+    first = self._module is None
     fill, values = self._take(snap)
     o = self._options
     # Checked: flushed beside the check (unchecked, each shard was flushed
@@ -257,7 +258,8 @@ class Stage:
     return Staged(directory, int(snap.step), snap.flat, self._module, fill,
                   write=lambda: self._write(snap, directory, values, fill,
                                             start),
-                  flush=o.durable and o.validate)
+                  flush=o.durable and o.validate,
+                  on_exit=self._collect_first_cycles if first else None)
 
   def _take(self, snap: snapshot_lib.HostSnapshot) -> tuple[Fill | None, Any]:
     """The module takes `snap`'s values: built from them on the first
@@ -338,6 +340,27 @@ class Stage:
     self._module = module
     return (Fill(later[1], nbytes) if adopted else None), values
 
+  def _collect_first_cycles(self) -> None:
+    """Frees what the first version's frames still reference, off the
+    export's thread: once its fill is done, a full collection.
+
+    Tracing (the module's build, the graph's save, the methods' export)
+    raises and catches errors inside JAX; each keeps its frames, and the
+    frames their callers', the stage's and the exporter's, which hold the
+    snapshot, in reference cycles. Run when the version's export is over,
+    when those frames are garbage, this frees them: otherwise they, and
+    the caller's arrays the snapshot views, would live until the next
+    collection, past the caller's donating step (a second copy of the
+    params). Later versions trace nothing.
+    """
+    filling = self._filling
+
+    def collect() -> None:
+      if filling is not None:
+        filling.exception()  # Waits (it reads the caller's arrays).
+      gc.collect()
+    self._collecting = in_background(collect, 't5export-collect')
+
   def _serialize_methods(self) -> None:
     """The `jax.export` artifact of each signature's method (once)."""
     target = self._options.serving_target
@@ -356,6 +379,18 @@ class Stage:
       logging.warning('t5export: the variables were not filled after the '
                       'first version (%r); this export writes them all.',
                       filling.exception())
+
+
+def _flush(written: concurrent.futures.Future, *, directory: str,
+           synced: concurrent.futures.Future, flush: bool) -> None:
+  """After the write: fsyncs `directory` in a thread when asked (and the
+  write succeeded), then completes `synced`."""
+  if written.exception() is not None or not flush:
+    synced.set_result(None)
+    return
+  in_background(functools.partial(versions.fsync_tree, directory),
+                't5export-fsync').add_done_callback(
+                    functools.partial(_copy_outcome, target=synced))
 
 
 def _copy_outcome(source: concurrent.futures.Future,
