@@ -80,7 +80,12 @@ def worker_export(spec: dict[str, Any]) -> dict[str, Any]:
         path.unlink()
   with phases('donating_step'):
     variables = jax.block_until_ready(compiled(variables))
-  out = {'phases': phases.phases, 'param_bytes': nbytes}
+  # What the exports left behind, as a training process keeps it: no
+  # collection is forced (a second copy of the params that only a cycle
+  # keeps is retained until the next one).
+  out = {'phases': phases.phases, 'param_bytes': nbytes,
+         'rss_retained': in_child.proc_status('VmRSS:') -
+                         phases.phases['first']['rss0']}
   if spec['side'] == 'ours':
     from t5export._src.engine import writer
     out['shards'] = writer.default_shards()  # Threads writing a version.
@@ -89,7 +94,8 @@ def worker_export(spec: dict[str, Any]) -> dict[str, Any]:
 
 EXPORT_FIGURES = tuple(
     n for n in figures.FIGURES
-    if n.startswith(('reexport_vs', 'first_export_vs', 'peak_rss_')))
+    if n.startswith(('reexport_vs', 'first_export_vs', 'peak_rss_',
+                     'retained_')))
 
 # Our exporter in both durability modes, and orbax-export.
 EXPORT_SIDES = ('durable', 'nondurable', 'orbax')
@@ -192,9 +198,18 @@ def parse_exports(cfg: figures.Config, res: children.Results,
         next_donating_step_s={'ours': _median([step_time(o) for o in non]),
                               'orbax': _median([step_time(b)
                                                 for b in orbax])}))
+    def retained(r):
+      return r['rss_retained'] / r['param_bytes']
+    emit(records.figure_record(
+        'retained_after_exports_vs_orbax_nondurable',
+        [retained(a) - retained(b) for a, b in zip(non, orbax)],
+        ours=records.summarize([retained(o) for o in non]),
+        orbax=records.summarize([retained(b) for b in orbax]),
+        exports_per_run=1 + cfg.reexports))
   else:
     for name in ('reexport_vs_orbax_nondurable',
-                 'first_export_vs_orbax_nondurable'):
+                 'first_export_vs_orbax_nondurable',
+                 'retained_after_exports_vs_orbax_nondurable'):
       emit(records.error_record(name, err_for('nondurable', 'orbax')))
   if dur:
     def sync_time(r):

@@ -54,6 +54,12 @@ FIGURES: dict[str, tuple[str, Callable[[float], bool], str, str]] = {
         '<= 1.1 and <= orbax', lambda r: r <= 1.1,
         'peak RSS added by the first export and the next donating train '
         'step / param bytes (TF imported after the params exist)'),
+    'retained_after_exports_vs_orbax_nondurable': _fig(
+        *_at_most(0.1),
+        'RSS retained once the exports are done and the next donating train '
+        'step ran (the process\'s RSS then, less before the first export), '
+        'ours minus orbax-export, over the param bytes; neither fsyncs',
+        NONDURABLE),
     'peak_rss_reexport_tf_before_durable': _fig(
         '<= 1.1 and <= orbax', lambda r: r <= 1.1,
         'peak RSS added by a re-export and the next donating train step / '
