@@ -160,6 +160,27 @@ class ExportCheckError(T5ExportError, AssertionError):
         f'{self.FIXES[kind]}')
 
 
+class WrittenVariablesMismatchError(T5ExportError, AssertionError):
+  """A staged version's written variables differ from the params they were
+  written from (the check of a later version compares them byte for byte);
+  nothing was published.
+
+  Attributes:
+    prefix: the staged bundle's prefix.
+    name: the param (or part of the bundle) that differs.
+  """
+
+  def __init__(self, prefix: str, name: str, problem: str):
+    """`problem` says what differs."""
+    self.prefix, self.name = prefix, name
+    super().__init__(
+        f'The staged variables at {prefix!r} do not hold what was written '
+        f'for {name!r}: {problem}. The version was not published. Something '
+        'changed the staging directory while it was written or the disk '
+        'returned other bytes: check the disk (and that no other process '
+        'writes under export_dir), then export again.')
+
+
 class UnloadableSignatureError(T5ExportError, RuntimeError):
   """TensorFlow cannot load or run a signature's StableHLO: an op it cannot
   refine, compile or find; raised instead of TensorFlow's error.

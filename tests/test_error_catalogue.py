@@ -44,7 +44,9 @@ import offline_cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 import offline_gin  # pylint: disable=g-import-not-at-top,wrong-import-position
 from examples import models  # pylint: disable=g-import-not-at-top,wrong-import-position
 import t5export  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t5export._src.engine import stage
 from t5export._src.engine import staged_check
+from t5export._src.versions import tensor_bundle
 from t5export._src.loop import callbacks  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5export import errors  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t5export._src.engine import exporter as exporter_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -646,6 +648,47 @@ def test_saved_model_differs_from_jax(published, kind, output, what, fix):
   assert info.value.kind == kind
   assert ('loosen atol/rtol' in str(info.value)) == (kind == 'values')
   _assert_kept(published, before)
+
+
+def test_written_variables_differ(tmp_path, monkeypatch):
+  # A later version is checked in memory: its written variables against the
+  # module's. A byte changed on disk between the write and the check (a
+  # failing disk, another process) is caught there, named by its param.
+  exporter = exporter_lib.SavedModelExporter(
+      str(tmp_path / 'export'), [model.signature()],
+      options=t5export.ExportOptions(keep=3))
+  exporter.export(model.state_for(1))
+  before = _tree_digest(exporter.export_dir)
+  written = stage.Staged.written
+  target = exporter.module.param_paths[0]
+
+  def written_then_damaged(staged):
+    draft = written(staged)
+    prefix = os.path.join(staged.directory, 'variables', 'variables')
+    reader = tensor_bundle.BundleReader(prefix)
+    key = staged.writer.param_keys[0]
+    entry = reader.entry(key)
+    with open(reader.data_path(entry), 'r+b') as f:
+      f.seek(entry.offset + 5)
+      byte = f.read(1)
+      f.seek(entry.offset + 5)
+      f.write(bytes([byte[0] ^ 0xFF]))
+    return draft
+
+  monkeypatch.setattr(stage.Staged, 'written', written_then_damaged)
+  with pytest.raises(errors.WrittenVariablesMismatchError,
+                     match=r"^The staged variables at '.*variables' do not "
+                     rf"hold what was written for '{re.escape(target)}': its "
+                     r'byte 5 \(of \d+\) on disk differs from the value it '
+                     r'was written from\. The version was not published\. '
+                     r'Something changed the staging directory while it was '
+                     r'written or the disk returned other bytes: check the '
+                     r'disk .*then export again\.'):
+    exporter.export(model.state_for(2))
+  _assert_kept(exporter, before)
+  monkeypatch.undo()  # The next version is checked (in memory) and published.
+  path = exporter.export(model.state_for(3))
+  assert model.check_version(path) == 3
 
 
 def _cholesky(variables, inputs):

@@ -197,7 +197,8 @@ def worker_phases(spec: dict[str, Any]) -> dict[str, Any]:
   gc.collect()
   with steps('whole check (exporter)'):
     # The version written above, as a Staged whose write is done.
-    staged = stage.Staged(path, 0, None, exporter.module, None,
+    staged = stage.Staged(path, 0, None, exporter.module,
+                          exporter._stage.writer, None,  # pylint: disable=protected-access
                           write=lambda: None, flush=False)
     staged_check.Checker([sig], validate=True, allow_non_finite=True,
                          atol=1e-5, rtol=1e-5, platform='cpu').check(staged)

@@ -133,11 +133,13 @@ class Staged:
     flat: the snapshot's variables flattened once, in the module's order.
     module: the `JaxModule`, holding this version's values (once `fill`
       is done, if there is one).
+    writer: the writer of the version's files.
     fill: the first module's fill, or None.
   """
 
   def __init__(self, directory: str, step: int, flat: paths.Leaves,
-               module: jax_module.JaxModule, fill: Fill | None, *,
+               module: jax_module.JaxModule,
+               writer: writer_lib.SavedModelWriter, fill: Fill | None, *,
                write: Callable[[], metadata.Metadata], flush: bool,
                on_exit: Callable[[], None] | None = None):
     """Starts `write()` (it returns the metadata's draft) in a thread; once
@@ -145,7 +147,7 @@ class Staged:
     check's TensorFlow run: publishing waits for it). `on_exit()` runs
     last when the context is left, either way."""
     self.directory, self.step, self.flat = directory, step, flat
-    self.module, self.fill = module, fill
+    self.module, self.writer, self.fill = module, writer, fill
     self._on_exit = on_exit
     self._synced: concurrent.futures.Future = concurrent.futures.Future()
     self._written = in_background(write, 't5export-write')
@@ -255,7 +257,8 @@ class Stage:
     o = self._options
     # Checked: flushed beside the check (unchecked, each shard was flushed
     # as it was written).
-    return Staged(directory, int(snap.step), snap.flat, self._module, fill,
+    return Staged(directory, int(snap.step), snap.flat, self._module,
+                  self._writer, fill,
                   write=lambda: self._write(snap, directory, values, fill,
                                             start),
                   flush=o.durable and o.validate,

@@ -20,6 +20,7 @@ import numpy as np
 
 from t5export import errors
 from t5export._src.engine import custom_ops
+from t5export._src.engine import memory_check
 from t5export._src.engine import tf_loadable
 from t5export._src.engine import xla_schedule
 from t5export._src.snapshot import accelerators
@@ -60,6 +61,7 @@ class Checker:
     self._validate, self._allow_non_finite = validate, allow_non_finite
     self._atol, self._rtol = atol, rtol
     self._platform = platform
+    self._memory = memory_check.MemoryCheck()
 
   def check(self, staged: Any) -> metadata.Check:
     """Checks a `stage.Staged` version while its files are being written.
@@ -67,6 +69,9 @@ class Checker:
     The finite test and the JAX side run here, beside the write; then the
     written version runs in TensorFlow as TF Serving loads it: the sample
     inputs, then its own warm-up requests, the first thing the server runs.
+    A later version of a graph served so (on CPU) is checked in memory
+    instead (`memory_check`): its written variables compared with the
+    module's, the module's serving functions run on them.
 
     Returns:
       What was checked, for the version's metadata.
@@ -76,6 +81,8 @@ class Checker:
       ExportCheckError: the staged SavedModel differs from JAX.
       UnloadableSignatureError: TensorFlow cannot load or run a signature.
       WarmupReplayError: a warm-up request fails as the server would fail it.
+      WrittenVariablesMismatchError: checked in memory, the written
+        variables differ from the module's.
     """
     if not self._allow_non_finite:
       check_finite(staged.flat)
@@ -92,13 +99,21 @@ class Checker:
     jax_seconds = time.monotonic() - start
     staged.written()
     start = time.monotonic()
-    actuals = run_signatures_isolated(
-        staged.directory,
-        [(sig.name, sig.sample_inputs) for sig in self._signatures],
-        platform=platform, warmup=True)
+    requests = [(sig.name, sig.sample_inputs) for sig in self._signatures]
+    if self._memory.applies(staged, platform):
+      how = memory_check.IN_MEMORY
+      actuals = self._memory.run(
+          staged, requests,
+          {sig.name: sig.input_names for sig in self._signatures})
+    else:
+      how = memory_check.SERVED
+      actuals = run_signatures_isolated(staged.directory, requests,
+                                        platform=platform, warmup=True)
     logging.info('t5export: check of %s on %s: JAX references in %.2fs '
-                 '(beside the write), TensorFlow load and run in %.2fs.',
+                 '(beside the write), TensorFlow %s in %.2fs.',
                  staged.directory, platform, jax_seconds,
+                 'load and run' if how == memory_check.SERVED else
+                 'run on the module, variables compared with it',
                  time.monotonic() - start)
     checks = {}
     for sig, actual, want in zip(self._signatures, actuals, expected):
@@ -108,7 +123,9 @@ class Checker:
         checked=True, atol=self._atol, rtol=self._rtol, signatures=checks,
         tf_platform=platform, tf_device=tf_devices.TF_DEVICES[platform],
         jax_platform=platform,
-        jax_device=str(accelerators.jax_device(platform)))
+        jax_device=str(accelerators.jax_device(platform)), how=how)
+    if how == memory_check.SERVED:
+      self._memory.served(staged)
     logging.info('t5export: step %d: check %s.', staged.step, check.summary())
     return check
 

@@ -96,6 +96,22 @@ class SavedModelWriter:
     """Whether the next version will be written as graph + variables only."""
     return self._template is not None
 
+  @property
+  def functions(self) -> dict[str, Any]:
+    """The serving functions every version serves, by signature name."""
+    return dict(self._signatures)
+
+  @property
+  def param_keys(self) -> list[str]:
+    """The params' checkpoint keys in `param_vars` order ([] before the
+    graph is saved)."""
+    return list(self._keys)
+
+  @property
+  def object_graph(self) -> bytes:
+    """The checkpoint's object graph, as every reused version stores it."""
+    return self._object_graph
+
   def save_graph_ahead(self, scratch: str) -> bool:
     """Saves the graph in `scratch` (then removed); False if it can't."""
     if self._template is not None or not self._reuse_graph:

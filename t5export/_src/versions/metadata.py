@@ -51,6 +51,10 @@ class Check:
   Where it ran: `tf_platform` / `tf_device`, the lowering TensorFlow ran
   and its device; `jax_platform` / `jax_device`, the JAX reference's
   (None when not checked, or in versions from before they were recorded).
+  `how`: 'served', loaded in a session as TF Serving loads it (warm-up
+  requests replayed); 'in_memory', a later version of a served graph: its
+  written variables compared with the exporter's module and the module's
+  serving functions run (None: not checked, or not recorded).
   """
   checked: bool
   reason: str | None = None
@@ -62,6 +66,7 @@ class Check:
   tf_device: str | None = None
   jax_platform: str | None = None
   jax_device: str | None = None
+  how: str | None = None
 
   def summary(self) -> str:
     """'not checked (why)' or 'passed (max abs err ...)', one line."""
@@ -123,7 +128,7 @@ def write_metadata(version_dir: str, meta: Metadata) -> None:
 
 
 # Check's fields saying where it ran, in order (absent in older files).
-_WHERE = ('tf_platform', 'tf_device', 'jax_platform', 'jax_device')
+_WHERE = ('tf_platform', 'tf_device', 'jax_platform', 'jax_device', 'how')
 
 
 def _tuple(value: Any) -> Any:

@@ -135,6 +135,17 @@ def crc32c(data: bytes | memoryview | np.ndarray) -> int:
   return reg ^ 0xffffffff
 
 
+def numpy_dtype(entry: Entry) -> np.dtype | None:
+  """The numpy dtype of a numeric entry (None: strings or unknown)."""
+  dtype = _DTYPES.get(entry.dtype)
+  return None if dtype is None else np.dtype(dtype)
+
+
+def unmasked_crc32c(entry: Entry) -> int:
+  """The CRC-32C of the entry's bytes, as its index records it."""
+  return _unmask(entry.crc32c)
+
+
 def _unmask(masked: int) -> int:
   """Undoes LevelDB's CRC masking (rotate right by 15 after subtracting)."""
   rot = (masked - _MASK_DELTA) & 0xffffffff
@@ -227,6 +238,15 @@ class BundleReader:
     """The stored tensors' keys, sorted."""
     return sorted(self._entries)
 
+  def entry(self, key: str) -> Entry | None:
+    """Tensor `key`'s index entry (None: a sliced one; KeyError: none)."""
+    return self._entries[key]
+
+  def data_path(self, entry: Entry) -> str:
+    """The data file holding `entry`'s bytes."""
+    return (f'{self.prefix}.data-{entry.shard_id:05d}-of-'
+            f'{self._num_shards:05d}')
+
   def _raw(self, key: str, want: str) -> tuple[Entry, np.ndarray]:
     """The entry and its bytes, size-checked; `want` 'string' or 'numeric'."""
     entry = self._entries.get(key)
@@ -241,7 +261,7 @@ class BundleReader:
       raise errors.VariablesFormatError(
           f'Tensor {key!r} of the checkpoint {self.prefix!r} {problem}; it '
           f'holds {len(self._entries)} tensors, e.g. {self.keys()[:3]}.')
-    path = f'{self.prefix}.data-{entry.shard_id:05d}-of-{self._num_shards:05d}'
+    path = self.data_path(entry)
     try:
       if storage.is_url(path):  # One ranged read of the tensor's bytes.
         raw = np.frombuffer(storage.read_range(path, entry.offset, entry.size),

@@ -1,0 +1,124 @@
+"""The check of a later version in memory (`memory_check`).
+
+The first version of a graph is checked as TF Serving loads it; a later
+version, which repeats that graph and writes only its variables, is
+checked against the exporter's module: its written variables compared
+with the module's memory, the module's serving functions run on them.
+What is published must still be what TensorFlow serves as JAX computes it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import t5export
+from t5export import errors
+from t5export._src.engine import memory_check
+from t5export._src.engine import stage
+from t5export._src.versions import metadata
+from t5export._src.versions import tensor_bundle
+
+sys.path.insert(0, os.path.dirname(__file__))
+import _reliability_model as model  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+@pytest.fixture()
+def exporter(tmp_path):
+  return t5export.SavedModelExporter(
+      str(tmp_path / 'export'), [model.signature()],
+      options=t5export.ExportOptions(keep=5))
+
+
+def _damage_after_write(monkeypatch, damage):
+  """Runs `damage(staged)` once each version is written, before its check."""
+  written = stage.Staged.written
+
+  def written_then_damaged(staged):
+    draft = written(staged)
+    damage(staged)
+    return draft
+  monkeypatch.setattr(stage.Staged, 'written', written_then_damaged)
+
+
+def test_later_versions_are_checked_in_memory_and_serve_as_jax(exporter):
+  hows = []
+  for step in (1, 2, 3):
+    path = exporter.export(model.state_for(step))
+    hows.append(metadata.read_metadata(path).check.how)
+    # Loaded in TensorFlow and run, against JAX on the step's params; the
+    # stored variables equal them exactly.
+    assert model.check_version(path) == step
+  assert hows == [memory_check.SERVED, memory_check.IN_MEMORY,
+                  memory_check.IN_MEMORY]
+
+
+def test_other_warmup_requests_are_checked_as_served(exporter, monkeypatch):
+  exporter.export(model.state_for(1))
+
+  def append_request(staged):
+    path = os.path.join(staged.directory, memory_check.WARMUP)
+    with open(path, 'ab') as f, open(path, 'rb') as again:
+      f.write(again.read())  # The same requests twice: still valid.
+  _damage_after_write(monkeypatch, append_request)
+  path = exporter.export(model.state_for(2))
+  assert metadata.read_metadata(path).check.how == memory_check.SERVED
+  assert model.check_version(path) == 2
+
+
+def test_a_truncated_data_file_is_refused(exporter, monkeypatch):
+  exporter.export(model.state_for(1))
+  last_param = {}
+
+  def truncate(staged):
+    prefix = os.path.join(staged.directory, 'variables', 'variables')
+    reader = tensor_bundle.BundleReader(prefix)
+    entries = {k: reader.entry(k) for k in staged.writer.param_keys}
+    key = max(entries, key=lambda k: entries[k].offset)  # Last in its file.
+    last_param['path'] = staged.module.param_paths[
+        staged.writer.param_keys.index(key)]
+    os.truncate(reader.data_path(entries[key]), entries[key].offset + 3)
+  _damage_after_write(monkeypatch, truncate)
+  with pytest.raises(errors.WrittenVariablesMismatchError,
+                     match=r'its data file ends \d+ bytes early') as e:
+    exporter.export(model.state_for(2))
+  assert e.value.name == last_param['path']
+  assert exporter.versions() == [1]
+  assert not [n for n in os.listdir(exporter.export_dir)
+              if n.startswith('.tmp-')]
+
+
+def test_bundle_compare_reads_what_tensorflow_wrote(tmp_path):
+  # Independent of the exporter: a bundle TensorFlow's own SaveV2 wrote.
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from t5export._src.versions import bundle_compare  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  arrays = {'a': rng.standard_normal((3, 5)).astype(np.float32),
+            'b': np.arange(7, dtype=np.int32),
+            'c': np.zeros((0, 4), np.float32)}
+  prefix = str(tmp_path / 'bundle')
+  tf.raw_ops.SaveV2(prefix=prefix, tensor_names=list(arrays),
+                    shape_and_slices=[''] * len(arrays),
+                    tensors=[tf.constant(a) for a in arrays.values()])
+  names = {k: f'params/{k}' for k in arrays}
+  assert bundle_compare.compare(prefix, arrays, strings={},
+                                names=names) == sum(
+                                    a.nbytes for a in arrays.values())
+  changed = dict(arrays, b=arrays['b'] + np.int32(1) * (
+      np.arange(7) == 4))
+  with pytest.raises(errors.WrittenVariablesMismatchError,
+                     match=r"for 'params/b': its byte 16 \(of 28\) on disk "
+                     'differs'):
+    bundle_compare.compare(prefix, changed, strings={}, names=names)
+  with pytest.raises(errors.WrittenVariablesMismatchError,
+                     match=r"for 'params/a': it is stored with shape \(3, 5\), "
+                     r'not \(5, 3\)'):
+    bundle_compare.compare(prefix, dict(arrays, a=arrays['a'].T.copy()),
+                           strings={}, names=names)
+  with pytest.raises(errors.WrittenVariablesMismatchError,
+                     match=r"for 'the index': it lacks \['d'\]"):
+    bundle_compare.compare(prefix, dict(arrays, d=arrays['b']), strings={},
+                           names=names)
