@@ -12,7 +12,6 @@ expected tensors, with their shapes and dtypes. No TensorFlow.
 from __future__ import annotations
 
 from collections.abc import Mapping
-import os
 
 import google_crc32c
 import numpy as np
@@ -109,8 +108,3 @@ def _compare_one(f, offset: int, entry: tensor_bundle.Entry,
     raise errors.WrittenVariablesMismatchError(
         prefix, name, 'its bytes do not match the CRC-32C its index '
         'records (TensorFlow would refuse to restore it)')
-
-
-def local(prefix: str) -> bool:
-  """Whether the bundle at `prefix` can be streamed here (a local path)."""
-  return os.path.exists(prefix + '.index')
