@@ -323,10 +323,19 @@ class BundleReader:
       return self._assembled(key, entry)
     return self._checked(key, entry, self._raw(key, entry))
 
-  def _assembled(self, key: str, entry: Entry) -> np.ndarray:
-    """Sliced tensor `key`: its slices, each checked, covering it once."""
-    out = np.empty(entry.shape, _DTYPES[entry.dtype])
-    boxes = []
+  def read_slices(self, key: str
+                  ) -> list[tuple[tuple[tuple[int, int], ...], np.ndarray]]:
+    """The slices of numeric tensor `key` as stored, each CRC-checked.
+
+    Returns:
+      `((start, stop) per dimension, values)` per slice; a tensor stored
+      whole is one slice covering it.
+    """
+    entry = self._lookup(key, 'numeric')
+    if not entry.slices:
+      return [(tuple((0, d) for d in entry.shape),
+               self._checked(key, entry, self._raw(key, entry)))]
+    out = []
     for extents in entry.slices:
       if len(extents) != len(entry.shape):
         self._damaged(key, f'has a slice of rank {len(extents)} for a shape '
@@ -339,14 +348,18 @@ class BundleReader:
               box, entry.shape)):
         self._damaged(key, f'lacks the data of its slice {box} or holds '
                       'data of another shape or dtype for it')
-      out[tuple(slice(a, b) for a, b in box)] = self._checked(
-          f'{key} {box}', part, self._raw(key, part))
+      out.append((box, self._checked(f'{key} {box}', part,
+                                     self._raw(key, part))))
+    return out
+
+  def _assembled(self, key: str, entry: Entry) -> np.ndarray:
+    """Sliced tensor `key`: its slices, each checked, covering it once."""
+    out = np.empty(entry.shape, _DTYPES[entry.dtype])
+    boxes = []
+    for box, values in self.read_slices(key):
+      out[tuple(slice(a, b) for a, b in box)] = values
       boxes.append(box)
-    covered = sum(int(np.prod([b - a for a, b in box], dtype=np.int64))
-                  for box in boxes)
-    overlap = any(all(a1 < b2 and a2 < b1 for (a1, b1), (a2, b2)
-                      in zip(boxes[i], boxes[j]))
-                  for i in range(len(boxes)) for j in range(i))
+    covered, overlap = coverage(boxes)
     if overlap or covered != out.size:
       self._damaged(key, f'has slices that cover {covered} of its {out.size} '
                     f'values{" and overlap" if overlap else ""}')
@@ -385,6 +398,16 @@ class BundleReader:
           f'damaged: its sizes add up to {ends[-1]} bytes, it holds '
           f'{len(data)}. Copy the version again or re-export it.')
     return [data[a:b] for a, b in zip(ends, ends[1:])]
+
+
+def coverage(boxes: list[tuple[tuple[int, int], ...]]) -> tuple[int, bool]:
+  """(Values covered, whether two overlap) of blocks of (start, stop)s."""
+  covered = sum(int(np.prod([b - a for a, b in box], dtype=np.int64))
+                for box in boxes)
+  overlap = any(all(a1 < b2 and a2 < b1 for (a1, b1), (a2, b2)
+                    in zip(boxes[i], boxes[j]))
+                for i in range(len(boxes)) for j in range(i))
+  return covered, overlap
 
 
 def list_item_keys(attribute: str, count: int) -> list[str]:
