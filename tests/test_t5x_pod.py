@@ -15,7 +15,9 @@ step 2:
   collective; nothing is published; both processes end (none hangs).
 
 The two runs start together (one fixture), so one's waiting overlaps the
-other's work.
+other's work. In this process: `T5XTrainer` around T5X's real Trainer with
+no training eval exports after each `train()` chunk, and its arguments
+are checked.
 """
 
 from __future__ import annotations
@@ -243,3 +245,69 @@ def test_trainer_needs_a_callback_and_a_trainer_constructor(tmp_path):
       r'gin: t5export\.T5XTrainer\.trainer_cls = @trainer\.Trainer')):
     t5export.T5XTrainer(callback=cb, trainer_cls=None)
   cb.close()
+
+
+def test_trainer_without_evals_exports_after_each_chunk(tmp_path, tf_process):
+  # One process, T5X's real Trainer wrapped, no training eval: the
+  # callback runs after each train() chunk (steps 1 and 2 here: due at the
+  # multiple 2, the final step); close() waits for it.
+  t5x_setup.import_t5x()
+  import functools  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  from flax import traverse_util  # pylint: disable=g-import-not-at-top
+  from t5x import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
+  from t5x import utils  # pylint: disable=g-import-not-at-top
+  import t5export  # pylint: disable=g-import-not-at-top
+  from t5export._src.versions import verify  # pylint: disable=g-import-not-at-top
+  model = t5x_setup.tiny_model()
+  partitioner = t5x_setup.partitioner()
+  lengths = {'inputs': t5x_setup.INPUT_LENGTH,
+             'targets': t5x_setup.TARGET_LENGTH}
+  exporter = t5export.SavedModelExporter(
+      tmp_path / 'export', t5export.t5x_signatures(
+          model, task_feature_lengths=lengths, decode=False, score=False,
+          tokenized_inputs=True),
+      options=t5export.ExportOptions(
+          logical_axis_rules=partitioner.logical_axis_rules))
+  cb = t5export.ExportCallback(exporter, export_every_steps=2,
+                               num_train_steps=2)
+  state = t5x_setup.train_state(model, partitioner)
+  trainer = t5export.T5XTrainer(
+      callback=cb, trainer_cls=functools.partial(
+          trainer_lib.Trainer, num_microbatches=None,
+          learning_rate_fn=utils.create_learning_rate_scheduler(
+              factors='constant', base_learning_rate=0.1)),
+      model=model, train_state=state, partitioner=partitioner,
+      eval_names=[], summary_dir=None,
+      train_state_axes=partitioner.get_mesh_axes(state),
+      rng=jax.random.PRNGKey(1))
+  del state
+  assert isinstance(trainer.trainer, trainer_lib.Trainer)
+  # t5x.train sets stop_training on what trainer_cls built: the trainer's.
+  trainer.stop_training = True
+  assert trainer.trainer.stop_training is True
+  trainer.stop_training = False
+  batches = (t5x_setup.batch(seed=s) for s in range(100, 200))
+  params_at = {}
+  for step in range(2):
+    trainer.train(batches, 1, start_step=step)
+    params_at[step + 1] = jax.tree_util.tree_map(
+        np.asarray, trainer.train_state.params)
+  trainer.close()
+  assert cb.versions() == [2]
+  version = tmp_path / 'export' / '2'
+  want = traverse_util.flatten_dict(params_at[2], sep='/')
+  got = traverse_util.flatten_dict(verify.load_params(version)['params'],
+                                   sep='/')
+  assert sorted(got) == sorted(want)
+  assert all(got[k].tobytes() == want[k].tobytes() for k in want)
+  features = t5x_setup.batch(seed=3)
+  inputs = {k: features[k] for k in ('encoder_input_tokens',
+                                     'decoder_input_tokens')}
+  [outputs] = tf_process.run([{'dir': str(version),
+                               'signature': 'logits', 'inputs': inputs}])
+  # All real tokens: T5X's padding mask then masks nothing.
+  want = t5x_setup.logits(model, params_at[2], {
+      **features, 'decoder_target_tokens': np.ones_like(
+          features['decoder_input_tokens'])})
+  np.testing.assert_allclose(outputs['logits'], want, rtol=0, atol=1e-5)

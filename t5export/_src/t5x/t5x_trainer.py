@@ -13,8 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from absl import logging
 import gin
 
+from t5export import errors
 from t5export._src.loop import callbacks
 from t5export._src.versions import versions
 
@@ -128,7 +130,12 @@ class T5XTrainer:
     return self
 
   def __exit__(self, exc_type, exc, tb) -> None:
-    self.close()
+    try:
+      self.close()
+    except errors.T5ExportError as e:  # Incl. WriterFailedError.
+      if exc_type is None:
+        raise
+      logging.error('t5export: %s (while handling %s)', e, exc_type.__name__)
 
   def __getattr__(self, name: str) -> Any:
     # Only names this class lacks: train_state, stop_training, compile_*...
