@@ -31,6 +31,7 @@ _BY_MODULE = {
 _EXPORTS = {name: (module, name) for module, names in _BY_MODULE.items()
             for name in names.split()}
 _EXPORTS['t5x_signatures'] = ('t5x.t5x_models', 'signatures')
+_EXPORTS['T5XTrainer'] = ('t5x.t5x_trainer', 'T5XTrainer')
 _SUBMODULES = ('errors',)
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES) + ['__version__']
@@ -64,6 +65,7 @@ if TYPE_CHECKING:  # Static type checkers see the real names.
   from t5export._src.state.partitioning import standard_logical_axis_rules
   from t5export._src.engine.serving import Signature
   from t5export._src.t5x.t5x_models import signatures as t5x_signatures
+  from t5export._src.t5x.t5x_trainer import T5XTrainer
   from t5export._src.state.train_state import FlaxOptimTrainState
   from t5export._src.state.train_state import InferenceState
   from t5export._src.state.train_state import TrainState

@@ -331,6 +331,30 @@ class BarrierTimeoutError(T5ExportError, TimeoutError):
   """Not every process reached an export's closing barrier in time."""
 
 
+class ActionOnOneProcessError(T5ExportError, RuntimeError):
+  """`ExportCallback.run` (a T5X action) under several processes.
+
+  T5X runs actions on process 0 alone, so the others would never join the
+  export. Every process must reach the callback: T5X's trainer does that
+  (`train.trainer_cls = @t5export.T5XTrainer`, as t5export/gin/t5x.gin
+  binds it), or, in a loop of your own, `cb(step, train_state=...)` on
+  every process.
+  """
+
+  def __init__(self, process_index: int, process_count: int):
+    self.process_index, self.process_count = process_index, process_count
+    super().__init__(
+        f'ExportCallback.run() was called as a T5X action on process '
+        f'{process_index} of {process_count}, but T5X runs actions on '
+        'process 0 only, so the other processes would never join the '
+        'export; nothing was exported. Let every process export through '
+        "T5X's trainer instead: include 't5export/gin/t5x.gin' (it binds "
+        'train.trainer_cls = @t5export.T5XTrainer with '
+        't5export.T5XTrainer.callback = @t5export.ExportCallback()) and '
+        'remove ExportCallback from train.actions; in a loop of your own, '
+        'call cb(step, train_state=state) on every process.')
+
+
 class GinConfigError(T5ExportError, ValueError):
   """The gin files or bindings given to an offline export are not usable."""
 

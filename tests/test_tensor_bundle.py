@@ -1,7 +1,7 @@
 """Tests for t5export._src.versions.tensor_bundle against checkpoints TensorFlow wrote.
 
 Every tensor is written by TensorFlow (`SaveV2`, `MergeV2Checkpoints`,
-`tf.saved_model.save`) and read back both by TensorFlow's own reader and by
+`tf.saved_model.save`), whole or as slices, and read back both by TensorFlow's own reader and by
 `BundleReader`; the two must agree byte for byte. Damaged files must give
 `VariablesFormatError` naming the problem.
 """
@@ -126,6 +126,56 @@ def test_saved_model_object_graph_gives_the_param_keys(tmp_path):
       graph_bytes, attribute='missing') is None
 
 
+def _save_slices(prefix: str, pieces: list[tuple[str, str, np.ndarray]]
+                 ) -> None:
+  """SaveV2 of (name, shape_and_slice spec, slice value) pieces."""
+  with tf.device('/CPU:0'):
+    tf.raw_ops.SaveV2(prefix=prefix, tensor_names=[n for n, _, _ in pieces],
+                      shape_and_slices=[spec for _, spec, _ in pieces],
+                      tensors=[tf.constant(v) for _, _, v in pieces])
+
+
+def test_tensors_saved_as_slices_by_several_writers_read_whole(tmp_path):
+  # As several processes would write one version's variables: each its own
+  # slices (SaveV2's shape_and_slices) to its own prefix, merged into one
+  # bundle. Starts past 63 take OrderedCode's longer form in the keys.
+  rng = np.random.default_rng(1)
+  w_key, e_key, m_key = tensor_bundle.list_item_keys('param_vars', 3)
+  w = rng.normal(size=(130, 6)).astype(np.float32)
+  e = rng.normal(size=(200,)).astype(ml_dtypes.bfloat16)
+  m = np.arange(24, dtype=np.int32).reshape(4, 6)
+  parts = [str(tmp_path / f'process{i}') for i in range(3)]
+  _save_slices(parts[0], [(w_key, '130 6 0,65:0,3', w[:65, :3]),
+                          (e_key, '200 0,100', e[:100]),
+                          (m_key, '4 6 0,2:-', m[:2])])
+  _save_slices(parts[1], [(w_key, '130 6 65,65:0,3', w[65:, :3]),
+                          (w_key, '130 6 0,65:3,3', w[:65, 3:]),
+                          (m_key, '4 6 2,2:-', m[2:])])
+  _save_slices(parts[2], [(w_key, '130 6 65,65:3,3', w[65:, 3:]),
+                          (e_key, '200 100,100', e[100:]),
+                          ('whole', '', np.float32(7.5))])
+  prefix = str(tmp_path / 'merged')
+  with tf.device('/CPU:0'):
+    tf.raw_ops.MergeV2Checkpoints(checkpoint_prefixes=parts,
+                                  destination_prefix=prefix)
+  reader = _assert_same_as_tensorflow(prefix)
+  assert reader.keys() == sorted([w_key, e_key, m_key, 'whole'])
+  for key, want in ((w_key, w), (e_key, e), (m_key, m)):
+    got = reader.read(key)
+    assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), key
+
+
+def test_slices_that_do_not_cover_the_tensor_are_named(tmp_path):
+  prefix = str(tmp_path / 'partial')
+  m = np.arange(24, dtype=np.int32).reshape(4, 6)
+  _save_slices(prefix, [('m', '4 6 0,2:-', m[:2])])
+  with pytest.raises(errors.VariablesFormatError,
+                     match=r"Tensor 'm' of the checkpoint '.*partial' has "
+                     r'slices that cover 12 of its 24 values: the files are '
+                     r'damaged\. Copy the version again or re-export it\.'):
+    tensor_bundle.BundleReader(prefix).read('m')
+
+
 @pytest.mark.parametrize('data, want', [
     (b'123456789', 0xe3069283),
     (bytes(32), 0x8a9136aa),
@@ -137,11 +187,14 @@ def test_crc32c_known_values(data, want):
   assert tensor_bundle.crc32c(data) == want
 
 
-def test_crc32c_vectorized_path_equals_byte_by_byte():
+def test_crc32c_of_arrays_equals_that_of_their_bytes():
   data = np.random.default_rng(1).integers(0, 256, 70_001, dtype=np.uint8)
-  for n in (2047, 2048, 2049, 5000, 70_001):
-    assert tensor_bundle.crc32c(data[:n]) == tensor_bundle._crc_bytes(  # pylint: disable=protected-access
-        0xffffffff, data[:n]) ^ 0xffffffff, n
+  as_float = data[:70_000].view(np.float32).reshape(100, 175)
+  assert tensor_bundle.crc32c(as_float) == tensor_bundle.crc32c(
+      as_float.tobytes())
+  # A view that is not contiguous is taken in its logical order.
+  assert tensor_bundle.crc32c(as_float.T) == tensor_bundle.crc32c(
+      as_float.T.tobytes())
 
 
 @pytest.fixture

@@ -261,10 +261,7 @@ class SavedModelWriter:
       raise
     shards.wait()
     if shards.parts != [shards.prefix]:
-      with tf.device('/CPU:0'):
-        tf.raw_ops.MergeV2Checkpoints(
-            checkpoint_prefixes=shards.parts,
-            destination_prefix=shards.prefix, delete_old_dirs=True)
+      merge(shards.parts, shards.prefix)
       shutil.rmtree(shards.prefix + '_temp', ignore_errors=True)
     try:
       # pylint: disable=g-import-not-at-top
@@ -287,6 +284,43 @@ class SavedModelWriter:
                         shape_and_slices=[''] * len(names), tensors=tensors)
     if self._fsync_shards:  # Here, so flushing overlaps the other shards.
       versions.fsync(prefix + '.data-00000-of-00001')
+
+
+def merge(parts: Sequence[str], prefix: str) -> None:
+  """TF's `MergeV2Checkpoints` of the bundles `parts` into one at `prefix`
+  (their files removed); slices of one tensor in several parts join."""
+  with tf.device('/CPU:0'):
+    tf.raw_ops.MergeV2Checkpoints(checkpoint_prefixes=list(parts),
+                                  destination_prefix=prefix,
+                                  delete_old_dirs=True)
+
+
+def save_slices(prefix: str,
+                slices: Sequence[tuple[str, tuple[int, ...], Any, Any]], *,
+                fsync: bool = True) -> None:
+  """Saves one writer's slices of tensors as a bundle at `prefix`.
+
+  Each process of a run saves the slices it owns to a prefix of its own;
+  `merge` of all the prefixes gives one bundle holding every tensor whole
+  (TF's partitioned saving: `SaveV2` with shape_and_slices).
+
+  Args:
+    prefix: the bundle to write (`<prefix>.index`, `<prefix>.data-*`).
+    slices: `(key, the whole tensor's shape, index, values)`: `index` is a
+      tuple of slices with start and stop, one per dimension.
+    fsync: flush the data file before returning.
+  """
+  specs = []
+  for _, shape, index, _ in slices:
+    whole = all(s.start == 0 and s.stop == d for s, d in zip(index, shape))
+    specs.append('' if whole else ' '.join(map(str, shape)) + ' ' + ':'.join(
+        f'{s.start},{s.stop - s.start}' for s in index))
+  with tf.device('/CPU:0'):
+    tf.raw_ops.SaveV2(prefix=prefix, tensor_names=[k for k, _, _, _ in slices],
+                      shape_and_slices=specs,
+                      tensors=[v for _, _, _, v in slices])
+  if fsync:
+    versions.fsync(prefix + '.data-00000-of-00001')
 
 
 @dataclasses.dataclass(frozen=True)

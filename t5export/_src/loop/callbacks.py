@@ -166,7 +166,7 @@ class ExportCallback:
 
   def run(self, train_state: Any,
           metrics_by_task: Mapping[str, Any] | None = None) -> bool:
-    """T5X action hook; waits for the export at `num_train_steps`.
+    """T5X action hook (one process); waits for the export at the last step.
 
     Args:
       train_state: the current train state.
@@ -178,7 +178,13 @@ class ExportCallback:
     Raises:
       TypeError: `metrics_by_task` is not a mapping.
       errors.ExportFailedError: an earlier export failed (on_error='raise').
+      errors.ActionOnOneProcessError: under several processes (T5X runs
+        actions on process 0 only; export through `t5export.T5XTrainer`).
     """
+    if self._coordinator.active:
+      # Before any collective or wait: the peers are not here.
+      raise errors.ActionOnOneProcessError(jax.process_index(),
+                                           jax.process_count())
     self._before_call()
     if not isinstance(metrics_by_task, (Mapping, type(None))):
       raise TypeError(f'metrics_by_task must be a mapping {{task: {{metric: '

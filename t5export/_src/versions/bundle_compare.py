@@ -56,9 +56,9 @@ def compare(prefix: str, arrays: Mapping[str, np.ndarray], *,
   by_file: dict[str, list[tuple[int, str]]] = {}
   for key, array in arrays.items():
     entry, name = reader.entry(key), names.get(key, key)
-    dtype = None if entry is None else tensor_bundle.numpy_dtype(entry)
+    dtype = tensor_bundle.numpy_dtype(entry)
     problem = (
-        'it is stored as a sliced tensor' if entry is None else
+        'it is stored as slices' if entry.slices else
         f'it is stored as dtype enum {entry.dtype}, not {array.dtype.name}'
         if dtype != array.dtype else
         f'it is stored with shape {entry.shape}, not {array.shape}'

@@ -1,16 +1,17 @@
 """Reads TensorFlow checkpoints (tensor bundles) with numpy, without TF.
 
-Index, protobufs and CRC-32C are decoded by hand (docs/internals.md).
+Index and protobufs are decoded by hand (docs/internals.md); CRC-32C is
+google-crc32c's.
 """
 
 from __future__ import annotations
 
 import collections
 from collections.abc import Iterator
-import functools
 import itertools
 import os
 
+import google_crc32c
 import ml_dtypes
 import numpy as np
 
@@ -22,9 +23,6 @@ _MAGIC = 0xdb4775248b80fb57
 _FOOTER_SIZE = 48
 _TRAILER_SIZE = 5
 _MASK_DELTA = 0xa282ead8
-_CRC_POLY = 0x82f63b78  # CRC-32C (Castagnoli), reflected.
-_CRC_ROW = 1024  # Bytes per row of the vectorized CRC.
-_CRC_SLAB = 4 << 20  # Bytes per vectorized step (bounds its memory).
 _DT_STRING = 7
 # TensorFlow DataType enum -> numpy dtype (little-endian).
 _DTYPES = {
@@ -37,8 +35,16 @@ _DTYPES = {
 
 
 # A decoded BundleEntryProto (dtype: TensorFlow's DataType enum, CRC masked).
+# `slices`: a tensor stored as slices (TF's partitioned saving, `SaveV2`'s
+# shape_and_slices), one ((start, length or None: to the end), ...) each;
+# their data are entries of their own (`_slice_key`).
 Entry = collections.namedtuple(
-    'Entry', ['dtype', 'shape', 'shard_id', 'offset', 'size', 'crc32c'])
+    'Entry', ['dtype', 'shape', 'shard_id', 'offset', 'size', 'crc32c',
+              'slices'], defaults=[()])
+# OrderedCode's header bits of a signed number `length` bytes long.
+_SIGNED_HEADERS = {1: (0x80, 0), 2: (0xc0, 0), 3: (0xe0, 0), 4: (0xf0, 0),
+                   5: (0xf8, 0), 6: (0xfc, 0), 7: (0xfe, 0), 8: (0xff, 0),
+                   9: (0xff, 0x80), 10: (0xff, 0xc0)}
 
 
 def _varint(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
@@ -78,61 +84,12 @@ def _fields(buf: bytes | memoryview) -> Iterator[tuple[int, int | bytes]]:
     yield number, value
 
 
-@functools.cache
-def _crc_table() -> list[int]:
-  """The CRC register update for one input byte."""
-  table = np.arange(256, dtype=np.uint32)
-  for _ in range(8):
-    table = np.where(table & 1, (table >> 1) ^ np.uint32(_CRC_POLY),
-                     table >> 1).astype(np.uint32)
-  return table.tolist()
-
-
-def _crc_bytes(reg: int, data: np.ndarray) -> int:
-  """Runs the CRC register over a few bytes, one at a time."""
-  table = _crc_table()
-  for byte in data.tolist():
-    reg = table[(reg ^ byte) & 0xff] ^ (reg >> 8)
-  return reg
-
-
-@functools.cache
-def _position_tables() -> np.ndarray:
-  """`tables[i, b]`: what byte b at position i adds to a row's CRC register.
-
-  The CRC is linear over GF(2): b's update, then `_CRC_ROW - 1 - i` zeros.
-  """
-  step = np.array(_crc_table(), np.uint32)
-  tables = np.empty((_CRC_ROW, 256), np.uint32)
-  tables[-1] = step
-  for i in range(_CRC_ROW - 1, 0, -1):
-    tables[i - 1] = step[tables[i] & 0xff] ^ (tables[i] >> 8)
-  return tables
-
-
 def crc32c(data: bytes | memoryview | np.ndarray) -> int:
-  """The CRC-32C of `data` (TensorFlow's and LevelDB's), ~100 MB/s a core.
-
-  numpy computes all rows' registers at once; a reflected CRC's register
-  acts like the next 4 input bytes, so folding one in is 4 table lookups.
-  """
-  buf = (data.reshape(-1).view(np.uint8) if isinstance(data, np.ndarray)
-         else np.frombuffer(data, np.uint8))
-  head = buf.size % _CRC_ROW if buf.size >= 2 * _CRC_ROW else buf.size
-  reg = _crc_bytes(0xffffffff, buf[:head])
-  if head == buf.size:
-    return reg ^ 0xffffffff
-  tables = _position_tables()
-  t0, t1, t2, t3 = (tables[k].tolist() for k in range(4))
-  offsets = np.arange(_CRC_ROW, dtype=np.uint32) << 8
-  for start in range(head, buf.size, _CRC_SLAB):
-    rows = buf[start:start + _CRC_SLAB].reshape(-1, _CRC_ROW)
-    row_regs = np.bitwise_xor.reduce(
-        np.take(tables.reshape(-1), rows | offsets), axis=1)
-    for value in row_regs.tolist():
-      reg = (t0[reg & 0xff] ^ t1[(reg >> 8) & 0xff] ^
-             t2[(reg >> 16) & 0xff] ^ t3[reg >> 24] ^ value)
-  return reg ^ 0xffffffff
+  """The CRC-32C of `data` (TensorFlow's and LevelDB's), at the speed of
+  the processor's CRC instruction (google-crc32c)."""
+  buf = (np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+         if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8))
+  return google_crc32c.extend(0, buf)
 
 
 def numpy_dtype(entry: Entry) -> np.dtype | None:
@@ -195,11 +152,12 @@ def _table_entries(data: bytes) -> Iterator[tuple[bytes, bytes]]:
     yield from _block_entries(_block(data, handle, 'data'))
 
 
-def _entry(value: bytes) -> Entry | None:
-  """Decodes a BundleEntryProto; None for a sliced (partitioned) tensor."""
+def _entry(value: bytes) -> Entry:
+  """Decodes a BundleEntryProto (a sliced tensor's lists its slices)."""
   names = {1: 'dtype', 3: 'shard_id', 4: 'offset', 5: 'size', 6: 'crc32c'}
   fields = dict.fromkeys(names.values(), 0)
   shape: list[int] = []
+  slices = []
   for number, field in _fields(value):
     if number in names:
       fields[names[number]] = field
@@ -208,9 +166,44 @@ def _entry(value: bytes) -> Entry | None:
         if dim_number == 2:
           sizes = [v for n, v in _fields(dim) if n == 1]
           shape.append(sizes[0] if sizes else 0)
-    elif number == 7:
-      return None
-  return Entry(shape=tuple(shape), **fields)
+    elif number == 7:  # TensorSliceProto: extent = 1 {start = 1, length = 2}.
+      extents = [dict(_fields(e)) for n, e in _fields(field) if n == 1]
+      slices.append(tuple((e.get(1, 0), e.get(2)) for e in extents))
+  return Entry(shape=tuple(shape), slices=tuple(slices), **fields)
+
+
+def _signed(value: int) -> bytes:
+  """OrderedCode's WriteSignedNumIncreasing: `value`, order-preserving."""
+  magnitude = ~value if value < 0 else value
+  length = magnitude.bit_length() // 7 + 1
+  if length > 10:
+    raise ValueError(f'{value} does not fit in 64 bits')
+  # Sign-extended, big-endian, the last `length` bytes, headed.
+  out = bytearray((value % (1 << 80)).to_bytes(10, 'big')[10 - length:])
+  first, second = _SIGNED_HEADERS[length]
+  out[0] ^= first
+  if length > 1:
+    out[1] ^= second
+  return bytes(out)
+
+
+def _slice_key(name: str, extents: tuple[tuple[int, int | None], ...]
+               ) -> bytes:
+  """The key of one slice's data (TF's EncodeTensorNameSlice, OrderedCode):
+  0, the name (0x00 and 0xff escaped, then 00 01), the rank, and per
+  dimension its start and length (a whole dimension: 0 and -1)."""
+  escaped = bytearray()
+  for byte in name.encode():
+    escaped += (b'\x00\xff' if byte == 0 else b'\xff\x00' if byte == 0xff
+                else bytes([byte]))
+  rank = len(extents)
+  key = bytearray(b'\x00') + escaped + b'\x00\x01'
+  key += (bytes([(rank.bit_length() + 7) // 8]) +
+          rank.to_bytes((rank.bit_length() + 7) // 8, 'big'))
+  for start, length in extents:
+    key += _signed(start if length is not None else 0)
+    key += _signed(length if length is not None else -1)
+  return bytes(key)
 
 
 class BundleReader:
@@ -220,10 +213,16 @@ class BundleReader:
     self.prefix = os.fspath(prefix)
     index = self.prefix + '.index'
     try:
-      # The empty key holds the BundleHeaderProto; None: a sliced tensor.
-      self._entries = {k.decode(): _entry(v) if k else dict(_fields(v))
-                       for k, v in _table_entries(storage.read_bytes(index))}
-      header = self._entries.pop('', {})
+      # The empty key holds the BundleHeaderProto; keys from 0x00 on, the
+      # data of sliced tensors' slices (`_slice_key`).
+      self._entries, self._slices, header = {}, {}, {}
+      for k, v in _table_entries(storage.read_bytes(index)):
+        if not k:
+          header = dict(_fields(v))
+        elif k[0] == 0:
+          self._slices[k] = _entry(v)
+        else:
+          self._entries[k.decode()] = _entry(v)
       self._num_shards = header.get(1, 1)
       if header.get(2, 0) != 0:
         raise ValueError('it was written big-endian')
@@ -238,22 +237,22 @@ class BundleReader:
     """The stored tensors' keys, sorted."""
     return sorted(self._entries)
 
-  def entry(self, key: str) -> Entry | None:
-    """Tensor `key`'s index entry (None: a sliced one; KeyError: none)."""
+  def entry(self, key: str) -> Entry:
+    """Tensor `key`'s index entry (KeyError: none)."""
     return self._entries[key]
 
   def data_path(self, entry: Entry) -> str:
-    """The data file holding `entry`'s bytes."""
+    """The data file holding `entry`'s bytes (a tensor's, or a slice's)."""
     return (f'{self.prefix}.data-{entry.shard_id:05d}-of-'
             f'{self._num_shards:05d}')
 
-  def _raw(self, key: str, want: str) -> tuple[Entry, np.ndarray]:
-    """The entry and its bytes, size-checked; `want` 'string' or 'numeric'."""
+  def _lookup(self, key: str, want: str) -> Entry:
+    """The entry of `key`, checked; `want` 'string' or 'numeric'."""
     entry = self._entries.get(key)
     problem = (
-        'is not in it' if key not in self._entries else
-        'is a partitioned (sliced) variable, which this reader does not read'
-        if entry is None else
+        'is not in it' if entry is None else
+        'is a string tensor stored as slices, which this reader does not read'
+        if entry.slices and want == 'string' else
         f'has dtype enum {entry.dtype}, not a {want} dtype this reader reads'
         if (entry.dtype == _DT_STRING) != (want == 'string') or (
             want == 'numeric' and entry.dtype not in _DTYPES) else None)
@@ -261,6 +260,10 @@ class BundleReader:
       raise errors.VariablesFormatError(
           f'Tensor {key!r} of the checkpoint {self.prefix!r} {problem}; it '
           f'holds {len(self._entries)} tensors, e.g. {self.keys()[:3]}.')
+    return entry
+
+  def _raw(self, key: str, entry: Entry) -> np.ndarray:
+    """The bytes of `entry` (tensor `key`, or a slice of it), size-checked."""
     path = self.data_path(entry)
     try:
       if storage.is_url(path):  # One ranged read of the tensor's bytes.
@@ -279,11 +282,65 @@ class BundleReader:
           f'{path!r} ends before tensor {key!r} does ({raw.size} of '
           f'{entry.size} bytes at offset {entry.offset}): the file is '
           'truncated. Copy the version again or re-export it.')
-    return entry, raw
+    return raw
 
   def read(self, key: str) -> np.ndarray:
-    """Numeric tensor `key` as a new numpy array (bfloat16: ml_dtypes)."""
-    entry, raw = self._raw(key, 'numeric')
+    """Numeric tensor `key` as a new numpy array (bfloat16: ml_dtypes); a
+    tensor stored as slices is assembled from them."""
+    entry = self._lookup(key, 'numeric')
+    if entry.slices:
+      return self._assembled(key, entry)
+    return self._checked(key, entry, self._raw(key, entry))
+
+  def read_slices(self, key: str
+                  ) -> list[tuple[tuple[tuple[int, int], ...], np.ndarray]]:
+    """The slices of numeric tensor `key` as stored, each CRC-checked.
+
+    Returns:
+      `((start, stop) per dimension, values)` per slice; a tensor stored
+      whole is one slice covering it.
+    """
+    entry = self._lookup(key, 'numeric')
+    if not entry.slices:
+      return [(tuple((0, d) for d in entry.shape),
+               self._checked(key, entry, self._raw(key, entry)))]
+    out = []
+    for extents in entry.slices:
+      if len(extents) != len(entry.shape):
+        self._damaged(key, f'has a slice of rank {len(extents)} for a shape '
+                      f'of rank {len(entry.shape)}')
+      box = tuple((start, dim if length is None else start + length)
+                  for (start, length), dim in zip(extents, entry.shape))
+      part = self._slices.get(_slice_key(key, extents))
+      if part is None or part.dtype != entry.dtype or part.shape != tuple(
+          b - a for a, b in box) or any(b > dim for (_, b), dim in zip(
+              box, entry.shape)):
+        self._damaged(key, f'lacks the data of its slice {box} or holds '
+                      'data of another shape or dtype for it')
+      out.append((box, self._checked(f'{key} {box}', part,
+                                     self._raw(key, part))))
+    return out
+
+  def _assembled(self, key: str, entry: Entry) -> np.ndarray:
+    """Sliced tensor `key`: its slices, each checked, covering it once."""
+    out = np.empty(entry.shape, _DTYPES[entry.dtype])
+    boxes = []
+    for box, values in self.read_slices(key):
+      out[tuple(slice(a, b) for a, b in box)] = values
+      boxes.append(box)
+    covered, overlap = coverage(boxes)
+    if overlap or covered != out.size:
+      self._damaged(key, f'has slices that cover {covered} of its {out.size} '
+                    f'values{" and overlap" if overlap else ""}')
+    return out
+
+  def _damaged(self, key: str, problem: str) -> None:
+    raise errors.VariablesFormatError(
+        f'Tensor {key!r} of the checkpoint {self.prefix!r} {problem}: the '
+        'files are damaged. Copy the version again or re-export it.')
+
+  def _checked(self, key: str, entry: Entry, raw: np.ndarray) -> np.ndarray:
+    """`raw` as `entry`'s array once its size and CRC-32C are right."""
     dtype = np.dtype(_DTYPES[entry.dtype])
     nbytes = int(np.prod(entry.shape, dtype=np.int64)) * dtype.itemsize
     damage = (f'holds {entry.size} bytes where shape {entry.shape} of '
@@ -291,15 +348,13 @@ class BundleReader:
               'fails its CRC-32C checksum' if _unmask(entry.crc32c) != crc32c(
                   raw) else None)
     if damage:
-      raise errors.VariablesFormatError(
-          f'Tensor {key!r} of the checkpoint {self.prefix!r} {damage}: the '
-          'files are damaged. Copy the version again or re-export it.')
+      self._damaged(key, damage)
     return raw.view(dtype).reshape(entry.shape)
 
   def read_strings(self, key: str) -> list[bytes]:
     """String tensor `key`, flattened, as a list of bytes."""
-    entry, raw = self._raw(key, 'string')
-    data = raw.tobytes()
+    entry = self._lookup(key, 'string')
+    data = self._raw(key, entry).tobytes()
     lengths, pos = [], 0
     for _ in range(int(np.prod(entry.shape, dtype=np.int64))):
       length, pos = _varint(data, pos)
@@ -312,6 +367,16 @@ class BundleReader:
           f'damaged: its sizes add up to {ends[-1]} bytes, it holds '
           f'{len(data)}. Copy the version again or re-export it.')
     return [data[a:b] for a, b in zip(ends, ends[1:])]
+
+
+def coverage(boxes: list[tuple[tuple[int, int], ...]]) -> tuple[int, bool]:
+  """(Values covered, whether two overlap) of blocks of (start, stop)s."""
+  covered = sum(int(np.prod([b - a for a, b in box], dtype=np.int64))
+                for box in boxes)
+  overlap = any(all(a1 < b2 and a2 < b1 for (a1, b1), (a2, b2)
+                    in zip(boxes[i], boxes[j]))
+                for i in range(len(boxes)) for j in range(i))
+  return covered, overlap
 
 
 def list_item_keys(attribute: str, count: int) -> list[str]:
