@@ -8,8 +8,9 @@ template) and writes only its variables, from the exporter's own module,
 which holds them in memory, updated in place. So it is checked from that
 memory instead of a restore:
 - its signatures run in TensorFlow on the module itself: the functions
-  the SavedModel serves, on the variables it wrote; JAX gives the
-  reference, as for the first version;
+  the SavedModel serves, on the variables it writes (they hold the
+  version's values before its files are written, so this runs beside the
+  write, after the JAX reference, as for the first version);
 - its written variables are compared with that memory byte for byte, and
   with the CRC-32C TensorFlow's restore verifies (`bundle_compare`);
 - its warm-up requests are the served version's, byte for byte.
@@ -59,38 +60,33 @@ class MemoryCheck:
       self._served, self._warmup = True, _warmup(staged.directory)
 
   def applies(self, staged: Any, platform: str) -> bool:
-    """Whether the written `staged` version may be checked in memory."""
+    """Whether `staged` (a `stage.Staged`, written or not) may be checked
+    in memory, its warm-up requests aside (`same_warmup`, once written)."""
     return (platform == 'cpu' and self._served and staged.fill is None and
-            staged.writer.reuses_graph and
-            _warmup(staged.directory) == self._warmup)
+            staged.writer.reuses_graph)
+
+  def same_warmup(self, staged: Any) -> bool:
+    """Whether the written `staged` version's warm-up requests are those
+    the served version's replay ran."""
+    return _warmup(staged.directory) == self._warmup
 
   def run(self, staged: Any,
           requests: Sequence[tuple[str, Mapping[str, Any]]],
           input_names: Mapping[str, Sequence[str]]) -> list[dict[str, Any]]:
-    """Compares the written variables with the module, then runs the
-    requests through the module's serving functions on CPU.
+    """Runs the requests through the module's serving functions on CPU.
+
+    The module holds the version's values before its files are written,
+    so this runs beside the write.
 
     Args:
-      staged: the written `stage.Staged` version (`applies`).
+      staged: the `stage.Staged` version (`applies`).
       requests: `(signature name, {input: value})` pairs.
       input_names: each signature's inputs in its functions' order.
 
     Returns:
       Each request's outputs as numpy arrays.
-
-    Raises:
-      WrittenVariablesMismatchError: the written variables differ from the
-        module's.
     """
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    module, writer = staged.module, staged.writer
-    views = {key: np.asarray(jnp.from_dlpack(var.value()))
-             for key, var in zip(writer.param_keys, module.param_vars)}
-    bundle_compare.compare(
-        os.path.join(staged.directory, 'variables', 'variables'), views,
-        strings={tensor_bundle.OBJECT_GRAPH_KEY: writer.object_graph},
-        names=dict(zip(writer.param_keys, module.param_paths)))
-    del views  # Before anything may update the variables.
     # pylint: disable-next=g-import-not-at-top
     from tensorflow.python.saved_model import save_context, save_options
     # The concrete functions the graph's save traced: asked for outside a
@@ -98,12 +94,27 @@ class MemoryCheck:
     # the methods converted, again.
     with save_context.save_context(save_options.SaveOptions()):
       functions = {name: fn.get_concrete_function()
-                   for name, fn in writer.functions.items()}
+                   for name, fn in staged.writer.functions.items()}
     results = []
     with tf.device(tf_devices.TF_DEVICES['cpu']):
       for name, inputs in requests:
         fn = functions[name]
         args = [tf.convert_to_tensor(np.asarray(inputs[n]), dtype=s.dtype)
-                for n, s in zip(input_names[name], fn.structured_input_signature[0])]
+                for n, s in zip(input_names[name],
+                                fn.structured_input_signature[0])]
         results.append({k: v.numpy() for k, v in fn(*args).items()})
     return results
+
+  def compare(self, staged: Any) -> None:
+    """Compares the written `staged` version's variables with the module's.
+
+    Raises:
+      WrittenVariablesMismatchError: they differ.
+    """
+    module, writer = staged.module, staged.writer
+    views = {key: np.asarray(jnp.from_dlpack(var.value()))
+             for key, var in zip(writer.param_keys, module.param_vars)}
+    bundle_compare.compare(
+        os.path.join(staged.directory, 'variables', 'variables'), views,
+        strings={tensor_bundle.OBJECT_GRAPH_KEY: writer.object_graph},
+        names=dict(zip(writer.param_keys, module.param_paths)))
