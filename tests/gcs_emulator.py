@@ -3,7 +3,8 @@
 The emulator's HTTP server runs in a thread of the test process; it counts
 the object bytes it serves (`media_bytes`), and `on_upload` lets a test act
 when an object is about to be stored (e.g. kill the uploading process).
-It also mends one upload the emulator would store wrong (`_Handler`).
+It also mends one upload the emulator would store wrong, and answers the
+`ifGenerationMatch` precondition it ignores (`_Handler`).
 `environment` holds what the clients need to find it: gcsfs reads
 `STORAGE_EMULATOR_HOST`, TensorStore `TENSORSTORE_GCS_HTTP_URL` (and a
 token it does not check), etils.epath (orbax's small files) uses fsspec,
@@ -17,10 +18,13 @@ import functools
 import http.server
 import io
 import itertools
+import json
 import re
 import threading
+import urllib.parse
 
 from gcp_storage_emulator import server as emulator_server
+from gcp_storage_emulator import exceptions as emulator_exceptions
 from gcp_storage_emulator import storage as emulator_storage
 from gcp_storage_emulator.handlers import buckets as emulator_buckets
 
@@ -66,9 +70,32 @@ def _close_with_crlf(body: bytes, content_type: str) -> bytes:
   return body[:at] + b'\r' + body[at:]
 
 
+# The object a request writes or deletes: an upload (its name in the query
+# or the metadata), a copy's destination, a DELETE's object.
+_UPLOAD = re.compile(r'/b/(?P<bucket>[^/]+)/o$')
+_COPY = re.compile(r'/b/[^/]+/o/.+/(?:rewriteTo|copyTo)/b/(?P<bucket>[^/]+)/'
+                   r'o/(?P<name>.+)$')
+_OBJECT = re.compile(r'/b/(?P<bucket>[^/]+)/o/(?P<name>.+)$')
+
+
+def _multipart_name(body: bytes) -> str | None:
+  """The object name in a multipart upload's JSON metadata part."""
+  for line in body.split(b'\n'):
+    if line.startswith(b'{'):
+      try:
+        return json.loads(line).get('name')
+      except ValueError:
+        return None
+  return None
+
+
 class _Handler(emulator_server.RequestHandler):
   """Counts the bytes of object reads; calls the server's `on_upload`;
-  mends multipart uploads (`_close_with_crlf`)."""
+  mends multipart uploads (`_close_with_crlf`); refuses a write or delete
+  whose `ifGenerationMatch` is not the object's generation (0: none there)
+  with 412, as GCS does (the emulator ignores it). A resumable upload is
+  checked when it starts, GCS checks when it ends: t5export's conditional
+  writes are single requests."""
 
   def setup(self) -> None:
     super().setup()
@@ -82,7 +109,44 @@ class _Handler(emulator_server.RequestHandler):
       self.rfile = io.BytesIO(body)  # The connection ends after this one.
       del self.headers['Content-Length']
       self.headers['Content-Length'] = str(len(body))
+      if self._precondition_failed(_multipart_name(body)):
+        return
+    elif self._precondition_failed(None):
+      return
     super().do_POST()
+
+  def do_DELETE(self) -> None:  # pylint: disable=invalid-name
+    if not self._precondition_failed(None):
+      super().do_DELETE()
+
+  def _precondition_failed(self, name: str | None) -> bool:
+    """Answers 412 (True) if the request's `ifGenerationMatch` fails."""
+    url = urllib.parse.urlsplit(self.path)
+    query = urllib.parse.parse_qs(url.query)
+    want = query.get('ifGenerationMatch')
+    path = urllib.parse.unquote(url.path)
+    match = _COPY.search(path) or _OBJECT.search(path) or _UPLOAD.search(path)
+    if not want or match is None:
+      return False
+    bucket = match.group('bucket')
+    name = match.groupdict().get('name') or (query.get('name') or [name])[0]
+    if name is None:
+      return False
+    try:
+      have = int(self.storage.get_file_obj(bucket, name)['generation'])
+    except emulator_exceptions.NotFound:
+      have = 0
+    if have == int(want[0]):
+      return False
+    body = json.dumps({'error': {
+        'code': 412, 'message': 'Precondition Failed',
+        'errors': [{'reason': 'conditionNotMet'}]}}).encode()
+    self.send_response(412)
+    self.send_header('Content-Type', 'application/json')
+    self.send_header('Content-Length', str(len(body)))
+    self.end_headers()
+    self.wfile.write(body)
+    return True
 
   def do_GET(self) -> None:  # pylint: disable=invalid-name
     before = self.wfile.written

@@ -48,9 +48,9 @@ def cwd(tmp_path, monkeypatch) -> pathlib.Path:
 
 
 def _staged(url: str) -> list[str]:
-  """What lies in the local staging directory of export_dir `url`."""
-  root = bucket_versions.staging_root(url)
-  return os.listdir(root) if os.path.isdir(root) else []
+  """What lies in the local staging directories of export_dir `url`."""
+  return sorted(n for d in bucket_versions.staging_dirs(url)
+                for n in os.listdir(d))
 
 
 def _download(url: str, local: pathlib.Path) -> str:
@@ -79,10 +79,17 @@ def test_export_to_bucket_and_read_back(gcs_emulator, gcs_bucket, cwd,
   for step in (1, 2, 3):
     assert exporter.export(model.state_for(step)) == f'{url}/{step}'
   assert exporter.versions() == [2, 3]
-  assert storage.listdir(url) == ['2', '3']  # Retention removed 1.
+  # Retention removed 1; the open exporter holds the export_dir's lease.
+  assert storage.listdir(url) == ['.t5export-lease.json', '2', '3']
   files = storage.walk_files(url + '/3')
   uploaded = [u for u in uploads if u.startswith('exports/3/')]
   assert sorted(uploaded) == [f'exports/3/{f}' for f in files]
+  # Staged under a hidden prefix, then copied: t5export's marker first,
+  # saved_model.pb last.
+  staged = [i for i, u in enumerate(uploads) if u.startswith('exports/.tmp-3-')]
+  assert len(staged) == len(files) + 1  # And the verified mark.
+  assert max(staged) < uploads.index(uploaded[0])
+  assert uploaded[0] == 'exports/3/assets.extra/t5export.json'
   assert uploaded[-1] == 'exports/3/saved_model.pb'
   assert {'variables/variables.index', 'assets.extra/t5export.json'} <= set(
       files)

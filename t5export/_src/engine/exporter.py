@@ -118,7 +118,13 @@ class SavedModelExporter:
 
   @functools.cached_property
   def _dir(self) -> versions_lib.VersionDirectory:
-    """The version directory, prepared and resumed on first use."""
+    """The version directory, prepared and resumed on first use; it holds
+    the export_dir's lease until `close()`.
+
+    Raises:
+      ExportDirError: `export_dir` is unusable.
+      ExportDirLockedError: another writer holds `export_dir`.
+    """
     o = self._options
     directory = bucket_versions.open_directory(
         self._export_dir, keep=o.keep, keep_best=o.keep_best,
@@ -148,6 +154,22 @@ class SavedModelExporter:
         self._signatures, validate=o.validate,
         allow_non_finite=o.allow_non_finite, atol=o.atol, rtol=o.rtol,
         platform=self._check_platform)
+
+  def close(self) -> None:
+    """Gives the export_dir up: releases this writer's lease on it (and its
+    local staging). Call it when done exporting (`ExportCallback.close`
+    does); a later call that needs the export_dir opens it again.
+    """
+    directory = self.__dict__.pop('_dir', None)
+    if directory is not None:
+      directory.close()
+
+  def __enter__(self) -> SavedModelExporter:
+    return self
+
+  def __exit__(self, exc_type, exc, tb) -> None:
+    del exc_type, exc, tb
+    self.close()
 
   def versions(self) -> list[int]:
     """The published versions, ascending.
@@ -240,6 +262,11 @@ class SavedModelExporter:
 
     Raises:
       ExportDirError: on first use, `export_dir` is unusable.
+      ExportDirLockedError: on first use, another writer holds `export_dir`
+        (one writer per export_dir).
+      LeaseLostError: another writer took the lease over meanwhile.
+      CommitError: (gs://) the upload did not arrive whole, or `<step>/`
+        holds objects while it is not a version.
       VersionExistsError: the version exists and `overwrite` is False.
       MetricNotNumericError: the `keep_best` metric is not a number.
       NonFiniteParamsError: a param holds NaN/Inf (`allow_non_finite`).
