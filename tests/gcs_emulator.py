@@ -216,6 +216,15 @@ class Emulator:
     """`callback(object_name)` before each upload is stored (None: off)."""
     self._storage.on_upload = callback
 
+  def object_names(self, bucket: str) -> list[str]:
+    """The names of a bucket's objects, read from the emulator's own store
+    (no request: callable from `on_upload`)."""
+    return sorted(self._storage.objects.get(bucket, {}))
+
+  def drop(self, bucket: str, name: str) -> None:
+    """Deletes an object behind the clients' backs (a lost object)."""
+    self._storage.delete_file(bucket, name)
+
   def stop(self) -> None:
     self._httpd.shutdown()
     self._httpd.server_close()

@@ -1,18 +1,16 @@
 """Exporting into a bucket (the GCS emulator on 127.0.0.1) and reading back.
 
-Versions are staged and checked on local disk, then uploaded with
-`saved_model.pb` last; a process killed mid-upload leaves a numeric prefix
-without `saved_model.pb` (not a version, never loadable), which the next
-start removes. A URL of another scheme is refused by every entry point,
-and nothing is written under the working directory.
+Versions are staged and checked on local disk, uploaded to a hidden
+staging prefix, verified and copied into `<step>/` with `saved_model.pb`
+last (test_bucket_commit.py: the commit, kills at each of its stages, the
+lease). A URL of another scheme is refused by every entry point, and
+nothing is written under the working directory.
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
-import signal
-import subprocess
 import sys
 import textwrap
 
@@ -143,47 +141,6 @@ def _inspect(url: str, capsys) -> None:
   assert inspect_export.main([UNSUPPORTED]) == 1
   assert capsys.readouterr().err.startswith(
       f'inspect_export: path={UNSUPPORTED!r} has a URL scheme')
-
-
-def test_killed_mid_upload_leaves_no_version_and_restart_cleans(
-    gcs_emulator, gcs_bucket, cwd):
-  url = gcs_bucket + '/exports'
-  proc = None
-  stored = []
-
-  def kill_on_third_object_of_version_2(name: str) -> None:
-    if name.startswith('exports/2/'):
-      stored.append(name)
-      if len(stored) == 3:
-        os.kill(proc.pid, signal.SIGKILL)
-
-  gcs_emulator.on_upload = kill_on_third_object_of_version_2
-  env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2',
-         'PYTHONPATH': os.pathsep.join([str(REPO), str(REPO / 'tests')])}
-  proc = subprocess.Popen(
-      [sys.executable, str(REPO / 'tests' / '_gcs_upload_worker.py'), url],
-      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  out, err = proc.communicate(timeout=300)
-  assert proc.returncode == -signal.SIGKILL, err[-3000:]
-  assert out == f'published {url}/1\n'
-  gcs_emulator.on_upload = None
-  # Version 2's prefix holds some objects, never saved_model.pb: TF Serving
-  # cannot load it, and t5export does not count it as a version.
-  assert storage.listdir(url) == ['1', '2']
-  assert 'saved_model.pb' not in storage.walk_files(url + '/2')
-  assert versions.list_versions(url) == [1]
-  assert [n[:len('.tmp-2-')] for n in _staged(url)] == ['.tmp-2-']
-  # The next start removes both leftovers, then exports as usual.
-  exporter = t5export.SavedModelExporter(url, [model.signature()])
-  assert exporter.versions() == [1]
-  assert storage.listdir(url) == ['1'] and _staged(url) == []
-  _assert_params(url + '/1', 1)
-  exporter.export(model.state_for(2))
-  assert exporter.versions() == [1, 2]
-  _assert_params(url + '/2', 2)
-  with pytest.raises(errors.VersionExistsError, match=f"'{url}/2'"):
-    exporter.export(model.state_for(2))
-  assert list(cwd.iterdir()) == []
 
 
 UNSUPPORTED = 'nosuchscheme://b/exports'

@@ -6,9 +6,10 @@ the writer (one per run: a multi-process run opens its export_dir on
 process 0 only) holds a lease from the moment it opens the export_dir to
 `release()` (the exporter's `close()`, or the end of the process):
 
-- On local disk, an exclusive `flock` on `<export_dir>/.t5export-lease`,
-  which names its holder (host, pid, start). The kernel drops the lock
-  when the holder's process ends, however it ends, so it never goes stale.
+- On local disk, an exclusive `flock` on the export directory itself
+  (nothing is written there; /proc/locks names the holder's pid, start and
+  command line). The kernel drops the lock when the holder's process ends,
+  however it ends, so it never goes stale.
 - In a bucket, the object `<export_dir>/.t5export-lease.json` (host, pid,
   start, expiry, a nonce), created only if absent (`ifGenerationMatch=0`)
   and refreshed by a thread every `REFRESH_SECS` by a write conditional on
@@ -25,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import fcntl
+import gc
 import json
 import os
 import socket
@@ -37,7 +39,6 @@ from absl import logging
 from t5export import errors
 from t5export._src.versions import storage
 
-LOCAL_NAME = '.t5export-lease'
 BUCKET_NAME = '.t5export-lease.json'
 # A bucket lease's life after its last refresh, and the refresh period.
 LEASE_SECS = 300.0
@@ -89,12 +90,13 @@ class Holder:
   def encode(self) -> bytes:
     return json.dumps(dataclasses.asdict(self), indent=1).encode()
 
+  def this_process(self) -> bool:
+    return (self.host == socket.gethostname() and self.pid == os.getpid()
+            and self.pidns == _pid_namespace())
+
   def describe(self) -> str:
-    here = socket.gethostname() == self.host
     this = (' (this process: another exporter or callback on this '
-            'export_dir; close() it first)' if here and
-            self.pid == os.getpid() and self.pidns == _pid_namespace()
-            else '')
+            'export_dir; close() it first)' if self.this_process() else '')
     until = ('' if self.expires is None else
              f', lease valid until {_utc(self.expires)}')
     return (f'pid {self.pid} on host {self.host!r}{this}, since '
@@ -128,55 +130,76 @@ class Lease:
     """Gives the lease up (idempotent)."""
 
 
-class _LocalLease(Lease):
-  """An exclusive flock on `<export_dir>/.t5export-lease`."""
+class _HeldHere(Exception):
+  """The lease is held in this process (maybe by an exporter nobody
+  references any more, which a collection releases)."""
 
-  def __init__(self, export_dir: str):
+
+def _flock_holder(st: os.stat_result) -> Holder | None:
+  """Who holds a flock on the file `st` describes, from /proc/locks."""
+  inode = f'{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}'
+  try:
+    with open('/proc/locks') as f:
+      pids = [int(line.split()[4]) for line in f
+              if 'FLOCK' in line and line.split()[5] == inode]
+  except (OSError, ValueError, IndexError):
+    pids = []
+  if not pids or pids[0] <= 0:
+    return None
+  pid = pids[0]
+  try:
+    with open(f'/proc/{pid}/cmdline', 'rb') as f:
+      command = f.read().replace(b'\0', b' ').decode(errors='replace')
+    with open(f'/proc/{pid}/stat') as f:  # Field 22: start, in ticks.
+      ticks = int(f.read().rsplit(')', 1)[1].split()[19])
+    with open('/proc/stat') as f:
+      boot = next(int(line.split()[1]) for line in f
+                  if line.startswith('btime '))
+    since = boot + ticks / os.sysconf('SC_CLK_TCK')
+  except (OSError, ValueError, IndexError, StopIteration):
+    command, since = '', None
+  return Holder(socket.gethostname(), pid, since or time.time(),
+                pidns=_pid_namespace(), nonce=command.strip()[:200])
+
+
+class _LocalLease(Lease):
+  """An exclusive flock on the export directory itself (nothing is written
+  in it); /proc/locks names its holder."""
+
+  def __init__(self, export_dir: str, *, here_ok: bool):
     super().__init__(export_dir)
-    self.path = os.path.join(export_dir, LOCAL_NAME)
-    self._fd: int | None = None
-    while self._fd is None:
-      fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-      try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-      except BlockingIOError:
-        holder = Holder.parse(os.pread(fd, 1 << 16, 0))
-        os.close(fd)
-        raise errors.ExportDirLockedError(
-            export_dir, holder=holder.describe() if holder else 'unknown',
-            fix='it holds a lock the system drops when that process ends: '
-            'stop it, wait for it to finish, or export to another '
-            'directory.') from None
-      try:
-        same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
-      except FileNotFoundError:
-        same = False
-      if not same:  # Its holder removed it as we opened it: once more.
-        os.close(fd)
-        continue
-      self._fd = fd
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, Holder.me(time.time(), uuid.uuid4().hex, None).encode(), 0)
+    self._fd: int | None = os.open(export_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+      fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      holder = _flock_holder(os.fstat(self._fd))
+      self.release()
+      if holder is not None and holder.this_process() and here_ok:
+        raise _HeldHere() from None
+      command = f' ({holder.nonce})' if holder and holder.nonce else ''
+      raise errors.ExportDirLockedError(
+          export_dir, holder=(holder.describe() + command if holder else
+                              'another process (not visible from here)'),
+          fix='it holds a lock the system drops when that process ends: '
+          'stop it, wait for it to finish, or export to another '
+          'directory.') from None
+    except OSError as e:  # E.g. some network file systems.
+      logging.warning('t5export: cannot lock %s (%s): one writer at a time '
+                      'is not enforced there.', export_dir, e)
 
   def release(self) -> None:
     fd, self._fd = self._fd, None
-    if fd is None:
-      return
-    try:  # Removed while locked: a waiting opener sees it gone and retries.
-      if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
-        os.remove(self.path)
-    except OSError:
-      pass
-    finally:
-      os.close(fd)
+    if fd is not None:
+      os.close(fd)  # Drops the lock.
 
 
 class _BucketLease(Lease):
   """The object `<export_dir>/.t5export-lease.json`, refreshed by a thread."""
 
-  def __init__(self, export_dir: str):
+  def __init__(self, export_dir: str, *, here_ok: bool):
     super().__init__(export_dir)
     self.url = storage.join(export_dir, BUCKET_NAME)
+    self._here_ok = here_ok
     self._start, self._nonce = time.time(), uuid.uuid4().hex
     self._lost: Holder | None = None
     self._lock = threading.Lock()
@@ -204,6 +227,8 @@ class _BucketLease(Lease):
       holder = Holder.parse(data)
       if holder is not None and holder.expires is not None and (
           holder.expires > time.time()) and not holder.gone():
+        if holder.this_process() and self._here_ok:
+          raise _HeldHere()
         raise errors.ExportDirLockedError(
             self.export_dir, holder=holder.describe(),
             fix=f'its lease {self.url} is refreshed while it runs. If that '
@@ -277,6 +302,11 @@ def acquire(export_dir: str) -> Lease:
   Raises:
     ExportDirLockedError: another writer holds it.
   """
-  if storage.is_url(export_dir):
-    return _BucketLease(export_dir)
-  return _LocalLease(export_dir)
+  make = _BucketLease if storage.is_url(export_dir) else _LocalLease
+  try:
+    return make(export_dir, here_ok=True)
+  except _HeldHere:
+    # Held in this process: by an exporter nobody references any more (e.g.
+    # one a traceback kept), a collection releases it; else it is a writer.
+    gc.collect()
+    return make(export_dir, here_ok=False)
