@@ -83,6 +83,7 @@ class SavedModelExporter:
           f'options must be a t5export.ExportOptions, got {options!r}. In '
           'gin: SavedModelExporter.options = @t5export.ExportOptions().')
     self._options = options
+    self._closed = False  # close() was called and no export since.
     for sig in self._signatures if options.validate else ():
       if sig.sample_inputs is None:  # The check would have nothing to run.
         raise errors.MissingSampleInputsError(sig.name)
@@ -160,6 +161,7 @@ class SavedModelExporter:
     local staging). Call it when done exporting (`ExportCallback.close`
     does); a later call that needs the export_dir opens it again.
     """
+    self._closed = True
     directory = self.__dict__.pop('_dir', None)
     if directory is not None:
       directory.close()
@@ -172,11 +174,15 @@ class SavedModelExporter:
     self.close()
 
   def versions(self) -> list[int]:
-    """The published versions, ascending.
+    """The published versions, ascending (after `close()`, read without
+    opening the export_dir again).
 
     Raises:
       ExportDirError: `export_dir` is a file or not writable.
+      ExportDirLockedError: another writer holds `export_dir`.
     """
+    if self._closed:
+      return versions_lib.list_versions(self._export_dir)
     return self._dir.versions()
 
   def metrics(self) -> dict[int, dict[str, Any]]:
@@ -276,6 +282,7 @@ class SavedModelExporter:
         hold none this process's TensorFlow can run.
       ExportCheckError: the staged SavedModel differs from JAX.
     """
+    self._closed = False
     version = self._dir.begin(int(snap.step), metrics)
     self._checker  # pylint: disable=pointless-statement  # Can it run?
     snap = snap.on_host()  # Transfers arrive; the variables flattened once.
