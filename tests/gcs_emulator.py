@@ -19,6 +19,7 @@ import http.server
 import io
 import itertools
 import json
+import pathlib
 import re
 import threading
 import urllib.parse
@@ -229,3 +230,13 @@ class Emulator:
     self._httpd.shutdown()
     self._httpd.server_close()
     self._thread.join()
+
+
+def download(url: str, local: pathlib.Path) -> str:
+  """Copies every object under `url` to the directory `local` (what TF
+  Serving would fetch); returns it as a string."""
+  from t5export._src.versions import storage  # pylint: disable=g-import-not-at-top
+  for rel in storage.walk_files(url):
+    (local / rel).parent.mkdir(parents=True, exist_ok=True)
+    (local / rel).write_bytes(storage.read_bytes(f'{url}/{rel}'))
+  return str(local)

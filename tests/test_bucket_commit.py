@@ -25,13 +25,13 @@ import pytest
 
 import t5export
 from t5export import errors
-from t5export._src.state import paths
 from t5export._src.versions import bucket_versions
 from t5export._src.versions import lease
 from t5export._src.versions import storage
 from t5export._src.versions import versions
 import _gcs_upload_worker  # tests/ is on sys.path.
 import _reliability_model as model
+import gcs_emulator as gcs_emulator_lib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 LEASE = lease.BUCKET_NAME
@@ -47,15 +47,6 @@ def staging(tmp_path, monkeypatch) -> pathlib.Path:
 def _exporter(url: str, **options) -> t5export.SavedModelExporter:
   return t5export.SavedModelExporter(
       url, [model.signature()], options=t5export.ExportOptions(**options))
-
-
-def _assert_params(version_url: str, params_step: int) -> None:
-  """The stored params are `params_for(params_step)`, bit for bit."""
-  stored = paths.flatten(t5export.load_params(version_url))
-  want = paths.flatten(model.params_for(params_step))
-  assert sorted(stored) == sorted(want)
-  for key, value in want.items():
-    np.testing.assert_array_equal(np.asarray(stored[key]), value, err_msg=key)
 
 
 def _under(emulator, bucket_url: str, prefix: str) -> list[str]:
@@ -164,9 +155,10 @@ def test_killed_at_each_stage_of_the_commit(gcs_emulator, gcs_bucket,
     assert restarted.versions() == ([1, 2] if finished else [1])
     assert storage.listdir(url) == [LEASE, '1'] + (['2'] if finished else [])
     assert [os.listdir(d) for d in bucket_versions.staging_dirs(url)] == [[]]
-  _assert_params(url + '/1', 1)
-  if finished:
-    _assert_params(url + '/2', 2)
+  model.assert_params(url + '/1', 1)
+  if finished:  # What a model server would fetch loads and serves in TF.
+    assert model.check_version(gcs_emulator_lib.download(
+        url + '/2', tmp_path / 'dl' / '2')) == 2
     x = model.SAMPLE_X
     np.testing.assert_allclose(
         t5export.load_function(url + '/2', model.SIGNATURE)({'x': x})[
@@ -204,7 +196,7 @@ def test_overwrite_keeps_the_old_version_until_the_new_one_is_verified(
   assert copied[-1][0] == 'exports/2/saved_model.pb'
   assert copied[-1][1] - copied[0][1] <= window  # The commit's own figure.
   assert versions.list_versions(url) == [2]
-  _assert_params(url + '/2', 2)
+  model.assert_params(url + '/2', 2)
 
 
 def test_an_object_lost_in_staging_publishes_nothing(gcs_emulator,
@@ -229,7 +221,7 @@ def test_an_object_lost_in_staging_publishes_nothing(gcs_emulator,
     assert f"{dropped[0].split('/', 2)[2]}: missing" in str(info.value)
     assert storage.listdir(url) == [LEASE]  # No <step>/, no staging prefix.
     assert exporter.export(model.state_for(1)) == url + '/1'
-  _assert_params(url + '/1', 1)
+  model.assert_params(url + '/1', 1)
 
 
 def test_one_writer_per_bucket_export_dir(gcs_emulator, gcs_bucket, staging):
@@ -340,11 +332,11 @@ def test_versions_1_and_10_side_by_side(gcs_emulator, gcs_bucket, staging):
     ten = storage.stored_objects(url + '/10')
     exporter.export(model.state_for(11).replace_step(1))  # Replaces 1.
     assert storage.stored_objects(url + '/10') == ten
-    _assert_params(url + '/1', 11)
+    model.assert_params(url + '/1', 11)
     exporter.export(model.state_for(11))  # Retention removes 1.
     assert exporter.versions() == [10, 11]
     assert storage.stored_objects(url + '/10') == ten
-  _assert_params(url + '/10', 10)
+  model.assert_params(url + '/10', 10)
 
 
 def test_local_staging_is_private(tmp_path, monkeypatch):

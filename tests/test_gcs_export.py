@@ -27,6 +27,7 @@ from t5export._src.versions import bucket_versions
 from t5export._src.versions import storage
 from t5export._src.versions import versions
 import _reliability_model as model  # tests/ is on sys.path.
+import gcs_emulator as gcs_emulator_lib
 import offline_cli
 import offline_gin
 import t5x_fixture_model
@@ -49,21 +50,6 @@ def _staged(url: str) -> list[str]:
   """What lies in the local staging directories of export_dir `url`."""
   return sorted(n for d in bucket_versions.staging_dirs(url)
                 for n in os.listdir(d))
-
-
-def _download(url: str, local: pathlib.Path) -> str:
-  for rel in storage.walk_files(url):
-    (local / rel).parent.mkdir(parents=True, exist_ok=True)
-    (local / rel).write_bytes(storage.read_bytes(f'{url}/{rel}'))
-  return str(local)
-
-
-def _assert_params(version_url: str, step: int) -> None:
-  stored = paths.flatten(t5export.load_params(version_url))
-  want = paths.flatten(model.params_for(step))
-  assert sorted(stored) == sorted(want)
-  for key, value in want.items():
-    np.testing.assert_array_equal(np.asarray(stored[key]), value, err_msg=key)
 
 
 def test_export_to_bucket_and_read_back(gcs_emulator, gcs_bucket, cwd,
@@ -93,14 +79,15 @@ def test_export_to_bucket_and_read_back(gcs_emulator, gcs_bucket, cwd,
       files)
   # Read back from the bucket: metadata, params (bit-exact), the JAX function.
   assert t5export.read_metadata(url + '/3').step == 3
-  _assert_params(url + '/3', 3)
+  model.assert_params(url + '/3', 3)
   serve = t5export.load_function(url + '/3', model.SIGNATURE)
   np.testing.assert_allclose(
       serve({'x': model.SAMPLE_X})['logits'],
       jax.jit(model.serve)(model.params_for(3), {'x': model.SAMPLE_X})[
           'logits'], rtol=1e-6, atol=1e-6)
   # What TF Serving would fetch loads and serves in TensorFlow.
-  assert model.check_version(_download(url + '/3', tmp_path / 'dl' / '3')) == 3
+  assert model.check_version(gcs_emulator_lib.download(
+      url + '/3', tmp_path / 'dl' / '3')) == 3
   # Nothing under the working directory, no staging left behind.
   assert list(cwd.iterdir()) == [] and _staged(url) == []
   # The callback's result names the version by its URL.
