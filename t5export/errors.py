@@ -416,12 +416,8 @@ class WarmupReplayError(T5ExportError, RuntimeError):
 
 
 class ExportDirLockedError(T5ExportError, RuntimeError):
-  """Another writer holds the export_dir's lease: one writer per export_dir.
-
-  Attributes:
-    export_dir: the export directory.
-    holder: who holds it (host, pid, since, until).
-  """
+  """Another writer holds the export_dir's lease (attributes: `export_dir`,
+  `holder`): one writer per export_dir."""
 
   def __init__(self, export_dir: str, *, holder: str, fix: str):
     self.export_dir, self.holder = export_dir, holder
@@ -432,13 +428,8 @@ class ExportDirLockedError(T5ExportError, RuntimeError):
 
 
 class LeaseLostError(T5ExportError, RuntimeError):
-  """Another writer took this exporter's expired lease over: it publishes
-  nothing more there.
-
-  Attributes:
-    export_dir: the export directory.
-    holder: who holds the lease now.
-  """
+  """Another writer took this exporter's expired lease over (attributes:
+  `export_dir`, `holder`): it publishes nothing more there."""
 
   def __init__(self, export_dir: str, lease: str, *, holder: str):
     self.export_dir, self.holder = export_dir, holder
