@@ -28,6 +28,7 @@ from gcp_storage_emulator import server as emulator_server
 from gcp_storage_emulator import exceptions as emulator_exceptions
 from gcp_storage_emulator import storage as emulator_storage
 from gcp_storage_emulator.handlers import buckets as emulator_buckets
+from gcp_storage_emulator.handlers import objects as emulator_objects
 
 
 class _CountingWriter(io.RawIOBase):
@@ -77,6 +78,8 @@ _UPLOAD = re.compile(r'/b/(?P<bucket>[^/]+)/o$')
 _COPY = re.compile(r'/b/[^/]+/o/.+/(?:rewriteTo|copyTo)/b/(?P<bucket>[^/]+)/'
                    r'o/(?P<name>.+)$')
 _OBJECT = re.compile(r'/b/(?P<bucket>[^/]+)/o/(?P<name>.+)$')
+_REWRITE = re.compile(r'/b/(?P<src_bucket>[^/]+)/o/(?P<src_name>.+)/rewriteTo/'
+                      r'b/(?P<bucket>[^/]+)/o/(?P<name>.+)$')
 
 
 def _multipart_name(body: bytes) -> str | None:
@@ -96,7 +99,9 @@ class _Handler(emulator_server.RequestHandler):
   whose `ifGenerationMatch` is not the object's generation (0: none there)
   with 412, as GCS does (the emulator ignores it). A resumable upload is
   checked when it starts, GCS checks when it ends: t5export's conditional
-  writes are single requests."""
+  writes are single requests. A rewrite (a copy inside the store) keeps
+  the source's bytes and checksums, as GCS's does within one bucket (no
+  data copied); the emulator's own hashes every byte again."""
 
   def setup(self) -> None:
     super().setup()
@@ -114,7 +119,38 @@ class _Handler(emulator_server.RequestHandler):
         return
     elif self._precondition_failed(None):
       return
+    rewrite = _REWRITE.search(urllib.parse.unquote(
+        urllib.parse.urlsplit(self.path).path))
+    if rewrite is not None:
+      self._rewrite(**rewrite.groupdict())
+      return
     super().do_POST()
+
+  def _rewrite(self, src_bucket: str, src_name: str, bucket: str,
+               name: str) -> None:
+    try:
+      source = self.storage.get_file_obj(src_bucket, src_name)
+      data = self.storage.get_file(src_bucket, src_name, show_error=False)
+    except emulator_exceptions.NotFound:
+      self._reply(404, {'error': {'code': 404, 'message': 'Not Found'}})
+      return
+    # The source's crc32c and md5Hash come along (writable fields).
+    target = emulator_objects._make_object_resource(  # pylint: disable=protected-access
+        f'http://{self.headers["Host"]}', bucket, name,
+        source['contentType'], source['size'], source)
+    self.storage.create_file(bucket, name, data, target)
+    self._reply(200, {'kind': 'storage#rewriteResponse',
+                      'totalBytesRewritten': str(target['size']),
+                      'objectSize': str(target['size']), 'done': True,
+                      'resource': target})
+
+  def _reply(self, status: int, body: dict) -> None:
+    data = json.dumps(body).encode()
+    self.send_response(status)
+    self.send_header('Content-Type', 'application/json')
+    self.send_header('Content-Length', str(len(data)))
+    self.end_headers()
+    self.wfile.write(data)
 
   def do_DELETE(self) -> None:  # pylint: disable=invalid-name
     if not self._precondition_failed(None):
@@ -139,14 +175,8 @@ class _Handler(emulator_server.RequestHandler):
       have = 0
     if have == int(want[0]):
       return False
-    body = json.dumps({'error': {
-        'code': 412, 'message': 'Precondition Failed',
-        'errors': [{'reason': 'conditionNotMet'}]}}).encode()
-    self.send_response(412)
-    self.send_header('Content-Type', 'application/json')
-    self.send_header('Content-Length', str(len(body)))
-    self.end_headers()
-    self.wfile.write(body)
+    self._reply(412, {'error': {'code': 412, 'message': 'Precondition Failed',
+                                'errors': [{'reason': 'conditionNotMet'}]}})
     return True
 
   def do_GET(self) -> None:  # pylint: disable=invalid-name
