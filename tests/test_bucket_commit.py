@@ -350,3 +350,29 @@ def test_local_staging_is_private(tmp_path, monkeypatch):
                      rf'{os.getuid()}, mode 0o755.*Remove it, or set '
                      'T5EXPORT_STAGING_DIR'):
     bucket_versions.staging_root()
+
+
+def test_a_bucket_lease_is_refreshed_and_its_loss_noticed(
+    gcs_emulator, gcs_bucket, monkeypatch):
+  monkeypatch.setattr(lease, 'REFRESH_SECS', 0.05)
+  url = gcs_bucket + '/exports'
+  held = lease.acquire(url)
+  try:
+    first = lease.Holder.parse(storage.read_bytes(f'{url}/{LEASE}'))
+    assert (first.host, first.pid) == (os.uname().nodename, os.getpid())
+    for _ in range(600):  # The thread rewrites it with a later expiry.
+      now = lease.Holder.parse(storage.read_bytes(f'{url}/{LEASE}'))
+      if now.expires > first.expires:
+        break
+      time.sleep(0.05)
+    assert now.expires > first.expires and now.nonce == first.nonce
+    held.check()  # Still ours.
+    away = lease.Holder('elsewhere', 4242, time.time(), time.time() + 600,
+                        'pid:[1]', 'theirs')
+    storage.write_bytes(f'{url}/{LEASE}', away.encode())
+    with pytest.raises(errors.LeaseLostError, match="host 'elsewhere'"):
+      held.check()
+  finally:
+    held.release()
+  # Released after the loss: the other writer's lease stays.
+  assert storage.read_bytes(f'{url}/{LEASE}') == away.encode()
