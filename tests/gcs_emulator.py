@@ -252,6 +252,14 @@ class Emulator:
     (no request: callable from `on_upload`)."""
     return sorted(self._storage.objects.get(bucket, {}))
 
+  def put(self, bucket: str, name: str, data: bytes) -> None:
+    """Stores an object behind the clients' backs (another program's)."""
+    target = emulator_objects._make_object_resource(  # pylint: disable=protected-access
+        self.url, bucket, name, 'application/octet-stream', str(len(data)))
+    target['crc32c'] = emulator_objects._crc32c(data)  # pylint: disable=protected-access
+    emulator_storage.Storage.create_file(self._storage, bucket, name, data,
+                                         target)
+
   def drop(self, bucket: str, name: str) -> None:
     """Deletes an object behind the clients' backs (a lost object)."""
     self._storage.delete_file(bucket, name)

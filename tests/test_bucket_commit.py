@@ -224,6 +224,27 @@ def test_an_object_lost_in_staging_publishes_nothing(gcs_emulator,
   model.assert_params(url + '/1', 1)
 
 
+def test_an_object_another_program_writes_meanwhile_is_not_overwritten(
+    gcs_emulator, gcs_bucket, staging):
+  url, bucket = gcs_bucket + '/exports', gcs_bucket[len('gs://'):]
+
+  def foreign_write_beside_the_first_copy(name: str) -> None:
+    if name == f'exports/1/{bucket_versions.MARKER}':
+      gcs_emulator.put(bucket, 'exports/1/variables/variables.index', b'no')
+
+  gcs_emulator.on_upload = foreign_write_beside_the_first_copy
+  with _exporter(url) as exporter:
+    with pytest.raises(errors.CommitError,
+                       match=rf"'{url}/1/variables/variables.index' appeared "
+                       r'while version 1 was being copied there.*Nothing of '
+                       'it was overwritten'):
+      exporter.export(model.state_for(1))
+    gcs_emulator.on_upload = None
+    # Ours went (staging, the copies); theirs stayed.
+    assert storage.walk_files(url) == [LEASE, '1/variables/variables.index']
+  assert storage.read_bytes(url + '/1/variables/variables.index') == b'no'
+
+
 def test_one_writer_per_bucket_export_dir(gcs_emulator, gcs_bucket, staging):
   url = gcs_bucket + '/exports'
   first = _exporter(url)

@@ -47,6 +47,8 @@ STAGING_ROOT_ENV = 'T5EXPORT_STAGING_DIR'
 VERIFIED = '.t5export-verified'
 # Every version t5export writes holds it: a prefix holding it is t5export's.
 MARKER = 'assets.extra/t5export.json'
+# {relative name: (size, crc32c)} of the objects of one version.
+Objects = dict[str, tuple[int, str]]
 
 
 def staging_root() -> str:
@@ -176,7 +178,8 @@ class BucketVersionDirectory(versions.VersionDirectory):
     there = storage.stored_objects(final)
     if versions.SAVED_MODEL in there or (there and MARKER not in there):
       return  # Committed, or not ours to change.
-    objects = [n for n in storage.stored_objects(url) if n != VERIFIED]
+    objects = {n: v for n, v in storage.stored_objects(url).items()
+               if n != VERIFIED}
     logging.warning('t5export: finishing the commit of version %s from %s '
                     '(verified, cut short while copying).', step, url)
     self._commit(url, final, objects, there)
@@ -234,10 +237,10 @@ class BucketVersionDirectory(versions.VersionDirectory):
       logging.warning('t5export: overwrite=True: replacing version %s (the '
                       'new one is verified in %s).', final, tmp)
     try:
-      window = self._commit(tmp, final, sorted(local), there)
+      window = self._commit(tmp, final, local, there)
     except BaseException:
       if not there:
-        _try_remove(final)  # A partial <step>/ of ours; tmp goes too.
+        _remove_ours(final, local)  # A partial <step>/; tmp goes too.
         _try_remove(tmp)
       else:  # The old version is gone: the next start finishes from tmp.
         logging.error('t5export: replacing version %s failed midway; the '
@@ -255,11 +258,15 @@ class BucketVersionDirectory(versions.VersionDirectory):
                  final, window)
     shutil.rmtree(staging, ignore_errors=True)
 
-  def _commit(self, tmp: str, final: str, objects: list[str],
-              there: dict[str, tuple[int, str]]) -> float:
-    """Copies `objects` from `tmp/` into `final/` (replacing `there`, the
-    objects there now); returns the seconds from the first change under
-    `final/` to its `saved_model.pb`."""
+  def _commit(self, tmp: str, final: str, objects: Objects,
+              there: Objects) -> float:
+    """Copies `objects` (name: (size, crc32c)) from `tmp/` into `final/`
+    (replacing `there`, the objects there now); returns the seconds from
+    the first change under `final/` to its `saved_model.pb`.
+
+    Raises:
+      CommitError: a create-only copy found an object that is not ours.
+    """
     start = time.monotonic()
     pb = versions.SAVED_MODEL
     if pb in there:  # From here on the old version is not loadable.
@@ -267,14 +274,11 @@ class BucketVersionDirectory(versions.VersionDirectory):
     first = [MARKER] if MARKER in objects else []
     rest = [n for n in objects if n not in first and n != pb]
     for names in (first, rest):
-      storage.copy_objects(
-          [(storage.join(tmp, n), storage.join(final, n)) for n in names],
-          create_only=not there)
+      _copy(tmp, final, names, objects, create_only=not there)
     for name in sorted(set(there) - set(objects) - {pb}):
       storage.remove(storage.join(final, name))  # The old version's own.
     if pb in objects:
-      storage.copy_objects([(storage.join(tmp, pb), storage.join(final, pb))],
-                           create_only=True)
+      _copy(tmp, final, [pb], objects, create_only=True)
     return time.monotonic() - start
 
   def _remove_version(self, step: int) -> None:
@@ -284,8 +288,40 @@ class BucketVersionDirectory(versions.VersionDirectory):
     """Nothing to sync: a stored object is durable."""
 
 
-def _verify(local: dict[str, tuple[int, str]],
-            stored: dict[str, tuple[int, str]], url: str) -> None:
+def _copy(tmp: str, final: str, names: list[str], objects: Objects, *,
+          create_only: bool) -> None:
+  """Copies `names` from `tmp/` to `final/`. A create-only copy that finds
+  its object there already is done if that object is the one it copies (a
+  retried request whose first try went through)."""
+  try:
+    storage.copy_objects(
+        [(storage.join(tmp, n), storage.join(final, n)) for n in names],
+        create_only=create_only)
+  except FileExistsError:
+    there = storage.stored_objects(final)
+    others = [n for n in names if there.get(n) != objects[n]]
+    if others:
+      raise errors.CommitError(
+          f'{storage.join(final, others[0])!r} appeared while version '
+          f'{storage.basename(final)} was being copied there, and it is not '
+          'the staged object: another program writes this export_dir. '
+          'Nothing of it was overwritten; stop that program and export '
+          'again.') from None
+
+
+def _remove_ours(final: str, objects: Objects) -> None:
+  """Removes what a failed copy put under `final/`: the objects that are
+  the staged ones (name, size and crc32c), nothing else."""
+  try:
+    there = storage.stored_objects(final)
+    for name in sorted(n for n in there if objects.get(n) == there[n]):
+      storage.remove(storage.join(final, name))
+  except Exception as e:  # pylint: disable=broad-except
+    logging.warning('t5export: could not remove the partial %s (%s); the '
+                    'next start removes it.', final, e)
+
+
+def _verify(local: Objects, stored: Objects, url: str) -> None:
   """Raises CommitError unless `stored` holds exactly `local`."""
   problems = [f'{n}: missing' for n in sorted(set(local) - set(stored))]
   problems += [f'{n}: not staged' for n in sorted(set(stored) - set(local))]
