@@ -30,6 +30,7 @@ import gc
 import json
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -68,11 +69,12 @@ class Holder:
   expires: float | None = None  # None: a local lock (it ends with its pid).
   pidns: str = ''
   nonce: str = ''
+  command: str = ''
 
   @classmethod
   def me(cls, start: float, nonce: str, expires: float | None) -> Holder:
     return cls(socket.gethostname(), os.getpid(), start, expires,
-               _pid_namespace(), nonce)
+               _pid_namespace(), nonce, ' '.join(sys.argv)[:200])
 
   @classmethod
   def parse(cls, data: bytes) -> Holder | None:
@@ -83,7 +85,7 @@ class Holder:
                  float(fields['start']),
                  None if fields.get('expires') is None else float(
                      fields['expires']), str(fields.get('pidns', '')),
-                 str(fields.get('nonce', '')))
+                 str(fields.get('nonce', '')), str(fields.get('command', '')))
     except (ValueError, KeyError, TypeError, AttributeError):
       return None
 
@@ -99,8 +101,9 @@ class Holder:
             'export_dir; close() it first)' if self.this_process() else '')
     until = ('' if self.expires is None else
              f', lease valid until {_utc(self.expires)}')
+    command = f' ({self.command})' if self.command else ''
     return (f'pid {self.pid} on host {self.host!r}{this}, since '
-            f'{_utc(self.start)}{until}')
+            f'{_utc(self.start)}{until}{command}')
 
   def gone(self) -> bool:
     """Whether its process is known to have ended (same host and pid
@@ -140,9 +143,10 @@ def _flock_holder(st: os.stat_result) -> Holder | None:
   inode = f'{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}'
   try:
     with open('/proc/locks') as f:
-      pids = [int(line.split()[4]) for line in f
-              if 'FLOCK' in line and line.split()[5] == inode]
-  except (OSError, ValueError, IndexError):
+      rows = [line.split() for line in f if '->' not in line]  # Not waiters.
+    pids = [int(row[4]) for row in rows
+            if len(row) > 5 and row[1] == 'FLOCK' and row[5] == inode]
+  except (OSError, ValueError):
     pids = []
   if not pids or pids[0] <= 0:
     return None
@@ -159,7 +163,7 @@ def _flock_holder(st: os.stat_result) -> Holder | None:
   except (OSError, ValueError, IndexError, StopIteration):
     command, since = '', None
   return Holder(socket.gethostname(), pid, since or time.time(),
-                pidns=_pid_namespace(), nonce=command.strip()[:200])
+                pidns=_pid_namespace(), command=command.strip()[:200])
 
 
 class _LocalLease(Lease):
@@ -176,9 +180,8 @@ class _LocalLease(Lease):
       self.release()
       if holder is not None and holder.this_process() and here_ok:
         raise _HeldHere() from None
-      command = f' ({holder.nonce})' if holder and holder.nonce else ''
       raise errors.ExportDirLockedError(
-          export_dir, holder=(holder.describe() + command if holder else
+          export_dir, holder=(holder.describe() if holder else
                               'another process (not visible from here)'),
           fix='it holds a lock the system drops when that process ends: '
           'stop it, wait for it to finish, or export to another '
