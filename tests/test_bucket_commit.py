@@ -321,6 +321,14 @@ def test_one_writer_per_local_export_dir(tmp_path):
   with _exporter(str(export_dir)) as second:  # The kernel dropped its lock.
     assert second.versions() == []
     assert os.listdir(export_dir) == []  # The lease writes nothing there.
+  # A training callback holds it from its start to its close().
+  with t5export.ExportCallback(_exporter(str(export_dir)),
+                               export_every_steps=1):
+    with pytest.raises(errors.ExportDirLockedError, match='this process'):
+      t5export.ExportCallback(_exporter(str(export_dir)),
+                              export_every_steps=1)
+  t5export.ExportCallback(_exporter(str(export_dir)),
+                          export_every_steps=1).close()
 
 
 def test_resume_leaves_what_t5export_did_not_make(gcs_emulator, gcs_bucket,
