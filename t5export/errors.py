@@ -458,3 +458,35 @@ class WarmupReplayError(T5ExportError, RuntimeError):
         'the signature or its sample_inputs (the warm-up requests are the '
         'sample inputs), or pass ExportOptions(warmup=False) to publish '
         'without warm-up requests.')
+
+
+class ExportDirLockedError(T5ExportError, RuntimeError):
+  """Another writer holds the export_dir's lease (attributes: `export_dir`,
+  `holder`): one writer per export_dir."""
+
+  def __init__(self, export_dir: str, *, holder: str, fix: str):
+    self.export_dir, self.holder = export_dir, holder
+    super().__init__(
+        f'export_dir {export_dir!r} is being written by another exporter: '
+        f'{holder}. One export_dir takes one writer (two undo each other\'s '
+        f'work); {fix}')
+
+
+class LeaseLostError(T5ExportError, RuntimeError):
+  """Another writer took this exporter's expired lease over (attributes:
+  `export_dir`, `holder`): it publishes nothing more there."""
+
+  def __init__(self, export_dir: str, lease: str, *, holder: str):
+    self.export_dir, self.holder = export_dir, holder
+    super().__init__(
+        f'This exporter no longer holds the lease {lease!r} of export_dir '
+        f'{export_dir!r}: {holder} holds it (it was not refreshed before it '
+        'expired, e.g. this process was paused or cut off). Nothing more is '
+        'published there by this exporter; stop one of the two writers and '
+        'export again.')
+
+
+class CommitError(T5ExportError, OSError):
+  """A version bound for a bucket did not arrive whole in its staging
+  prefix, or its `<step>/` prefix already holds objects: nothing was
+  published, the version directory is as it was."""

@@ -92,22 +92,28 @@ def check_version(version_dir: str) -> int:
   """
   import jax  # pylint: disable=g-import-not-at-top
   from t5export._src.engine import staged_check
-  from t5export._src.state import paths  # pylint: disable=g-import-not-at-top
   from t5export._src.versions import metadata  # pylint: disable=g-import-not-at-top
-  from t5export._src.versions import verify  # pylint: disable=g-import-not-at-top
   step = int(os.path.basename(version_dir))
   meta = metadata.read_metadata(version_dir)
   assert meta.step == step, (version_dir, meta.step)
   expected = params_for(step)
-  stored = paths.flatten(verify.load_params(version_dir))
-  want = paths.flatten(expected)
-  assert sorted(stored) == sorted(want), (version_dir, sorted(stored))
-  for path, value in want.items():
-    np.testing.assert_array_equal(np.asarray(stored[path]), value,
-                                  err_msg=f'{version_dir}: {path}')
+  assert_params(version_dir, step)
   actual, = staged_check.run_signatures_isolated(
       version_dir, [(SIGNATURE, {'x': SAMPLE_X})])
   staged_check.compare_outputs(
       SIGNATURE, actual, jax.jit(serve)(expected, {'x': SAMPLE_X}),
       atol=1e-5, rtol=1e-5)
   return step
+
+
+def assert_params(version_dir: str, params_step: int) -> None:
+  """The version's stored params are `params_for(params_step)`, bit for bit
+  (`version_dir`: a local path or a gs:// URL)."""
+  from t5export._src.state import paths  # pylint: disable=g-import-not-at-top
+  from t5export._src.versions import verify  # pylint: disable=g-import-not-at-top
+  stored = paths.flatten(verify.load_params(version_dir))
+  want = paths.flatten(params_for(params_step))
+  assert sorted(stored) == sorted(want), (version_dir, sorted(stored))
+  for path, value in want.items():
+    np.testing.assert_array_equal(np.asarray(stored[path]), value,
+                                  err_msg=f'{version_dir}: {path}')

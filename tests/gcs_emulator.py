@@ -3,7 +3,8 @@
 The emulator's HTTP server runs in a thread of the test process; it counts
 the object bytes it serves (`media_bytes`), and `on_upload` lets a test act
 when an object is about to be stored (e.g. kill the uploading process).
-It also mends one upload the emulator would store wrong (`_Handler`).
+It also mends one upload the emulator would store wrong, and answers the
+`ifGenerationMatch` precondition it ignores (`_Handler`).
 `environment` holds what the clients need to find it: gcsfs reads
 `STORAGE_EMULATOR_HOST`, TensorStore `TENSORSTORE_GCS_HTTP_URL` (and a
 token it does not check), etils.epath (orbax's small files) uses fsspec,
@@ -17,12 +18,17 @@ import functools
 import http.server
 import io
 import itertools
+import json
+import pathlib
 import re
 import threading
+import urllib.parse
 
 from gcp_storage_emulator import server as emulator_server
+from gcp_storage_emulator import exceptions as emulator_exceptions
 from gcp_storage_emulator import storage as emulator_storage
 from gcp_storage_emulator.handlers import buckets as emulator_buckets
+from gcp_storage_emulator.handlers import objects as emulator_objects
 
 
 class _CountingWriter(io.RawIOBase):
@@ -66,9 +72,36 @@ def _close_with_crlf(body: bytes, content_type: str) -> bytes:
   return body[:at] + b'\r' + body[at:]
 
 
+# The object a request writes or deletes: an upload (its name in the query
+# or the metadata), a copy's destination, a DELETE's object.
+_UPLOAD = re.compile(r'/b/(?P<bucket>[^/]+)/o$')
+_COPY = re.compile(r'/b/[^/]+/o/.+/(?:rewriteTo|copyTo)/b/(?P<bucket>[^/]+)/'
+                   r'o/(?P<name>.+)$')
+_OBJECT = re.compile(r'/b/(?P<bucket>[^/]+)/o/(?P<name>.+)$')
+_REWRITE = re.compile(r'/b/(?P<src_bucket>[^/]+)/o/(?P<src_name>.+)/rewriteTo/'
+                      r'b/(?P<bucket>[^/]+)/o/(?P<name>.+)$')
+
+
+def _multipart_name(body: bytes) -> str | None:
+  """The object name in a multipart upload's JSON metadata part."""
+  for line in body.split(b'\n'):
+    if line.startswith(b'{'):
+      try:
+        return json.loads(line).get('name')
+      except ValueError:
+        return None
+  return None
+
+
 class _Handler(emulator_server.RequestHandler):
   """Counts the bytes of object reads; calls the server's `on_upload`;
-  mends multipart uploads (`_close_with_crlf`)."""
+  mends multipart uploads (`_close_with_crlf`); refuses a write or delete
+  whose `ifGenerationMatch` is not the object's generation (0: none there)
+  with 412, as GCS does (the emulator ignores it). A resumable upload is
+  checked when it starts, GCS checks when it ends: t5export's conditional
+  writes are single requests. A rewrite (a copy inside the store) keeps
+  the source's bytes and checksums, as GCS's does within one bucket (no
+  data copied); the emulator's own hashes every byte again."""
 
   def setup(self) -> None:
     super().setup()
@@ -82,7 +115,69 @@ class _Handler(emulator_server.RequestHandler):
       self.rfile = io.BytesIO(body)  # The connection ends after this one.
       del self.headers['Content-Length']
       self.headers['Content-Length'] = str(len(body))
+      if self._precondition_failed(_multipart_name(body)):
+        return
+    elif self._precondition_failed(None):
+      return
+    rewrite = _REWRITE.search(urllib.parse.unquote(
+        urllib.parse.urlsplit(self.path).path))
+    if rewrite is not None:
+      self._rewrite(**rewrite.groupdict())
+      return
     super().do_POST()
+
+  def _rewrite(self, src_bucket: str, src_name: str, bucket: str,
+               name: str) -> None:
+    try:
+      source = self.storage.get_file_obj(src_bucket, src_name)
+      data = self.storage.get_file(src_bucket, src_name, show_error=False)
+    except emulator_exceptions.NotFound:
+      self._reply(404, {'error': {'code': 404, 'message': 'Not Found'}})
+      return
+    # The source's crc32c and md5Hash come along (writable fields).
+    target = emulator_objects._make_object_resource(  # pylint: disable=protected-access
+        f'http://{self.headers["Host"]}', bucket, name,
+        source['contentType'], source['size'], source)
+    self.storage.create_file(bucket, name, data, target)
+    self._reply(200, {'kind': 'storage#rewriteResponse',
+                      'totalBytesRewritten': str(target['size']),
+                      'objectSize': str(target['size']), 'done': True,
+                      'resource': target})
+
+  def _reply(self, status: int, body: dict) -> None:
+    data = json.dumps(body).encode()
+    self.send_response(status)
+    self.send_header('Content-Type', 'application/json')
+    self.send_header('Content-Length', str(len(data)))
+    self.end_headers()
+    self.wfile.write(data)
+
+  def do_DELETE(self) -> None:  # pylint: disable=invalid-name
+    if not self._precondition_failed(None):
+      super().do_DELETE()
+
+  def _precondition_failed(self, name: str | None) -> bool:
+    """Answers 412 (True) if the request's `ifGenerationMatch` fails."""
+    url = urllib.parse.urlsplit(self.path)
+    query = urllib.parse.parse_qs(url.query)
+    want = query.get('ifGenerationMatch')
+    path = urllib.parse.unquote(url.path)
+    match = _COPY.search(path) or _OBJECT.search(path) or _UPLOAD.search(path)
+    if not want or match is None:
+      return False
+    bucket = match.group('bucket')
+    name = match.groupdict().get('name') or (query.get('name') or [name])[0]
+    if name is None:
+      return False
+    try:
+      have = int(self.storage.get_file_obj(bucket, name)['generation'])
+    except emulator_exceptions.NotFound:
+      have = 0
+    if have == int(want[0]):
+      return False
+    self._reply(412, {'error': {'code': 412, 'message': 'Precondition Failed',
+                                'errors': [{'reason': 'conditionNotMet'}]}})
+    return True
 
   def do_GET(self) -> None:  # pylint: disable=invalid-name
     before = self.wfile.written
@@ -152,7 +247,34 @@ class Emulator:
     """`callback(object_name)` before each upload is stored (None: off)."""
     self._storage.on_upload = callback
 
+  def object_names(self, bucket: str) -> list[str]:
+    """The names of a bucket's objects, read from the emulator's own store
+    (no request: callable from `on_upload`)."""
+    return sorted(self._storage.objects.get(bucket, {}))
+
+  def put(self, bucket: str, name: str, data: bytes) -> None:
+    """Stores an object behind the clients' backs (another program's)."""
+    target = emulator_objects._make_object_resource(  # pylint: disable=protected-access
+        self.url, bucket, name, 'application/octet-stream', str(len(data)))
+    target['crc32c'] = emulator_objects._crc32c(data)  # pylint: disable=protected-access
+    emulator_storage.Storage.create_file(self._storage, bucket, name, data,
+                                         target)
+
+  def drop(self, bucket: str, name: str) -> None:
+    """Deletes an object behind the clients' backs (a lost object)."""
+    self._storage.delete_file(bucket, name)
+
   def stop(self) -> None:
     self._httpd.shutdown()
     self._httpd.server_close()
     self._thread.join()
+
+
+def download(url: str, local: pathlib.Path) -> str:
+  """Copies every object under `url` to the directory `local` (what TF
+  Serving would fetch); returns it as a string."""
+  from t5export._src.versions import storage  # pylint: disable=g-import-not-at-top
+  for rel in storage.walk_files(url):
+    (local / rel).parent.mkdir(parents=True, exist_ok=True)
+    (local / rel).write_bytes(storage.read_bytes(f'{url}/{rel}'))
+  return str(local)

@@ -85,12 +85,14 @@ def published(tmp_path_factory):
   exporter = exporter_lib.SavedModelExporter(
       export_dir, [model.signature()], options=t5export.ExportOptions(keep=3))
   exporter.export(model.state_for(1))
+  exporter.close()  # Each test opens it again, or another exporter there.
   return exporter
 
 
 def _assert_kept(exporter: exporter_lib.SavedModelExporter,
                  before: dict[str, str]) -> None:
   """Nothing published changed and no staging directory was left."""
+  exporter.close()  # The next test's exporter is the export_dir's writer.
   assert _tree_digest(exporter.export_dir) == before
   assert not [n for n in os.listdir(exporter.export_dir)
               if n.startswith('.tmp-')]

@@ -552,6 +552,7 @@ def test_retention_keep_best_resume_overwrite(tmp_path, gin_keep_two):
   assert 'ExportOptions.keep = 2' in config
 
   # A crash left staging directories; a new exporter resumes.
+  exporter.close()  # The old job ended: its lease on export_dir went.
   for stale in ('.tmp-6-deadbeef', '.tmp-del-3-cafe'):
     os.makedirs(os.path.join(export_dir, stale, 'variables'))
   exporter = t5export.SavedModelExporter(export_dir, [sig], options=options)
@@ -567,6 +568,7 @@ def test_retention_keep_best_resume_overwrite(tmp_path, gin_keep_two):
     exporter.export(state.replace_step(6), metrics={'acc': 0.2})
   assert t5export.read_metadata(os.path.join(export_dir, '6')).metrics == {
       'acc': 0.1}
+  exporter.close()  # One writer at a time.
   replacer = t5export.SavedModelExporter(
       export_dir, [sig], options=dataclasses.replace(options, overwrite=True))
   replacer.export(state.replace_step(6), metrics={'acc': 0.95})

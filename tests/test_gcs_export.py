@@ -1,18 +1,16 @@
 """Exporting into a bucket (the GCS emulator on 127.0.0.1) and reading back.
 
-Versions are staged and checked on local disk, then uploaded with
-`saved_model.pb` last; a process killed mid-upload leaves a numeric prefix
-without `saved_model.pb` (not a version, never loadable), which the next
-start removes. A URL of another scheme is refused by every entry point,
-and nothing is written under the working directory.
+Versions are staged and checked on local disk, uploaded to a hidden
+staging prefix, verified and copied into `<step>/` with `saved_model.pb`
+last (test_bucket_commit.py: the commit, kills at each of its stages, the
+lease). A URL of another scheme is refused by every entry point, and
+nothing is written under the working directory.
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
-import signal
-import subprocess
 import sys
 import textwrap
 
@@ -29,6 +27,7 @@ from t5export._src.versions import bucket_versions
 from t5export._src.versions import storage
 from t5export._src.versions import versions
 import _reliability_model as model  # tests/ is on sys.path.
+import gcs_emulator as gcs_emulator_lib
 import offline_cli
 import offline_gin
 import t5x_fixture_model
@@ -48,24 +47,9 @@ def cwd(tmp_path, monkeypatch) -> pathlib.Path:
 
 
 def _staged(url: str) -> list[str]:
-  """What lies in the local staging directory of export_dir `url`."""
-  root = bucket_versions.staging_root(url)
-  return os.listdir(root) if os.path.isdir(root) else []
-
-
-def _download(url: str, local: pathlib.Path) -> str:
-  for rel in storage.walk_files(url):
-    (local / rel).parent.mkdir(parents=True, exist_ok=True)
-    (local / rel).write_bytes(storage.read_bytes(f'{url}/{rel}'))
-  return str(local)
-
-
-def _assert_params(version_url: str, step: int) -> None:
-  stored = paths.flatten(t5export.load_params(version_url))
-  want = paths.flatten(model.params_for(step))
-  assert sorted(stored) == sorted(want)
-  for key, value in want.items():
-    np.testing.assert_array_equal(np.asarray(stored[key]), value, err_msg=key)
+  """What lies in the local staging directories of export_dir `url`."""
+  return sorted(n for d in bucket_versions.staging_dirs(url)
+                for n in os.listdir(d))
 
 
 def test_export_to_bucket_and_read_back(gcs_emulator, gcs_bucket, cwd,
@@ -79,23 +63,31 @@ def test_export_to_bucket_and_read_back(gcs_emulator, gcs_bucket, cwd,
   for step in (1, 2, 3):
     assert exporter.export(model.state_for(step)) == f'{url}/{step}'
   assert exporter.versions() == [2, 3]
-  assert storage.listdir(url) == ['2', '3']  # Retention removed 1.
+  # Retention removed 1; the open exporter holds the export_dir's lease.
+  assert storage.listdir(url) == ['.t5export-lease.json', '2', '3']
   files = storage.walk_files(url + '/3')
   uploaded = [u for u in uploads if u.startswith('exports/3/')]
   assert sorted(uploaded) == [f'exports/3/{f}' for f in files]
+  # Staged under a hidden prefix, then copied: t5export's marker first,
+  # saved_model.pb last.
+  staged = [i for i, u in enumerate(uploads) if u.startswith('exports/.tmp-3-')]
+  assert len(staged) == len(files) + 1  # And the verified mark.
+  assert max(staged) < uploads.index(uploaded[0])
+  assert uploaded[0] == 'exports/3/assets.extra/t5export.json'
   assert uploaded[-1] == 'exports/3/saved_model.pb'
   assert {'variables/variables.index', 'assets.extra/t5export.json'} <= set(
       files)
   # Read back from the bucket: metadata, params (bit-exact), the JAX function.
   assert t5export.read_metadata(url + '/3').step == 3
-  _assert_params(url + '/3', 3)
+  model.assert_params(url + '/3', 3)
   serve = t5export.load_function(url + '/3', model.SIGNATURE)
   np.testing.assert_allclose(
       serve({'x': model.SAMPLE_X})['logits'],
       jax.jit(model.serve)(model.params_for(3), {'x': model.SAMPLE_X})[
           'logits'], rtol=1e-6, atol=1e-6)
   # What TF Serving would fetch loads and serves in TensorFlow.
-  assert model.check_version(_download(url + '/3', tmp_path / 'dl' / '3')) == 3
+  assert model.check_version(gcs_emulator_lib.download(
+      url + '/3', tmp_path / 'dl' / '3')) == 3
   # Nothing under the working directory, no staging left behind.
   assert list(cwd.iterdir()) == [] and _staged(url) == []
   # The callback's result names the version by its URL.
@@ -136,47 +128,6 @@ def _inspect(url: str, capsys) -> None:
   assert inspect_export.main([UNSUPPORTED]) == 1
   assert capsys.readouterr().err.startswith(
       f'inspect_export: path={UNSUPPORTED!r} has a URL scheme')
-
-
-def test_killed_mid_upload_leaves_no_version_and_restart_cleans(
-    gcs_emulator, gcs_bucket, cwd):
-  url = gcs_bucket + '/exports'
-  proc = None
-  stored = []
-
-  def kill_on_third_object_of_version_2(name: str) -> None:
-    if name.startswith('exports/2/'):
-      stored.append(name)
-      if len(stored) == 3:
-        os.kill(proc.pid, signal.SIGKILL)
-
-  gcs_emulator.on_upload = kill_on_third_object_of_version_2
-  env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2',
-         'PYTHONPATH': os.pathsep.join([str(REPO), str(REPO / 'tests')])}
-  proc = subprocess.Popen(
-      [sys.executable, str(REPO / 'tests' / '_gcs_upload_worker.py'), url],
-      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  out, err = proc.communicate(timeout=300)
-  assert proc.returncode == -signal.SIGKILL, err[-3000:]
-  assert out == f'published {url}/1\n'
-  gcs_emulator.on_upload = None
-  # Version 2's prefix holds some objects, never saved_model.pb: TF Serving
-  # cannot load it, and t5export does not count it as a version.
-  assert storage.listdir(url) == ['1', '2']
-  assert 'saved_model.pb' not in storage.walk_files(url + '/2')
-  assert versions.list_versions(url) == [1]
-  assert [n[:len('.tmp-2-')] for n in _staged(url)] == ['.tmp-2-']
-  # The next start removes both leftovers, then exports as usual.
-  exporter = t5export.SavedModelExporter(url, [model.signature()])
-  assert exporter.versions() == [1]
-  assert storage.listdir(url) == ['1'] and _staged(url) == []
-  _assert_params(url + '/1', 1)
-  exporter.export(model.state_for(2))
-  assert exporter.versions() == [1, 2]
-  _assert_params(url + '/2', 2)
-  with pytest.raises(errors.VersionExistsError, match=f"'{url}/2'"):
-    exporter.export(model.state_for(2))
-  assert list(cwd.iterdir()) == []
 
 
 UNSUPPORTED = 'nosuchscheme://b/exports'

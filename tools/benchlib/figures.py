@@ -97,6 +97,10 @@ FIGURES: dict[str, tuple[str, Callable[[float], bool], str, str]] = {
         *_at_most(1.5),
         'export into a bucket (GCS emulator on 127.0.0.1) / local export + '
         'raw upload of its files to the same emulator'),
+    'gcs_commit_window': _fig(
+        *_at_most(1.0),
+        'seconds from the first object under <step>/ to its saved_model.pb, '
+        'export into a bucket (GCS emulator on 127.0.0.1)'),
     'gcs_offline_read_bytes': _fig(
         *_at_most(1.05),
         'bytes the GCS emulator served to an offline export / param bytes, '

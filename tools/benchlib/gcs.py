@@ -5,7 +5,10 @@ The emulator (tests/gcs_emulator.py: gcp-storage-emulator, in memory, on
 it: an export into the bucket against a local export plus a raw upload of
 the same files (gcsfs, as t5export uploads) to the same emulator; and the
 bytes the emulator serves to an offline export of an orbax checkpoint
-with Adam state in the bucket, against the param bytes.
+with Adam state in the bucket, against the param bytes. And the window a
+model server could see a version's prefix before it is whole: from the
+first object the emulator is asked to store under `<step>/` to its
+`saved_model.pb` (the emulator's own clock, through `on_upload`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from benchlib import model
 from benchlib import records
 
 _median = statistics.median
-FIGURES = ('gcs_export_time', 'gcs_offline_read_bytes')
+FIGURES = ('gcs_export_time', 'gcs_commit_window', 'gcs_offline_read_bytes')
 
 
 def _emulator() -> Any:
@@ -98,7 +101,9 @@ def worker_gcs(spec: dict[str, Any]) -> dict[str, Any]:
     for side in sides.values():
       side.export(variables, 1)
       side.settle()
-    out = {'bucket': [], 'local': [], 'upload': []}
+    stored = []  # (object name, when the emulator was asked to store it)
+    emulator.on_upload = lambda name: stored.append((name, time.monotonic()))
+    out = {'bucket': [], 'local': [], 'upload': [], 'window': []}
     for i in range(spec['reexports'] * 2):
       variables = model.bump(variables)
       step = i + 2
@@ -106,6 +111,10 @@ def worker_gcs(spec: dict[str, Any]) -> dict[str, Any]:
       start = time.monotonic()
       path = sides[name].export(variables, step)
       out[name].append(time.monotonic() - start)
+      if name == 'bucket':
+        times = [t for n, t in stored if n.startswith(f'exports/{step}/')]
+        pb = [t for n, t in stored if n == f'exports/{step}/saved_model.pb']
+        out['window'].append(pb[0] - min(times))
       if name == 'local':
         start = time.monotonic()
         storage.upload_tree(path, f'{bucket}/raw/{step}')
@@ -143,6 +152,11 @@ def parse_gcs(cfg: figures.Config, res: children.Results,
       local_s=_median([_median(x['local']) for x in runs]),
       raw_upload_s=_median([_median(x['upload']) for x in runs]),
       version_bytes=runs[0]['version_bytes'], params=cfg.main_size,
+      emulator='gcp-storage-emulator in memory on 127.0.0.1, in the '
+               'measuring process'))
+  emit(records.figure_record(
+      'gcs_commit_window', [_median(x['window']) for x in runs],
+      max_s=max(max(x['window']) for x in runs), params=cfg.main_size,
       emulator='gcp-storage-emulator in memory on 127.0.0.1, in the '
                'measuring process'))
   off = runs[0]['offline']

@@ -83,6 +83,7 @@ class SavedModelExporter:
           f'options must be a t5export.ExportOptions, got {options!r}. In '
           'gin: SavedModelExporter.options = @t5export.ExportOptions().')
     self._options = options
+    self._closed = False  # close() was called and no export since.
     for sig in self._signatures if options.validate else ():
       if sig.sample_inputs is None:  # The check would have nothing to run.
         raise errors.MissingSampleInputsError(sig.name)
@@ -118,7 +119,13 @@ class SavedModelExporter:
 
   @functools.cached_property
   def _dir(self) -> versions_lib.VersionDirectory:
-    """The version directory, prepared and resumed on first use."""
+    """The version directory, prepared and resumed on first use; it holds
+    the export_dir's lease until `close()`.
+
+    Raises:
+      ExportDirError: `export_dir` is unusable.
+      ExportDirLockedError: another writer holds `export_dir`.
+    """
     o = self._options
     directory = bucket_versions.open_directory(
         self._export_dir, keep=o.keep, keep_best=o.keep_best,
@@ -149,12 +156,33 @@ class SavedModelExporter:
         allow_non_finite=o.allow_non_finite, atol=o.atol, rtol=o.rtol,
         platform=self._check_platform)
 
+  def close(self) -> None:
+    """Gives the export_dir up: releases this writer's lease on it (and its
+    local staging). Call it when done exporting (`ExportCallback.close`
+    does); a later call that needs the export_dir opens it again.
+    """
+    self._closed = True
+    directory = self.__dict__.pop('_dir', None)
+    if directory is not None:
+      directory.close()
+
+  def __enter__(self) -> SavedModelExporter:
+    return self
+
+  def __exit__(self, exc_type, exc, tb) -> None:
+    del exc_type, exc, tb
+    self.close()
+
   def versions(self) -> list[int]:
-    """The published versions, ascending.
+    """The published versions, ascending (after `close()`, read without
+    opening the export_dir again).
 
     Raises:
       ExportDirError: `export_dir` is a file or not writable.
+      ExportDirLockedError: another writer holds `export_dir`.
     """
+    if self._closed:
+      return versions_lib.list_versions(self._export_dir)
     return self._dir.versions()
 
   def metrics(self) -> dict[int, dict[str, Any]]:
@@ -240,6 +268,11 @@ class SavedModelExporter:
 
     Raises:
       ExportDirError: on first use, `export_dir` is unusable.
+      ExportDirLockedError: on first use, another writer holds `export_dir`
+        (one writer per export_dir).
+      LeaseLostError: another writer took the lease over meanwhile.
+      CommitError: (gs://) the upload did not arrive whole, or `<step>/`
+        holds objects while it is not a version.
       VersionExistsError: the version exists and `overwrite` is False.
       MetricNotNumericError: the `keep_best` metric is not a number.
       NonFiniteParamsError: a param holds NaN/Inf (`allow_non_finite`).
@@ -249,6 +282,7 @@ class SavedModelExporter:
         hold none this process's TensorFlow can run.
       ExportCheckError: the staged SavedModel differs from JAX.
     """
+    self._closed = False
     version = self._dir.begin(int(snap.step), metrics)
     self._checker  # pylint: disable=pointless-statement  # Can it run?
     snap = snap.on_host()  # Transfers arrive; the variables flattened once.

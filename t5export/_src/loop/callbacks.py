@@ -348,7 +348,8 @@ class ExportCallback:
     self._flush_scalars()
 
   def close(self) -> None:
-    """Waits for the last export, stops the worker, logs `summary()` (once).
+    """Waits for the last export, stops the worker, releases the export_dir
+    (the exporter's `close`: its writer's lease), logs `summary()` (once).
 
     Raises:
       errors.ExportFailedError: an export failed (on_error='raise').
@@ -360,6 +361,8 @@ class ExportCallback:
     try:
       self._coordinator.close(self.worker.close if self.worker else None)
     finally:
+      if self._is_writer:
+        self.exporter.close()  # Its lease on the export_dir.
       self._flush_scalars()
       if self._metric_writer is not None:
         self._metric_writer.flush()

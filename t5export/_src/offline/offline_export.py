@@ -222,7 +222,10 @@ def export_checkpoint(
   start = time.monotonic()
   # Read for this export alone, the params are owned: TensorFlow may take
   # their memory instead of copying it (peak memory ~1x the params, not 3x).
-  path = exporter.export(state, owned=True)
+  try:
+    path = exporter.export(state, owned=True)
+  finally:
+    exporter.close()  # The export_dir's lease.
   del contents, state
   logging.info(
       'offline [write, check, publish]: version %d at %s (%s) in %.2fs; '

@@ -17,11 +17,13 @@ import shutil
 import time
 from typing import Any, Protocol
 import uuid
+import weakref
 
 from absl import logging
 import numpy as np
 
 from t5export import errors
+from t5export._src.versions import lease as lease_lib
 from t5export._src.versions import metadata
 from t5export._src.versions import storage
 
@@ -190,7 +192,15 @@ def _exchange(a: str, b: str) -> bool:
 
 
 class VersionDirectory:
-  """The versions of one export_dir and their metrics (one writer at a time)."""
+  """The versions of one export_dir and their metrics.
+
+  One writer at a time: an open directory holds the export_dir's lease
+  (`lease`) until `close()` (or until it is collected, or the process ends).
+
+  Raises (on construction):
+    ExportDirError: `export_dir` is a file, or cannot be made or written.
+    ExportDirLockedError: another writer holds the export_dir.
+  """
 
   def __init__(self, export_dir: str, *, keep: int | None,
                keep_best: KeepBest | None, overwrite: bool,
@@ -219,6 +229,12 @@ class VersionDirectory:
           f'export_dir {d!r} is not writable by this process '
           f'({e.strerror or e}). Fix its permissions or pass another '
           'directory.') from e
+    self._lease = lease_lib.acquire(d)
+    self._finalizer = weakref.finalize(self, self._lease.release)
+
+  def close(self) -> None:
+    """Releases the export_dir's lease (idempotent)."""
+    self._finalizer()
 
   def resume(self) -> list[str]:
     """Removes (and returns) `.tmp-*` crash leftovers; reads the metrics."""
