@@ -284,11 +284,9 @@ class JaxModule(tf.Module):
     the host CPU, where the check runs the version (`jax_methods_on`)."""
     return self.jax_methods_on('cpu')
 
-  def jax_methods_on(self, platform: str, *, values: Any = None
-                     ) -> dict[str, Callable[[Any], Any]]:
-    """Name -> jitted JAX method(inputs) on the current variables (or on
-    `values`, a pytree like them of JAX arrays), run on this process's
-    first `platform` device (the check's JAX reference)."""
+  def jax_methods_on(self, platform: str) -> dict[str, Callable[[Any], Any]]:
+    """Name -> jitted JAX method(inputs) on the current variables, run on
+    this process's first `platform` device (the check's JAX reference)."""
     device = accelerators.jax_device(platform)
     jitted = self._meta.jitted_methods.get(platform)
     if jitted is None:
@@ -304,9 +302,8 @@ class JaxModule(tf.Module):
         # Done before it returns: nothing reads the variables' memory after
         # the views are dropped (an update may then write into it).
         with jax.default_device(device):
-          return jax.block_until_ready(fn(
-              self.jax_variables(platform=platform) if values is None else
-              values, inputs))
+          return jax.block_until_ready(
+              fn(self.jax_variables(platform=platform), inputs))
       return call
     return {k: bind(f) for k, f in jitted.items()}
 

@@ -222,18 +222,16 @@ class Signature:
                        autograph=False)
 
   def reference_outputs(self, module: jax_module.JaxModule,
-                        inputs: Mapping[str, Any], *, platform: str = 'cpu',
-                        values: Any = None) -> dict[str, np.ndarray]:
+                        inputs: Mapping[str, Any], *,
+                        platform: str = 'cpu') -> dict[str, np.ndarray]:
     """What the signature should return for `inputs`: the JAX method on
-    `platform`'s first device (on `values`, JAX arrays shaped like the
-    module's variables, if given), the processors run eagerly in
-    TensorFlow."""
+    `platform`'s first device, the processors run eagerly in TensorFlow."""
     tree = self._to_serving_tree([inputs[n] for n in self.input_names])
     if self.preprocessor is not None:
       tree = jax.tree_util.tree_map(
           np.asarray, self.preprocessor(
               jax.tree_util.tree_map(tf.convert_to_tensor, tree)))
-    outputs = module.jax_methods_on(platform, values=values)[self.name](tree)
+    outputs = module.jax_methods_on(platform)[self.name](tree)
     if self.postprocessor is not None:
       outputs = self.postprocessor(
           jax.tree_util.tree_map(lambda x: tf.convert_to_tensor(

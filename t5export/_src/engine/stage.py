@@ -96,11 +96,6 @@ class Fill:
         self._future = in_background(self._run, 't5export-fill')
     return self
 
-  @property
-  def started(self) -> bool:
-    """Whether the copy started (it reads the caller's arrays until done)."""
-    return self._future is not None
-
   def result(self, timeout: float | None = None) -> None:
     """Starts the copy if needed and waits; raises its error."""
     return self.start()._future.result(timeout)

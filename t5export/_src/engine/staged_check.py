@@ -90,23 +90,12 @@ class Checker:
       return metadata.Check(checked=False,
                             reason='ExportOptions(validate=False)')
     platform = self._platform
-    values = None
-    if staged.fill is not None and platform == 'cpu' and (
-        not staged.fill.started):
-      # The first version, written from the caller's arrays: JAX reads
-      # them as they are (no copy on CPU), and the variables' fill waits
-      # until TensorFlow's session is gone, as when unchecked (a fresh 1x
-      # the params each, never both at once).
-      values = jax.tree_util.tree_unflatten(staged.flat.treedef, [
-          jax.device_put(x, accelerators.jax_device(platform))
-          for x in staged.flat.leaves])
-    elif staged.fill is not None:
+    if staged.fill is not None:
       staged.fill.result()  # The module's values are there.
     start = time.monotonic()
     expected = [sig.reference_outputs(staged.module, sig.sample_inputs,
-                                      platform=platform, values=values)
+                                      platform=platform)
                 for sig in self._signatures]
-    del values
     requests = [(sig.name, sig.sample_inputs) for sig in self._signatures]
     actuals = None
     if self._memory.applies(staged, platform):  # Also beside the write.
