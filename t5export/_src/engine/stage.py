@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 import concurrent.futures
 import functools
-import gc
 import os
 import shutil
 import tempfile
@@ -34,6 +33,7 @@ from t5export._src.engine import jax_module
 from t5export._src.engine import options as options_lib
 from t5export._src.engine import serving
 from t5export._src.engine import writer as writer_lib
+from t5export._src.snapshot import collection
 from t5export._src.snapshot import host_buffers
 from t5export._src.snapshot import snapshot as snapshot_lib
 from t5export._src.state import paths
@@ -145,7 +145,7 @@ class Staged:
     """Starts `write()` (it returns the metadata's draft) in a thread; once
     it is done, with `flush`, fsyncs what it wrote in another (beside the
     check's TensorFlow run: publishing waits for it). `on_exit()` runs
-    last when the context is left, either way."""
+    last when the context is left without an error."""
     self.directory, self.step, self.flat = directory, step, flat
     self.module, self.writer, self.fill = module, writer, fill
     self._on_exit = on_exit
@@ -177,15 +177,16 @@ class Staged:
     if kind is None:
       if self.fill is not None:  # Done by the next export at the latest.
         self.fill.start()
-    else:
-      # Nothing may write into a directory being removed, nor the
-      # variables after this.
-      concurrent.futures.wait([self._written, self._synced])
-      if self.fill is not None:
-        self.fill.exception()  # Waits, without raising.
-      shutil.rmtree(self.directory, ignore_errors=True)
-    if self._on_exit is not None:
-      self._on_exit()
+      if self._on_exit is not None:
+        self._on_exit()
+      return
+    # Nothing may write into a directory being removed, nor the
+    # variables after this. (The error's traceback keeps the export's
+    # frames: `on_exit` would free nothing of them here.)
+    concurrent.futures.wait([self._written, self._synced])
+    if self.fill is not None:
+      self.fill.exception()  # Waits, without raising.
+    shutil.rmtree(self.directory, ignore_errors=True)
 
 
 class Stage:
@@ -350,7 +351,7 @@ class Stage:
     Tracing (the module's build, the graph's save, the methods' export)
     raises and catches errors inside JAX; each keeps its frames, and the
     frames their callers', the stage's and the exporter's, which hold the
-    snapshot, in reference cycles. Run when the version's export is over,
+    snapshot, in reference cycles. Run when the version is published,
     when those frames are garbage, this frees them: otherwise they, and
     the caller's arrays the snapshot views, would live until the next
     collection, past the caller's donating step (a second copy of the
@@ -361,7 +362,7 @@ class Stage:
     def collect() -> None:
       if filling is not None:
         filling.exception()  # Waits (it reads the caller's arrays).
-      gc.collect()
+      collection.collect()
     self._collecting = in_background(collect, 't5export-collect')
 
   def _serialize_methods(self) -> None:

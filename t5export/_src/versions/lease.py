@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import fcntl
-import gc
 import json
 import os
 import socket
@@ -38,6 +37,7 @@ import uuid
 from absl import logging
 
 from t5export import errors
+from t5export._src.snapshot import collection
 from t5export._src.versions import storage
 
 BUCKET_NAME = '.t5export-lease.json'
@@ -311,5 +311,7 @@ def acquire(export_dir: str) -> Lease:
   except _HeldHere:
     # Held in this process: by an exporter nobody references any more (e.g.
     # one a traceback kept), a collection releases it; else it is a writer.
-    gc.collect()
+    # (`collection`: a bare gc.collect() is a no-op while another thread
+    # collects.)
+    collection.collect()
     return make(export_dir, here_ok=False)
