@@ -44,7 +44,7 @@ def list_versions(export_dir: str) -> list[int]:
       return []
     return sorted(int(n) for n in names if _VERSION_RE.match(n) and
                   storage.isfile(storage.join(export_dir, n, SAVED_MODEL)))
-  if not os.path.isdir(export_dir):
+  if not storage.isdir(export_dir):  # A failed lookup is raised.
     return []
   return sorted(int(n) for n in os.listdir(export_dir)
                 if _VERSION_RE.match(n) and
