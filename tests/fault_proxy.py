@@ -13,6 +13,11 @@ and answers with one fault:
 - `RESET`: the connection is closed with a TCP reset, no answer;
 - `SLOW`: the request is passed on after `delay` seconds.
 
+A `CONNECT` (an https client that uses the proxy through `https_proxy`,
+such as TensorFlow's GCS file system, which ignores the emulator) is never
+tunnelled: it gets a matching rule's status, else 502, which the client
+sees as a network failure.
+
 `Rule.hits` counts the requests a rule fired on (e.g. to see that the
 client's retries were all spent). `fast_retries` makes gcsfs retry without
 its backoff sleeps (1 + 2 + 4 + 8 + 16 s): the same 6 attempts, in a
@@ -127,6 +132,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
       self.wfile.write(data)
 
   do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = _handle
+
+  def do_CONNECT(self) -> None:  # pylint: disable=invalid-name
+    """A tunnel request (an https client, e.g. TensorFlow's GCS file
+    system through `https_proxy`): never opened; a matching rule's status,
+    else 502."""
+    rule = self.server.match('CONNECT', self.path)
+    status = 502 if rule is None or not isinstance(rule.fault, int) else (
+        rule.fault)
+    self.close_connection = True
+    self._answer(status, {}, b'')
 
   def log_message(self, *args) -> None:
     del args

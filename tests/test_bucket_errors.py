@@ -6,7 +6,9 @@ a write without credentials is refused, never sent anonymously.
 
 from __future__ import annotations
 
+import os
 import pathlib
+import subprocess
 import sys
 import types
 
@@ -180,3 +182,46 @@ def test_serving_check_reads_a_bucket(published, proxy, capsys):
 def cwd_is_tmp(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
   monkeypatch.setenv('T5EXPORT_STAGING_DIR', str(tmp_path / 'staging'))
+
+
+_READ_PARAMS = """
+import sys
+from t5export._src.offline import checkpoints
+try:
+  checkpoints.read_params(sys.argv[1])
+except Exception as e:
+  import etils.epath
+  backend = type(etils.epath.Path(sys.argv[1])._backend).__name__
+  print(backend, type(e).__name__, str(e).replace(chr(10), ' '))
+"""
+
+
+def test_production_read_path_tf_gfile_errors_are_t5export_errors(
+    gcs_bucket, proxy):
+  """TensorFlow installed, EPATH_USE_TF unset: orbax reads its small files
+  with tf.io.gfile (which goes to GCS itself: here through the proxy)."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  manager_dir = gcs_bucket + '/orbax'
+  with ocp.CheckpointManager(manager_dir) as manager:
+    manager.save(10, args=ocp.args.Composite(state=ocp.args.StandardSave(
+        {'params': {'w': np.ones((4,), np.float32)}, 'step': np.int32(10)})))
+    manager.wait_until_finished()
+  rule = proxy.inject('CONNECT', r'googleapis\.com', 403)
+  env = {k: v for k, v in os.environ.items() if k != 'EPATH_USE_TF'}
+  env.update(https_proxy=proxy.url, HTTPS_PROXY=proxy.url,
+             no_proxy='127.0.0.1', NO_PROXY='127.0.0.1',
+             GCS_RETRY_CONFIG_MAX_RETRIES='1',
+             GCS_RETRY_CONFIG_INIT_DELAY_TIME_US='1000',
+             GCS_RETRY_CONFIG_MAX_DELAY_TIME_US='1000',
+             TF_CPP_MIN_LOG_LEVEL='3',
+             PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / 'tests')]))
+  result = subprocess.run([sys.executable, '-c', _READ_PARAMS, manager_dir],
+                          env=env, capture_output=True, text=True,
+                          timeout=300, check=True)
+  backend, name, message = result.stdout.strip().split(' ', 2)
+  assert backend == '_TfBackend', result.stdout  # tf.io.gfile was used.
+  assert name == 'StorageUnavailableError', result.stdout
+  assert message.startswith(
+      f"Could not restore the checkpoint '{manager_dir}/10/state': ")
+  assert errors.StorageUnavailableError.FIX in message
+  assert rule.hits >= 1
