@@ -2,11 +2,15 @@
 
 Every location is a string: an absolute local path, or a `gs://bucket/key`
 URL (Google Cloud Storage, through gcsfs: the JSON API, credentials from
-Application Default Credentials, `STORAGE_EMULATOR_HOST` honoured). A string
-with any other `scheme://` (or `scheme:/`) is refused by `parse` with
-`UnsupportedURLError`: a URL is never taken as a local path. Object stores
-have no directories: a "directory" is a key prefix, which exists while an
-object lies under it. Light module: gcsfs is imported on first gs:// use.
+Application Default Credentials, `STORAGE_EMULATOR_HOST` honoured). `parse`
+holds the one grammar of locations (its docstring); everything else is
+refused with `UnsupportedURLError`: a URL is never taken as a local path.
+Object stores have no directories: a "directory" is a key prefix, which
+exists while an object lies under it; prefix operations pass it with its
+trailing '/' (`exports/1` is never `exports/10`). Only a not-found answer
+means absent: every other failure is raised as a `StorageError`
+(`store_errors`), and a write never goes out without credentials. Light
+module: gcsfs is imported on first gs:// use.
 """
 
 from __future__ import annotations
