@@ -127,10 +127,12 @@ def test_file_operations(root):
 
 def test_upload_tree_stores_last_files_last(gcs_emulator, gcs_bucket,
                                             tmp_path):
+  written = 0
   for name in ('saved_model.pb', 'variables/variables.index',
                'variables/variables.data-00000-of-00001', 'fingerprint.pb'):
     os.makedirs(tmp_path / os.path.dirname(name), exist_ok=True)
     (tmp_path / name).write_bytes(name.encode() * 10)
+    written += len(name) * 10
   order = []
   gcs_emulator.on_upload = order.append
   url = gcs_bucket + '/exports/7'
@@ -138,8 +140,7 @@ def test_upload_tree_stores_last_files_last(gcs_emulator, gcs_bucket,
   assert order[-1] == 'exports/7/saved_model.pb'
   assert sorted(order) == sorted(f'exports/7/{n}' for n in storage.walk_files(
       str(tmp_path)))
-  assert nbytes == storage.tree_nbytes(url) == storage.tree_nbytes(
-      str(tmp_path))
+  assert nbytes == storage.tree_nbytes(url) == written
   assert storage.read_bytes(url + '/fingerprint.pb') == b'fingerprint.pb' * 10
 
 
