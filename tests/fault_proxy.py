@@ -23,14 +23,15 @@ client's retries were all spent). `fast_retries` makes gcsfs retry without
 its backoff sleeps (1 + 2 + 4 + 8 + 16 s): the same 6 attempts, in a
 fraction of a second.
 
-    with fault_proxy.FaultProxy(emulator.url) as proxy:
-      monkeypatch.setenv('STORAGE_EMULATOR_HOST', proxy.url)
+    with fault_proxy.installed(emulator.url, monkeypatch) as proxy:
       rule = proxy.inject('GET', r'exports/2/saved_model\\.pb', 503)
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+import contextlib
 import dataclasses
 import http.client
 import http.server
@@ -212,6 +213,18 @@ class FaultProxy:
 
   def __exit__(self, *exc) -> None:
     self.stop()
+
+
+@contextlib.contextmanager
+def installed(upstream: str, monkeypatch) -> Iterator[FaultProxy]:
+  """A proxy in front of `upstream` that gcsfs and TensorStore reach
+  instead of it (`environment` set with `monkeypatch`), and gcsfs's retries
+  without their sleeps (`fast_retries`)."""
+  with FaultProxy(upstream) as proxy:
+    for name, value in proxy.environment.items():
+      monkeypatch.setenv(name, value)
+    fast_retries(monkeypatch)
+    yield proxy
 
 
 async def _no_wait(delay: float, result=None):

@@ -275,7 +275,11 @@ def test_machine_line_and_workdir_cleaned(smoke_run):
   lines = [json.loads(l) for l in smoke_run['proc'].stdout.splitlines()]
   machine = [l['machine'] for l in lines if 'machine' in l]
   assert len(machine) == 1
-  assert machine[0]['nproc'] == os.cpu_count()
+  # The CPUs online as getconf counts them (not the os.cpu_count() the
+  # report itself calls).
+  online = subprocess.run(['getconf', '_NPROCESSORS_ONLN'], check=True,
+                          capture_output=True, text=True).stdout
+  assert machine[0]['nproc'] == int(online)
   assert machine[0]['versions']['orbax-export'] != 'not installed'
   # The measured exports are removed as the run goes.
   leftovers = [p for p in smoke_run['workdir'].rglob('*')

@@ -42,10 +42,7 @@ def published(gcs_emulator, tmp_path_factory) -> str:
 
 @pytest.fixture
 def proxy(gcs_emulator, monkeypatch):
-  with fault_proxy.FaultProxy(gcs_emulator.url) as running:
-    for name, value in running.environment.items():
-      monkeypatch.setenv(name, value)
-    fault_proxy.fast_retries(monkeypatch)
+  with fault_proxy.installed(gcs_emulator.url, monkeypatch) as running:
     yield running
 
 

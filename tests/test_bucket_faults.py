@@ -58,10 +58,7 @@ def export_dir(published, tmp_path, monkeypatch) -> str:
 @pytest.fixture
 def proxy(gcs_emulator, monkeypatch):
   """The fault proxy, which the clients now reach instead of the emulator."""
-  with fault_proxy.FaultProxy(gcs_emulator.url) as running:
-    for name, value in running.environment.items():
-      monkeypatch.setenv(name, value)
-    fault_proxy.fast_retries(monkeypatch)
+  with fault_proxy.installed(gcs_emulator.url, monkeypatch) as running:
     yield running
 
 

@@ -100,8 +100,8 @@ def translate(error: BaseException, location: str, *,
     return errors.StorageUnavailableError(**kwargs)
   if code is not None or client:
     return errors.StorageError(**kwargs)
-  if isinstance(error, IsADirectoryError):
-    return None  # An answer about the content, not a failure.
+  if isinstance(error, (IsADirectoryError, FileExistsError)):
+    return None  # An answer (e.g. a 412 to a create-only write).
   if isinstance(error, OSError):  # The local disk.
     if error.errno in (errno_lib.EACCES, errno_lib.EPERM):
       return errors.StoragePermissionError(**kwargs)
