@@ -3,8 +3,8 @@
 tests/fault_proxy.py stands between the client and the GCS emulator and
 answers chosen requests with 503 (past gcsfs's 6 attempts), 403, or a
 reset connection. For each fault and each operation that reads a bucket
-(resume, publish without overwrite, retention, list_versions, the readers,
-offline `locate`), the operation raises a t5export `StorageError` that
+(resume, publish with and without overwrite, retention, list_versions, the
+readers, offline `locate`), the operation raises a t5export `StorageError` that
 names the object and the fix, and versions 1 and 10 (side by side: a
 prefix of one is never the other's) are left byte for byte as they were.
 The matrix is in docs/buckets.md.
@@ -92,11 +92,14 @@ def test_resume_under_a_fault_deletes_nothing(export_dir, proxy, fault):
   assert versions.list_versions(export_dir) == [1, 10]
 
 
+@pytest.mark.parametrize('overwrite', [False, True])
 @pytest.mark.parametrize('fault', FAULTS)
-def test_publish_without_overwrite_under_a_fault_keeps_the_version(
-    export_dir, proxy, fault):
+def test_publish_under_a_fault_keeps_the_version(export_dir, proxy, fault,
+                                                 overwrite):
   before = _contents(export_dir)
-  exporter = t5export.SavedModelExporter(export_dir, [model.signature()])
+  exporter = t5export.SavedModelExporter(
+      export_dir, [model.signature()],
+      options=t5export.ExportOptions(overwrite=overwrite))
   assert exporter.versions() == [1, 10]
   proxy.inject('GET', _object(export_dir, 10), fault)
   with pytest.raises(errors.StorageError) as info:
@@ -104,8 +107,9 @@ def test_publish_without_overwrite_under_a_fault_keeps_the_version(
   _assert_error(info.value, fault, f'{export_dir}/10/saved_model.pb')
   proxy.clear()
   assert _contents(export_dir) == before
-  with pytest.raises(errors.VersionExistsError):
-    exporter.export(model.state_for(10))
+  if not overwrite:
+    with pytest.raises(errors.VersionExistsError):
+      exporter.export(model.state_for(10))
 
 
 def test_retention_under_a_fault_decides_nothing(export_dir, proxy):
