@@ -11,7 +11,9 @@ import t5export
 from t5export import errors
 from t5export._src.offline import checkpoints
 from t5export._src.versions import storage
+from t5export._src.versions import versions
 import _reliability_model as model  # tests/ is on sys.path.
+import _small_fs
 
 
 # Each spelling of a location and what it is: a canonical location ('{cwd}'
@@ -170,3 +172,25 @@ def test_tensorstore_kvstore_reads_what_was_written(root):
   np.testing.assert_array_equal(
       ts.open(spec, open=True).result().read().result(), value)
   assert '.zarray' in storage.listdir(storage.join(root, 'arr'))
+
+
+def test_a_failed_local_lookup_is_not_an_absence(tmp_path):
+  """A directory that lists but cannot be searched (r--): its versions
+  cannot be looked at, so they are not reported missing."""
+  export_dir = tmp_path / 'exports'
+  for step in (1, 10):
+    (export_dir / str(step)).mkdir(parents=True)
+    (export_dir / str(step) / 'saved_model.pb').write_bytes(b'x')
+  os.chmod(export_dir, 0o644)
+  try:
+    with _small_fs.without_dac_override():
+      assert sorted(os.listdir(export_dir)) == ['1', '10']  # It lists.
+      with pytest.raises(errors.StoragePermissionError) as info:
+        versions.list_versions(str(export_dir))  # Today's main: [].
+      with pytest.raises(errors.StoragePermissionError):
+        storage.exists(str(export_dir / '10'))
+  finally:
+    os.chmod(export_dir, 0o755)
+  assert f"Could not look up '{export_dir}/1" in str(info.value)
+  assert 'Permission denied' in str(info.value)
+  assert versions.list_versions(str(export_dir)) == [1, 10]
