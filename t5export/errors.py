@@ -212,10 +212,7 @@ class ExportDirError(T5ExportError, OSError):
 
 
 class UnsupportedURLError(T5ExportError, ValueError):
-  """A location outside t5export's grammar: pass gs://... or a local path.
-
-  `problem` says what is wrong with it; None: a scheme t5export cannot use.
-  """
+  """A location outside the grammar (`problem`, None: the scheme): fix it."""
 
   def __init__(self, url: str, *, argument: str, supported: Sequence[str],
                problem: str | None = None):
@@ -223,76 +220,49 @@ class UnsupportedURLError(T5ExportError, ValueError):
     what = ('has a URL scheme t5export cannot read or write' if problem is None
             else f'is not a location t5export can use: {problem}')
     super().__init__(
-        f'{argument}={url!r} {what} (supported: {", ".join(supported)}, or '
-        'a local path); nothing was written. Pass a gs://bucket/path URL or '
-        'a local directory; it is never taken as a local path named after '
-        'the URL.')
+        f'{argument}={url!r} {what} (supported: {", ".join(supported)}, or a '
+        'local path); nothing was written. Pass a gs://bucket/path URL or a '
+        'local directory; it is never taken as a local path named after the '
+        'URL.')
 
 
 class StorageError(T5ExportError, OSError):
-  """A read, listing or write of a store failed for a reason other than
-  not-found; nothing was deleted, skipped or overwritten on it.
-
-  Attributes: `location` (the object, prefix or path), `action` ('read',
-  'list', 'write', ...), `cause` (what the client said), `fix`.
-  """
-
-  FIX = ('It was not taken for an absence: nothing was deleted, skipped or '
-         'overwritten because of it. Retry once the store answers; if it '
-         'persists, check the location and the store.')
+  """A store failed, not with "not found"; nothing was decided on it."""
+  FIX = ('Nothing was deleted, skipped or overwritten because of it. Retry '
+         'once the store answers; if it persists, check the location.')
 
   def __init__(self, *, location: str, action: str, cause: str):
     self.location, self.action, self.cause = location, action, cause
     self.fix = self.FIX
-    super().__init__(
-        f'Could not {action} {location!r}: {cause}. {self.fix}')
-
-  def __reduce__(self):
-    return (_rebuild_storage_error, (type(self), self.location, self.action,
-                                     self.cause))
-
-
-def _rebuild_storage_error(cls, location, action, cause):
-  return cls(location=location, action=action, cause=cause)
+    super().__init__(f'Could not {action} {location!r}: {cause}. {self.fix}')
 
 
 class StorageCredentialsError(StorageError):
-  """No usable credentials for a bucket: set Application Default
-  Credentials (or they were refused: 401)."""
-
+  """No usable credentials for a bucket: none found, or refused (401)."""
   FIX = ('Application Default Credentials were not found or were refused. '
-         'Set them: run `gcloud auth application-default login`, or set '
-         'GOOGLE_APPLICATION_CREDENTIALS to a service account key file, or '
-         "run where the VM's service account may use the bucket. Nothing "
-         'was written, deleted or skipped because of it.')
+         'Set them: `gcloud auth application-default login`, or '
+         'GOOGLE_APPLICATION_CREDENTIALS=<key file>, or the VM\'s service '
+         'account.')
 
 
 class StoragePermissionError(StorageError, PermissionError):
-  """The credentials may not do this (403, or EACCES on disk)."""
-
-  FIX = ('The credentials in use lack the permission: grant them e.g. '
-         'roles/storage.objectAdmin on the bucket (roles/storage.'
-         'objectViewer to read only), use other credentials, or fix the '
-         "local directory's permissions. Nothing was deleted, skipped or "
-         'overwritten because of it.')
+  """The credentials may not do this (a 403; EACCES on local disk)."""
+  FIX = ('The credentials in use lack the permission: grant e.g. roles/'
+         'storage.objectAdmin on the bucket (objectViewer to read), or fix '
+         "the local directory's permissions. Nothing was deleted or skipped.")
 
 
 class StorageUnavailableError(StorageError, ConnectionError):
-  """The store did not answer: a network failure, a timeout, or a 5xx/429
-  past the client's retries."""
-
-  FIX = ('The store or the network failed (after the client\'s retries): '
-         'check the connection, a proxy or firewall, and the service\'s '
-         'status, then retry. Nothing published was changed, and nothing '
-         'was taken for missing because of it.')
+  """No answer: the network, a timeout, or a 5xx/429 past the retries."""
+  FIX = ("The store or the network failed (after the client's retries): "
+         "check the connection, a proxy and the service's status, then "
+         'retry. Nothing was changed or taken for missing.')
 
 
 class BucketNotFoundError(StorageError, FileNotFoundError):
   """A write into a bucket that does not exist: create it or fix the name."""
-
-  FIX = ('The bucket does not exist (or is not visible to these '
-         'credentials): create it (gcloud storage buckets create gs://NAME) '
-         'or fix the name in the URL.')
+  FIX = ('The bucket does not exist (or these credentials cannot see it): '
+         'create it (gcloud storage buckets create gs://NAME) or fix the URL.')
 
 
 class ExportFailedError(T5ExportError, RuntimeError):
@@ -400,12 +370,8 @@ class MissingSampleInputsError(T5ExportError, ValueError):
 
 
 class UncheckablePlatformsError(T5ExportError, ValueError):
-  """A version is lowered only for platforms the check cannot run here.
-
-  Attributes:
-    platforms: the version's lowering platforms.
-    runnable: the platforms this process's TensorFlow can run.
-  """
+  """A version is lowered only for platforms the check cannot run here
+  (`platforms`: the version's; `runnable`: this process's TensorFlow's)."""
 
   def __init__(self, platforms: Sequence[str], runnable: Sequence[str]):
     self.platforms, self.runnable = tuple(platforms), tuple(runnable)
@@ -421,13 +387,8 @@ class UncheckablePlatformsError(T5ExportError, ValueError):
 
 
 class MissingOpsPackageError(T5ExportError, ImportError):
-  """A version uses TensorFlow ops of a package that is not installed.
-
-  Attributes:
-    package: the Python package that registers the ops (e.g.
-      'tensorflow_text').
-    ops: the op types the version uses from it.
-  """
+  """A version uses TensorFlow ops (`ops`) of a package that is not
+  installed (`package`, the one that registers them, e.g. tensorflow_text)."""
 
   def __init__(self, package: str, ops: Sequence[str], *, where: str,
                pip_name: str, cause: str):
