@@ -150,6 +150,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 class _Server(http.server.ThreadingHTTPServer):
   daemon_threads = True
+  block_on_close = False  # A SLOW request still asleep does not hold stop().
 
   def __init__(self, upstream: str):
     super().__init__(('127.0.0.1', 0), _Handler)

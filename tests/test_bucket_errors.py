@@ -106,6 +106,18 @@ def test_a_slow_store_is_only_slow(published, proxy):
   assert rule.hits >= 1
 
 
+def test_a_timeout_is_named(published, proxy, monkeypatch):
+  # gcsfs's own request timeout (None by default: aiohttp's 5 minutes).
+  monkeypatch.setattr(storage._gcs(), 'requests_timeout', 0.5)  # pylint: disable=protected-access
+  proxy.inject('GET', _key(published) + r'/1/saved_model\.pb',
+               fault_proxy.SLOW, delay=2)
+  with pytest.raises(errors.StorageUnavailableError) as info:
+    versions.list_versions(published)
+  assert f"Could not look up '{published}/1/saved_model.pb': " in str(
+      info.value)
+  assert 'TimeoutError' in str(info.value)
+
+
 def test_callback_reports_a_forbidden_bucket(published, proxy, tmp_path,
                                              monkeypatch):
   monkeypatch.setenv('T5EXPORT_STAGING_DIR', str(tmp_path))
