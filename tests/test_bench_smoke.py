@@ -198,6 +198,8 @@ def test_peak_figures_show_each_window_and_the_whole_run(smoke_run):
     # depends on timing (one may write every shard on a busy machine), so
     # the bound is one buffer at least and one per thread at most.
     buffers = re['in_tf_write_buffers']
+    # The weight shard files the version has (BENCHMARKS.md: one thread,
+    # one file, one per CPU, at most 8).
     assert buffers['shard_threads'] == max(1, min(8, os.cpu_count())), re
     assert 0.5 < buffers['of_8_mib'] < buffers['shard_threads'] + 0.5, re
     whole = first['whole_run_peak_added']
