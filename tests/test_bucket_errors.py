@@ -18,6 +18,7 @@ import pytest
 import t5export
 from t5export import errors
 from t5export import serving_check
+from t5export._src.state import paths
 from t5export._src.versions import storage
 from t5export._src.versions import versions
 import _reliability_model as model  # tests/ is on sys.path.
@@ -193,28 +194,24 @@ def cwd_is_tmp(tmp_path, monkeypatch):
   monkeypatch.setenv('T5EXPORT_STAGING_DIR', str(tmp_path / 'staging'))
 
 
-_READ_PARAMS = """
-import sys
-from t5export._src.offline import checkpoints
-try:
-  checkpoints.read_params(sys.argv[1])
-except Exception as e:
-  import etils.epath
-  backend = type(etils.epath.Path(sys.argv[1])._backend).__name__
-  print(backend, type(e).__name__, str(e).replace(chr(10), ' '))
-"""
-
-
-def test_production_read_path_tf_gfile_errors_are_t5export_errors(
-    gcs_bucket, proxy):
+def test_production_read_path_offline_cli_one_line(gcs_bucket, proxy,
+                                                   t5x_checkpoint_dir,
+                                                   tmp_path):
   """TensorFlow installed, EPATH_USE_TF unset: orbax reads its small files
-  with tf.io.gfile (which goes to GCS itself: here through the proxy)."""
+  with tf.io.gfile, which goes to GCS itself (here: through the proxy,
+  which refuses it); `python -m t5export.offline` says so in one line."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  reference = np.load(t5x_checkpoint_dir / 'params_reference.npz')
+  state = {'params': paths.unflatten({k: reference[k]
+                                      for k in reference.files}),
+           'step': np.int32(1)}
   manager_dir = gcs_bucket + '/orbax'
   with ocp.CheckpointManager(manager_dir) as manager:
-    manager.save(10, args=ocp.args.Composite(state=ocp.args.StandardSave(
-        {'params': {'w': np.ones((4,), np.float32)}, 'step': np.int32(10)})))
+    manager.save(1, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state)))
     manager.wait_until_finished()
+  gin_file = tmp_path / 'fixture.gin'
+  gin_file.write_text(offline_gin.t5x_fixture(_TOKENS))
   rule = proxy.inject('CONNECT', r'googleapis\.com', 403)
   env = {k: v for k, v in os.environ.items() if k != 'EPATH_USE_TF'}
   env.update(https_proxy=proxy.url, HTTPS_PROXY=proxy.url,
@@ -224,13 +221,17 @@ def test_production_read_path_tf_gfile_errors_are_t5export_errors(
              GCS_RETRY_CONFIG_MAX_DELAY_TIME_US='1000',
              TF_CPP_MIN_LOG_LEVEL='3',
              PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / 'tests')]))
-  result = subprocess.run([sys.executable, '-c', _READ_PARAMS, manager_dir],
-                          env=env, capture_output=True, text=True,
-                          timeout=300, check=True)
-  backend, name, message = result.stdout.strip().split(' ', 2)
-  assert backend == '_TfBackend', result.stdout  # tf.io.gfile was used.
-  assert name == 'StorageUnavailableError', result.stdout
-  assert message.startswith(
-      f"Could not restore the checkpoint '{manager_dir}/10/state': ")
-  assert errors.StorageUnavailableError.FIX in message
+  exports = tmp_path / 'exports'
+  result = subprocess.run(
+      offline_cli.command(manager_dir, exports, gin_file), env=env,
+      capture_output=True, text=True, timeout=300, cwd=tmp_path)
+  assert result.returncode == 1, result.stderr[-3000:]
+  last = result.stderr.strip().splitlines()[-1]
+  # Today's main: a traceback ending in TensorFlow's AbortedError.
+  assert last.startswith(
+      't5export.offline: error: StorageUnavailableError: Could not restore '
+      f"the checkpoint '{manager_dir}/1/state': "), last
+  assert 'tf.io.gfile' not in last and 'AbortedError' in last  # The cause.
+  assert errors.StorageUnavailableError.FIX in last
   assert rule.hits >= 1
+  assert not exports.exists() or versions.list_versions(str(exports)) == []
