@@ -20,6 +20,7 @@ import pytest
 
 import t5export
 from t5export import errors
+from t5export._src.engine import custom_ops
 from t5export._src.offline import checkpoints
 from t5export._src.versions import storage
 from t5export._src.versions import versions
@@ -154,6 +155,8 @@ def test_readers_under_a_fault_raise_not_missing(published, proxy, fault):
   _assert_error(info.value, fault, f'{version}/assets.extra/t5export.json')
   with pytest.raises(errors.StorageError):
     t5export.load_function(version, model.SIGNATURE)
+  with pytest.raises(errors.StorageError):  # Not "no ops to import".
+    custom_ops.import_for_version(version)
   assert rule.hits >= 1
   proxy.clear()
   proxy.inject('GET', tail + r'variables/variables\.data', fault)
