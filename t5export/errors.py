@@ -233,15 +233,57 @@ class ExportDirError(T5ExportError, OSError):
 
 
 class UnsupportedURLError(T5ExportError, ValueError):
-  """A URL whose scheme t5export cannot use: pass gs://... or a local path."""
+  """A location outside the grammar (`problem`, None: the scheme): fix it."""
 
-  def __init__(self, url: str, *, argument: str, supported: Sequence[str]):
-    self.url, self.argument = url, argument
+  def __init__(self, url: str, *, argument: str, supported: Sequence[str],
+               problem: str | None = None):
+    self.url, self.argument, self.problem = url, argument, problem
+    what = ('has a URL scheme t5export cannot read or write' if problem is None
+            else f'is not a location t5export can use: {problem}')
     super().__init__(
-        f'{argument}={url!r} has a URL scheme t5export cannot read or write '
-        f'(supported: {", ".join(supported)}, or a local path); nothing was '
-        'written. Pass a gs://bucket/path URL or a local directory; it is '
-        'never taken as a local path named after the URL.')
+        f'{argument}={url!r} {what} (supported: {", ".join(supported)}, or a '
+        'local path); nothing was written. Pass a gs://bucket/path URL or a '
+        'local directory; it is never taken as a local path named after the '
+        'URL.')
+
+
+class StorageError(T5ExportError, OSError):
+  """A store failed, not with "not found"; nothing was decided on it."""
+  FIX = ('Nothing was deleted, skipped or overwritten because of it. Retry '
+         'once the store answers; if it persists, check the location.')
+
+  def __init__(self, *, location: str, action: str, cause: str):
+    self.location, self.action, self.cause = location, action, cause
+    self.fix = self.FIX
+    super().__init__(f'Could not {action} {location!r}: {cause}. {self.fix}')
+
+
+class StorageCredentialsError(StorageError):
+  """No usable credentials for a bucket: none found, or refused (401)."""
+  FIX = ('Application Default Credentials were not found or were refused. '
+         'Set them: `gcloud auth application-default login`, or '
+         'GOOGLE_APPLICATION_CREDENTIALS=<key file>, or the VM\'s service '
+         'account.')
+
+
+class StoragePermissionError(StorageError, PermissionError):
+  """The credentials may not do this (a 403; EACCES on local disk)."""
+  FIX = ('The credentials in use lack the permission: grant e.g. roles/'
+         'storage.objectAdmin on the bucket (objectViewer to read), or fix '
+         "the local directory's permissions. Nothing was deleted or skipped.")
+
+
+class StorageUnavailableError(StorageError, ConnectionError):
+  """No answer: the network, a timeout, or a 5xx/429 past the retries."""
+  FIX = ("The store or the network failed (after the client's retries): "
+         "check the connection, a proxy and the service's status, then "
+         'retry. Nothing was changed or taken for missing.')
+
+
+class BucketNotFoundError(StorageError, FileNotFoundError):
+  """A write into a bucket that does not exist: create it or fix the name."""
+  FIX = ('The bucket does not exist (or these credentials cannot see it): '
+         'create it (gcloud storage buckets create gs://NAME) or fix the URL.')
 
 
 class ExportFailedError(T5ExportError, RuntimeError):
@@ -373,12 +415,8 @@ class MissingSampleInputsError(T5ExportError, ValueError):
 
 
 class UncheckablePlatformsError(T5ExportError, ValueError):
-  """A version is lowered only for platforms the check cannot run here.
-
-  Attributes:
-    platforms: the version's lowering platforms.
-    runnable: the platforms this process's TensorFlow can run.
-  """
+  """A version is lowered only for platforms the check cannot run here
+  (`platforms`: the version's; `runnable`: this process's TensorFlow's)."""
 
   def __init__(self, platforms: Sequence[str], runnable: Sequence[str]):
     self.platforms, self.runnable = tuple(platforms), tuple(runnable)
@@ -394,13 +432,8 @@ class UncheckablePlatformsError(T5ExportError, ValueError):
 
 
 class MissingOpsPackageError(T5ExportError, ImportError):
-  """A version uses TensorFlow ops of a package that is not installed.
-
-  Attributes:
-    package: the Python package that registers the ops (e.g.
-      'tensorflow_text').
-    ops: the op types the version uses from it.
-  """
+  """A version uses TensorFlow ops (`ops`) of a package that is not
+  installed (`package`, the one that registers them, e.g. tensorflow_text)."""
 
   def __init__(self, package: str, ops: Sequence[str], *, where: str,
                pip_name: str, cause: str):

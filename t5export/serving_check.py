@@ -12,9 +12,14 @@ with `--xla_cpu_compilation_enabled=true`: every t5export version then fails
 its first warm-up request, as in the server. Packages a version's metadata
 lists under `custom_ops` (e.g. tensorflow_text) are imported first.
 
+VERSION_DIR may be a `gs://bucket/...` URL: the version's objects are
+copied to a temporary directory first (through gcsfs: Application Default
+Credentials, `STORAGE_EMULATOR_HOST` honoured) and replayed from there.
+
 Prints one line per request ('ok' and the output shapes, or the server's
 status) and exits 0 when every request served, 1 when one failed (the
-server would not load the version), 2 on bad arguments. More: README.md,
+server would not load the version) or the store could not be read (one
+line naming the cause and the fix), 2 on bad arguments. More: README.md,
 "Serving with TF Serving".
 """
 
@@ -26,8 +31,11 @@ import importlib
 import json
 import os
 import sys
+import tempfile
 
+from t5export import errors
 from t5export._src.engine import server_replay
+from t5export._src.versions import storage
 
 # Metadata, read with the standard library (t5export's metadata module is
 # not imported: it stays light, but this tool needs nothing else from it).
@@ -43,6 +51,17 @@ def _import_custom_ops(version_dir: str) -> list[str]:
   for package in packages:
     importlib.import_module(package)
   return packages
+
+
+def _download(url: str, local: str) -> str:
+  """A local copy of the version at `url` (the objects the model server
+  reads), in `local`; TensorFlow's own GCS file system is not used."""
+  for rel in storage.walk_files(url):
+    target = os.path.join(local, *rel.split('/'))
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    with open(target, 'wb') as f:
+      f.write(storage.read_bytes(storage.join(url, rel)))
+  return local
 
 
 def check(version_dir: str, *, xla: bool = True) -> dict[str, object]:
@@ -90,10 +109,21 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument('--json', action='store_true',
                       help='print the report as one JSON object')
   args = parser.parse_args(argv)
-  if not os.path.isfile(os.path.join(args.version_dir, 'saved_model.pb')):
-    parser.error(f'{args.version_dir!r} holds no saved_model.pb; pass a '
-                 'version directory such as <export_dir>/<step>')
-  report = check(args.version_dir, xla=args.xla == 'on')
+  with tempfile.TemporaryDirectory(prefix='t5export-serving-check-') as copy:
+    try:
+      version_dir = storage.parse(args.version_dir, argument='version_dir')
+      found = storage.isfile(storage.join(version_dir, 'saved_model.pb'))
+      if found and storage.is_url(version_dir):
+        local = _download(version_dir, copy)
+      else:
+        local = version_dir
+    except errors.T5ExportError as e:  # The store failed, or the URL.
+      parser.exit(1, f'{parser.prog}: error: {type(e).__name__}: {e}\n')
+    if not found:
+      parser.error(f'{args.version_dir!r} holds no saved_model.pb; pass a '
+                   'version directory such as <export_dir>/<step>')
+    report = check(local, xla=args.xla == 'on')
+  report['version_dir'] = version_dir
   if args.json:
     print(json.dumps(report))
   else:

@@ -52,6 +52,13 @@ def _staged(url: str) -> list[str]:
                 for n in os.listdir(d))
 
 
+def _local_nbytes(local: pathlib.Path, prefix: str = '') -> int:
+  """The bytes of the local files under `local` (what was downloaded or
+  uploaded; not storage's own byte count), in entries named `prefix*`."""
+  return sum(f.stat().st_size for f in local.rglob('*') if f.is_file() and
+             f.relative_to(local).parts[0].startswith(prefix))
+
+
 def test_export_to_bucket_and_read_back(gcs_emulator, gcs_bucket, cwd,
                                         tmp_path, capsys):
   url = gcs_bucket + '/exports'
@@ -98,11 +105,13 @@ def test_export_to_bucket_and_read_back(gcs_emulator, gcs_bucket, cwd,
   assert exporter.versions() == [3, 4]
   assert cb.summary().startswith('1 due: 1 published')
   assert cb.published == [f'{url}/4']  # What its log line names.
-  assert cb.bytes_written == storage.tree_nbytes(f'{url}/4')
-  _inspect(url, capsys)
+  four = _local_nbytes(pathlib.Path(gcs_emulator_lib.download(
+      url + '/4', tmp_path / '4')))
+  assert cb.bytes_written == four
+  _inspect(url, capsys, four)
 
 
-def _inspect(url: str, capsys) -> None:
+def _inspect(url: str, capsys, four: int) -> None:
   """tools/inspect_export.py on an export_dir in a bucket holding 3 and 4."""
   sys.path.insert(0, str(REPO / 'tools'))
   try:
@@ -115,7 +124,7 @@ def _inspect(url: str, capsys) -> None:
       url, 4, ['9'])
   assert [(r['step'], r['path']) for r in info['versions']] == [
       (3, f'{url}/3'), (4, f'{url}/4')]
-  assert info['versions'][1]['bytes'] == storage.tree_nbytes(url + '/4')
+  assert info['versions'][1]['bytes'] == four  # The downloaded files'.
   assert f'--model_base_path={url} ' in info['serve'][
       'tensorflow_model_server']
   assert f"-e MODEL_BASE_PATH={url.rsplit('/', 1)[0]} " in info['serve'][
@@ -208,12 +217,12 @@ def test_offline_cli_from_bucket_to_bucket(gcs_emulator, gcs_bucket, cwd,
       {'tokens': TOKENS})
   for name in want:
     np.testing.assert_allclose(out[name], want[name], rtol=1e-5, atol=1e-5)
-  # The params' files and the small msgpack file, never the optimizer's.
-  ckpt = run + '/checkpoint_1'
-  optimizer = sum(storage.tree_nbytes(f'{ckpt}/{n}')
-                  for n in storage.listdir(ckpt) if n.startswith('state.'))
-  params = sum(storage.tree_nbytes(f'{ckpt}/{n}')
-               for n in storage.listdir(ckpt) if n.startswith('target.'))
-  assert served < params + optimizer / 2, (served, params, optimizer)
+  # The params' files and the small msgpack file, never the optimizer's
+  # (the local files uploaded; the emulator's own count of what it served).
+  ckpt = t5x_checkpoint_dir / 'checkpoint_1'
+  optimizer = _local_nbytes(ckpt, 'state.')
+  params = _local_nbytes(ckpt, 'target.')
+  assert params <= served < params + optimizer / 2, (served, params,
+                                                     optimizer)
   assert list(cwd.iterdir()) == []
 

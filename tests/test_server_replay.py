@@ -41,6 +41,7 @@ def test_warmup_file_reads_as_tensorflow_serving_api_parses_it(tmp_path):
           .request for r in tf.data.TFRecordDataset(path)]
   assert [r.signature for r in got] == ['serving_default', 'score',
                                         'serving_default']
+  assert len(got) == len(want) == len(requests)
   for mine, theirs in zip(got, want):
     assert sorted(mine.inputs) == sorted(theirs.inputs)
     for name, value in mine.inputs.items():

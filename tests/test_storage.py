@@ -7,35 +7,88 @@ import os
 import numpy as np
 import pytest
 
+import t5export
 from t5export import errors
+from t5export._src.offline import checkpoints
 from t5export._src.versions import storage
+from t5export._src.versions import versions
+import _reliability_model as model  # tests/ is on sys.path.
+import _small_fs
 
 
-@pytest.mark.parametrize('url', [
-    'nosuchscheme://b/exports', 's3://bucket/exports', 'http://host/x',
-    'gcs://bucket/exports', 'gs:/my-bucket/exports', 'GS://my-bucket/x'])
-def test_parse_refuses_other_urls_by_name(url):
+# Each spelling of a location and what it is: a canonical location ('{cwd}'
+# the working directory, '{home}' the home directory), or None: refused.
+SPELLINGS = [
+    ('gs://my-bucket/exports', 'gs://my-bucket/exports'),
+    ('gs://my-bucket//runs/exports/', 'gs://my-bucket/runs/exports'),
+    ('gs://my-bucket', 'gs://my-bucket'),
+    ('exports', '{cwd}/exports'),
+    ('./a:b/exports', '{cwd}/a:b/exports'),
+    ('~/exports', '{home}/exports'),
+    ('/abs/exports/', '/abs/exports'),
+    ('file:///abs/exports', '/abs/exports'),
+    ('file://localhost/abs/exports', '/abs/exports'),
+    ('file:/abs/exports', '/abs/exports'),
+    ('file:///abs/my%20exports', '/abs/my exports'),
+    ('gs:my-bucket/exports', None),  # Slashes lost.
+    ('gs:/my-bucket/exports', None),
+    ('gs:///my-bucket/exports', None),
+    ('GS://my-bucket/exports', None),
+    ('gcs://my-bucket/exports', None),
+    ('s3://bucket/exports', None),
+    ('https://storage.googleapis.com/my-bucket/x', None),
+    ('nosuchscheme://b/exports', None),
+    ('file://otherhost/abs/exports', None),
+    ('file:relative/exports', None),
+    ('file://', None),
+    ('FILE:///abs/exports', None),
+    ('', None),
+    (' gs://my-bucket/exports', None),
+    ('/tmp/gs://my-bucket/exports', None),
+    ('gs://', None),
+    ('gs://My-Bucket/x', None),
+    ('gs://my-bucket/../x', None),
+    ('gs://my-bucket/x?generation=1', None),
+]
+
+
+@pytest.mark.parametrize('spelling,want', SPELLINGS)
+def test_one_url_grammar_and_nothing_under_the_cwd(spelling, want, tmp_path,
+                                                   monkeypatch):
+  cwd = tmp_path / 'cwd'
+  cwd.mkdir()
+  monkeypatch.chdir(cwd)
+  monkeypatch.setenv('HOME', str(tmp_path / 'home'))
+  if want is None:
+    for make in (
+        lambda: t5export.SavedModelExporter(spelling, [model.signature()]),
+        lambda: checkpoints.locate(spelling),
+        lambda: t5export.read_metadata(spelling)):
+      with pytest.raises(errors.UnsupportedURLError) as info:
+        make()
+      assert repr(spelling) in str(info.value)
+      assert 'nothing was written' in str(info.value)
+  else:
+    want = want.format(cwd=cwd, home=tmp_path / 'home')
+    assert storage.parse(spelling, argument='a') == want
+    exporter = t5export.SavedModelExporter(spelling, [model.signature()])
+    assert exporter.export_dir == want
+  assert list(cwd.iterdir()) == []
+
+
+@pytest.mark.parametrize('url,fix', [
+    ('gs:/my-bucket/x', "slashes are missing after 'gs:'"),
+    ('GS://my-bucket/x', 'write the scheme in lowercase, gs:'),
+    ('file://otherhost/x', "names the host 'otherhost'"),
+    ('nosuchscheme://b/exports', 'has a URL scheme t5export cannot read'),
+    ('gs://B/x', 'not a usable gs:// URL'),
+])
+def test_refusals_say_what_is_wrong(url, fix):
   with pytest.raises(errors.UnsupportedURLError) as info:
     storage.parse(url, argument='export_dir')
   message = str(info.value)
-  assert f'export_dir={url!r}' in message
+  assert message.startswith(f'export_dir={url!r} ') and fix in message
   assert 'supported: gs://' in message and 'local directory' in message
-
-
-def test_parse_canonical_forms(tmp_path, monkeypatch):
-  monkeypatch.chdir(tmp_path)
-  assert storage.parse('exports', argument='a') == str(tmp_path / 'exports')
-  assert storage.parse(f'file://{tmp_path}/x', argument='a') == str(
-      tmp_path / 'x')
-  assert storage.parse('gs://my-bucket//runs/exports/',
-                       argument='a') == 'gs://my-bucket/runs/exports'
-  assert storage.parse('gs://my-bucket', argument='a') == 'gs://my-bucket'
-
-
-@pytest.mark.parametrize('url', ['gs://', 'gs://B/x', 'gs://ok-bucket/../x'])
-def test_parse_refuses_unusable_gs_urls(url):
-  with pytest.raises(ValueError, match='not a usable gs:// URL'):
-    storage.parse(url, argument='export_dir')
 
 
 @pytest.fixture(params=['local', 'gcs'])
@@ -76,10 +129,12 @@ def test_file_operations(root):
 
 def test_upload_tree_stores_last_files_last(gcs_emulator, gcs_bucket,
                                             tmp_path):
+  written = 0
   for name in ('saved_model.pb', 'variables/variables.index',
                'variables/variables.data-00000-of-00001', 'fingerprint.pb'):
     os.makedirs(tmp_path / os.path.dirname(name), exist_ok=True)
     (tmp_path / name).write_bytes(name.encode() * 10)
+    written += len(name) * 10
   order = []
   gcs_emulator.on_upload = order.append
   url = gcs_bucket + '/exports/7'
@@ -87,8 +142,7 @@ def test_upload_tree_stores_last_files_last(gcs_emulator, gcs_bucket,
   assert order[-1] == 'exports/7/saved_model.pb'
   assert sorted(order) == sorted(f'exports/7/{n}' for n in storage.walk_files(
       str(tmp_path)))
-  assert nbytes == storage.tree_nbytes(url) == storage.tree_nbytes(
-      str(tmp_path))
+  assert nbytes == storage.tree_nbytes(url) == written
   assert storage.read_bytes(url + '/fingerprint.pb') == b'fingerprint.pb' * 10
 
 
@@ -118,3 +172,25 @@ def test_tensorstore_kvstore_reads_what_was_written(root):
   np.testing.assert_array_equal(
       ts.open(spec, open=True).result().read().result(), value)
   assert '.zarray' in storage.listdir(storage.join(root, 'arr'))
+
+
+def test_a_failed_local_lookup_is_not_an_absence(tmp_path):
+  """A directory that lists but cannot be searched (r--): its versions
+  cannot be looked at, so they are not reported missing."""
+  export_dir = tmp_path / 'exports'
+  for step in (1, 10):
+    (export_dir / str(step)).mkdir(parents=True)
+    (export_dir / str(step) / 'saved_model.pb').write_bytes(b'x')
+  os.chmod(export_dir, 0o644)
+  try:
+    with _small_fs.without_dac_override():
+      assert sorted(os.listdir(export_dir)) == ['1', '10']  # It lists.
+      with pytest.raises(errors.StoragePermissionError) as info:
+        versions.list_versions(str(export_dir))  # Today's main: [].
+      with pytest.raises(errors.StoragePermissionError):
+        storage.exists(str(export_dir / '10'))
+  finally:
+    os.chmod(export_dir, 0o755)
+  assert f"Could not look up '{export_dir}/1" in str(info.value)
+  assert 'Permission denied' in str(info.value)
+  assert versions.list_versions(str(export_dir)) == [1, 10]

@@ -11,7 +11,9 @@ never imports t5x: tests/test_package.py.)
 
 from __future__ import annotations
 
+import json
 import pathlib
+import re
 import sys
 
 import numpy as np
@@ -30,6 +32,23 @@ pytestmark = pytest.mark.t5x
 
 LENGTHS = {'inputs': t5x_setup.INPUT_LENGTH,
            'targets': t5x_setup.TARGET_LENGTH}
+
+
+def _readme_text_requests() -> list[tuple[str, dict[str, list[str]]]]:
+  """The README's `curl -d` bodies that send text rows, as (signature,
+  {input: strings}) by TF Serving's JSON rules: `instances` lists the
+  strings themselves (one named input, 'inputs') or one object per row."""
+  out = []
+  readme = (TESTS.parent / 'README.md').read_text()
+  for text in re.findall(r"curl -d '(\{.*?\})'", readme, re.S):
+    body = json.loads(text)
+    rows = body.get('instances')
+    if not rows:
+      continue  # Columns of numbers: tests/test_serving_versions.py.
+    columns = ({'inputs': rows} if all(isinstance(r, str) for r in rows)
+               else {k: [r[k] for r in rows] for k in rows[0]})
+    out.append((body.get('signature_name', 'serving_default'), columns))
+  return out
 
 
 @pytest.fixture(scope='module')
@@ -85,6 +104,8 @@ def test_decoder_only_text_signatures_match_t5x(tmp_path, vocabulary,
   rng = np.random.default_rng(5)
   ids = rng.integers(1, t5x_setup.VOCAB_SIZE, (3, length), np.int32)
   dec_in = np.concatenate([np.zeros((3, 1), np.int32), ids[:, :-1]], 1)
+  readme = _readme_text_requests()
+  assert [name for name, _ in readme] == ['serving_default', 'score']
   got = tf_2_19_process.run([
       {'dir': path, 'signature': 'serving_default',
        'inputs': {'inputs': np.array(inputs, object)}},
@@ -92,8 +113,25 @@ def test_decoder_only_text_signatures_match_t5x(tmp_path, vocabulary,
        'inputs': {'inputs': np.array(inputs, object),
                   'targets': np.array(targets, object)}},
       {'dir': path, 'signature': 'logits',
-       'inputs': {'decoder_input_tokens': dec_in}}])
+       'inputs': {'decoder_input_tokens': dec_in}}] + [
+           {'dir': path, 'signature': name,
+            'inputs': {k: np.array(v, object) for k, v in columns.items()}}
+           for name, columns in readme])
   assert tf_2_19_process.tf_version == '2.19.1'
+  # The README's text bodies, served as T5X predicts and scores them.
+  for (name, columns), served in zip(readme, got[3:], strict=True):
+    texts = columns['inputs']
+    rest = t5x_setup.seqio_batch(
+        vocabulary, texts, columns.get('targets', [''] * len(texts)),
+        task_feature_lengths=LENGTHS, decoder_only=True)
+    if name == 'score':
+      np.testing.assert_allclose(served['scores'],
+                                 model.score_batch(params, rest), atol=1e-5,
+                                 rtol=0)
+    else:
+      assert [t.decode() for t in served['outputs']] == [
+          vocabulary.decode(row.tolist())
+          for row in np.asarray(model.predict_batch(params, rest))]
   assert [t.decode() for t in got[0]['outputs']] == want_text
   np.testing.assert_allclose(got[1]['scores'],
                              model.score_batch(params, batch), atol=1e-5,

@@ -51,7 +51,7 @@ def worker_export(spec: dict[str, Any]) -> dict[str, Any]:
   compiled = donating_step.lower(variables).compile()  # Outside the phases.
   in_child.settle_disk()
   with phases('first'):
-    side.export(variables, 1)
+    last = side.export(variables, 1)
   # Work the first export leaves running once the version is published
   # (ours: the variables' fill when nothing read them before); its time
   # and memory are counted with the first export's, not the re-export's.
@@ -63,7 +63,7 @@ def worker_export(spec: dict[str, Any]) -> dict[str, Any]:
     variables = model.bump(variables)
     in_child.settle_disk()
     with phases(f're{r}'):
-      side.export(variables, r + 2)
+      last = side.export(variables, r + 2)
     # orbax's versions stay until the process ends (ours keeps 2): deleting
     # freshly written files would spare it the disk writeback ours pays.
     if spec['raw']:
@@ -86,9 +86,10 @@ def worker_export(spec: dict[str, Any]) -> dict[str, Any]:
   out = {'phases': phases.phases, 'param_bytes': nbytes,
          'rss_retained': in_child.proc_status('VmRSS:') -
                          phases.phases['first']['rss0']}
-  if spec['side'] == 'ours':
-    from t5export._src.engine import writer
-    out['shards'] = writer.default_shards()  # Threads writing a version.
+  if spec['side'] == 'ours':  # Threads that wrote a version: its weight
+    # shard files, as written (one thread each).
+    out['shards'] = len(list(
+        pathlib.Path(last, 'variables').glob('variables.data-*')))
   return out
 
 

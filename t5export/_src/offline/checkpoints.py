@@ -80,7 +80,7 @@ def _locate_single(path: str) -> Located | None:
     return Located(T5X, t5x_file, name_step)
   try:
     names = storage.listdir(path)
-  except OSError:
+  except (FileNotFoundError, NotADirectoryError):  # Else: raised.
     return None
   # The step's orbax items, likeliest first; one holding params wins.
   rank = {n: i for i, n in enumerate(_ITEM_PREFERENCE)}
@@ -95,6 +95,8 @@ def _has_params(item_dir: str) -> bool:
   """Whether an orbax item's tree holds params (by its `_METADATA`)."""
   try:
     _select(orbax_checkpoints.structure(item_dir), item_dir)
+  except errors.StorageError:
+    raise  # A failed read is not "no params here".
   except (errors.T5ExportError, OSError, ValueError, KeyError, TypeError,
           AttributeError):
     return False
@@ -121,6 +123,8 @@ def locate(path: str | os.PathLike[str], *,
     CheckpointNotFoundError: `path` does not exist, or has no such `step`.
     UnknownCheckpointFormatError: `path` is not a checkpoint of a known
       format (the message lists what was looked for).
+    StorageError: a lookup or listing failed (not a not-found answer): no
+      step is skipped and no format guessed on it.
   """
   if step is not None and (isinstance(step, bool) or int(step) != step
                            or step < 0):

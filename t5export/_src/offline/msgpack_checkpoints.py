@@ -30,8 +30,8 @@ def file_format(path: str) -> str | None:
                                   max_buffer_size=_MSGPACK_LIMIT)
       size = unpacker.read_map_header()
       t5x = size > 0 and unpacker.unpack() in ('version', 'optimizer')
-  except OSError:
-    return None
+  except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+    return None  # Not a file; any other failure is raised (StorageError).
   except (ValueError, msgpack.exceptions.UnpackException):
     t5x = False
   return None if size is None else 't5x' if t5x else 'flax_msgpack'

@@ -13,6 +13,7 @@ import numpy as np
 
 from t5export import errors
 from t5export._src.versions import storage
+from t5export._src.versions import store_errors
 
 METADATA = '_METADATA'
 
@@ -88,7 +89,8 @@ def restore(item_dir: str, tree: Mapping[str, Any],
   args = jax.tree_util.tree_map(lambda leaf: ocp.RestoreArgs(
       restore_type=np.ndarray if leaf.value_type in ('jax.Array', 'np.ndarray')
       else None), item)
-  with ocp.PyTreeCheckpointer() as checkpointer:
+  with ocp.PyTreeCheckpointer() as checkpointer, store_errors.failures(
+      item_dir, action='restore the checkpoint'):
     before = read_counter()
     restored = checkpointer.restore(
         item_dir, args=ocp.args.PyTreeRestore(

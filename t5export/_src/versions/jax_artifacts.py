@@ -14,6 +14,7 @@ import jax
 from t5export import errors
 from t5export._src.versions import metadata
 from t5export._src.versions import storage
+from t5export._src.versions import store_errors
 
 ARTIFACT_DIR = os.path.join(metadata.ASSETS_EXTRA, 'jax_exported')
 
@@ -106,9 +107,11 @@ def read(version_dir: str, signature_name: str,
   if entry is None:
     raise errors.NoJaxArtifactError(
         f'{where}: it was exported with jax_artifacts=False. {fix}')
+  artifact = storage.join(version_dir, entry['file'])
   try:
-    data = storage.read_bytes(storage.join(version_dir, entry['file']))
-  except OSError as e:
+    with store_errors.failures(artifact, action='read'):
+      data = storage.read_bytes(artifact)
+  except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
     raise errors.NoJaxArtifactError(
         f'{where}: {entry["file"]} cannot be read ({e.strerror or e}). '
         f'{fix}') from e

@@ -13,6 +13,7 @@ from typing import Any
 
 from t5export import errors
 from t5export._src.versions import storage
+from t5export._src.versions import store_errors
 
 ASSETS_EXTRA = 'assets.extra'
 FILE = os.path.join(ASSETS_EXTRA, 't5export.json')
@@ -181,11 +182,13 @@ def read_metadata(version_dir: str | os.PathLike[str]) -> Metadata:
     VersionNotFoundError: if the directory or its metadata file is missing,
       or the file is not t5export metadata.
     UnsupportedURLError: `version_dir` is a URL of another scheme.
+    StorageError: the file could not be read (not a not-found answer).
   """
   version_dir = storage.checked(version_dir, argument='version_dir')
   path = storage.join(version_dir, FILE)
   try:
-    text = storage.read_text(path)
+    with store_errors.failures(path, action='read'):
+      text = storage.read_text(path)
   except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
     raise errors.VersionNotFoundError(
         f'{version_dir!r} is not a t5export version: {FILE} is '

@@ -2,11 +2,15 @@
 
 Every location is a string: an absolute local path, or a `gs://bucket/key`
 URL (Google Cloud Storage, through gcsfs: the JSON API, credentials from
-Application Default Credentials, `STORAGE_EMULATOR_HOST` honoured). A string
-with any other `scheme://` (or `scheme:/`) is refused by `parse` with
-`UnsupportedURLError`: a URL is never taken as a local path. Object stores
-have no directories: a "directory" is a key prefix, which exists while an
-object lies under it. Light module: gcsfs is imported on first gs:// use.
+Application Default Credentials, `STORAGE_EMULATOR_HOST` honoured). `parse`
+holds the one grammar of locations (its docstring); everything else is
+refused with `UnsupportedURLError`: a URL is never taken as a local path.
+Object stores have no directories: a "directory" is a key prefix, which
+exists while an object lies under it; prefix operations pass it with its
+trailing '/' (`exports/1` is never `exports/10`). Only a not-found answer
+means absent: every other failure is raised as a `StorageError`
+(`store_errors`), and a write never goes out without credentials. Light
+module: gcsfs is imported on first gs:// use.
 """
 
 from __future__ import annotations
@@ -19,15 +23,18 @@ import os
 import posixpath
 import re
 import shutil
+import stat
 from typing import IO, Any
+import urllib.parse
 
 from t5export import errors
+from t5export._src.versions import store_errors
 
 GCS = 'gs'
 SUPPORTED = ('gs://',)
-# A scheme, then ':/' (a URL, or one with a slash lost on the way): never a
-# local path. Two letters at least, so a Windows drive letter is not one.
-_URL = re.compile(r'^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]+):/')
+# A scheme and its colon (a URL, or one with its slashes lost on the way):
+# never a local path. Two letters at least, so a drive letter is not one.
+_SCHEME = re.compile(r'^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]+):')
 _BUCKET = re.compile(r'^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$')
 
 
@@ -45,39 +52,100 @@ def is_url(location: str) -> bool:
   return location.startswith('gs://')
 
 
+def _refuse(text: str, argument: str, problem: str | None = None):
+  return errors.UnsupportedURLError(text, argument=argument,
+                                    supported=SUPPORTED, problem=problem)
+
+
+def _parse_file_url(text: str, argument: str) -> str:
+  """The local path of a `file:` URL as RFC 8089 reads it, or refused."""
+  rest = text[len('file:'):]
+  if rest.startswith('//'):  # file://<host><path-absolute>
+    host, slash, path = rest[2:].partition('/')
+    if host.lower() not in ('', 'localhost'):
+      raise _refuse(text, argument,
+                    f'it names the host {host!r}, and t5export reads only '
+                    "this machine's files: file:///path or "
+                    'file://localhost/path')
+    path = slash + path
+  else:  # file:/path (RFC 8089's short form)
+    path = rest
+  if not path.startswith('/'):
+    raise _refuse(text, argument,
+                  'a file: URL needs an absolute path, file:///abs/path')
+  return os.path.normpath(urllib.parse.unquote(path))
+
+
+def _parse_gs_url(text: str, argument: str) -> str:
+  """`gs://bucket/key` in canonical form, or refused."""
+  bucket, _, key = text[len('gs://'):].partition('/')
+  parts = [p for p in key.split('/') if p]
+  if not _BUCKET.match(bucket) or {'.', '..'} & set(parts) or (
+      set('?#') & set(text)):
+    raise _refuse(text, argument,
+                  'not a usable gs:// URL: it needs a bucket name right '
+                  "after gs://, of 3-222 characters a-z, 0-9, '.', '_', '-', "
+                  "and no '.' or '..' parts, no '?' or '#'")
+  return 'gs://' + '/'.join([bucket, *parts])
+
+
 def parse(location: str | os.PathLike[str], *, argument: str) -> str:
-  """The canonical form of a location given by a user; refuses other URLs.
+  """The canonical form of a location given by a user; refuses the rest.
+
+  The grammar (nothing else is accepted):
+
+  - `gs://bucket/key`: a bucket in Google Cloud Storage; the scheme in
+    lowercase, a valid bucket name right after `gs://`, no '.' or '..'
+    parts, no '?' or '#'. Repeated and trailing '/' are dropped.
+  - `file:///abs/path`, `file://localhost/abs/path`, `file:/abs/path`: the
+    local path `/abs/path`, as RFC 8089 reads them (percent-escapes
+    decoded). Another host, or a relative path, is refused.
+  - Any other string is a local path: made absolute against the working
+    directory, a leading `~` expanded to the home directory.
+
+  Refused (`UnsupportedURLError`): other schemes (`s3://`, `http://`,
+  `gcs://`), a scheme in capitals (`GS://`), a URL whose slashes were lost
+  (`gs:/bucket/x`, `gs:bucket/x`, `gs:///bucket`) or that sits inside a
+  path (`/tmp/gs://b`), an empty string, surrounding whitespace and NUL
+  characters. A relative local path whose first part looks like `name:`
+  must be written `./name:...`.
 
   Args:
-    location: a local path (relative ones are made absolute), a
-      `file:///path` URL or a `gs://bucket/path` URL.
+    location: the location given by the user.
     argument: the argument's name, for the error (e.g. 'export_dir').
 
   Returns:
     An absolute local path, or `gs://bucket/key` without a trailing '/'.
 
   Raises:
-    UnsupportedURLError: a URL of another scheme (e.g. 's3://', 'http://'),
-      which t5export never writes as a local path.
-    ValueError: a gs:// URL without a valid bucket, or with '.'/'..' parts.
+    UnsupportedURLError: anything outside the grammar; nothing was written.
   """
   text = os.fspath(location)
-  match = _URL.match(text)
-  if not match:
-    return os.path.abspath(text)
-  scheme = match.group('scheme').lower()
-  if scheme == 'file' and text.startswith('file://'):
-    return os.path.abspath(text[len('file://'):] or '/')
-  if scheme != GCS or not text.startswith('gs://'):
-    raise errors.UnsupportedURLError(text, argument=argument,
-                                     supported=SUPPORTED)
-  parts = [p for p in text[len('gs://'):].split('/') if p]
-  if not parts or not _BUCKET.match(parts[0]) or {'.', '..'} & set(parts):
-    raise ValueError(
-        f'{argument}={text!r} is not a usable gs:// URL: it needs a bucket '
-        "name (3-222 characters: a-z, 0-9, '.', '_', '-') and no '.' or '..' "
-        'parts. Pass e.g. gs://my-bucket/exports.')
-  return 'gs://' + '/'.join(parts)
+  if not isinstance(text, str):
+    raise TypeError(f'{argument} must be a str or os.PathLike[str], got '
+                    f'{location!r}.')
+  if not text.strip():
+    raise _refuse(text, argument, 'it is empty')
+  if text != text.strip() or '\0' in text:
+    raise _refuse(text, argument, 'it has surrounding whitespace or a NUL '
+                  'character')
+  match = _SCHEME.match(text)
+  if match:
+    scheme = match.group('scheme')
+    if scheme == 'file':
+      return _parse_file_url(text, argument)
+    if scheme == GCS and text.startswith('gs://'):
+      return _parse_gs_url(text, argument)
+    if scheme.lower() in (GCS, 'file') and scheme != scheme.lower():
+      raise _refuse(text, argument, 'write the scheme in lowercase, '
+                    f'{scheme.lower()}:')
+    if scheme.lower() == GCS:
+      raise _refuse(text, argument, "slashes are missing after 'gs:', "
+                    'write gs://bucket/path')
+    raise _refuse(text, argument)
+  if '://' in text:
+    raise _refuse(text, argument, 'a URL inside a path')
+  return os.path.abspath(os.path.expanduser(text))
 
 
 def checked(location: str | os.PathLike[str], *, argument: str) -> str:
@@ -112,22 +180,56 @@ def bucket_and_key(url: str) -> tuple[str, str]:
   return bucket, key
 
 
+def _gcs_writer(location: str) -> Any:
+  """The file system for a write: refused without credentials (gcsfs would
+  otherwise write anonymously), except into an emulator."""
+  fs = _gcs()
+  if getattr(fs.credentials, 'method', None) == 'anon' and (
+      not store_errors.emulated()):
+    raise store_errors.anonymous_write(location)
+  return fs
+
+
+def _prefix(location: str) -> str:
+  """A URL's key prefix with its trailing '/', so that `exports/1` never
+  matches `exports/10`."""
+  return location.rstrip('/') + '/'
+
+
+def _stat(location: str) -> str | None:
+  """'file', 'directory', or None when nothing is there; any other failure
+  is raised (`store_errors`): it is never taken for an absence."""
+  with store_errors.failures(location, action='look up'):
+    if is_url(location):
+      try:
+        return _gcs().info(location)['type']
+      except FileNotFoundError:
+        return None
+    try:
+      mode = os.stat(location).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+      return None
+    return 'directory' if stat.S_ISDIR(mode) else 'file'
+
+
 def exists(location: str) -> bool:
-  """Whether a file, directory, object or non-empty prefix is there."""
-  return _gcs().exists(location) if is_url(location) else os.path.exists(
-      location)
+  """Whether a file, directory, object or non-empty prefix is there.
+
+  Raises:
+    StorageError: the lookup failed (not a not-found answer).
+  """
+  return _stat(location) is not None
 
 
 def isfile(location: str) -> bool:
-  """Whether a file (an object) is there."""
-  return _gcs().isfile(location) if is_url(location) else os.path.isfile(
-      location)
+  """Whether a file (an object) is there. Raises as `exists`."""
+  return _stat(location) == 'file'
 
 
 def isdir(location: str) -> bool:
-  """Whether a directory (a non-empty prefix, or the bucket) is there."""
-  return _gcs().isdir(location) if is_url(location) else os.path.isdir(
-      location)
+  """Whether a directory (a non-empty prefix, or the bucket) is there.
+  Raises as `exists`."""
+  return _stat(location) == 'directory'
 
 
 def listdir(location: str) -> list[str]:
@@ -135,11 +237,13 @@ def listdir(location: str) -> list[str]:
 
   Raises:
     FileNotFoundError: nothing is there.
+    StorageError: the listing failed otherwise.
   """
-  if not is_url(location):
-    return sorted(os.listdir(location))
-  entries = _gcs().ls(location, detail=False)
-  prefix = location[len('gs://'):].rstrip('/') + '/'
+  with store_errors.failures(location, action='list'):
+    if not is_url(location):
+      return sorted(os.listdir(location))
+    entries = _gcs().ls(_prefix(location), detail=False)
+  prefix = _prefix(location[len('gs://'):])
   return sorted({e.rstrip('/')[len(prefix):].split('/')[0] for e in entries
                  if e.rstrip('/').startswith(prefix)} - {''})
 
@@ -147,9 +251,10 @@ def listdir(location: str) -> list[str]:
 def walk_files(location: str) -> list[str]:
   """Every file under `location`, as paths relative to it ('/'-joined)."""
   if is_url(location):
-    prefix = location[len('gs://'):].rstrip('/') + '/'
-    return sorted(p[len(prefix):] for p in _gcs().find(location)
-                  if p.startswith(prefix))
+    prefix = _prefix(location[len('gs://'):])
+    with store_errors.failures(location, action='list'):
+      found = _gcs().find(_prefix(location))
+    return sorted(p[len(prefix):] for p in found if p.startswith(prefix))
   return sorted(
       os.path.relpath(os.path.join(root, name), location).replace(os.sep, '/')
       for root, _, files in os.walk(location) for name in files)
@@ -158,15 +263,17 @@ def walk_files(location: str) -> list[str]:
 def size(location: str) -> int:
   """The size of one file, in bytes."""
   if is_url(location):
-    return int(_gcs().info(location)['size'])
+    with store_errors.failures(location, action='look up'):
+      return int(_gcs().info(location)['size'])
   return os.path.getsize(location)
 
 
 def tree_nbytes(location: str) -> int:
   """The total size of the files under `location` (0 if none)."""
   if is_url(location):
-    with contextlib.suppress(FileNotFoundError):
-      return int(sum(_gcs().du(location, total=False).values()))
+    with contextlib.suppress(FileNotFoundError), store_errors.failures(
+        location, action='list'):
+      return int(sum(_gcs().du(_prefix(location), total=False).values()))
     return 0
   total = 0
   for root, _, files in os.walk(location):
@@ -181,9 +288,11 @@ def read_bytes(location: str) -> bytes:
 
   Raises:
     FileNotFoundError: there is no such file.
+    StorageError: a gs:// read failed otherwise.
   """
   if is_url(location):
-    return _gcs().cat_file(location)
+    with store_errors.failures(location, action='read'):
+      return _gcs().cat_file(location)
   with open(location, 'rb') as f:
     return f.read()
 
@@ -195,7 +304,8 @@ def read_text(location: str) -> str:
 def read_range(location: str, offset: int, length: int) -> bytes:
   """`length` bytes from `offset` (fewer where the file ends first)."""
   if is_url(location):
-    return _gcs().cat_file(location, start=offset, end=offset + length)
+    with store_errors.failures(location, action='read'):
+      return _gcs().cat_file(location, start=offset, end=offset + length)
   with open(location, 'rb') as f:
     f.seek(offset)
     return f.read(length)
@@ -205,19 +315,33 @@ def read_range(location: str, offset: int, length: int) -> bytes:
 def open_read(location: str, *,
               block_size: int | None = None) -> Iterator[IO[bytes]]:
   """A binary file object to stream `location` from; for a URL, each read
-  past its buffer fetches `block_size` bytes (default: gcsfs's)."""
+  past its buffer fetches `block_size` bytes (default: gcsfs's), and a
+  failed one is raised as a `StorageError`."""
   if is_url(location):
-    with _gcs().open(location, 'rb', block_size=block_size) as f:
-      yield f
+    with store_errors.failures(location, action='read'):
+      with _gcs().open(location, 'rb', block_size=block_size) as f:
+        yield f
   else:
     with open(location, 'rb') as f:
       yield f
 
 
 def write_bytes(location: str, data: bytes) -> None:
-  """Writes one file (an object: whole or not at all), parents created."""
+  """Writes one file (an object: whole or not at all), parents created.
+
+  Raises:
+    StorageCredentialsError: a gs:// write without credentials.
+    BucketNotFoundError: the bucket does not exist.
+    StorageError: the write failed otherwise.
+  """
   if is_url(location):
-    _gcs().pipe_file(location, data)
+    fs = _gcs_writer(location)
+    with store_errors.failures(location, action='write'):
+      try:
+        fs.pipe_file(location, data)
+      except FileNotFoundError as e:  # A new object: only the bucket can be.
+        raise errors.BucketNotFoundError(
+            location=location, action='write', cause=f'{e!r}') from e
     return
   os.makedirs(os.path.dirname(location), exist_ok=True)
   with open(location, 'wb') as f:
@@ -228,7 +352,9 @@ def remove(location: str) -> None:
   """Removes one file (object); a missing one is not an error."""
   with contextlib.suppress(FileNotFoundError):
     if is_url(location):
-      _gcs().rm_file(location)
+      fs = _gcs_writer(location)
+      with store_errors.failures(location, action='delete'):
+        fs.rm_file(location)
     else:
       os.remove(location)
 
@@ -237,7 +363,8 @@ def remove_tree(location: str, *, first: Sequence[str] = ()) -> None:
   """Removes a directory (prefix) and everything under it, if there.
 
   Args:
-    location: the directory or prefix.
+    location: the directory or prefix (`location/`: never a sibling that
+      starts with its name).
     first: relative names removed before the rest (e.g. 'saved_model.pb',
       so that a version stops being loadable before its data goes).
   """
@@ -246,8 +373,10 @@ def remove_tree(location: str, *, first: Sequence[str] = ()) -> None:
     return
   for name in first:
     remove(join(location, name))
-  with contextlib.suppress(FileNotFoundError):
-    _gcs().rm(location, recursive=True)
+  fs = _gcs_writer(location)
+  with contextlib.suppress(FileNotFoundError), store_errors.failures(
+      location, action='delete'):
+    fs.rm(_prefix(location), recursive=True)
 
 
 def upload_tree(local_dir: str, url: str, *,
@@ -266,16 +395,26 @@ def upload_tree(local_dir: str, url: str, *,
 
   Returns:
     The bytes uploaded.
+
+  Raises:
+    StorageError: an upload failed (see `write_bytes`).
   """
   files = walk_files(local_dir)
   ordered = [f for f in last if f in files]
   rest = [f for f in files if f not in ordered]
-  fs = _gcs()
-  if rest:
-    fs.put([os.path.join(local_dir, f) for f in rest],
-           [join(url, f) for f in rest])
-  for name in ordered:
-    fs.put_file(os.path.join(local_dir, name), join(url, name))
+  fs = _gcs_writer(url)
+  with store_errors.failures(url, action='upload to'):
+    try:
+      if rest:
+        fs.put([os.path.join(local_dir, f) for f in rest],
+               [join(url, f) for f in rest])
+      for name in ordered:
+        fs.put_file(os.path.join(local_dir, name), join(url, name))
+    except FileNotFoundError as e:
+      if not os.path.isdir(local_dir):
+        raise
+      raise errors.BucketNotFoundError(
+          location=url, action='upload to', cause=f'{e!r}') from e
   return sum(os.path.getsize(os.path.join(local_dir, f)) for f in files)
 
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from t5export import errors
 from t5export._src.versions import storage
+from t5export._src.versions import store_errors
 
 OBJECT_GRAPH_KEY = '_CHECKPOINTABLE_OBJECT_GRAPH'
 _MAGIC = 0xdb4775248b80fb57
@@ -213,10 +214,12 @@ class BundleReader:
     self.prefix = os.fspath(prefix)
     index = self.prefix + '.index'
     try:
+      with store_errors.failures(index, action='read'):
+        data = storage.read_bytes(index)  # Not-found: below; else raised.
       # The empty key holds the BundleHeaderProto; keys from 0x00 on, the
       # data of sliced tensors' slices (`_slice_key`).
       self._entries, self._slices, header = {}, {}, {}
-      for k, v in _table_entries(storage.read_bytes(index)):
+      for k, v in _table_entries(data):
         if not k:
           header = dict(_fields(v))
         elif k[0] == 0:
@@ -226,7 +229,8 @@ class BundleReader:
       self._num_shards = header.get(1, 1)
       if header.get(2, 0) != 0:
         raise ValueError('it was written big-endian')
-    except (OSError, ValueError) as e:
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError,
+            ValueError) as e:
       raise errors.VariablesFormatError(
           f'The checkpoint index {index!r} cannot be read: '
           f'{getattr(e, "strerror", None) or e}. Pass a version directory '
@@ -266,14 +270,9 @@ class BundleReader:
     """The bytes of `entry` (tensor `key`, or a slice of it), size-checked."""
     path = self.data_path(entry)
     try:
-      if storage.is_url(path):  # One ranged read of the tensor's bytes.
-        raw = np.frombuffer(storage.read_range(path, entry.offset, entry.size),
-                            np.uint8)
-      else:
-        with open(path, 'rb') as f:
-          f.seek(entry.offset)
-          raw = np.fromfile(f, np.uint8, count=entry.size)
-    except OSError as e:
+      with store_errors.failures(path, action='read'):
+        raw = self._read_range(path, entry)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
       raise errors.VariablesFormatError(
           f'Cannot read tensor {key!r} from {path!r} ({e.strerror or e}): the '
           'version is incomplete. Copy it again or re-export it.') from e
@@ -283,6 +282,16 @@ class BundleReader:
           f'{entry.size} bytes at offset {entry.offset}): the file is '
           'truncated. Copy the version again or re-export it.')
     return raw
+
+  @staticmethod
+  def _read_range(path: str, entry: Entry) -> np.ndarray:
+    """A tensor's bytes (fewer where the file ends first)."""
+    if storage.is_url(path):  # One ranged read of the tensor's bytes.
+      return np.frombuffer(storage.read_range(path, entry.offset, entry.size),
+                           np.uint8)
+    with open(path, 'rb') as f:
+      f.seek(entry.offset)
+      return np.fromfile(f, np.uint8, count=entry.size)
 
   def read(self, key: str) -> np.ndarray:
     """Numeric tensor `key` as a new numpy array (bfloat16: ml_dtypes); a

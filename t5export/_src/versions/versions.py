@@ -46,11 +46,11 @@ def list_versions(export_dir: str) -> list[int]:
       return []
     return sorted(int(n) for n in names if _VERSION_RE.match(n) and
                   storage.isfile(storage.join(export_dir, n, SAVED_MODEL)))
-  if not os.path.isdir(export_dir):
+  if not storage.isdir(export_dir):  # A failed lookup is raised.
     return []
   return sorted(int(n) for n in os.listdir(export_dir)
                 if _VERSION_RE.match(n) and
-                os.path.isdir(os.path.join(export_dir, n)))
+                storage.isdir(os.path.join(export_dir, n)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,8 +284,8 @@ class VersionDirectory:
     return os.path.join(self.export_dir, str(step))
 
   def published(self, step: int) -> bool:
-    """Whether version `step` is there."""
-    return os.path.exists(self.version_dir(step))
+    """Whether version `step` is there (a failed lookup is raised)."""
+    return storage.exists(self.version_dir(step))
 
   def staging_dir(self, step: int) -> str:
     """A fresh `<export_dir>/.tmp-<step>-<nonce>` path (not created)."""
@@ -300,7 +300,7 @@ class VersionDirectory:
 
   def publish(self, staging: str, final: str) -> None:
     """Renames the staged version into place (replacing when allowed)."""
-    if os.path.exists(final):
+    if storage.exists(final):  # A failed lookup is raised, never "absent".
       if not self._overwrite:  # Appeared while we were writing.
         raise errors.VersionExistsError(final, int(os.path.basename(final)))
       logging.warning('t5export: overwrite=True: replacing version %s.', final)
