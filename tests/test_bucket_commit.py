@@ -27,6 +27,7 @@ import t5export
 from t5export import errors
 from t5export._src.versions import bucket_versions
 from t5export._src.versions import lease
+from t5export._src.versions import gcs_objects
 from t5export._src.versions import storage
 from t5export._src.versions import versions
 import _gcs_upload_worker  # tests/ is on sys.path.
@@ -58,21 +59,21 @@ def _under(emulator, bucket_url: str, prefix: str) -> list[str]:
 def test_emulator_answers_create_only_writes_with_412(gcs_emulator,
                                                       gcs_bucket):
   url, src = gcs_bucket + '/object', gcs_bucket + '/source'
-  first = storage.write_generation(url, b'first', generation=0)
+  first = gcs_objects.write_generation(url, b'first', generation=0)
   with pytest.raises(FileExistsError):  # GCS's 412, as gcsfs raises it.
-    storage.write_generation(url, b'second', generation=0)
+    gcs_objects.write_generation(url, b'second', generation=0)
   storage.write_bytes(src, b'source')
   with pytest.raises(FileExistsError):
-    storage.copy_objects([(src, url)], create_only=True)
+    gcs_objects.copy_objects([(src, url)], create_only=True)
   assert storage.read_bytes(url) == b'first'
-  second = storage.write_generation(url, b'second', generation=first)
-  assert storage.read_generation(url) == (b'second', second) != (
+  second = gcs_objects.write_generation(url, b'second', generation=first)
+  assert gcs_objects.read_generation(url) == (b'second', second) != (
       b'first', first)
   with pytest.raises(FileExistsError):  # Not the generation there now.
-    storage.remove_generation(url, generation=first)
-  storage.remove_generation(url, generation=second)
+    gcs_objects.remove_generation(url, generation=first)
+  gcs_objects.remove_generation(url, generation=second)
   assert not storage.exists(url)
-  storage.copy_objects([(src, url)], create_only=True)
+  gcs_objects.copy_objects([(src, url)], create_only=True)
   assert storage.read_bytes(url) == b'source'
 
 
@@ -358,13 +359,13 @@ def test_versions_1_and_10_side_by_side(gcs_emulator, gcs_bucket, staging):
   with _exporter(url, keep=2, overwrite=True) as exporter:
     exporter.export(model.state_for(1))
     exporter.export(model.state_for(10))
-    ten = storage.stored_objects(url + '/10')
+    ten = gcs_objects.stored_objects(url + '/10')
     exporter.export(model.state_for(11).replace_step(1))  # Replaces 1.
-    assert storage.stored_objects(url + '/10') == ten
+    assert gcs_objects.stored_objects(url + '/10') == ten
     model.assert_params(url + '/1', 11)
     exporter.export(model.state_for(11))  # Retention removes 1.
     assert exporter.versions() == [10, 11]
-    assert storage.stored_objects(url + '/10') == ten
+    assert gcs_objects.stored_objects(url + '/10') == ten
   model.assert_params(url + '/10', 10)
 
 

@@ -22,6 +22,7 @@ import t5export
 from t5export import errors
 from t5export._src.engine import custom_ops
 from t5export._src.offline import checkpoints
+from t5export._src.versions import lease
 from t5export._src.versions import storage
 from t5export._src.versions import versions
 import _reliability_model as model  # tests/ is on sys.path.
@@ -40,9 +41,10 @@ def published(gcs_emulator, tmp_path_factory) -> str:
   staging = tmp_path_factory.mktemp('staging')
   with pytest.MonkeyPatch.context() as patch:
     patch.setenv('T5EXPORT_STAGING_DIR', str(staging))
-    exporter = t5export.SavedModelExporter(url, [model.signature()])
-    for step in (1, 10):
-      exporter.export(model.state_for(step))
+    with t5export.SavedModelExporter(url, [model.signature()]) as exporter:
+      for step in (1, 10):
+        exporter.export(model.state_for(step))
+  # Closed: its lease object is gone, so the copies hold none.
   return url
 
 
@@ -64,8 +66,10 @@ def proxy(gcs_emulator, monkeypatch):
 
 
 def _contents(url: str) -> dict[str, bytes]:
+  """Every object under `url` but a writer's lease (which a writer that
+  opened the export_dir holds there until it is closed)."""
   return {rel: storage.read_bytes(f'{url}/{rel}')
-          for rel in storage.walk_files(url)}
+          for rel in storage.walk_files(url) if rel != lease.BUCKET_NAME}
 
 
 def _assert_error(error: BaseException, fault, location: str) -> None:

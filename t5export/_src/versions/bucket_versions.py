@@ -38,6 +38,7 @@ from absl import logging
 
 from t5export import errors
 from t5export._src.versions import lease as lease_lib
+from t5export._src.versions import gcs_objects
 from t5export._src.versions import storage
 from t5export._src.versions import versions
 
@@ -175,10 +176,10 @@ class BucketVersionDirectory(versions.VersionDirectory):
     if not step.isdigit() or not storage.isfile(storage.join(url, VERIFIED)):
       return
     final = self.version_dir(int(step))
-    there = storage.stored_objects(final)
+    there = gcs_objects.stored_objects(final)
     if versions.SAVED_MODEL in there or (there and MARKER not in there):
       return  # Committed, or not ours to change.
-    objects = {n: v for n, v in storage.stored_objects(url).items()
+    objects = {n: v for n, v in gcs_objects.stored_objects(url).items()
                if n != VERIFIED}
     logging.warning('t5export: finishing the commit of version %s from %s '
                     '(verified, cut short while copying).', step, url)
@@ -208,7 +209,7 @@ class BucketVersionDirectory(versions.VersionDirectory):
     """
     step = int(storage.basename(final))
     self._lease.check()
-    there = storage.stored_objects(final)
+    there = gcs_objects.stored_objects(final)
     if versions.SAVED_MODEL in there:
       if not self._overwrite:  # Appeared while we were writing.
         raise errors.VersionExistsError(final, step)
@@ -222,11 +223,11 @@ class BucketVersionDirectory(versions.VersionDirectory):
     start = time.monotonic()
     try:
       local = {f: (os.path.getsize(os.path.join(staging, f)),
-                   storage.file_crc32c(os.path.join(staging, f)))
+                   gcs_objects.file_crc32c(os.path.join(staging, f)))
                for f in storage.walk_files(staging)}
       storage.upload_tree(staging, tmp)
       uploaded = time.monotonic()
-      _verify(local, storage.stored_objects(tmp), tmp)
+      _verify(local, gcs_objects.stored_objects(tmp), tmp)
       storage.write_bytes(storage.join(tmp, VERIFIED), b'')
       verified = time.monotonic()
       self._lease.check()
@@ -294,11 +295,11 @@ def _copy(tmp: str, final: str, names: list[str], objects: Objects, *,
   its object there already is done if that object is the one it copies (a
   retried request whose first try went through)."""
   try:
-    storage.copy_objects(
+    gcs_objects.copy_objects(
         [(storage.join(tmp, n), storage.join(final, n)) for n in names],
         create_only=create_only)
   except FileExistsError:
-    there = storage.stored_objects(final)
+    there = gcs_objects.stored_objects(final)
     others = [n for n in names if there.get(n) != objects[n]]
     if others:
       raise errors.CommitError(
@@ -313,7 +314,7 @@ def _remove_ours(final: str, objects: Objects) -> None:
   """Removes what a failed copy put under `final/`: the objects that are
   the staged ones (name, size and crc32c), nothing else."""
   try:
-    there = storage.stored_objects(final)
+    there = gcs_objects.stored_objects(final)
     for name in sorted(n for n in there if objects.get(n) == there[n]):
       storage.remove(storage.join(final, name))
   except Exception as e:  # pylint: disable=broad-except

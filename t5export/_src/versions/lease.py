@@ -38,6 +38,7 @@ from absl import logging
 
 from t5export import errors
 from t5export._src.snapshot import collection
+from t5export._src.versions import gcs_objects
 from t5export._src.versions import storage
 
 BUCKET_NAME = '.t5export-lease.json'
@@ -220,11 +221,11 @@ class _BucketLease(Lease):
     """Creates the lease, or takes an expired or orphaned one over."""
     for _ in range(5):  # Each round loses only to another writer's write.
       try:
-        return storage.write_generation(self.url, self._mine(), generation=0)
+        return gcs_objects.write_generation(self.url, self._mine(), generation=0)
       except FileExistsError:
         pass
       try:
-        data, generation = storage.read_generation(self.url)
+        data, generation = gcs_objects.read_generation(self.url)
       except FileNotFoundError:
         continue  # Released meanwhile.
       holder = Holder.parse(data)
@@ -243,7 +244,7 @@ class _BucketLease(Lease):
           holder.describe() if holder else 'an unreadable lease',
           'its process is gone' if holder and holder.gone() else 'expired')
       try:
-        return storage.write_generation(self.url, self._mine(),
+        return gcs_objects.write_generation(self.url, self._mine(),
                                         generation=generation)
       except FileExistsError:
         continue
@@ -256,7 +257,7 @@ class _BucketLease(Lease):
       if self._lost is not None or self._stop.is_set():
         return
       try:
-        data, generation = storage.read_generation(self.url)
+        data, generation = gcs_objects.read_generation(self.url)
       except FileNotFoundError:
         data, generation = b'', -1
       holder = Holder.parse(data)
@@ -265,10 +266,10 @@ class _BucketLease(Lease):
                                       time.time())
         return
       try:
-        self._generation = storage.write_generation(
+        self._generation = gcs_objects.write_generation(
             self.url, self._mine(), generation=generation)
       except FileExistsError:  # Taken between the read and the write.
-        self._lost = Holder.parse(storage.read_generation(self.url)[0])
+        self._lost = Holder.parse(gcs_objects.read_generation(self.url)[0])
 
   def _refresh_loop(self) -> None:
     while not self._stop.wait(REFRESH_SECS):
@@ -293,7 +294,7 @@ class _BucketLease(Lease):
       if self._lost is not None:
         return
       try:
-        storage.remove_generation(self.url, generation=self._generation)
+        gcs_objects.remove_generation(self.url, generation=self._generation)
       except Exception as e:  # pylint: disable=broad-except  # Expires anyway.
         logging.warning('t5export: could not release the lease %s (%s); it '
                         'expires by itself.', self.url, e)

@@ -15,8 +15,6 @@ module: gcsfs is imported on first gs:// use.
 
 from __future__ import annotations
 
-import asyncio
-import base64
 from collections.abc import Iterator, Sequence
 import contextlib
 import os
@@ -45,6 +43,12 @@ def _gcs() -> Any:
   # The plain JSON-API file system; listings are never cached (versions
   # appear and go while we run).
   return core.GCSFileSystem(use_listings_cache=False)
+
+
+def gcs_filesystem(*, write_to: str | None = None) -> Any:
+  """The process's gcsfs file system; with `write_to`, refused (a t5export
+  error) where it would write there without credentials."""
+  return _gcs() if write_to is None else _gcs_writer(write_to)
 
 
 def is_url(location: str) -> bool:
@@ -429,131 +433,3 @@ def tensorstore_kvstore(location: str) -> dict[str, str]:
     return {'driver': 'gcs', 'bucket': bucket,
             'path': key.rstrip('/') + '/' if key else ''}
   return {'driver': 'file', 'path': location.rstrip(os.sep) + os.sep}
-
-
-# Checksums, server-side copies and conditional writes (a bucket's commit
-# and its lease). GCS keeps each object's CRC-32C (base64 of its 4 bytes,
-# big-endian) and a generation number, which a write may be made to match:
-# 0 means "only if no object has that name" (GCS answers 412 otherwise,
-# which gcsfs raises as FileExistsError).
-_CHUNK = 8 << 20
-_COPY_CONCURRENCY = 32
-
-
-def file_crc32c(path: str) -> str:
-  """The CRC-32C of a local file, written as GCS writes it (base64)."""
-  try:
-    import google_crc32c  # pylint: disable=g-import-not-at-top
-    checksum = google_crc32c.Checksum()
-    update, value = checksum.update, lambda: int.from_bytes(
-        checksum.digest(), 'big')
-  except ImportError:  # The slower numpy one (gcsfs brings the C one).
-    from t5export._src.versions import tensor_bundle  # pylint: disable=g-import-not-at-top
-    data = bytearray()
-    update, value = data.extend, lambda: tensor_bundle.crc32c(bytes(data))
-  with open(path, 'rb') as f:
-    for chunk in iter(lambda: f.read(_CHUNK), b''):
-      update(chunk)
-  return base64.b64encode(value().to_bytes(4, 'big')).decode('ascii')
-
-
-def stored_objects(url: str) -> dict[str, tuple[int, str]]:
-  """`{relative name: (size, crc32c)}` of every object under `url/` (one
-  listing); {} if none."""
-  prefix = url[len('gs://'):].rstrip('/') + '/'
-  found = _gcs().find(url.rstrip('/') + '/', detail=True)
-  return {name[len(prefix):]: (int(info['size']), info.get('crc32c') or '')
-          for name, info in found.items() if name.startswith(prefix)}
-
-
-async def _copy_one(fs: Any, src: str, dst: str, create_only: bool) -> None:
-  b1, k1, _ = fs.split_path(src)
-  b2, k2, _ = fs.split_path(dst)
-  token = None
-  while True:  # The rewrite API: large objects take several calls.
-    out = await fs._call(  # pylint: disable=protected-access
-        'POST', 'b/{}/o/{}/rewriteTo/b/{}/o/{}', b1, k1, b2, k2,
-        headers={'Content-Type': 'application/json'}, json_out=True,
-        rewriteToken=token, ifGenerationMatch=0 if create_only else None)
-    if out.get('done') is True:
-      return
-    token = out['rewriteToken']
-
-
-def copy_objects(pairs: Sequence[tuple[str, str]], *,
-                 create_only: bool) -> None:
-  """Copies objects inside the store (no bytes through this process),
-  concurrently.
-
-  Args:
-    pairs: `(source URL, destination URL)`s.
-    create_only: each copy succeeds only if its destination does not exist
-      (`ifGenerationMatch=0`).
-
-  Raises:
-    FileExistsError: `create_only` and a destination exists (the first
-      such; the other copies still ran).
-    FileNotFoundError: a source is missing.
-  """
-  if not pairs:
-    return
-  from fsspec import asyn  # pylint: disable=g-import-not-at-top
-  fs = _gcs()
-
-  async def copy_all() -> None:
-    limit = asyncio.Semaphore(_COPY_CONCURRENCY)
-
-    async def one(src: str, dst: str) -> None:
-      async with limit:
-        await _copy_one(fs, src, dst, create_only)
-
-    results = await asyncio.gather(*(one(s, d) for s, d in pairs),
-                                   return_exceptions=True)
-    for result in results:
-      if isinstance(result, BaseException):
-        raise result
-
-  asyn.sync(fs.loop, copy_all)
-
-
-def read_generation(url: str) -> tuple[bytes, int]:
-  """An object's bytes and its generation (for `write_generation`).
-
-  Raises:
-    FileNotFoundError: there is no such object.
-  """
-  fs = _gcs()
-  generation = int(fs.info(url)['generation'])
-  bucket, key = bucket_and_key(url)
-  # Bytes of that generation: a newer one meanwhile is a 404 here.
-  _, data = fs.call('GET', 'b/{}/o/{}', bucket, key, alt='media',
-                    generation=generation)
-  return data, generation
-
-
-def write_generation(url: str, data: bytes, *, generation: int) -> int:
-  """Writes one object only if its generation is `generation` (0: only if
-  there is none); returns the new generation.
-
-  Raises:
-    FileExistsError: the object's generation is another (GCS's 412).
-  """
-  fs = _gcs()
-  bucket, key = bucket_and_key(url)
-  out = fs.call('POST', f'{fs._location}/upload/storage/v1/b/{{}}/o',  # pylint: disable=protected-access
-                bucket, uploadType='media', name=key, data=data,
-                ifGenerationMatch=generation, json_out=True,
-                headers={'Content-Type': 'application/octet-stream'})
-  return int(out['generation'])
-
-
-def remove_generation(url: str, *, generation: int) -> None:
-  """Removes one object only if its generation is `generation`.
-
-  Raises:
-    FileExistsError: the object's generation is another.
-    FileNotFoundError: there is no such object.
-  """
-  fs = _gcs()
-  bucket, key = bucket_and_key(url)
-  fs.call('DELETE', 'b/{}/o/{}', bucket, key, ifGenerationMatch=generation)
