@@ -413,3 +413,45 @@ class WarmupReplayError(T5ExportError, RuntimeError):
         'the signature or its sample_inputs (the warm-up requests are the '
         'sample inputs), or pass ExportOptions(warmup=False) to publish '
         'without warm-up requests.')
+
+
+class UnmappableModelError(T5ExportError, ValueError):
+  """A model's parameter or setting has no Hugging Face counterpart; raised
+  when the Hugging Face target is made, before any export.
+
+  Attributes:
+    parameter: the T5X parameter path or config field that cannot be mapped.
+    supported: what the mapping supports instead.
+  """
+
+  def __init__(self, parameter: str, problem: str, *, supported: str):
+    self.parameter, self.supported = parameter, supported
+    super().__init__(
+        f'Cannot publish this model as a Hugging Face checkpoint: '
+        f'{parameter!r} {problem}. Supported: {supported}. Drop hf_dir (the '
+        'SavedModel versions need no mapping), or train a supported layout.')
+
+
+class HuggingFaceCheckError(T5ExportError, AssertionError):
+  """The staged Hugging Face checkpoint, run in transformers, differs from
+  the JAX model (or did not load); nothing was published.
+
+  Attributes:
+    output: 'encoder_outputs' or 'logits' (None: the checkpoint did not
+      load or run).
+    max_abs_diff: the largest difference found.
+    where: the index of the largest difference.
+  """
+
+  def __init__(self, directory: str, *, output: str | None,
+               max_abs_diff: float | None, where: tuple[int, ...] | None,
+               detail: str):
+    self.output, self.max_abs_diff, self.where = output, max_abs_diff, where
+    found = (f'its {output} differ from JAX by up to {max_abs_diff:.3g} at '
+             f'index {list(where or ())}' if output else 'it failed')
+    super().__init__(
+        f'The Hugging Face checkpoint staged at {directory!r} was run in '
+        f'transformers (PyTorch, CPU) and {found}: {detail}. Nothing was '
+        'published. Check that the model is one of the supported T5 '
+        'families (docs/hf.md), or pass hf_validate=False to publish '
+        'unchecked.')

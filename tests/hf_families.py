@@ -1,0 +1,87 @@
+"""Tiny T5X models of each family the Hugging Face target maps, from T5X's
+own classes (t5x.examples.t5.network, t5x.examples.scalable_t5.network,
+t5x.models.EncoderDecoderModel), for tests/test_hf*.py.
+
+  model = hf_families.model('t5_1_1', vocabulary=vocab)
+  params = hf_families.params(model)   # T5X's own initialization
+
+Families (`FAMILIES`): 't5_1_0' (relu, tied embeddings), 't5_1_1' (gated
+gelu, separate logits_dense; mT5's layout), 'umt5' (scalable_t5: one
+relative attention bias per layer), 'scanned' (scalable_t5 with
+scan_layers=True: stacked params) and 'bf16' (a T5 1.1 layout whose
+activations run in bfloat16, its params kept bfloat16).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+
+import t5x_setup
+
+FAMILIES = ('t5_1_0', 't5_1_1', 'umt5', 'scanned', 'bf16')
+# Two layers each, so that per-layer relative biases (umT5) and stacked
+# params (scanned) are told apart from T5's one bias per stack.
+_SIZES = dict(emb_dim=16, num_heads=2, num_encoder_layers=2,
+              num_decoder_layers=2, head_dim=8, mlp_dim=32, dropout_rate=0.0)
+_FAMILY_CONFIG = {
+    't5_1_0': dict(mlp_activations=('relu',), logits_via_embedding=True),
+    't5_1_1': dict(mlp_activations=('gelu', 'linear'),
+                   logits_via_embedding=False),
+    'umt5': dict(mlp_activations=('gelu', 'linear'),
+                 logits_via_embedding=False, scan_layers=False),
+    'scanned': dict(mlp_activations=('gelu', 'linear'),
+                    logits_via_embedding=False, scan_layers=True),
+    'bf16': dict(mlp_activations=('gelu', 'linear'),
+                 logits_via_embedding=False, dtype='bfloat16'),
+}
+
+
+def model(family: str, *, vocabulary: Any = None) -> Any:
+  """A T5X `EncoderDecoderModel` of `family`, greedy decoding.
+
+  Args:
+    family: one of FAMILIES.
+    vocabulary: a seqio vocabulary (default: t5x_setup's PassThrough one).
+
+  Returns:
+    The model.
+  """
+  t5x_setup.import_t5x()
+  import seqio  # pylint: disable=g-import-not-at-top
+  from t5x import adafactor  # pylint: disable=g-import-not-at-top
+  from t5x import decoding  # pylint: disable=g-import-not-at-top
+  from t5x import models  # pylint: disable=g-import-not-at-top
+  if vocabulary is None:
+    vocabulary = seqio.PassThroughVocabulary(size=t5x_setup.VOCAB_SIZE)
+  config = dict(_SIZES, **_FAMILY_CONFIG[family])
+  config.setdefault('dtype', 'float32')
+  config['vocab_size'] = max(t5x_setup.VOCAB_SIZE, vocabulary.vocab_size)
+  if 'scan_layers' in config:
+    from t5x.examples.scalable_t5 import network  # pylint: disable=g-import-not-at-top
+  else:
+    from t5x.examples.t5 import network  # pylint: disable=g-import-not-at-top
+  module = network.Transformer(network.T5Config(**config))
+  return models.EncoderDecoderModel(
+      module=module, input_vocabulary=vocabulary,
+      output_vocabulary=vocabulary,
+      optimizer_def=adafactor.Adafactor(learning_rate=0.1),
+      decode_fn=functools.partial(decoding.temperature_sample, topk=1))
+
+
+def params(t5x_model: Any, *, seed: int = 0) -> Any:
+  """The model's params from its own initializer (bfloat16 for 'bf16').
+
+  Random init gives ties no real model has; the params are perturbed
+  with a fixed seed so greedy decodes are not decided by rounding.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  variables = t5x_model.get_initial_variables(
+      jax.random.PRNGKey(seed), t5x_setup.INPUT_SHAPES, t5x_setup.INPUT_TYPES)
+  p = jax.tree_util.tree_map(np.asarray, dict(variables['params']))
+  if t5x_model.module.config.dtype == 'bfloat16':
+    p = jax.tree_util.tree_map(lambda x: np.asarray(x, jnp.bfloat16), p)
+  return p
