@@ -33,6 +33,8 @@ PACKAGES = (
     'transformers==5.23.0',
     'tokenizers==0.23.3',
     'sentencepiece==0.2.3',
+    # transformers reads spiece.model's proto with it (T5Tokenizer).
+    'protobuf==7.36.2',
     'safetensors==0.8.0',
     'numpy==2.4.6',
 )

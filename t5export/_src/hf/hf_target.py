@@ -61,7 +61,6 @@ class Staged:
     return self.target._publish(self, keep)  # pylint: disable=protected-access
 
 
-@gin.configurable('HuggingFaceTarget', module='t5export', denylist=['model'])
 class HuggingFaceTarget:
   """Publishes each exported step as a transformers checkpoint.
 
@@ -217,3 +216,35 @@ class HuggingFaceTarget:
     """
     with self.stage(snap) as staged:
       return staged.publish(keep=self.steps())
+
+
+@gin.configurable('hf_target', module='t5export')
+def hf_target(hf_dir: str | os.PathLike[str] | None = None, *,
+              model: Any = None, validate: bool = True,
+              check_python: str | None = None,
+              dtype: str | None = None) -> HuggingFaceTarget | None:
+  """A `HuggingFaceTarget`, or None without `hf_dir` (for gin: t5x.gin
+  binds `SavedModelExporter.hf_target = @t5export.hf_target()`, and
+  `HF_DIR = '/models/hf'` turns it on).
+
+  Args:
+    hf_dir: where steps land; None: no Hugging Face checkpoints.
+    model: the T5X model (t5x.gin binds %MODEL).
+    validate, check_python, dtype: as for `HuggingFaceTarget`.
+
+  Returns:
+    The target, or None.
+
+  Raises:
+    ValueError: `hf_dir` without a `model`.
+    UnmappableModelError: as for `HuggingFaceTarget`.
+  """
+  if hf_dir is None:
+    return None
+  if model is None:
+    raise ValueError(
+        f'hf_target: hf_dir={os.fspath(hf_dir)!r} needs the T5X model whose '
+        'params it maps. In gin: t5export.hf_target.model = %MODEL (t5x.gin '
+        'binds it).')
+  return HuggingFaceTarget(hf_dir, model=model, validate=validate,
+                           check_python=check_python, dtype=dtype)
