@@ -453,5 +453,19 @@ class HuggingFaceCheckError(T5ExportError, AssertionError):
         f'The Hugging Face checkpoint staged at {directory!r} was run in '
         f'transformers (PyTorch, CPU) and {found}: {detail}. Nothing was '
         'published. Check that the model is one of the supported T5 '
-        'families (docs/hf.md), or pass hf_validate=False to publish '
-        'unchecked.')
+        'families (docs/hf.md), or pass validate=False to the target to '
+        'publish unchecked.')
+
+
+class CheckInterpreterError(T5ExportError, ValueError):
+  """The interpreter that runs the Hugging Face check has no torch or no
+  transformers (found when the target is made, before any export)."""
+
+  def __init__(self, python: str):
+    self.python = python
+    super().__init__(
+        f'The Hugging Face check runs transformers in {python!r}, which has '
+        'no torch or no transformers. Pass check_python=<an interpreter '
+        'with torch and transformers> (in gin: t5export.hf_target.'
+        'check_python), install them there, or pass validate=False to '
+        'publish unchecked.')

@@ -85,3 +85,22 @@ def params(t5x_model: Any, *, seed: int = 0) -> Any:
   if t5x_model.module.config.dtype == 'bfloat16':
     p = jax.tree_util.tree_map(lambda x: np.asarray(x, jnp.bfloat16), p)
   return p
+
+
+def logits_method(family: str) -> Any:
+  """`serve(variables, inputs) -> {'logits': ...}` of `model(family)`: a
+  cheap signature method for the SavedModel beside the checkpoint."""
+  module = model(family).module
+
+  def serve(variables, inputs):
+    enc, dec = inputs['encoder_input_tokens'], inputs['decoder_input_tokens']
+    return {'logits': module.apply(variables, enc, dec, dec,
+                                   enable_dropout=False)}
+  return serve
+
+
+def sample_inputs() -> dict[str, np.ndarray]:
+  """The logits signature's sample inputs (t5x_setup's batch)."""
+  batch = t5x_setup.batch()
+  return {k: batch[k] for k in ('encoder_input_tokens',
+                                'decoder_input_tokens')}

@@ -99,6 +99,13 @@ class Checker:
     self._module, self.validate = module, validate
     self._python = python or sys.executable
     self.atol, self.rtol = tolerance(*dtypes)
+    if validate:  # Found now, not at the first export (no import: fast).
+      probe = subprocess.run(
+          [self._python, '-c', 'import importlib.util as u, sys; sys.exit('
+           'not (u.find_spec("torch") and u.find_spec("transformers")))'],
+          capture_output=True, text=True, timeout=120, check=False)
+      if probe.returncode:
+        raise errors.CheckInterpreterError(self._python)
 
   def check(self, directory: str, flat: paths.Leaves, *,
             vocab_size: int) -> dict[str, Any]:

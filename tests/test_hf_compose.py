@@ -1,0 +1,133 @@
+"""One snapshot, two outputs: the SavedModel version and its Hugging Face
+checkpoint, from the training callback and from the offline CLI.
+
+A T5X T5 1.1 model (tests/hf_families.py) on T5X's own train state; the
+callback publishes into local directories with retention, the offline CLI
+reads a checkpoint of T5X's state dict and publishes into a bucket (the
+GCS emulator on 127.0.0.1). Each Hugging Face step is checked in
+transformers (the torch venv, tests/torch_venv.py) before it is published;
+its tensors are read back and compared with the step's params.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import pytest
+import safetensors.numpy
+
+import hf_families
+import offline_cli
+import t5x_setup
+import torch_venv
+import t5export
+from t5export._src.hf import hf_steps
+from t5export._src.state import paths
+from t5export._src.versions import storage
+from t5export._src.versions import versions
+
+pytestmark = pytest.mark.t5x
+FAMILY = 't5_1_1'
+
+
+@pytest.fixture(scope='module')
+def torch_python():
+  return str(torch_venv.torch_python())
+
+
+def _signatures():
+  return [t5export.Signature(
+      name='logits', method=hf_families.logits_method(FAMILY),
+      input_specs={'encoder_input_tokens': ('b, 8', 'int32'),
+                   'decoder_input_tokens': ('b, 6', 'int32')},
+      sample_inputs=hf_families.sample_inputs())]
+
+
+def _assert_holds(hf_step_dir, params):
+  """The checkpoint's shared embedding and lm_head are the step's params."""
+  tensors = safetensors.numpy.load_file(
+      os.path.join(hf_step_dir, 'model.safetensors'))
+  np.testing.assert_array_equal(tensors['shared.weight'],
+                                params['token_embedder']['embedding'])
+  np.testing.assert_array_equal(tensors['lm_head.weight'],
+                                params['decoder']['logits_dense']['kernel'].T)
+
+
+def test_callback_publishes_both_and_retention_keeps_them_together(
+    tmp_path, torch_python):
+  model = hf_families.model(FAMILY)
+  state = t5x_setup.train_state(model, t5x_setup.partitioner())
+  target = t5export.HuggingFaceTarget(tmp_path / 'hf', model=model,
+                                      check_python=torch_python)
+  exporter = t5export.SavedModelExporter(
+      tmp_path / 'sm', _signatures(), options=t5export.ExportOptions(keep=1),
+      hf_target=target)
+  callback = t5export.ExportCallback(exporter, export_every_steps=2,
+                                     async_export=False)
+  given = {}
+  for step in (2, 4):
+    # A training step of T5X's state: new params, the step counted.
+    state = state.replace_params(jax.tree_util.tree_map(
+        lambda x, s=step: x * (1 + s / 100), state.params))
+    state = state.replace_step(np.int32(step))
+    given[step] = jax.tree_util.tree_map(np.asarray, state.params)
+    callback(step, train_state=state)
+  callback.close()
+  assert exporter.versions() == [4] and target.steps() == [4]
+  assert sorted(os.listdir(tmp_path / 'hf')) == ['4']
+  _assert_holds(tmp_path / 'hf' / '4', given[4])
+  stored = paths.flatten(t5export.load_params(tmp_path / 'sm' / '4'))
+  np.testing.assert_array_equal(
+      stored['params/token_embedder/embedding'],
+      given[4]['token_embedder']['embedding'])
+
+
+_GIN = """
+from __gin__ import dynamic_registration
+import t5export
+import hf_families
+include 't5export/gin/offline.gin'
+MODEL = @hf_families.model()
+hf_families.model.family = '{family}'
+hf_families.logits_method.family = '{family}'
+SIGNATURES = [@t5export.Signature()]
+t5export.Signature:
+  name = 'logits'
+  method = @hf_families.logits_method()
+  input_specs = {{'encoder_input_tokens': ('b, 8', 'int32'),
+                 'decoder_input_tokens': ('b, 6', 'int32')}}
+  sample_inputs = {sample}
+t5export.hf_target.model = %MODEL
+t5export.hf_target.check_python = '{python}'
+"""
+
+
+def test_offline_cli_hf_dir_into_a_bucket(tmp_path, gcs_bucket, torch_python,
+                                          monkeypatch):
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv('T5EXPORT_STAGING_DIR', str(tmp_path / 'stage'))
+  model = hf_families.model(FAMILY)
+  state = t5x_setup.train_state(model, t5x_setup.partitioner())
+  state = state.replace_step(np.int32(3))
+  ocp.PyTreeCheckpointer().save(tmp_path / 'ckpt', state.state_dict())
+  params = jax.tree_util.tree_map(np.asarray, state.params)
+  sample = {k: v.tolist() for k, v in hf_families.sample_inputs().items()}
+  gin_file = tmp_path / 'offline.gin'
+  gin_file.write_text(_GIN.format(family=FAMILY, sample=sample,
+                                  python=torch_python))
+  exports, hf_dir = gcs_bucket + '/exports', gcs_bucket + '/hf'
+  result = offline_cli.run_in_process(offline_cli.command(
+      tmp_path / 'ckpt', exports, gin_file, f'--hf_dir={hf_dir}'))
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'the Hugging Face checkpoint matches JAX' in result.stderr
+  assert versions.list_versions(exports) == [3]
+  assert hf_steps.StepDirectory(hf_dir, overwrite=False).steps() == [3]
+  local = tmp_path / 'downloaded'
+  local.mkdir()
+  for rel in storage.walk_files(hf_dir + '/3'):
+    (local / rel).write_bytes(storage.read_bytes(f'{hf_dir}/3/{rel}'))
+  assert sorted(os.listdir(local)) == [
+      'config.json', 'generation_config.json', 'model.safetensors']
+  _assert_holds(local, params)
