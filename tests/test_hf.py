@@ -208,6 +208,4 @@ def test_check_fails_on_a_wrong_tensor_with_where(published, tmp_path,
                      match=r'logits differ from JAX by up to .* at index '
                      r'\[\d+, \d+, 5\]'):
     checker.check(str(bad), flat, vocab_size=t5x_setup.VOCAB_SIZE)
-  # The untouched checkpoint passes, with the differences it found.
-  found = checker.check(path, flat, vocab_size=t5x_setup.VOCAB_SIZE)
-  assert found['max_abs_diff']['logits'] < found['atol'] + 1e-3
+  # (The untouched checkpoints pass: the fixture checks 'scanned'.)

@@ -418,7 +418,12 @@ _TRAIN_GIN = textwrap.dedent('''\
 def test_t5x_train_with_shipped_gin(tmp_path, tf_process, model):
   t5x_setup.import_t5x()
   from t5export._src.offline import checkpoints  # pylint: disable=g-import-not-at-top
+  import safetensors.numpy  # pylint: disable=g-import-not-at-top
+  import torch_venv  # pylint: disable=g-import-not-at-top
   model_dir, export_dir = tmp_path / 'model', tmp_path / 'export'
+  # t5x.gin's one line for Hugging Face checkpoints (HF_DIR), checked in
+  # transformers (the torch venv's interpreter) before each is published.
+  hf_dir, torch_python = tmp_path / 'hf', torch_venv.torch_python()
   config = tmp_path / 'tiny_train.gin'
   config.write_text(
       _TRAIN_GIN % dict(LENGTHS, t5x_include=gin_includes.T5X))
@@ -427,7 +432,9 @@ def test_t5x_train_with_shipped_gin(tmp_path, tf_process, model):
     proc = subprocess.run(
         [sys.executable, '-m', 't5x.train', f'--gin_file={config}',
          f'--gin.MODEL_DIR="{model_dir}"',
-         f'--gin.EXPORT_DIR="{export_dir}"', '--alsologtostderr'],
+         f'--gin.EXPORT_DIR="{export_dir}"', f'--gin.HF_DIR="{hf_dir}"',
+         f'--gin.t5export.hf_target.check_python="{torch_python}"',
+         '--alsologtostderr'],
         cwd=REPO, env=t5x_setup.subprocess_env(
             {**os.environ, 'CUDA_VISIBLE_DEVICES': '',
              'TF_CPP_MIN_LOG_LEVEL': '2'}),
@@ -437,6 +444,8 @@ def test_t5x_train_with_shipped_gin(tmp_path, tf_process, model):
   versions = sorted(int(p.name) for p in export_dir.iterdir()
                     if p.name.isdigit())
   assert versions == [2, 4], text[-3000:]
+  assert sorted(os.listdir(hf_dir)) == ['2', '4']
+  assert text.count('the Hugging Face checkpoint matches JAX') == 2
   # The gin's model is `model`'s twin (same function, same arguments).
   partitioner = t5x_setup.partitioner()
   mesh_axes = partitioner.get_mesh_axes(
@@ -448,3 +457,9 @@ def test_t5x_train_with_shipped_gin(tmp_path, tf_process, model):
     # text is compared all the same; (a) compares non-empty ones.
     _check_version(export_dir / str(step), _numpy_tree(params), model,
                    tf_process, mesh_axes, text=True, some_text=False)
+    hf = safetensors.numpy.load_file(hf_dir / str(step) / 'model.safetensors')
+    np.testing.assert_array_equal(hf['shared.weight'], np.asarray(
+        params['token_embedder']['embedding']))
+    assert (hf_dir / str(step) / 'spiece.model').read_bytes() == (
+        pathlib.Path(model.output_vocabulary.sentencepiece_model_file)
+        .read_bytes())

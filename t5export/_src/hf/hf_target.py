@@ -219,7 +219,7 @@ class HuggingFaceTarget:
 
 
 @gin.configurable('hf_target', module='t5export')
-def hf_target(hf_dir: str | os.PathLike[str] | None = None, *,
+def hf_target(*, hf_dir: str | os.PathLike[str] | None = None,
               model: Any = None, validate: bool = True,
               check_python: str | None = None,
               dtype: str | None = None) -> HuggingFaceTarget | None:
