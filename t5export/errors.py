@@ -415,57 +415,36 @@ class WarmupReplayError(T5ExportError, RuntimeError):
         'without warm-up requests.')
 
 
-class UnmappableModelError(T5ExportError, ValueError):
-  """A model's parameter or setting has no Hugging Face counterpart; raised
-  when the Hugging Face target is made, before any export.
 
-  Attributes:
-    parameter: the T5X parameter path or config field that cannot be mapped.
-    supported: what the mapping supports instead.
-  """
+
+class UnmappableModelError(T5ExportError, ValueError):
+  """A model's param or setting (`parameter`) has no Hugging Face
+  counterpart; raised when the target is made."""
 
   def __init__(self, parameter: str, problem: str, *, supported: str):
     self.parameter, self.supported = parameter, supported
     super().__init__(
         f'Cannot publish this model as a Hugging Face checkpoint: '
-        f'{parameter!r} {problem}. Supported: {supported}. Drop hf_dir (the '
-        'SavedModel versions need no mapping), or train a supported layout.')
+        f'{parameter!r} {problem}. Supported: {supported}. Drop hf_dir, or '
+        'train a supported layout.')
 
 
 class HuggingFaceCheckError(T5ExportError, AssertionError):
   """The staged Hugging Face checkpoint, run in transformers, differs from
-  the JAX model (or did not load); nothing was published.
+  JAX (`output`, `max_abs_diff`, `where`) or did not run (`output` None)."""
 
-  Attributes:
-    output: 'encoder_outputs' or 'logits' (None: the checkpoint did not
-      load or run).
-    max_abs_diff: the largest difference found.
-    where: the index of the largest difference.
-  """
-
-  def __init__(self, directory: str, *, output: str | None,
-               max_abs_diff: float | None, where: tuple[int, ...] | None,
-               detail: str):
+  def __init__(self, directory: str, *, output: str | None, detail: str,
+               max_abs_diff: float | None, where: tuple[int, ...] | None):
     self.output, self.max_abs_diff, self.where = output, max_abs_diff, where
-    found = (f'its {output} differ from JAX by up to {max_abs_diff:.3g} at '
-             f'index {list(where or ())}' if output else 'it failed')
     super().__init__(
-        f'The Hugging Face checkpoint staged at {directory!r} was run in '
-        f'transformers (PyTorch, CPU) and {found}: {detail}. Nothing was '
-        'published. Check that the model is one of the supported T5 '
-        'families (docs/hf.md), or pass validate=False to the target to '
-        'publish unchecked.')
+        f'The Hugging Face checkpoint staged at {directory!r}, run in '
+        'transformers (PyTorch, CPU), ' + (
+            f'gives {output} that differ from JAX by up to '
+            f'{max_abs_diff:.3g} at index {list(where or ())}' if output
+            else 'failed') + f': {detail}. Nothing was published. Is it a '
+        'supported T5 family (docs/hf.md)? validate=False skips the check.')
+
 
 
 class CheckInterpreterError(T5ExportError, ValueError):
-  """The interpreter that runs the Hugging Face check has no torch or no
-  transformers (found when the target is made, before any export)."""
-
-  def __init__(self, python: str):
-    self.python = python
-    super().__init__(
-        f'The Hugging Face check runs transformers in {python!r}, which has '
-        'no torch or no transformers. Pass check_python=<an interpreter '
-        'with torch and transformers> (in gin: t5export.hf_target.'
-        'check_python), install them there, or pass validate=False to '
-        'publish unchecked.')
+  """The Hugging Face check's interpreter lacks torch or transformers."""

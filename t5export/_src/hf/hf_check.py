@@ -105,7 +105,11 @@ class Checker:
            'not (u.find_spec("torch") and u.find_spec("transformers")))'],
           capture_output=True, text=True, timeout=120, check=False)
       if probe.returncode:
-        raise errors.CheckInterpreterError(self._python)
+        raise errors.CheckInterpreterError(
+            f'The Hugging Face check runs transformers in {self._python!r}, '
+            'which has no torch or no transformers. Pass check_python=<an '
+            'interpreter with both> (gin: t5export.hf_target.check_python) '
+            'or validate=False.')
 
   def check(self, directory: str, flat: paths.Leaves, *,
             vocab_size: int) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from t5export._src.versions import storage
 SINGLE_FILE = 'model.safetensors'
 INDEX_FILE = 'model.safetensors.index.json'
 CONFIG_FILE = 'config.json'
-DEFAULT_MAX_SHARD_BYTES = 2 * 2**30
+DEFAULT_MAX_SHARD_BYTES = 2**30
 
 
 def _dtype_name(dtype: np.dtype) -> str:
