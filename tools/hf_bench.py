@@ -1,11 +1,13 @@
 """Hugging Face publish cost, side by side with a raw safetensors save.
 
-  python tools/hf_bench.py [--d_model 512] [--layers 6] [--repeats 3]
+  python tools/hf_bench.py [--d_model 512] [--layers 6] [--repeats 3] \
+      [--max_shard_mib 1024]
 
 For a T5 1.1-shaped set of float32 params (T5X's names and layouts, random
 values; no T5X needed), each repeat runs in a fresh process:
 - `ours`: `hf_writer.write_tensors` from the T5X layout (the kernels are
-  transposed shard by shard) into a fresh directory;
+  transposed shard by shard, shards of `--max_shard_mib`) into a fresh
+  directory;
 - `raw`: `safetensors.numpy.save_file` of the same tensors already in
   transformers' layout (made before the clock starts), one file.
 Prints the medians: seconds, ours / raw, and the peak memory each adds
@@ -75,7 +77,8 @@ def _params(d_model: int, layers: int, vocab: int = 32128):
   return config, shapes, flat
 
 
-def _one(mode: str, d_model: int, layers: int) -> dict[str, float]:
+def _one(mode: str, d_model: int, layers: int,
+         max_shard_bytes: int) -> dict[str, float]:
   """One measurement in this process."""
   import safetensors.numpy  # pylint: disable=g-import-not-at-top
   from t5export._src.hf import hf_writer  # pylint: disable=g-import-not-at-top
@@ -92,7 +95,8 @@ def _one(mode: str, d_model: int, layers: int) -> dict[str, float]:
     safetensors.numpy.save_file(ready, os.path.join(out, 'model.safetensors'),
                                 metadata={'format': 'pt'})
   else:
-    hf_writer.write_tensors(out, mapping, flat)
+    hf_writer.write_tensors(out, mapping, flat,
+                            max_shard_bytes=max_shard_bytes)
   seconds = time.perf_counter() - start
   added = max(0, _hwm() - before)
   subprocess.run(['rm', '-rf', out], check=True)
@@ -105,17 +109,20 @@ def main() -> None:
   parser.add_argument('--d_model', type=int, default=512)
   parser.add_argument('--layers', type=int, default=6)
   parser.add_argument('--repeats', type=int, default=3)
+  parser.add_argument('--max_shard_mib', type=int, default=1024)
   parser.add_argument('--one', default=None, help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.one:
-    print(json.dumps(_one(args.one, args.d_model, args.layers)))
+    print(json.dumps(_one(args.one, args.d_model, args.layers,
+                          args.max_shard_mib * 2**20)))
     return
   runs: dict[str, list[dict[str, float]]] = {'ours': [], 'raw': []}
   for _ in range(args.repeats):
     for mode in runs:
       proc = subprocess.run(
           [sys.executable, __file__, f'--one={mode}',
-           f'--d_model={args.d_model}', f'--layers={args.layers}'],
+           f'--d_model={args.d_model}', f'--layers={args.layers}',
+           f'--max_shard_mib={args.max_shard_mib}'],
           capture_output=True, text=True, check=True,
           env={**os.environ, 'PYTHONPATH': str(REPO)})
       runs[mode].append(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -123,6 +130,7 @@ def main() -> None:
          for m, rs in runs.items()}
   print(json.dumps({
       'param_bytes': med['ours']['param_bytes'],
+      'max_shard_mib': args.max_shard_mib,
       'ours_s': round(med['ours']['seconds'], 3),
       'raw_save_file_s': round(med['raw']['seconds'], 3),
       'time_ours_vs_raw': round(med['ours']['seconds'] /
