@@ -126,8 +126,11 @@ def _load_options(overrides: dict[str, Any]) -> offline_export.OfflineOptions:
     bindings += ['t5export.SavedModelExporter.hf_target = '
                  '@t5export.hf_target()',
                  f't5export.hf_target.hf_dir = {_HF_DIR.value!r}']
+    # --no_validate and --overwrite hold for both outputs.
     if overrides.get('validate') is False:
       bindings.append('t5export.hf_target.validate = False')
+    if overrides.get('overwrite'):
+      bindings.append('t5export.hf_target.overwrite = True')
   for path in filter(os.path.isdir, _GIN_SEARCH_PATHS.value):
     gin.add_config_file_search_path(path)
   parsed = False

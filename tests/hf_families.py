@@ -81,7 +81,9 @@ def params(t5x_model: Any, *, seed: int = 0) -> Any:
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   variables = t5x_model.get_initial_variables(
       jax.random.PRNGKey(seed), t5x_setup.INPUT_SHAPES, t5x_setup.INPUT_TYPES)
-  p = jax.tree_util.tree_map(np.asarray, dict(variables['params']))
+  import flax  # pylint: disable=g-import-not-at-top
+  p = jax.tree_util.tree_map(np.asarray,
+                             flax.core.unfreeze(variables['params']))
   if t5x_model.module.config.dtype == 'bfloat16':
     p = jax.tree_util.tree_map(lambda x: np.asarray(x, jnp.bfloat16), p)
   return p

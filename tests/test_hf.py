@@ -19,12 +19,12 @@ import shutil
 import struct
 import subprocess
 
+import jax
 import numpy as np
 import pytest
 
 import hf_families
 import t5x_setup
-import torch_venv
 from t5export import errors
 from t5export._src.hf import hf_check
 from t5export._src.hf import hf_target
@@ -59,11 +59,6 @@ def _batch():
   features = t5x_setup.batch(seed=1)
   features['encoder_input_tokens'][1, -2:] = 0  # A padded input.
   return features
-
-
-@pytest.fixture(scope='module')
-def torch_python():
-  return str(torch_venv.torch_python())
 
 
 @pytest.fixture(scope='module')
@@ -209,3 +204,16 @@ def test_check_fails_on_a_wrong_tensor_with_where(published, tmp_path,
                      r'\[\d+, \d+, 5\]'):
     checker.check(str(bad), flat, vocab_size=t5x_setup.VOCAB_SIZE)
   # (The untouched checkpoints pass: the fixture checks 'scanned'.)
+
+
+def test_a_snapshot_unlike_the_model_is_named_and_nothing_written(
+    published, tmp_path):
+  model, params, _, _ = published['t5_1_1']
+  target = hf_target.HuggingFaceTarget(tmp_path, model=model, validate=False)
+  wrong = jax.tree_util.tree_map(lambda x: x, params)
+  wrong['decoder']['logits_dense'] = {'kernel': np.zeros((16, 3), np.float32)}
+  with pytest.raises(errors.UnmappableModelError,
+                     match=r"'params/decoder/logits_dense/kernel' is \(16, 3\) "
+                     r'in the snapshot of step 9 but \(16, \d+\) in the model'):
+    target.export(_snapshot(wrong, 9))
+  assert os.listdir(tmp_path) == []

@@ -21,7 +21,6 @@ import safetensors.numpy
 import hf_families
 import offline_cli
 import t5x_setup
-import torch_venv
 import t5export
 from t5export._src.hf import hf_steps
 from t5export._src.state import paths
@@ -30,11 +29,6 @@ from t5export._src.versions import versions
 
 pytestmark = pytest.mark.t5x
 FAMILY = 't5_1_1'
-
-
-@pytest.fixture(scope='module')
-def torch_python():
-  return str(torch_venv.torch_python())
 
 
 def _signatures():

@@ -415,15 +415,15 @@ _TRAIN_GIN = textwrap.dedent('''\
     ''')
 
 
-def test_t5x_train_with_shipped_gin(tmp_path, tf_process, model):
+def test_t5x_train_with_shipped_gin(tmp_path, tf_process, model,
+                                   torch_python):
   t5x_setup.import_t5x()
   from t5export._src.offline import checkpoints  # pylint: disable=g-import-not-at-top
   import safetensors.numpy  # pylint: disable=g-import-not-at-top
-  import torch_venv  # pylint: disable=g-import-not-at-top
   model_dir, export_dir = tmp_path / 'model', tmp_path / 'export'
   # t5x.gin's one line for Hugging Face checkpoints (HF_DIR), checked in
   # transformers (the torch venv's interpreter) before each is published.
-  hf_dir, torch_python = tmp_path / 'hf', torch_venv.torch_python()
+  hf_dir = tmp_path / 'hf'
   config = tmp_path / 'tiny_train.gin'
   config.write_text(
       _TRAIN_GIN % dict(LENGTHS, t5x_include=gin_includes.T5X))

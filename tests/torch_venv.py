@@ -11,7 +11,9 @@ by every clone on the machine. Its folder is named by a digest of what it
 holds and of the Python it is made from; a lock file makes concurrent test
 processes wait for one creation, and a stamp file says it is complete (a
 creation cut short leaves none and is made again). pip's output goes to
-`<venv>/pip.log`; a failed creation fails the test with its tail.
+`<venv>/pip.log`; a failed creation fails the test with its tail. Tests
+take it through conftest.py's `torch_python` fixture, which also starts the
+creation in the background when such a test is collected.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import threading
 
 import tf_venvs
 
@@ -38,9 +41,6 @@ PACKAGES = (
     'safetensors==0.8.0',
     'numpy==2.4.6',
 )
-
-_INSTALL_TIMEOUT_SECS = 1500
-
 
 def _folder_name() -> str:
   words = '\n'.join((*PACKAGES, sys.version, sys.base_prefix))
@@ -60,9 +60,9 @@ def _create(root: pathlib.Path) -> None:
   ]
   with open(log, 'wb') as out:
     for cmd in steps:
-      returncode = subprocess.run(
-          cmd, stdout=out, stderr=subprocess.STDOUT,
-          timeout=_INSTALL_TIMEOUT_SECS, check=False).returncode
+      # Killed by tf_venvs.stop_background with the TF venvs' steps when a
+      # session ends early (conftest.py); no stamp: made again.
+      returncode = tf_venvs._run_step(cmd, out)  # pylint: disable=protected-access
       if returncode:
         raise AssertionError(
             f'Creating the torch venv at {root} failed: {" ".join(cmd)} '
@@ -104,6 +104,22 @@ def torch_python() -> pathlib.Path:
       _create(root)
       stamp.write_text(' '.join(PACKAGES))
   return root / 'bin' / 'python'
+
+
+def prepare_in_background() -> threading.Thread:
+  """Starts making the venv in a daemon thread (conftest.py, when a
+  collected test uses the `torch_python` fixture); `torch_python` waits
+  for it (the lock), and reports an error itself."""
+
+  def create() -> None:
+    try:
+      torch_python()
+    except Exception:  # pylint: disable=broad-except
+      pass
+
+  thread = threading.Thread(target=create, name='torch-venv', daemon=True)
+  thread.start()
+  return thread
 
 
 if __name__ == '__main__':

@@ -176,9 +176,11 @@ class HuggingFaceTarget:
               if p.startswith('params/')}
       shapes = {p: tuple(np.shape(x)) for p, x in flat.items()}
       if shapes != self._shapes:
-        t5_mapping.build(self._model.module.config, shapes)  # Names it.
+        odd = sorted(p for p in set(shapes) | set(self._shapes)
+                     if shapes.get(p) != self._shapes.get(p))[0]
         raise errors.UnmappableModelError(
-            'params', 'differ from the model\'s (shapes)',
+            odd, f'is {shapes.get(odd, "missing")} in the snapshot of step '
+            f'{step} but {self._shapes.get(odd, "absent")} in the model',
             supported='the params of the model given to HuggingFaceTarget')
       files = hf_writer.write_tensors(staging, self.mapping, flat,
                                       dtype=self._dtype,
@@ -221,8 +223,8 @@ class HuggingFaceTarget:
 @gin.configurable('hf_target', module='t5export')
 def hf_target(*, hf_dir: str | os.PathLike[str] | None = None,
               model: Any = None, validate: bool = True,
-              check_python: str | None = None,
-              dtype: str | None = None) -> HuggingFaceTarget | None:
+              check_python: str | None = None, dtype: str | None = None,
+              overwrite: bool = False) -> HuggingFaceTarget | None:
   """A `HuggingFaceTarget`, or None without `hf_dir` (for gin: t5x.gin
   binds `SavedModelExporter.hf_target = @t5export.hf_target()`, and
   `HF_DIR = '/models/hf'` turns it on).
@@ -230,7 +232,7 @@ def hf_target(*, hf_dir: str | os.PathLike[str] | None = None,
   Args:
     hf_dir: where steps land; None: no Hugging Face checkpoints.
     model: the T5X model (t5x.gin binds %MODEL).
-    validate, check_python, dtype: as for `HuggingFaceTarget`.
+    validate, check_python, dtype, overwrite: as for `HuggingFaceTarget`.
 
   Returns:
     The target, or None.
@@ -247,4 +249,5 @@ def hf_target(*, hf_dir: str | os.PathLike[str] | None = None,
         'params it maps. In gin: t5export.hf_target.model = %MODEL (t5x.gin '
         'binds it).')
   return HuggingFaceTarget(hf_dir, model=model, validate=validate,
-                           check_python=check_python, dtype=dtype)
+                           check_python=check_python, dtype=dtype,
+                           overwrite=overwrite)
