@@ -67,7 +67,11 @@ def model(family: str, *, vocabulary: Any = None) -> Any:
   return models.EncoderDecoderModel(
       module=module, input_vocabulary=vocabulary,
       output_vocabulary=vocabulary,
-      optimizer_def=adafactor.Adafactor(learning_rate=0.1),
+      # As T5X's scalable_t5 configs: factored by the params' logical axes
+      # (stacked params have rank 3 and more).
+      optimizer_def=adafactor.Adafactor(
+          learning_rate=0.1,
+          logical_factor_rules=adafactor.standard_logical_factor_rules()),
       decode_fn=functools.partial(decoding.temperature_sample, topk=1))
 
 

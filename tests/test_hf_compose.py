@@ -100,20 +100,24 @@ t5export.hf_target.check_python = '{python}'
 """
 
 
-def test_offline_cli_hf_dir_into_a_bucket(tmp_path, gcs_bucket, torch_python,
-                                          monkeypatch):
+@pytest.mark.parametrize('family, where', [('t5_1_1', 'gs'),
+                                           ('scanned', 'local')])
+def test_offline_cli_hf_dir(family, where, tmp_path, torch_python,
+                            monkeypatch, request):
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   monkeypatch.setenv('T5EXPORT_STAGING_DIR', str(tmp_path / 'stage'))
-  model = hf_families.model(FAMILY)
+  model = hf_families.model(family)
   state = t5x_setup.train_state(model, t5x_setup.partitioner())
   state = state.replace_step(np.int32(3))
   ocp.PyTreeCheckpointer().save(tmp_path / 'ckpt', state.state_dict())
   params = jax.tree_util.tree_map(np.asarray, state.params)
   sample = {k: v.tolist() for k, v in hf_families.sample_inputs().items()}
   gin_file = tmp_path / 'offline.gin'
-  gin_file.write_text(_GIN.format(family=FAMILY, sample=sample,
+  gin_file.write_text(_GIN.format(family=family, sample=sample,
                                   python=torch_python))
-  exports, hf_dir = gcs_bucket + '/exports', gcs_bucket + '/hf'
+  root = (request.getfixturevalue('gcs_bucket') if where == 'gs' else
+          str(tmp_path / 'out'))
+  exports, hf_dir = root + '/exports', root + '/hf'
   result = offline_cli.run_in_process(offline_cli.command(
       tmp_path / 'ckpt', exports, gin_file, f'--hf_dir={hf_dir}'))
   assert result.returncode == 0, result.stderr[-3000:]
@@ -126,4 +130,10 @@ def test_offline_cli_hf_dir_into_a_bucket(tmp_path, gcs_bucket, torch_python,
     (local / rel).write_bytes(storage.read_bytes(f'{hf_dir}/3/{rel}'))
   assert sorted(os.listdir(local)) == [
       'config.json', 'generation_config.json', 'model.safetensors']
-  _assert_holds(local, params)
+  if family == 'scanned':  # Stacked on axis 1 ([mlp, layers, embed]).
+    tensors = safetensors.numpy.load_file(local / 'model.safetensors')
+    np.testing.assert_array_equal(
+        tensors['encoder.block.1.layer.1.DenseReluDense.wo.weight'],
+        params['encoder']['encoder']['mlp']['wo']['kernel'][:, 1, :].T)
+  else:
+    _assert_holds(local, params)

@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from absl import logging
+import jax
 import numpy as np
 
 from t5export import errors
@@ -59,17 +60,19 @@ def tolerance(*dtypes: Any) -> tuple[float, float]:
   return TOLERANCES['float32']
 
 
-def jax_reference(module: Any, flat: paths.Leaves | Mapping[str, Any],
+def jax_reference(module: Any, flat: Mapping[str, Any],
                   inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-  """The T5X module's encoder outputs and logits (float32 numpy)."""
-  items = flat.items() if isinstance(flat, paths.Leaves) else flat.items()
-  variables = paths.unflatten(dict(items))
-  encoded = module.apply(variables, inputs['encoder_input_tokens'],
-                         enable_dropout=False, method=module.encode)
-  logits = module.apply(variables, inputs['encoder_input_tokens'],
-                        inputs['decoder_input_tokens'],
-                        inputs['decoder_target_tokens'],
-                        enable_dropout=False)
+  """The T5X module's encoder outputs and logits (float32 numpy), computed
+  on the host's CPU: never on (or in the memory of) the training's
+  accelerators."""
+  variables = paths.unflatten(dict(flat.items()))
+  with jax.default_device(jax.local_devices(backend='cpu')[0]):
+    encoded = module.apply(variables, inputs['encoder_input_tokens'],
+                           enable_dropout=False, method=module.encode)
+    logits = module.apply(variables, inputs['encoder_input_tokens'],
+                          inputs['decoder_input_tokens'],
+                          inputs['decoder_target_tokens'],
+                          enable_dropout=False)
   return {'encoder_outputs': np.asarray(encoded, np.float32),
           'logits': np.asarray(logits, np.float32)}
 
@@ -111,7 +114,7 @@ class Checker:
             'interpreter with both> (gin: t5export.hf_target.check_python) '
             'or validate=False.')
 
-  def check(self, directory: str, flat: paths.Leaves, *,
+  def check(self, directory: str, flat: Mapping[str, Any], *,
             vocab_size: int) -> dict[str, Any]:
     """Runs the checkpoint staged in `directory` against the JAX model.
 
