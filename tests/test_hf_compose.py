@@ -1,14 +1,14 @@
 """One snapshot, two outputs: the SavedModel version and its Hugging Face
 checkpoint, from the training callback and from the offline CLI.
 
-A T5X T5 1.1 model (tests/hf_families.py) on T5X's own train state; the
-callback publishes into local directories with retention, the offline CLI
-reads a checkpoint of T5X's state dict and publishes into a bucket (the
-GCS emulator on 127.0.0.1), its step checked in transformers (the torch
-venv, tests/torch_venv.py) before it is published. The tensors are read
-back and compared with the step's params.
+T5X models of tests/hf_families.py on T5X's own train state: the callback
+publishes with retention (keep=1) into local directories (T5 1.1) and into
+a bucket (T5 1.0, tied; the GCS emulator on 127.0.0.1); the offline CLI
+reads a checkpoint of T5X's state dict and publishes into a bucket (T5
+1.1) and locally (scanned layers), each step checked in transformers (the
+torch venv, tests/torch_venv.py) before it is published. The tensors are
+read back and compared with the step's params.
 """
-
 from __future__ import annotations
 
 import os
@@ -28,37 +28,53 @@ from t5export._src.versions import storage
 from t5export._src.versions import versions
 
 pytestmark = pytest.mark.t5x
-FAMILY = 't5_1_1'
 
 
-def _signatures():
+def _signatures(family):
   return [t5export.Signature(
-      name='logits', method=hf_families.logits_method(FAMILY),
+      name='logits', method=hf_families.logits_method(family),
       input_specs={'encoder_input_tokens': ('b, 8', 'int32'),
                    'decoder_input_tokens': ('b, 6', 'int32')},
       sample_inputs=hf_families.sample_inputs())]
 
 
 def _assert_holds(hf_step_dir, params):
-  """The checkpoint's shared embedding and lm_head are the step's params."""
+  """The checkpoint's shared embedding (and an untied lm_head) are the
+  step's params."""
   tensors = safetensors.numpy.load_file(
       os.path.join(hf_step_dir, 'model.safetensors'))
   np.testing.assert_array_equal(tensors['shared.weight'],
                                 params['token_embedder']['embedding'])
-  np.testing.assert_array_equal(tensors['lm_head.weight'],
-                                params['decoder']['logits_dense']['kernel'].T)
+  if 'logits_dense' in params['decoder']:
+    np.testing.assert_array_equal(
+        tensors['lm_head.weight'],
+        params['decoder']['logits_dense']['kernel'].T)
+  else:  # Tied (T5 1.0): transformers ties lm_head to shared.
+    assert 'lm_head.weight' not in tensors
 
 
+def _download(url, local):
+  local.mkdir()
+  for rel in storage.walk_files(url):
+    (local / rel).write_bytes(storage.read_bytes(f'{url}/{rel}'))
+  return local
+
+
+@pytest.mark.parametrize('family, where', [('t5_1_1', 'local'),
+                                           ('t5_1_0', 'gs')])
 def test_callback_publishes_both_and_retention_keeps_them_together(
-    tmp_path):
-  model = hf_families.model(FAMILY)
+    family, where, tmp_path, monkeypatch, request):
+  monkeypatch.setenv('T5EXPORT_STAGING_DIR', str(tmp_path / 'stage'))
+  root = (request.getfixturevalue('gcs_bucket') if where == 'gs' else
+          str(tmp_path / 'out'))
+  model = hf_families.model(family)
   state = t5x_setup.train_state(model, t5x_setup.partitioner())
-  # Unchecked here (a torch process per export): the offline test below
+  # Unchecked here (a torch process per export): the offline tests below
   # and test_t5x_trainer's T5X run check every step they publish.
-  target = t5export.HuggingFaceTarget(tmp_path / 'hf', model=model,
+  target = t5export.HuggingFaceTarget(root + '/hf', model=model,
                                       validate=False)
   exporter = t5export.SavedModelExporter(
-      tmp_path / 'sm', _signatures(), hf_target=target,
+      root + '/sm', _signatures(family), hf_target=target,
       # The SavedModel side as cheap as it goes: its own tests check it.
       options=t5export.ExportOptions(keep=1, validate=False, warmup=False,
                                      jax_artifacts=False, durable=False))
@@ -74,9 +90,10 @@ def test_callback_publishes_both_and_retention_keeps_them_together(
     callback(step, train_state=state)
   callback.close()
   assert exporter.versions() == [4] and target.steps() == [4]
-  assert sorted(os.listdir(tmp_path / 'hf')) == ['4']
-  _assert_holds(tmp_path / 'hf' / '4', given[4])
-  stored = paths.flatten(t5export.load_params(tmp_path / 'sm' / '4'))
+  assert storage.listdir(root + '/hf') == ['4']
+  _assert_holds(_download(root + '/hf/4', tmp_path / 'downloaded'),
+                given[4])
+  stored = paths.flatten(t5export.load_params(root + '/sm/4'))
   np.testing.assert_array_equal(
       stored['params/token_embedder/embedding'],
       given[4]['token_embedder']['embedding'])
@@ -131,10 +148,7 @@ def test_offline_cli_hf_dir(family, where, tmp_path, torch_python,
   assert 'the Hugging Face checkpoint matches JAX' in result.stderr
   assert versions.list_versions(exports) == [3]
   assert hf_steps.StepDirectory(hf_dir, overwrite=False).steps() == [3]
-  local = tmp_path / 'downloaded'
-  local.mkdir()
-  for rel in storage.walk_files(hf_dir + '/3'):
-    (local / rel).write_bytes(storage.read_bytes(f'{hf_dir}/3/{rel}'))
+  local = _download(hf_dir + '/3', tmp_path / 'downloaded')
   assert sorted(os.listdir(local)) == [
       'config.json', 'generation_config.json', 'model.safetensors']
   if family == 'scanned':  # Stacked on axis 1 ([mlp, layers, embed]).
