@@ -60,7 +60,8 @@ def model(family: str, *, vocabulary: Any = None) -> Any:
   config.setdefault('dtype', 'float32')
   config['vocab_size'] = max(t5x_setup.VOCAB_SIZE, vocabulary.vocab_size)
   if 'scan_layers' in config:
-    from t5x.examples.scalable_t5 import network  # pylint: disable=g-import-not-at-top
+    # pylint: disable-next=g-import-not-at-top
+    from t5x.examples.scalable_t5 import network
   else:
     from t5x.examples.t5 import network  # pylint: disable=g-import-not-at-top
   module = network.Transformer(network.T5Config(**config))

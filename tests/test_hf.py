@@ -200,8 +200,8 @@ def test_check_fails_on_a_wrong_tensor_with_where(published, tmp_path,
   flat = {f'params/{k}': v for k, v in
           paths.flatten(params).items()}
   with pytest.raises(errors.HuggingFaceCheckError,
-                     match=r'gives logits that differ from JAX by up to .* at index '
-                     r'\[\d+, \d+, 5\]'):
+                     match=r'gives logits that differ from JAX by up to .* '
+                     r'at index \[\d+, \d+, 5\]'):
     checker.check(str(bad), flat, vocab_size=t5x_setup.VOCAB_SIZE)
   # (The untouched checkpoints pass: the fixture checks 'scanned'.)
 

@@ -62,7 +62,8 @@ def _create(root: pathlib.Path) -> None:
     for cmd in steps:
       # Killed by tf_venvs.stop_background with the TF venvs' steps when a
       # session ends early (conftest.py); no stamp: made again.
-      returncode = tf_venvs._run_step(cmd, out)  # pylint: disable=protected-access
+      # pylint: disable-next=protected-access
+      returncode = tf_venvs._run_step(cmd, out)
       if returncode:
         raise AssertionError(
             f'Creating the torch venv at {root} failed: {" ".join(cmd)} '

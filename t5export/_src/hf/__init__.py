@@ -1,1 +1,2 @@
-"""The hf part: Hugging Face checkpoints of T5X's T5 models, from a host snapshot."""
+"""The hf part: Hugging Face checkpoints of T5X's T5 models, from a host
+snapshot."""
