@@ -111,3 +111,15 @@ def sample_inputs() -> dict[str, np.ndarray]:
   batch = t5x_setup.batch()
   return {k: batch[k] for k in ('encoder_input_tokens',
                                 'decoder_input_tokens')}
+
+
+def assert_step(step_dir: Any, params: Any, t5x_model: Any) -> None:
+  """A published Hugging Face step holds `params`' embedding and the model's
+  SentencePiece file."""
+  import safetensors.numpy  # pylint: disable=g-import-not-at-top
+  tensors = safetensors.numpy.load_file(f'{step_dir}/model.safetensors')
+  np.testing.assert_array_equal(tensors['shared.weight'], np.asarray(
+      params['token_embedder']['embedding']))
+  with open(f'{step_dir}/spiece.model', 'rb') as got, open(
+      t5x_model.output_vocabulary.sentencepiece_model_file, 'rb') as want:
+    assert got.read() == want.read()

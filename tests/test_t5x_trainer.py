@@ -45,6 +45,7 @@ TESTS = pathlib.Path(__file__).resolve().parent
 REPO = TESTS.parent
 sys.path.insert(0, str(TESTS))
 import gin_includes  # pylint: disable=g-import-not-at-top,wrong-import-position
+import hf_families  # pylint: disable=g-import-not-at-top,wrong-import-position
 import t5x_setup  # pylint: disable=g-import-not-at-top,wrong-import-position
 import tf_only  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -415,15 +416,11 @@ _TRAIN_GIN = textwrap.dedent('''\
     ''')
 
 
-def test_t5x_train_with_shipped_gin(tmp_path, tf_process, model,
-                                   torch_python):
+def test_t5x_train_with_shipped_gin(tmp_path, tf_process, model, torch_python):
   t5x_setup.import_t5x()
   from t5export._src.offline import checkpoints  # pylint: disable=g-import-not-at-top
-  import safetensors.numpy  # pylint: disable=g-import-not-at-top
   model_dir, export_dir = tmp_path / 'model', tmp_path / 'export'
-  # t5x.gin's one line for Hugging Face checkpoints (HF_DIR), checked in
-  # transformers (the torch venv's interpreter) before each is published.
-  hf_dir = tmp_path / 'hf'
+  hf_dir = tmp_path / 'hf'  # HF_DIR: t5x.gin's line for Hugging Face
   config = tmp_path / 'tiny_train.gin'
   config.write_text(
       _TRAIN_GIN % dict(LENGTHS, t5x_include=gin_includes.T5X))
@@ -457,9 +454,4 @@ def test_t5x_train_with_shipped_gin(tmp_path, tf_process, model,
     # text is compared all the same; (a) compares non-empty ones.
     _check_version(export_dir / str(step), _numpy_tree(params), model,
                    tf_process, mesh_axes, text=True, some_text=False)
-    hf = safetensors.numpy.load_file(hf_dir / str(step) / 'model.safetensors')
-    np.testing.assert_array_equal(hf['shared.weight'], np.asarray(
-        params['token_embedder']['embedding']))
-    assert (hf_dir / str(step) / 'spiece.model').read_bytes() == (
-        pathlib.Path(model.output_vocabulary.sentencepiece_model_file)
-        .read_bytes())
+    hf_families.assert_step(hf_dir / str(step), params, model)
