@@ -21,6 +21,7 @@ _BY_MODULE = {
     'engine.serving': 'Signature',
     'engine.options': 'ExportOptions',
     'engine.exporter': 'SavedModelExporter',
+    'hf.hf_target': 'HuggingFaceTarget hf_target',
     'loop.callbacks': 'ExportCallback',
     'versions.verify': 'load_params load_function',
     'versions.metadata': 'read_metadata',
@@ -57,6 +58,8 @@ if TYPE_CHECKING:  # Static type checkers see the real names.
   from t5export._src.loop.callbacks import ExportCallback
   from t5export._src.engine.exporter import SavedModelExporter
   from t5export._src.engine.jax_module import JaxModule
+  from t5export._src.hf.hf_target import hf_target
+  from t5export._src.hf.hf_target import HuggingFaceTarget
   from t5export._src.offline.checkpoints import read_params
   from t5export._src.offline.offline_export import export_checkpoint
   from t5export._src.offline.offline_export import OfflineOptions

@@ -4,13 +4,16 @@ r"""Exports a checkpoint as a SavedModel version: `python -m t5export.offline`.
       --ckpt /runs/t5/checkpoints --export_dir /models/t5 \
       --gin_file my_offline.gin --gin.EXPORT_BATCH=8 [--step 20000] \
       [--overwrite] [--dtype bfloat16] [--platforms cpu,cuda] [--no_validate] \
-      [--serving_tf_version 2.20] [--no_durable]
+      [--serving_tf_version 2.20] [--no_durable] [--hf_dir /models/t5-hf]
 
 Publishes the checkpoint's params (never its optimizer state) as
 `<export_dir>/<step>/`, as the training callback would; your gin file does
 `include 't5export/gin/offline.gin'` (which documents the macros). Errors: one
 line `t5export.offline: error: ...` on stderr, exit status 1, the export
 directory as it was. More: README.md, "Export a checkpoint after training".
+With `--hf_dir` the same params are also published as a Hugging Face
+checkpoint `<hf_dir>/<step>/` (the gin config binds
+`t5export.hf_target.model = %MODEL`; README.md, "Publish to Hugging Face").
 """
 
 from __future__ import annotations
@@ -59,6 +62,11 @@ _GIN_SEARCH_PATHS = flags.DEFINE_list(
     'gin_search_paths', ['.'],
     'Comma-separated directories searched for gin files and includes '
     "(t5export's own, e.g. 't5export/gin/offline.gin', resolve anyway).")
+_HF_DIR = flags.DEFINE_string(
+    'hf_dir', None,
+    'Also publish the params as a Hugging Face checkpoint (transformers\' '
+    'T5/UMT5) at <hf_dir>/<step>/; the gin config gives the T5X model '
+    '(t5export.hf_target.model = %MODEL).')
 _STEP = flags.DEFINE_integer(
     'step', None, 'Checkpoint step to read from a directory of steps '
     '(default: the latest); also the version number for a checkpoint that '
@@ -114,6 +122,15 @@ def _load_options(overrides: dict[str, Any]) -> offline_export.OfflineOptions:
   from t5export._src.engine import exporter  # pylint: disable=g-import-not-at-top,unused-import
   from t5export._src.engine import serving  # pylint: disable=g-import-not-at-top,unused-import
   files, bindings = list(_GIN_FILE.value), list(_GIN_BINDINGS.value)
+  if _HF_DIR.value is not None:
+    bindings += ['t5export.SavedModelExporter.hf_target = '
+                 '@t5export.hf_target()',
+                 f't5export.hf_target.hf_dir = {_HF_DIR.value!r}']
+    # --no_validate and --overwrite hold for both outputs.
+    if overrides.get('validate') is False:
+      bindings.append('t5export.hf_target.validate = False')
+    if overrides.get('overwrite'):
+      bindings.append('t5export.hf_target.overwrite = True')
   for path in filter(os.path.isdir, _GIN_SEARCH_PATHS.value):
     gin.add_config_file_search_path(path)
   parsed = False
@@ -151,6 +168,7 @@ def main(argv: Sequence[str]) -> None:
   release_freed_memory()
   export_dir = existed = None
   before = set()
+  hf_dir = hf_existed = None
   overrides = {f.name: f.value for f in _OVERRIDES if f.value is not None}
   try:
     # A URL of another scheme fails here (never a local path); a gs:// one
@@ -159,6 +177,9 @@ def main(argv: Sequence[str]) -> None:
     if not storage.is_url(export_dir):
       existed = os.path.isdir(export_dir)
       before = set(os.listdir(export_dir)) if existed else set()
+    if _HF_DIR.value is not None:
+      hf_dir = storage.parse(_HF_DIR.value, argument='--hf_dir')
+      hf_existed = storage.is_url(hf_dir) or os.path.isdir(hf_dir)
     # The flags' values fail here, before the checkpoint is read.
     options_lib.ExportOptions(**overrides)
     offline_export.export_checkpoint(
@@ -172,6 +193,9 @@ def main(argv: Sequence[str]) -> None:
           shutil.rmtree(os.path.join(export_dir, name), ignore_errors=True)
       if not existed and not os.listdir(export_dir):
         os.rmdir(export_dir)
+    if hf_existed is False and os.path.isdir(hf_dir) and not os.listdir(
+        hf_dir):
+      os.rmdir(hf_dir)  # Made by this run, which published nothing there.
     expected = (errors.T5ExportError, ValueError, TypeError, OSError)
     if not isinstance(e, (*expected, KeyError, RuntimeError)):
       raise

@@ -184,6 +184,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
   versions = tuple(v for v in tf_venvs.OLDER_TF_VERSIONS if v in wanted)
   if versions:
     tf_venvs.prepare_in_background(versions)
+  if any('torch_python' in getattr(item, 'fixturenames', ())
+         for item in session.items):
+    import torch_venv  # pylint: disable=g-import-not-at-top
+    torch_venv.prepare_in_background()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -223,6 +227,14 @@ def tf_2_19_process(tmp_path_factory):
 def tf_2_20_process(tmp_path_factory):
   """The same for the TF 2.20.0 venv (with its tensorflow-text)."""
   yield from _text_tf_process(tmp_path_factory, '2.20.0')
+
+
+@pytest.fixture(scope='session')
+def torch_python() -> str:
+  """The interpreter of the torch + transformers venv (CPU; no JAX), for
+  the Hugging Face tests (tests/torch_venv.py), made on first use."""
+  import torch_venv  # pylint: disable=g-import-not-at-top
+  return str(torch_venv.torch_python())
 
 
 @pytest.fixture(scope='session')

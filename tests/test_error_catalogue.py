@@ -859,6 +859,32 @@ def test_offline_params_do_not_match_the_model(offline_runs):
   assert 'params/dense_0/kernel: expected (16, 32), got (16, 7)' in line, line
 
 
+def test_hf_model_cannot_be_mapped(tmp_path):
+  # The model is checked before anything else: no T5X needed to see it.
+  not_t5x = type('DecoderOnlyModel', (), {'module': object()})()
+  with pytest.raises(errors.UnmappableModelError,
+                     match=r"Cannot publish this model as a Hugging Face "
+                     r"checkpoint: 'model' is a DecoderOnlyModel, not a T5X "
+                     r'encoder-decoder model\. Supported: t5x\.models\.'
+                     'EncoderDecoderModel'):
+    t5export.HuggingFaceTarget(tmp_path / 'hf', model=not_t5x)
+  assert not (tmp_path / 'hf').exists()
+
+
+def test_hf_check_interpreter_without_torch(tmp_path):
+  import venv  # pylint: disable=g-import-not-at-top
+  from t5export._src.hf import hf_check  # pylint: disable=g-import-not-at-top
+  venv.create(tmp_path / 'venv')  # An interpreter without torch, for sure.
+  python = tmp_path / 'venv' / 'bin' / 'python'
+  with pytest.raises(errors.CheckInterpreterError,
+                     match=r"The Hugging Face check runs transformers in "
+                     r"'.*python', which has no torch or no transformers\. "
+                     r'Pass check_python='):
+    hf_check.Checker(object(), validate=True, python=str(python),
+                     dtypes=('float32',))
+  assert os.listdir(tmp_path) == ['venv']
+
+
 def test_offline_version_exists_without_overwrite(offline_runs):
   line = _offline_error(offline_runs, 'exists')
   assert re.match(r"VersionExistsError: Version 5 already exists at .*"

@@ -15,8 +15,8 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SRC = REPO / 't5export' / '_src'
 # Bottom first: a part may import the parts before it, never one after it.
-ORDER = ('state', 'snapshot', 'versions', 'engine', 'loop', 'offline', 't5x')
-NO_TENSORFLOW = ('state', 'snapshot', 'versions')
+ORDER = ('state', 'snapshot', 'versions', 'hf', 'engine', 'loop', 'offline', 't5x')
+NO_TENSORFLOW = ('state', 'snapshot', 'versions', 'hf')
 
 
 def _imports(path: pathlib.Path) -> list[tuple[str, int]]:
@@ -63,7 +63,7 @@ def test_a_part_imports_only_the_parts_below_it(part):
 
 
 @pytest.mark.parametrize('part', NO_TENSORFLOW)
-def test_state_snapshot_and_versions_import_no_tensorflow(part):
+def test_the_parts_below_the_engine_import_no_tensorflow(part):
   wrong = [f'{path.relative_to(REPO)}:{line} imports {name}'
            for p, path in _modules() if p == part
            for name, line in _imports(path)
@@ -78,6 +78,19 @@ def test_the_engine_knows_no_training_loop_and_no_checkpoint_format():
            for p, path in _modules() if p == 'engine'
            for name, line in _imports(path)
            if name.startswith(formats)]
+  assert wrong == []
+
+
+def test_the_hf_part_imports_torch_only_in_its_worker_and_no_t5x():
+  # The checkpoint is written from the snapshot with safetensors; torch and
+  # transformers run only in the check's other interpreter (a script), and
+  # T5X's code is never imported (its model comes in as an object).
+  wrong = [f'{path.relative_to(REPO)}:{line} imports {name}'
+           for p, path in _modules() if p == 'hf'
+           for name, line in _imports(path)
+           if name.split('.')[0] == 't5x' or (
+               name.split('.')[0] in ('torch', 'transformers') and
+               path.name != 'torch_worker.py')]
   assert wrong == []
 
 

@@ -45,6 +45,7 @@ TESTS = pathlib.Path(__file__).resolve().parent
 REPO = TESTS.parent
 sys.path.insert(0, str(TESTS))
 import gin_includes  # pylint: disable=g-import-not-at-top,wrong-import-position
+import hf_families  # pylint: disable=g-import-not-at-top,wrong-import-position
 import t5x_setup  # pylint: disable=g-import-not-at-top,wrong-import-position
 import tf_only  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -415,10 +416,11 @@ _TRAIN_GIN = textwrap.dedent('''\
     ''')
 
 
-def test_t5x_train_with_shipped_gin(tmp_path, tf_process, model):
+def test_t5x_train_with_shipped_gin(tmp_path, tf_process, model, torch_python):
   t5x_setup.import_t5x()
   from t5export._src.offline import checkpoints  # pylint: disable=g-import-not-at-top
   model_dir, export_dir = tmp_path / 'model', tmp_path / 'export'
+  hf_dir = tmp_path / 'hf'  # HF_DIR: t5x.gin's line for Hugging Face
   config = tmp_path / 'tiny_train.gin'
   config.write_text(
       _TRAIN_GIN % dict(LENGTHS, t5x_include=gin_includes.T5X))
@@ -427,7 +429,9 @@ def test_t5x_train_with_shipped_gin(tmp_path, tf_process, model):
     proc = subprocess.run(
         [sys.executable, '-m', 't5x.train', f'--gin_file={config}',
          f'--gin.MODEL_DIR="{model_dir}"',
-         f'--gin.EXPORT_DIR="{export_dir}"', '--alsologtostderr'],
+         f'--gin.EXPORT_DIR="{export_dir}"', f'--gin.HF_DIR="{hf_dir}"',
+         f'--gin.t5export.hf_target.check_python="{torch_python}"',
+         '--alsologtostderr'],
         cwd=REPO, env=t5x_setup.subprocess_env(
             {**os.environ, 'CUDA_VISIBLE_DEVICES': '',
              'TF_CPP_MIN_LOG_LEVEL': '2'}),
@@ -437,6 +441,8 @@ def test_t5x_train_with_shipped_gin(tmp_path, tf_process, model):
   versions = sorted(int(p.name) for p in export_dir.iterdir()
                     if p.name.isdigit())
   assert versions == [2, 4], text[-3000:]
+  assert sorted(os.listdir(hf_dir)) == ['2', '4']
+  assert text.count('the Hugging Face checkpoint matches JAX') == 2
   # The gin's model is `model`'s twin (same function, same arguments).
   partitioner = t5x_setup.partitioner()
   mesh_axes = partitioner.get_mesh_axes(
@@ -448,3 +454,4 @@ def test_t5x_train_with_shipped_gin(tmp_path, tf_process, model):
     # text is compared all the same; (a) compares non-empty ones.
     _check_version(export_dir / str(step), _numpy_tree(params), model,
                    tf_process, mesh_axes, text=True, some_text=False)
+    hf_families.assert_step(hf_dir / str(step), params, model)

@@ -7,7 +7,8 @@ One export is a line through the parts: the snapshot arrives on the host
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+import contextlib
 import dataclasses
 import functools
 import os
@@ -26,6 +27,7 @@ from t5export._src.engine import stage as stage_lib
 from t5export._src.engine import staged_check
 from t5export._src.snapshot import accelerators
 from t5export._src.engine import tf_devices
+from t5export._src.hf import hf_target as hf_target_lib
 from t5export._src.snapshot import snapshot as snapshot_lib
 from t5export._src.state import paths
 from t5export._src.state import train_state
@@ -47,7 +49,8 @@ class SavedModelExporter:
 
   def __init__(self, export_dir: str | os.PathLike[str],
                signatures: Sequence[serving.Signature], *,
-               options: options_lib.ExportOptions | None = None):
+               options: options_lib.ExportOptions | None = None,
+               hf_target: hf_target_lib.HuggingFaceTarget | None = None):
     """Checks the arguments.
 
     Args:
@@ -57,6 +60,10 @@ class SavedModelExporter:
         uploaded with `saved_model.pb` last).
       signatures: the `t5export.Signature`s every version serves.
       options: how versions are written, checked and kept.
+      hf_target: also publish each version's params as a Hugging Face
+        checkpoint (`t5export.HuggingFaceTarget`), from the same snapshot,
+        staged and checked beside the version, published after it and kept
+        while it is kept.
 
     Raises:
       SignatureError: `signatures` is empty or has duplicate names.
@@ -84,6 +91,11 @@ class SavedModelExporter:
           'gin: SavedModelExporter.options = @t5export.ExportOptions().')
     self._options = options
     self._closed = False  # close() was called and no export since.
+    if hf_target is not None and not isinstance(
+        hf_target, hf_target_lib.HuggingFaceTarget):
+      raise TypeError(f'hf_target must be a t5export.HuggingFaceTarget or '
+                      f'None, got {hf_target!r}.')
+    self._hf_target = hf_target
     for sig in self._signatures if options.validate else ():
       if sig.sample_inputs is None:  # The check would have nothing to run.
         raise errors.MissingSampleInputsError(sig.name)
@@ -102,6 +114,11 @@ class SavedModelExporter:
   def export_dir(self) -> str:
     """The absolute export directory, or its gs:// URL."""
     return self._export_dir
+
+  @property
+  def hf_target(self) -> hf_target_lib.HuggingFaceTarget | None:
+    """The Hugging Face target beside the versions (None: none)."""
+    return self._hf_target
 
   @property
   def module(self) -> jax_module.JaxModule | None:
@@ -281,14 +298,31 @@ class SavedModelExporter:
       UncheckablePlatformsError: `validate` and the version's platforms
         hold none this process's TensorFlow can run.
       ExportCheckError: the staged SavedModel differs from JAX.
+      HuggingFaceCheckError: with `hf_target`, its checkpoint differs from
+        JAX (nothing is published).
     """
     self._closed = False
     version = self._dir.begin(int(snap.step), metrics)
     self._checker  # pylint: disable=pointless-statement  # Can it run?
     snap = snap.on_host()  # Transfers arrive; the variables flattened once.
-    with self._stage.stage(snap, version.staging) as staged:
+    with self._beside(snap) as beside, self._stage.stage(
+        snap, version.staging) as staged:
       check = self._checker.check(staged)
-      return version.publish(staged, check)
+      return beside(version.publish(staged, check))
+
+  @contextlib.contextmanager
+  def _beside(self, snap: snapshot_lib.HostSnapshot) -> Iterator[Any]:
+    """The other targets fed by the snapshot, staged and checked first:
+    yields what publishes them once the version is published (and applies
+    its retention to them)."""
+    if self._hf_target is None:
+      yield lambda path: path
+      return
+    with self._hf_target.stage(snap) as staged:
+      def publish(path: str) -> str:
+        staged.publish(keep=self._dir.versions())
+        return path
+      yield publish
 
   @functools.cached_property
   def _platforms(self) -> tuple[str, ...]:
