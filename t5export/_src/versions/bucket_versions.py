@@ -106,7 +106,7 @@ class BucketVersionDirectory(versions.VersionDirectory):
     del durable
     self.durable, self._overwrite = False, overwrite
     self._keep, self._keep_best = keep, keep_best
-    self._metrics = {}
+    self._metrics, self._ours = {}, set()
     self.last_commit: dict[str, float] = {}
     probe = storage.join(
         export_dir, f'{versions.STAGING_PREFIX}probe-{uuid.uuid4().hex[:8]}')

@@ -209,6 +209,8 @@ class VersionDirectory:
     self.durable, self._overwrite = durable, overwrite
     self._keep, self._keep_best = keep, keep_best
     self._metrics: dict[int, dict[str, Any]] = {}
+    # Versions with t5export's metadata: the only ones retention removes.
+    self._ours: set[int] = set()
     if os.path.exists(d) and not os.path.isdir(d):
       raise errors.ExportDirError(
           f'export_dir {d!r} exists and is not a directory. Pass a directory '
@@ -248,13 +250,18 @@ class VersionDirectory:
     return stale
 
   def _read_metrics(self) -> None:
-    """Reads each published version's metrics (for `keep_best`)."""
+    """Reads each published version's metrics (for `keep_best`); a version
+    without t5export's metadata is not ours: retention leaves it alone."""
     for v in self.versions():
       try:
         self._metrics[v] = dict(
             metadata.read_metadata(self.version_dir(v)).metrics)
+        self._ours.add(v)
       except errors.VersionNotFoundError:
-        self._metrics[v] = {}  # Not ours, or unreadable: kept by age only.
+        self._metrics[v] = {}
+        logging.info('t5export: version %d of %s has no t5export metadata: '
+                     'another tool\'s; retention never removes it.', v,
+                     self.export_dir)
 
   def begin(self, step: int, metrics: Mapping[str, Any] | None) -> Version:
     """Claims version `step` before any work: the version to publish.
@@ -321,9 +328,14 @@ class VersionDirectory:
 
   def apply_retention(self, protect: int,
                       metrics: Mapping[str, Any]) -> list[int]:
-    """Records version `protect`'s metrics; deletes and returns the dropped."""
+    """Records version `protect`'s metrics; deletes and returns the dropped.
+
+    Only t5export's versions count and are removed (it deletes only what it
+    made): another tool's version in export_dir is neither.
+    """
     self._metrics[protect] = dict(metrics)
-    versions = self.versions()
+    self._ours.add(protect)
+    versions = [v for v in self.versions() if v in self._ours]
     keep = set(versions if self._keep is None else versions[-self._keep:])
     keep.add(protect)
     best = self._keep_best
