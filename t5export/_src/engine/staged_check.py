@@ -99,9 +99,13 @@ class Checker:
     requests = [(sig.name, sig.sample_inputs) for sig in self._signatures]
     actuals = None
     if self._memory.applies(staged, platform):  # Also beside the write.
-      actuals = self._memory.run(
-          staged, requests,
-          {sig.name: sig.input_names for sig in self._signatures})
+      try:
+        actuals = self._memory.run(
+            staged, requests,
+            {sig.name: sig.input_names for sig in self._signatures})
+      except Exception:  # pylint: disable=broad-except
+        staged.written()  # A failed write is the cause: its error names it.
+        raise
     jax_seconds = time.monotonic() - start
     staged.written()
     start = time.monotonic()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import tempfile
 import uuid
 
 from absl import logging
@@ -42,8 +43,11 @@ class StepDirectory:
     """
     self.hf_dir, self._overwrite = hf_dir, overwrite
     self._bucket = storage.is_url(hf_dir)
-    local = (bucket_versions.staging_root(hf_dir) if self._bucket else hf_dir)
     try:
+      # A bucket's steps are staged in a private directory of this writer's
+      # own, under this user's 0700 staging root.
+      local = (tempfile.mkdtemp(prefix='hf-', dir=bucket_versions.staging_root())
+               if self._bucket else hf_dir)
       os.makedirs(local, exist_ok=True)
       if self._bucket:
         probe = storage.join(hf_dir, f'{versions.STAGING_PREFIX}probe-'
