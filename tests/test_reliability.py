@@ -126,10 +126,11 @@ class _KillWorker:
     child_conn.close()  # The worker holds the other end: EOF on its exit.
 
   def readline(self, timeout: float) -> str:
-    """The next reported line, or '' after `timeout` seconds or at EOF."""
+    """The next reported line, or '' after `timeout` seconds or at EOF (a
+    SIGKILLed worker's end of the pipe may also come as a reset)."""
     try:
       return self._conn.recv() if self._conn.poll(timeout) else ''
-    except EOFError:
+    except (EOFError, ConnectionResetError):
       return ''
 
   def go(self) -> None:
