@@ -60,7 +60,7 @@ def test_other_warmup_requests_are_checked_as_served(exporter, monkeypatch):
   exporter.export(model.state_for(1))
 
   def append_request(staged):
-    path = os.path.join(staged.directory, memory_check.WARMUP)
+    path = os.path.join(staged.directory, metadata.WARMUP_FILE)
     with open(path, 'ab') as f, open(path, 'rb') as again:
       f.write(again.read())  # The same requests twice: still valid.
   _damage_after_write(monkeypatch, append_request)

@@ -31,9 +31,9 @@ import numpy as np
 
 from t5export._src.engine import tf_devices
 from t5export._src.versions import bundle_compare
+from t5export._src.versions import metadata
 from t5export._src.versions import tensor_bundle
 
-WARMUP = os.path.join('assets.extra', 'tf_serving_warmup_requests')
 # How a version was checked (metadata.Check.how).
 SERVED = 'served'
 IN_MEMORY = 'in_memory'
@@ -41,7 +41,7 @@ IN_MEMORY = 'in_memory'
 
 def _warmup(directory: str) -> bytes | None:
   try:
-    with open(os.path.join(directory, WARMUP), 'rb') as f:
+    with open(os.path.join(directory, metadata.WARMUP_FILE), 'rb') as f:
       return f.read()
   except FileNotFoundError:
     return None
