@@ -7,7 +7,7 @@ One export is a line through the parts: the snapshot arrives on the host
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 import contextlib
 import dataclasses
 import functools
@@ -305,24 +305,16 @@ class SavedModelExporter:
     version = self._dir.begin(int(snap.step), metrics)
     self._checker  # pylint: disable=pointless-statement  # Can it run?
     snap = snap.on_host()  # Transfers arrive; the variables flattened once.
-    with self._beside(snap) as beside, self._stage.stage(
-        snap, version.staging) as staged:
+    # The SavedModel's write is under way when the Hugging Face checkpoint
+    # (with `hf_target`) is written and checked beside it.
+    with self._stage.stage(snap, version.staging) as staged, (
+        self._hf_target.stage(snap) if self._hf_target else
+        contextlib.nullcontext()) as beside:
       check = self._checker.check(staged)
-      return beside(version.publish(staged, check))
-
-  @contextlib.contextmanager
-  def _beside(self, snap: snapshot_lib.HostSnapshot) -> Iterator[Any]:
-    """The other targets fed by the snapshot, staged and checked first:
-    yields what publishes them once the version is published (and applies
-    its retention to them)."""
-    if self._hf_target is None:
-      yield lambda path: path
-      return
-    with self._hf_target.stage(snap) as staged:
-      def publish(path: str) -> str:
-        staged.publish(keep=self._dir.versions())
-        return path
-      yield publish
+      path = version.publish(staged, check)
+      if beside is not None:  # Then its retention follows the versions.
+        beside.publish(keep=self._dir.versions())
+      return path
 
   @functools.cached_property
   def _platforms(self) -> tuple[str, ...]:
