@@ -398,6 +398,11 @@ def test_slow_export_when_busy_wait_publishes_every_due_step(
       assert cb(step, train_state=state)
       expected[step] = trainer.expected(state)
       reached.append(step)
+      if step == 1:
+        # The worker dequeues export 1 before step 2 is submitted: on a
+        # busy machine its thread may not have run yet, and step 2 would
+        # then wait for room instead of queuing (a different, correct run).
+        gate.wait_entered(1)
 
   with _AbslRecords() as records:
     census = _SnapshotCensus(records)
