@@ -64,7 +64,6 @@ def _wrap(record, owner, attr, name):
 
 
 def _ours(root: pathlib.Path, variables, width: int) -> dict:
-  import t5export
   from t5export._src.engine import assets_extra
   from t5export._src.engine import serving
   from t5export._src.engine import stage
