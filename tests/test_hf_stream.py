@@ -24,6 +24,7 @@ from t5export._src.hf import t5_mapping
 import test_hf_mapping
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
+E = test_hf_mapping.E
 # Past one tile (TILE_ROWS x TILE_COLS) each way.
 ROWS, COLS = safetensors_stream.TILE_ROWS + 44, safetensors_stream.TILE_COLS + 9
 
@@ -133,55 +134,57 @@ def test_a_failed_write_leaves_the_old_file_and_nothing_else(tmp_path):
   assert os.listdir(tmp_path) == ['model.safetensors']
 
 
-def _mapping(**config):
-  shapes = test_hf_mapping._shapes(per_layer_bias=True)  # Scaled lm_head.
-  return shapes, t5_mapping.build(test_hf_mapping._config(**config), shapes)
+def _mapping(layout='3d'):
+  """(params, mapping) of a umT5 (its lm_head is scaled): attention kernels
+  [e, h, d] ('3d'), or [e, h*d] as T5X's DenseGeneral holds them ('2d'),
+  or those stacked along axis 1 as scanned layers hold them ('scanned')."""
+  shapes = test_hf_mapping._shapes(per_layer_bias=True)
+  if layout != '3d':
+    for path, shape in shapes.items():
+      if len(shape) == 3:
+        shapes[path] = ((shape[0], shape[1] * shape[2]) if shape[0] == E
+                        else (shape[0] * shape[1], shape[2]))
+  flat = {p: x.astype(np.float32) for p, x in
+          test_hf_mapping._params(shapes).items()}
+  config = test_hf_mapping._config()
+  if layout == 'scanned':
+    stacked = {}
+    for path, x in flat.items():
+      parts = path.split('/')
+      if parts[2].startswith('layers_'):
+        key = '/'.join(parts[:2] + [parts[1]] + parts[3:])
+        stacked.setdefault(key, []).append(x)  # In layer order.
+      else:
+        stacked[path] = x
+    flat = {p: np.stack(x, axis=1) if isinstance(x, list) else x
+            for p, x in stacked.items()}
+    config = test_hf_mapping._config(param_scan_axis=1)
+  return flat, t5_mapping.build(config, {p: x.shape for p, x in flat.items()})
 
 
+@pytest.mark.parametrize('layout', ['3d', '2d', 'scanned'])
 @pytest.mark.parametrize('param_dtype, dtype', [
     (np.float32, None), (BF16, None), (np.float32, 'bfloat16'),
     (BF16, 'float32'), (np.float16, 'float16')])
 @pytest.mark.parametrize('max_shard_bytes', [700, 2**30])
 def test_checkpoints_are_the_librarys_files_of_the_whole_tensors(
-    tmp_path, param_dtype, dtype, max_shard_bytes):
-  shapes, mapping = _mapping()
-  flat = test_hf_mapping._params(shapes, param_dtype)
-  (tmp_path / 'ours').mkdir()
-  (tmp_path / 'lib').mkdir()
-  files = hf_writer.write_tensors(str(tmp_path / 'ours'), mapping, flat,
-                                  dtype=dtype,
-                                  max_shard_bytes=max_shard_bytes,
-                                  block_bytes=64)
-  if max_shard_bytes == 2**30:
-    assert files == [hf_writer.SINGLE_FILE]
-    shards = {hf_writer.SINGLE_FILE: list(mapping.sources)}
-  else:
-    index = json.loads((tmp_path / 'ours' / hf_writer.INDEX_FILE).read_text())
-    assert files[-1] == hf_writer.INDEX_FILE and len(files) > 3
-    shards = {}
-    for name, file in index['weight_map'].items():
-      shards.setdefault(file, []).append(name)
-    assert sorted(shards) == files[:-1]
-    assert index['metadata']['total_size'] == sum(
-        mapping.tensor(flat, n, dtype).nbytes for n in mapping.sources)
-  for file, names in shards.items():
-    whole = {n: mapping.tensor(flat, n, dtype) for n in names}
-    assert (tmp_path / 'ours' / file).read_bytes() == _library(
-        tmp_path / 'lib' / file, whole, metadata=hf_writer.METADATA), file
-
-
+    tmp_path, layout, param_dtype, dtype, max_shard_bytes):
+  flat, mapping = _mapping(layout)
+  flat = {p: x.astype(param_dtype) for p, x in flat.items()}
 def test_the_scaled_lm_head_and_kernels_match_their_t5x_params(tmp_path):
-  shapes, mapping = _mapping()
-  flat = test_hf_mapping._params(shapes, np.float32)
+  flat, mapping = _mapping('2d')
   hf_writer.write_tensors(str(tmp_path), mapping, flat, block_bytes=64)
   with safetensors.safe_open(tmp_path / hf_writer.SINGLE_FILE, 'numpy') as f:
     # PyTorch's Linear weight is [out, in]; umT5's lm_head times sqrt(e).
     np.testing.assert_allclose(
         f.get_tensor('lm_head.weight'),
         flat['params/decoder/logits_dense/kernel'].T *
-        np.sqrt(test_hf_mapping.E), rtol=1e-6)
+        np.sqrt(E), rtol=1e-6)
     np.testing.assert_array_equal(
         f.get_tensor('decoder.block.1.layer.2.DenseReluDense.wo.weight'),
         flat['params/decoder/layers_1/mlp/wo/kernel'].T)
+    np.testing.assert_array_equal(
+        f.get_tensor('encoder.block.1.layer.0.SelfAttention.q.weight'),
+        flat['params/encoder/layers_1/attention/query/kernel'].T)
     np.testing.assert_array_equal(
         f.get_tensor('shared.weight'), flat['params/token_embedder/embedding'])

@@ -95,10 +95,11 @@ class Mapping:
     x = np.asarray(flat[src.path])
     if src.layer is not None:
       x = x[(slice(None),) * src.axis + (src.layer,)]
-    if src.how == 'attention_in':  # [e, h, d] -> [h, d, e]: [h*d, e].
-      return x.transpose(1, 2, 0)
-    if src.how == 'attention_out':  # [h, d, e] -> [e, h, d]: [e, h*d].
-      return x.transpose(2, 0, 1)
+    # Attention kernels are [e, h, d] / [h, d, e], or [e, h*d] / [h*d, e].
+    if src.how == 'attention_in':  # -> [h, d, e]: [h*d, e].
+      return np.moveaxis(x, 0, -1)
+    if src.how == 'attention_out':  # -> [e, h, d]: [e, h*d].
+      return np.moveaxis(x, -1, 0)
     if src.how in ('linear', 'bias'):
       return x.T
     return x
