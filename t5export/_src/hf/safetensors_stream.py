@@ -130,28 +130,33 @@ def _merged(x: np.ndarray) -> np.ndarray:
 
 
 def _pieces(x: np.ndarray, max_elems: int) -> Iterator[np.ndarray]:
-  """2-D views covering `x` in C order, each of at most `max_elems`."""
+  """Views covering `x` in C order, each of at most `max_elems`: runs of
+  its first axis (of rows, when `x` merges into 2-d)."""
   x = _merged(x)
-  if x.ndim > 2:
-    for i in range(x.shape[0]):
-      yield from _pieces(x[i], max_elems)
-    return
   x = x.reshape(1, -1) if x.ndim < 2 else x  # A view: ndim <= 1.
-  rows, cols = x.shape
-  if cols > max_elems:
-    for r in range(rows):
-      for c in range(0, cols, max_elems):
-        yield x[r:r + 1, c:c + max_elems]
+  inner = math.prod(x.shape[1:])
+  if inner > max_elems:
+    for i in range(x.shape[0]):
+      if x.ndim > 2:
+        yield from _pieces(x[i], max_elems)
+      else:
+        for c in range(0, inner, max_elems):
+          yield x[i:i + 1, c:c + max_elems]
     return
-  step = max(1, max_elems // max(cols, 1))
-  for r in range(0, rows, step):
+  step = max(1, max_elems // max(inner, 1))
+  for r in range(0, x.shape[0], step):
     yield x[r:r + step]
 
 
 def _copy(dst: np.ndarray, src: np.ndarray) -> None:
-  """`dst[...] = src` (2-D, dst C-contiguous), tile by tile when `src`
-  runs across rows in memory (a transposed view)."""
-  if src.strides[1] == src.itemsize or src.shape[0] == 1:
+  """`dst[...] = src` (dst C-contiguous), tile by tile when `src` runs
+  across dst's rows in memory (a transposed view)."""
+  if src.ndim > 2:  # Each [first, last] plane (e.g. [e, h, d] per head).
+    for index in np.ndindex(*src.shape[1:-1]):
+      at = (slice(None), *index, slice(None))
+      _copy(dst[at], src[at])
+    return
+  if src.strides[-1] == src.itemsize or src.shape[0] == 1:
     np.copyto(dst, src, casting='unsafe')
     return
   rows, cols = src.shape
