@@ -171,6 +171,31 @@ def test_checkpoints_are_the_librarys_files_of_the_whole_tensors(
     tmp_path, layout, param_dtype, dtype, max_shard_bytes):
   flat, mapping = _mapping(layout)
   flat = {p: x.astype(param_dtype) for p, x in flat.items()}
+  (tmp_path / 'ours').mkdir()
+  (tmp_path / 'lib').mkdir()
+  files = hf_writer.write_tensors(str(tmp_path / 'ours'), mapping, flat,
+                                  dtype=dtype,
+                                  max_shard_bytes=max_shard_bytes,
+                                  block_bytes=64)
+  if max_shard_bytes == 2**30:
+    assert files == [hf_writer.SINGLE_FILE]
+    shards = {hf_writer.SINGLE_FILE: list(mapping.sources)}
+  else:
+    index = json.loads((tmp_path / 'ours' / hf_writer.INDEX_FILE).read_text())
+    assert files[-1] == hf_writer.INDEX_FILE and len(files) > 3
+    shards = {}
+    for name, file in index['weight_map'].items():
+      shards.setdefault(file, []).append(name)
+    assert sorted(shards) == files[:-1]
+    assert index['metadata']['total_size'] == sum(
+        mapping.tensor(flat, n, dtype).nbytes for n in mapping.sources)
+  assert sum(len(names) for names in shards.values()) == len(mapping.sources)
+  for file, names in shards.items():
+    whole = {n: mapping.tensor(flat, n, dtype) for n in names}
+    assert (tmp_path / 'ours' / file).read_bytes() == _library(
+        tmp_path / 'lib' / file, whole, metadata=hf_writer.METADATA), file
+
+
 def test_the_scaled_lm_head_and_kernels_match_their_t5x_params(tmp_path):
   flat, mapping = _mapping('2d')
   hf_writer.write_tensors(str(tmp_path), mapping, flat, block_bytes=64)
@@ -183,8 +208,12 @@ def test_the_scaled_lm_head_and_kernels_match_their_t5x_params(tmp_path):
     np.testing.assert_array_equal(
         f.get_tensor('decoder.block.1.layer.2.DenseReluDense.wo.weight'),
         flat['params/decoder/layers_1/mlp/wo/kernel'].T)
+    # T5X's DenseGeneral kernels: [e, h*d] and [h*d, e].
     np.testing.assert_array_equal(
         f.get_tensor('encoder.block.1.layer.0.SelfAttention.q.weight'),
         flat['params/encoder/layers_1/attention/query/kernel'].T)
+    np.testing.assert_array_equal(
+        f.get_tensor('decoder.block.0.layer.1.EncDecAttention.o.weight'),
+        flat['params/decoder/layers_0/encoder_decoder_attention/out/kernel'].T)
     np.testing.assert_array_equal(
         f.get_tensor('shared.weight'), flat['params/token_embedder/embedding'])

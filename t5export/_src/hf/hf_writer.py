@@ -37,11 +37,6 @@ DEFAULT_MAX_SHARD_BYTES = 2**30
 METADATA = {'format': 'pt'}  # transformers reads PyTorch tensors.
 
 
-def _dtype_name(dtype: np.dtype) -> str:
-  """transformers' name of a numpy dtype ('float32', 'bfloat16', ...)."""
-  return np.dtype(dtype).name
-
-
 def plan_shards(mapping: t5_mapping.Mapping,
                 shapes: MappingABC[str, tuple[int, ...]],
                 dtypes: MappingABC[str, np.dtype], *, dtype: Any,
