@@ -37,6 +37,9 @@ def _views():
       'kernel.weight': rng.standard_normal((COLS, ROWS)).astype(
           np.float32).T,
       'bf16.weight': rng.standard_normal((COLS, ROWS)).astype(BF16).T,
+      # Source rows FAR_BYTES or more apart (as an lm_head's kernel).
+      'lm_head.weight': rng.standard_normal(
+          (2, safetensors_stream.FAR_BYTES // 2 + 4)).astype(BF16).T,
       'f16.weight': rng.standard_normal((ROWS, COLS)).astype(np.float16),
       'attention.o': stacked[:, 1].transpose(2, 0, 1),  # Scanned slice.
       'norm.scale': stacked[0, 0, :, 0],  # Strided 1-d.

@@ -46,6 +46,7 @@ _RANK = {name: i for i, name in enumerate(_CODES)}
 # A transposed copy goes tile by tile: TILE_ROWS rows of the destination by
 # TILE_COLS of its columns (a tile's source and destination stay in cache).
 TILE_ROWS, TILE_COLS = 256, 64
+FAR_BYTES = 32 * 2**10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,8 +161,16 @@ def _copy(dst: np.ndarray, src: np.ndarray) -> None:
     np.copyto(dst, src, casting='unsafe')
     return
   rows, cols = src.shape
+  # Source rows far apart (e.g. an lm_head kernel [e, vocab]): a strip is
+  # first gathered row by row (sequential reads) into a buffer the cache
+  # holds, then transposed from there.
+  far = src.strides[-1] >= FAR_BYTES
+  strip = np.empty((cols, TILE_ROWS), src.dtype) if far else None
   for r in range(0, rows, TILE_ROWS):
     d, s = dst[r:r + TILE_ROWS], src[r:r + TILE_ROWS]
+    if strip is not None:
+      np.copyto(strip[:, :len(s)], s.T)
+      s = strip[:, :len(s)].T
     for c in range(0, cols, TILE_COLS):
       np.copyto(d[:, c:c + TILE_COLS], s[:, c:c + TILE_COLS],
                 casting='unsafe')
