@@ -9,8 +9,8 @@ length, the JSON header (the library's: tensors sorted by descending dtype
 alignment then by name, `data_offsets` back to back, padded with spaces to
 a multiple of 8), then each tensor's data in that order. A tensor already
 laid out (C-contiguous, in its dtype) is written straight from its memory;
-any other is produced in blocks of at most `block_bytes` by a worker
-thread while the previous block is being written, so the memory this adds
+any other is produced in blocks of at most `block_bytes` by worker
+threads while the previous block is being written, so the memory this adds
 is a few blocks whatever the tensors' sizes. Transposes are copied tile by
 tile (a tile's rows and columns stay in cache).
 """
@@ -32,6 +32,7 @@ import uuid
 import numpy as np
 
 DEFAULT_BLOCK_BYTES = 4 * 2**20
+DEFAULT_THREADS = 2
 MAX_HEADER_BYTES = 100_000_000  # The library's limit.
 # numpy dtype name -> the header's, in the library's order (increasing
 # alignment; a file holds its tensors by descending alignment).
@@ -224,7 +225,8 @@ def _write_all(file, data: memoryview) -> None:
 
 def write(path: str, tensors: Sequence[Tensor], *,
           metadata: Mapping[str, str] | None = None,
-          block_bytes: int = DEFAULT_BLOCK_BYTES) -> int:
+          block_bytes: int = DEFAULT_BLOCK_BYTES,
+          threads: int = DEFAULT_THREADS) -> int:
   """Writes `tensors` as the safetensors file `path`: the bytes
   `safetensors.serialize_file` writes for the same tensors and metadata.
 
@@ -237,6 +239,8 @@ def write(path: str, tensors: Sequence[Tensor], *,
     tensors: the tensors, in any order (the file sorts them).
     metadata: the header's `__metadata__`, or None for none.
     block_bytes: the most bytes of one converted block.
+    threads: the threads making blocks (each holds one block; one more
+      block is being written).
 
   Returns:
     The bytes of tensor data written.
@@ -250,7 +254,8 @@ def write(path: str, tensors: Sequence[Tensor], *,
   try:
     with open(partial, 'xb', buffering=0) as file:
       _write_all(file, memoryview(head))
-      total = _write_data(file, ordered, max(block_bytes, 8))
+      total = _write_data(file, ordered, max(block_bytes, 8),
+                          max(1, threads))
     os.replace(partial, path)
   except BaseException:
     with contextlib.suppress(FileNotFoundError):
@@ -259,9 +264,11 @@ def write(path: str, tensors: Sequence[Tensor], *,
   return total
 
 
-def _write_data(file, tensors: Sequence[Tensor], block_bytes: int) -> int:
-  """Writes the tensors' data; each block is made by a worker thread while
-  the one before it is written (numpy's copies release the GIL)."""
+def _write_data(file, tensors: Sequence[Tensor], block_bytes: int,
+                threads: int) -> int:
+  """Writes the tensors' data; the next `threads` blocks are made by worker
+  threads while the one before them is written (numpy's copies and the
+  writes release the GIL)."""
   free: list[np.ndarray] = []
   pending: collections.deque[tuple[Any, np.ndarray | None]] = (
       collections.deque())
@@ -277,14 +284,14 @@ def _write_data(file, tensors: Sequence[Tensor], block_bytes: int) -> int:
     if buffer is not None:
       free.append(buffer)
 
-  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+  with concurrent.futures.ThreadPoolExecutor(threads) as pool:
     for item in _items(tensors, block_bytes):
       if isinstance(item, _Block):
         buffer = free.pop() if free else np.empty(block_bytes, np.uint8)
         pending.append((pool.submit(item.make, buffer), buffer))
       else:
         pending.append((item, None))
-      while len(pending) > 1:  # The newest is made while this is written.
+      while len(pending) > threads:  # The newest are made meanwhile.
         write_next()
     while pending:
       write_next()
