@@ -54,13 +54,13 @@ def _views():
 
 
 def _stream(path, arrays, *, block_bytes, metadata, dtype=None,
-            transform=None):
+            transform=None, threads=safetensors_stream.DEFAULT_THREADS):
   tensors = [safetensors_stream.Tensor(
       name=n, source=x, shape=x.shape,
       dtype=np.dtype(dtype or x.dtype).newbyteorder('='),
       transform=transform) for n, x in arrays.items()]
   return safetensors_stream.write(str(path), tensors, metadata=metadata,
-                                  block_bytes=block_bytes)
+                                  block_bytes=block_bytes, threads=threads)
 
 
 def _library(path, arrays, *, metadata):
@@ -73,11 +73,14 @@ def _library(path, arrays, *, metadata):
 
 
 @pytest.mark.parametrize('metadata', [None, {}, hf_writer.METADATA])
-@pytest.mark.parametrize('block_bytes', [8, 1000, 2**20])
-def test_files_are_the_librarys_bytes(tmp_path, metadata, block_bytes):
+@pytest.mark.parametrize('block_bytes, threads', [(8, 1), (1000, 3),
+                                                  (2**20, 2)])
+def test_files_are_the_librarys_bytes(tmp_path, metadata, block_bytes,
+                                      threads):
   arrays = _views()
   written = _stream(tmp_path / 'ours.safetensors', arrays,
-                    block_bytes=block_bytes, metadata=metadata)
+                    block_bytes=block_bytes, metadata=metadata,
+                    threads=threads)
   ours = (tmp_path / 'ours.safetensors').read_bytes()
   assert ours == _library(tmp_path / 'lib.safetensors', arrays,
                           metadata=metadata)
