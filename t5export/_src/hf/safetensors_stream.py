@@ -166,7 +166,8 @@ def _copy(dst: np.ndarray, src: np.ndarray) -> None:
   # first gathered row by row (sequential reads) into a buffer the cache
   # holds, then transposed from there.
   far = src.strides[-1] >= FAR_BYTES
-  strip = np.empty((cols, TILE_ROWS), src.dtype) if far else None
+  # (At most the piece's size: a piece holds at most one block.)
+  strip = np.empty((cols, min(rows, TILE_ROWS)), src.dtype) if far else None
   for r in range(0, rows, TILE_ROWS):
     d, s = dst[r:r + TILE_ROWS], src[r:r + TILE_ROWS]
     if strip is not None:
