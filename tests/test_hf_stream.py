@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
+import subprocess
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -223,3 +226,18 @@ def test_the_scaled_lm_head_and_kernels_match_their_t5x_params(tmp_path):
         flat['params/decoder/layers_0/encoder_decoder_attention/out/kernel'].T)
     np.testing.assert_array_equal(
         f.get_tensor('shared.weight'), flat['params/token_embedder/embedding'])
+
+
+def test_the_bench_runs_both_sides_in_their_own_processes():
+  bench = pathlib.Path(__file__).parents[1] / 'tools' / 'hf_bench.py'
+  out = subprocess.run(
+      [sys.executable, str(bench), '--d_model=64', '--layers=1',
+       '--repeats=1', '--dtype=bfloat16'], capture_output=True, text=True,
+      check=True, timeout=300).stdout
+  result = json.loads(out)
+  # 2 x 32128 x 64 embeddings and 1 + 1 layers of kernels, 2 bytes each.
+  assert result['param_bytes'] > 2 * 32128 * 64 * 2
+  assert result['dtype'] == 'bfloat16'
+  assert result['time_ours_vs_raw'] > 0
+  assert len(result['seconds_ours']) == len(result['seconds_raw']) == 1
+  assert result['peak_from'] == 'VmRSS before, VmHWM reset'
