@@ -141,6 +141,9 @@ def test_a_failed_write_leaves_the_old_file_and_nothing_else(tmp_path):
                      'str'):
     _stream(path, {'text': np.array(['x'])}, block_bytes=16, metadata=None)
   assert os.listdir(tmp_path) == ['model.safetensors']
+  with pytest.raises(ValueError, match='unique and not __metadata__'):
+    _stream(path, {'__metadata__': np.ones(2)}, block_bytes=16,
+            metadata=None)
 
 
 def _mapping(layout='3d'):

@@ -85,8 +85,13 @@ def header(tensors: Sequence[Tensor], metadata: Mapping[str, str] | None
 
   Raises:
     ValueError: a dtype safetensors has no name for, a shape that is not
-      the source's size, or a header past the library's limit.
+      the source's size, a name twice or `__metadata__`, or a header past
+      the library's limit.
   """
+  names = [t.name for t in tensors]
+  if '__metadata__' in names or len(set(names)) != len(names):
+    raise ValueError(f'Tensor names must be unique and not __metadata__, '
+                     f'got {sorted(names)}.')
   for t in tensors:
     if np.dtype(t.dtype).name not in _CODES:
       raise ValueError(f'{t.name}: safetensors has no dtype for '
@@ -230,6 +235,11 @@ def write(path: str, tensors: Sequence[Tensor], *,
           threads: int = DEFAULT_THREADS) -> int:
   """Writes `tensors` as the safetensors file `path`: the bytes
   `safetensors.serialize_file` writes for the same tensors and metadata.
+
+  (The metadata's keys are written sorted; the library writes several
+  keys in its hash map's order, which varies between processes, so the
+  bytes are the library's for metadata of at most one key, as
+  `hf_writer`'s.)
 
   As the library does, the file is written under a temporary name beside
   `path` and renamed to it once whole; on an error the temporary file is
