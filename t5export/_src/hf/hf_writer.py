@@ -5,26 +5,28 @@
 `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`
 once the tensors pass `max_shard_bytes`) and, for a SentencePiece
 vocabulary, `spiece.model`, `tokenizer_config.json` and
-`special_tokens_map.json`. The tensors are written by the `safetensors`
-library straight from their memory (`safetensors.serialize_file` with
-`TensorSpec`s): a param already laid out as transformers wants it is not
-copied; one that needs a transpose or a scanned layer's slice is copied
-for the time of its shard only, so the memory this adds is bounded by one
-shard, never a second copy of all params. Dtypes are kept (bfloat16 stays
-bfloat16) unless `dtype` says otherwise.
+`special_tokens_map.json`. The safetensors files are streamed
+(`safetensors_stream`: the bytes `safetensors.serialize_file` writes):
+a param already laid out as transformers wants it is written from its
+memory; one that needs a transpose, a scanned layer's slice, a dtype
+conversion or a scale is made a few MiB at a time as it is written, so
+the memory this adds is a few blocks, never a tensor, a shard or a second
+copy of the params. Dtypes are kept (bfloat16 stays bfloat16) unless
+`dtype` says otherwise.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping as MappingABC
+import functools
 import json
 import math
 import os
 from typing import Any
 
 import numpy as np
-import safetensors
 
+from t5export._src.hf import safetensors_stream
 from t5export._src.hf import t5_mapping
 from t5export._src.versions import storage
 
@@ -32,11 +34,7 @@ SINGLE_FILE = 'model.safetensors'
 INDEX_FILE = 'model.safetensors.index.json'
 CONFIG_FILE = 'config.json'
 DEFAULT_MAX_SHARD_BYTES = 2**30
-
-
-def _dtype_name(dtype: np.dtype) -> str:
-  """transformers' name of a numpy dtype ('float32', 'bfloat16', ...)."""
-  return np.dtype(dtype).name
+METADATA = {'format': 'pt'}  # transformers reads PyTorch tensors.
 
 
 def plan_shards(mapping: t5_mapping.Mapping,
@@ -58,25 +56,28 @@ def plan_shards(mapping: t5_mapping.Mapping,
   return shards
 
 
-def _write_shard(path: str, tensors: dict[str, np.ndarray]) -> int:
-  """Writes `tensors` as one safetensors file; returns their bytes."""
-  specs = {}
-  for name, x in tensors.items():
-    if not x.dtype.isnative and x.dtype.byteorder == '>':
-      raise ValueError(f'{name}: big-endian arrays are not written.')
-    specs[name] = safetensors.TensorSpec(
-        dtype=x.dtype.name, shape=list(x.shape), data_ptr=x.ctypes.data,
-        data_len=x.nbytes)
-  safetensors.serialize_file(specs, path, metadata={'format': 'pt'})
-  umask = os.umask(0)
-  os.umask(umask)
-  os.chmod(path, 0o666 & ~umask)  # As open() makes the other files.
-  return sum(x.nbytes for x in tensors.values())
+def _write_shard(path: str, names: list[str], *, mapping: t5_mapping.Mapping,
+                 flat: MappingABC[str, Any],
+                 shapes: MappingABC[str, tuple[int, ...]], dtype: Any,
+                 block_bytes: int) -> int:
+  """Streams the tensors `names` into one safetensors file; returns their
+  bytes."""
+  tensors = []
+  for name in names:
+    source = mapping.layout(flat, name)
+    tensors.append(safetensors_stream.Tensor(
+        name=name, source=source, shape=mapping.shape(name, shapes),
+        dtype=np.dtype(dtype or source.dtype),
+        transform=mapping.transform(name)))
+  return safetensors_stream.write(path, tensors, metadata=METADATA,
+                                  block_bytes=block_bytes)
 
 
 def write_tensors(directory: str, mapping: t5_mapping.Mapping,
                   flat: MappingABC[str, Any], *, dtype: Any = None,
-                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
+                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                  block_bytes: int = safetensors_stream.DEFAULT_BLOCK_BYTES
+                  ) -> list[str]:
   """Writes the model's tensors into `directory` (a local directory).
 
   Args:
@@ -85,6 +86,7 @@ def write_tensors(directory: str, mapping: t5_mapping.Mapping,
     flat: `{param path: numpy array}` of the T5X params.
     dtype: the dtype to write (None: each param's own).
     max_shard_bytes: past this the tensors are sharded.
+    block_bytes: the most bytes of a tensor converted at a time.
 
   Returns:
     The files written.
@@ -93,16 +95,16 @@ def write_tensors(directory: str, mapping: t5_mapping.Mapping,
   dtypes = {p: np.asarray(x).dtype for p, x in flat.items()}
   shards = plan_shards(mapping, shapes, dtypes, dtype=dtype,
                        max_shard_bytes=max_shard_bytes)
+  write = functools.partial(_write_shard, mapping=mapping, flat=flat,
+                            shapes=shapes, dtype=dtype,
+                            block_bytes=block_bytes)
   if len(shards) == 1:
-    _write_shard(os.path.join(directory, SINGLE_FILE),
-                 {n: mapping.tensor(flat, n, dtype) for n in shards[0]})
+    write(os.path.join(directory, SINGLE_FILE), names=shards[0])
     return [SINGLE_FILE]
   files, weight_map, total = [], {}, 0
   for i, names in enumerate(shards):
     file = f'model-{i + 1:05d}-of-{len(shards):05d}.safetensors'
-    # One shard's tensors at a time: the copies die with the loop's turn.
-    total += _write_shard(os.path.join(directory, file),
-                          {n: mapping.tensor(flat, n, dtype) for n in names})
+    total += write(os.path.join(directory, file), names=names)
     weight_map.update((n, file) for n in names)
     files.append(file)
   _write_json(os.path.join(directory, INDEX_FILE),

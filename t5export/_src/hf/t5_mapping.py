@@ -24,8 +24,10 @@ that scale in UMT5 (it forces `tie_word_embeddings`), so an untied umT5
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Mapping as MappingABC
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -84,28 +86,51 @@ class Mapping:
   config: dict[str, Any]  # config.json, less the dtype.
   sources: dict[str, Source]  # HF name -> where it comes from.
 
+  def layout(self, flat: MappingABC[str, np.ndarray], name: str
+             ) -> np.ndarray:
+    """A view (never a copy) of the T5X param of tensor `name` whose
+    elements, in C order, are that tensor's (reshaped to `shape(name)`):
+    kernels transposed, a scanned layer sliced out."""
+    src = self.sources[name]
+    x = np.asarray(flat[src.path])
+    if src.layer is not None:
+      x = x[(slice(None),) * src.axis + (src.layer,)]
+    # Attention kernels are [e, h, d] / [h, d, e], or [e, h*d] / [h*d, e].
+    if src.how == 'attention_in':  # -> [h, d, e]: [h*d, e].
+      return np.moveaxis(x, 0, -1)
+    if src.how == 'attention_out':  # -> [e, h, d]: [e, h*d].
+      return np.moveaxis(x, -1, 0)
+    if src.how in ('linear', 'bias'):
+      return x.T
+    return x
+
+  def transform(self, name: str) -> Callable[[np.ndarray], None] | None:
+    """What is done in place to the values of tensor `name` once in the
+    written dtype (elementwise: any part of it at a time), or None."""
+    scale = self.sources[name].scale
+    return None if scale is None else functools.partial(_scale, factor=scale)
+
   def tensor(self, flat: MappingABC[str, np.ndarray], name: str,
              dtype: Any = None) -> np.ndarray:
-    """The Hugging Face tensor `name`, C-contiguous, from T5X params `flat`.
+    """The Hugging Face tensor `name`, whole and C-contiguous, from T5X
+    params `flat` (the writer streams `layout` instead).
 
     A copy only where the layout differs (transposes, a scanned layer's
     slice); a param already laid out right is returned as it is.
     """
     src = self.sources[name]
-    x = np.asarray(flat[src.path])
-    if src.layer is not None:
-      x = np.take(x, src.layer, axis=src.axis)
-    if src.how == 'attention_in':
-      x = x.reshape(x.shape[0], -1).T
-    elif src.how == 'attention_out':
-      x = x.reshape(-1, x.shape[-1]).T
-    elif src.how in ('linear', 'bias'):
-      x = x.T
-    if dtype is not None and x.dtype != np.dtype(dtype):
-      x = x.astype(dtype)
-    if src.scale is not None:
-      x = (x.astype(np.float32) * np.float32(src.scale)).astype(x.dtype)
-    return np.ascontiguousarray(x)
+    view = self.layout(flat, name)
+    if dtype is not None and view.dtype != np.dtype(dtype):
+      x = view.astype(dtype, order='C')
+    else:
+      x = np.ascontiguousarray(view)
+    x = x.reshape(self.shape(name, {src.path: np.shape(flat[src.path])}))
+    transform = self.transform(name)
+    if transform is not None:
+      if np.shares_memory(x, view):
+        x = x.copy()
+      transform(x)
+    return x
 
   def shape(self, name: str, shapes: MappingABC[str, tuple[int, ...]]
             ) -> tuple[int, ...]:
@@ -119,6 +144,12 @@ class Mapping:
     if src.how == 'attention_out':
       return (s[-1], math.prod(s[:-1]))
     return tuple(reversed(s)) if src.how in ('linear', 'bias') else tuple(s)
+
+
+def _scale(x: np.ndarray, *, factor: float) -> None:
+  """Multiplies `x` by `factor` in place, in float32 (rounded once to
+  `x`'s dtype)."""
+  np.copyto(x, x.astype(np.float32) * np.float32(factor), casting='unsafe')
 
 
 def _field(config: Any, name: str) -> Any:
