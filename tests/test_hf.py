@@ -113,7 +113,8 @@ def test_transformers_loads_the_family_as_its_class(published, family):
   assert config['architectures'] == [EXPECTED_CLASS[family]]
   assert sorted(os.listdir(path)) == [
       'config.json', 'generation_config.json', 'model.safetensors',
-      'special_tokens_map.json', 'spiece.model', 'tokenizer_config.json']
+      'special_tokens_map.json', 'spiece.model', 't5export.json',
+      'tokenizer_config.json']
 
 
 @pytest.mark.parametrize('family', [*hf_families.FAMILIES, 'sharded'])

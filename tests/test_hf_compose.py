@@ -150,7 +150,8 @@ def test_offline_cli_hf_dir(family, where, tmp_path, torch_python,
   assert hf_steps.StepDirectory(hf_dir, overwrite=False).steps() == [3]
   local = _download(hf_dir + '/3', tmp_path / 'downloaded')
   assert sorted(os.listdir(local)) == [
-      'config.json', 'generation_config.json', 'model.safetensors']
+      'config.json', 'generation_config.json', 'model.safetensors',
+      't5export.json']
   if family == 'scanned':  # Stacked on axis 1 ([mlp, layers, embed]).
     tensors = safetensors.numpy.load_file(local / 'model.safetensors')
     np.testing.assert_array_equal(
