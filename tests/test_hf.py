@@ -17,12 +17,12 @@ import os
 import pathlib
 import shutil
 import struct
-import subprocess
 
 import jax
 import numpy as np
 import pytest
 
+import _hf_transformers_worker
 import hf_families
 import t5x_setup
 from t5export import errors
@@ -34,7 +34,6 @@ from t5export._src.state import train_state
 
 pytestmark = pytest.mark.t5x
 
-WORKER = pathlib.Path(__file__).with_name('_hf_transformers_worker.py')
 EXTRA_IDS = 10
 EXPECTED_CLASS = {'t5_1_0': 'T5ForConditionalGeneration',
                   't5_1_1': 'T5ForConditionalGeneration',
@@ -93,11 +92,7 @@ def published(tmp_path_factory, torch_python):
   built['sharded'] = (model, params, sharded.export(_snapshot(params, 7)))
   jobs.append(dict(jobs[1], dir=built['sharded'][2],
                    texts=None, out=str(root / 'sharded.npz')))
-  (root / 'job.json').write_text(json.dumps(jobs))
-  proc = subprocess.run([torch_python, str(WORKER), str(root / 'job.json')],
-                        capture_output=True, text=True, timeout=600,
-                        check=False)
-  assert proc.returncode == 0, proc.stderr[-4000:]
+  _hf_transformers_worker.launch(torch_python, jobs, root)
   out = {}
   for name, (model, params, path) in built.items():
     with np.load(root / f'{name}.npz') as f:

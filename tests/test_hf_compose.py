@@ -31,14 +31,6 @@ from t5export._src.versions import versions
 pytestmark = pytest.mark.t5x
 
 
-def _signatures(family):
-  return [t5export.Signature(
-      name='logits', method=hf_families.logits_method(family),
-      input_specs={'encoder_input_tokens': ('b, 8', 'int32'),
-                   'decoder_input_tokens': ('b, 6', 'int32')},
-      sample_inputs=hf_families.sample_inputs())]
-
-
 def _assert_holds(hf_step_dir, params):
   """The checkpoint's shared embedding (and an untied lm_head) are the
   step's params."""
@@ -74,7 +66,7 @@ def test_callback_publishes_both_and_retention_keeps_them_together(
   target = t5export.HuggingFaceTarget(root + '/hf', model=model,
                                       validate=False)
   exporter = t5export.SavedModelExporter(
-      root + '/sm', _signatures(family), hf_target=target,
+      root + '/sm', hf_families.signatures(family), hf_target=target,
       # The SavedModel side as cheap as it goes: its own tests check it.
       options=t5export.ExportOptions(keep=1, validate=False, warmup=False,
                                      jax_artifacts=False, durable=False))

@@ -17,14 +17,12 @@ test_hf_compose.py runs it in the offline CLI, test_hf.py tests it.
 
 from __future__ import annotations
 
-import json
-import pathlib
-import subprocess
 
 import numpy as np
 import pytest
 
 import gcs_emulator as gcs_emulator_lib
+import _hf_transformers_worker
 import hf_families
 import offline_cli
 import t5x_setup
@@ -35,7 +33,6 @@ from t5export._src.hf import hf_steps
 
 pytestmark = pytest.mark.t5x
 
-WORKER = pathlib.Path(__file__).with_name('_hf_transformers_worker.py')
 ROUTES = ('callback', 'offline')
 WHERE = ('local', 'gs')
 STEP = 3
@@ -50,20 +47,12 @@ def _batch():
   return features
 
 
-def _signatures(family):
-  return [t5export.Signature(
-      name='logits', method=hf_families.logits_method(family),
-      input_specs={'encoder_input_tokens': ('b, 8', 'int32'),
-                   'decoder_input_tokens': ('b, 6', 'int32')},
-      sample_inputs=hf_families.sample_inputs())]
-
-
 def _by_callback(family, state, root):
   """Publishes `state` from the training callback into `root`/hf."""
   target = t5export.HuggingFaceTarget(root + '/hf', model=state.model,
                                       validate=False)
   exporter = t5export.SavedModelExporter(
-      root + '/sm', _signatures(family), hf_target=target,
+      root + '/sm', hf_families.signatures(family), hf_target=target,
       options=t5export.ExportOptions(validate=False, warmup=False,
                                      jax_artifacts=False, durable=False))
   callback = t5export.ExportCallback(exporter, export_every_steps=STEP,
@@ -124,11 +113,7 @@ def matrix(tmp_path_factory, gcs_emulator, torch_python):
                      'inputs': str(root / 'inputs.npz'), 'texts': None,
                      'max_new_tokens': features['decoder_input_tokens'].shape[1],
                      'out': str(out)})
-  (root / 'job.json').write_text(json.dumps(jobs))
-  proc = subprocess.run([torch_python, str(WORKER), str(root / 'job.json')],
-                        capture_output=True, text=True, timeout=600,
-                        check=False)
-  assert proc.returncode == 0, proc.stderr[-4000:]
+  _hf_transformers_worker.launch(torch_python, jobs, root)
   results = {}
   for cell in CELLS:
     with np.load(root / f'{"-".join(cell)}.npz') as f:
@@ -168,10 +153,31 @@ def test_an_hf_dir_sharing_export_dirs_versions_is_refused(tmp_path):
   for hf_dir in (export_dir, export_dir / '3' / 'hf'):
     target = t5export.HuggingFaceTarget(hf_dir, model=model, validate=False)
     with pytest.raises(errors.HfDirOverlapError, match='share numeric'):
-      t5export.SavedModelExporter(export_dir, _signatures('t5_1_0'),
+      t5export.SavedModelExporter(export_dir, hf_families.signatures('t5_1_0'),
                                   hf_target=target)
   assert not export_dir.exists()
-  t5export.SavedModelExporter(export_dir, _signatures('t5_1_0'),
+  t5export.SavedModelExporter(export_dir, hf_families.signatures('t5_1_0'),
                               hf_target=t5export.HuggingFaceTarget(
                                   export_dir / 'hf', model=model,
                                   validate=False))
+
+
+def test_a_second_writer_on_an_hf_dir_is_refused_before_any_export(tmp_path):
+  model = hf_families.model('t5_1_0')
+
+  def exporter(name):
+    return t5export.SavedModelExporter(
+        tmp_path / name, hf_families.signatures('t5_1_0'),
+        hf_target=t5export.HuggingFaceTarget(tmp_path / 'hf', model=model,
+                                             validate=False))
+
+  first = exporter('a')
+  assert first.versions() == []  # Opens export_dir a and the hf_dir.
+  with pytest.raises(errors.ExportDirLockedError,
+                     match=rf"^hf_dir '{tmp_path}/hf' is being written by "
+                     'another exporter: .*this process'):
+    t5export.ExportCallback(exporter('b'), export_every_steps=1)
+  first.close()
+  # The refused writer let export_dir b go: it starts once the hf_dir is free.
+  with t5export.ExportCallback(exporter('b'), export_every_steps=1) as cb:
+    assert cb.exporter.hf_target.steps() == []

@@ -140,18 +140,26 @@ class SavedModelExporter:
 
   @functools.cached_property
   def _dir(self) -> versions_lib.VersionDirectory:
-    """The version directory, prepared and resumed on first use; it holds
-    the export_dir's lease until `close()`.
+    """The version directory, prepared and resumed on first use (with
+    `hf_target`'s hf_dir); it holds the export_dir's lease (and the
+    hf_dir's) until `close()`.
 
     Raises:
-      ExportDirError: `export_dir` is unusable.
-      ExportDirLockedError: another writer holds `export_dir`.
+      ExportDirError: `export_dir` (or the hf_dir) is unusable.
+      ExportDirLockedError: another writer holds `export_dir` (or the
+        hf_dir).
     """
     o = self._options
     directory = bucket_versions.open_directory(
         self._export_dir, keep=o.keep, keep_best=o.keep_best,
         overwrite=o.overwrite, durable=o.durable)
-    stale = directory.resume()
+    try:
+      stale = directory.resume()
+      if self._hf_target is not None:  # Its hf_dir's lease, taken now too.
+        self._hf_target.open()
+    except BaseException:
+      directory.close()
+      raise
     logging.info('t5export: export_dir %s holds versions %s; removed %d '
                  'stale staging dir(s).', self._export_dir,
                  directory.versions(), len(stale))

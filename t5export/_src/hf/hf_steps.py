@@ -119,17 +119,7 @@ class StepDirectory:
       bucket_versions.check_writable(hf_dir, argument='hf_dir')
       bucket_versions.staging_root()  # Checked before the lease is taken.
     else:
-      try:
-        os.makedirs(hf_dir, exist_ok=True)
-        probe = os.path.join(hf_dir, f'{versions.STAGING_PREFIX}probe-'
-                             f'{uuid.uuid4().hex[:8]}')
-        os.mkdir(probe)
-        os.rmdir(probe)
-      except OSError as e:
-        raise errors.ExportDirError(
-            f'hf_dir {hf_dir!r} cannot be made or written '
-            f'({e.strerror or e}). Pass a directory this process can '
-            'write.') from e
+      versions.make_writable_dir(hf_dir, argument='hf_dir')
     self._lease = lease_lib.acquire(hf_dir, argument='hf_dir')
     # Where steps are staged: this writer's own private local directory
     # for a bucket, else hf_dir itself (a rename publishes).

@@ -167,6 +167,18 @@ class HuggingFaceTarget:
                  'interrupted publish.', self._hf_dir, len(stale))
     return directory
 
+  def open(self) -> None:
+    """Opens the hf_dir now (its lease taken, an interrupted publish
+    cleaned up), not at the first export (the exporter opens it with its
+    export_dir).
+
+    Raises:
+      ExportDirError: hf_dir is unusable.
+      ExportDirLockedError: another writer holds hf_dir.
+      StorageError: a listing or lookup failed; nothing was removed.
+    """
+    self._steps  # pylint: disable=pointless-statement
+
   def close(self) -> None:
     """Gives the hf_dir up: releases this writer's lease on it (the
     exporter's `close()` calls it); a later use opens it again."""

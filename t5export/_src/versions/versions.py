@@ -192,6 +192,36 @@ def _exchange(a: str, b: str) -> bool:
                    rename_exchange) == 0
 
 
+def make_writable_dir(d: str, *, argument: str) -> None:
+  """Creates the local directory `d` if missing and checks that this
+  process can write it (a real write: os.access says yes to root even on a
+  read-only mount).
+
+  Raises:
+    ExportDirError: `d` is a file, or cannot be made or written (named as
+      `argument`, e.g. 'export_dir').
+  """
+  if os.path.exists(d) and not os.path.isdir(d):
+    raise errors.ExportDirError(
+        f'{argument} {d!r} exists and is not a directory. Pass a directory '
+        '(it is created if missing) and move the file away.')
+  try:
+    os.makedirs(d, exist_ok=True)
+  except OSError as e:
+    raise errors.ExportDirError(
+        f'{argument} {d!r} cannot be created ({e.strerror or e}). Pass a '
+        'directory you can write, or fix its parent\'s permissions.') from e
+  probe = _hidden(d, 'probe')
+  try:
+    os.mkdir(probe)
+    os.rmdir(probe)
+  except OSError as e:
+    raise errors.ExportDirError(
+        f'{argument} {d!r} is not writable by this process '
+        f'({e.strerror or e}). Fix its permissions or pass another '
+        'directory.') from e
+
+
 def move_into_place(staging: str, final: str, *, overwrite: bool,
                     sync: Callable[[], None]) -> None:
   """Renames the local directory `staging` to its sibling `final`; a
@@ -235,26 +265,7 @@ class VersionDirectory:
     self._metrics: dict[int, dict[str, Any]] = {}
     # Versions with t5export's metadata: the only ones retention removes.
     self._ours: set[int] = set()
-    if os.path.exists(d) and not os.path.isdir(d):
-      raise errors.ExportDirError(
-          f'export_dir {d!r} exists and is not a directory. Pass a directory '
-          '(it is created if missing) and move the file away.')
-    try:
-      os.makedirs(d, exist_ok=True)
-    except OSError as e:
-      raise errors.ExportDirError(
-          f'export_dir {d!r} cannot be created ({e.strerror or e}). Pass a '
-          'directory you can write, or fix its parent\'s permissions.') from e
-    # A real write: os.access says yes to root even on a read-only mount.
-    probe = _hidden(d, 'probe')
-    try:
-      os.mkdir(probe)
-      os.rmdir(probe)
-    except OSError as e:
-      raise errors.ExportDirError(
-          f'export_dir {d!r} is not writable by this process '
-          f'({e.strerror or e}). Fix its permissions or pass another '
-          'directory.') from e
+    make_writable_dir(d, argument='export_dir')
     self._lease = lease_lib.acquire(d, argument='export_dir')
     self._finalizer = weakref.finalize(self, self._lease.release)
 
