@@ -85,7 +85,8 @@ def params(t5x_model: Any, *, seed: int = 0) -> Any:
 def train_state(t5x_model: Any, *, seed: int = 0) -> Any:
   """T5X's own `FlaxOptimTrainState` of the model (its optimizer, step 0)
   holding `params(t5x_model, seed=seed)`, unsharded (no partitioner: cheap)."""
-  from t5x import train_state as t5x_train_state  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from t5x import train_state as t5x_train_state
   variables = _initial_variables(t5x_model, seed)
   state = t5x_train_state.FlaxOptimTrainState.create(
       t5x_model.optimizer_def, variables)

@@ -89,6 +89,7 @@ def matrix(tmp_path_factory, gcs_emulator, torch_python):
   bucket = f'gs://{gcs_emulator.new_bucket()}'
   features = _batch()
   np.savez(root / 'inputs.npz', **features)
+  length = features['decoder_input_tokens'].shape[1]
   models, jobs = {}, []
   with pytest.MonkeyPatch.context() as patch:
     patch.setenv('T5EXPORT_STAGING_DIR', str(root / 'stage'))
@@ -111,7 +112,7 @@ def matrix(tmp_path_factory, gcs_emulator, torch_python):
         jobs.append({'dir': str(path),
                      'class': CLASS.get(family, 'T5ForConditionalGeneration'),
                      'inputs': str(root / 'inputs.npz'), 'texts': None,
-                     'max_new_tokens': features['decoder_input_tokens'].shape[1],
+                     'max_new_tokens': length,
                      'out': str(out)})
   _hf_transformers_worker.launch(torch_python, jobs, root)
   results = {}

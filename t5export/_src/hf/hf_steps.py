@@ -178,8 +178,9 @@ class StepDirectory:
     """
     if step in self.steps() and not self._overwrite:
       raise errors.VersionExistsError(self.step_dir(step), step)
-    staging = os.path.join(
-        self._staging, f'{versions.STAGING_PREFIX}{step}-{uuid.uuid4().hex[:8]}')
+    nonce = uuid.uuid4().hex[:8]
+    staging = os.path.join(self._staging,
+                           f'{versions.STAGING_PREFIX}{step}-{nonce}')
     os.makedirs(staging)
     return staging
 
