@@ -198,7 +198,8 @@ def test_bucket_resume_and_retention_touch_only_ours(gcs_emulator, gcs_bucket):
 # --- failures are never absences (tests/fault_proxy.py) -----------------------
 
 FAULTS = {503: errors.StorageUnavailableError,
-          403: errors.StoragePermissionError}
+          403: errors.StoragePermissionError,
+          fault_proxy.RESET: errors.StorageUnavailableError}
 
 
 @pytest.fixture(scope='module')
