@@ -15,7 +15,20 @@ list in json.
 """
 
 import json
+import pathlib
+import subprocess
 import sys
+
+
+def launch(python: str, jobs: list[dict], directory: pathlib.Path) -> None:
+  """Runs `jobs` in this script under `python` (the torch venv's), from a
+  test; raises AssertionError with its stderr if it fails."""
+  job_file = directory / 'job.json'
+  job_file.write_text(json.dumps(jobs))
+  proc = subprocess.run([python, __file__, str(job_file)],
+                        capture_output=True, text=True, timeout=600,
+                        check=False)
+  assert proc.returncode == 0, proc.stderr[-4000:]
 
 
 def main(job_file: str) -> None:

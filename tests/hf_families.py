@@ -77,16 +77,32 @@ def model(family: str, *, vocabulary: Any = None) -> Any:
 
 
 def params(t5x_model: Any, *, seed: int = 0) -> Any:
-  """The model's params from its own initializer (bfloat16 for 'bf16').
+  """The model's params from its own initializer (bfloat16 for 'bf16'),
+  as numpy arrays."""
+  return _params(t5x_model, _initial_variables(t5x_model, seed))
 
-  Random init gives ties no real model has; the params are perturbed
-  with a fixed seed so greedy decodes are not decided by rounding.
-  """
+
+def train_state(t5x_model: Any, *, seed: int = 0) -> Any:
+  """T5X's own `FlaxOptimTrainState` of the model (its optimizer, step 0)
+  holding `params(t5x_model, seed=seed)`, unsharded (no partitioner: cheap)."""
+  # pylint: disable-next=g-import-not-at-top
+  from t5x import train_state as t5x_train_state
+  variables = _initial_variables(t5x_model, seed)
+  state = t5x_train_state.FlaxOptimTrainState.create(
+      t5x_model.optimizer_def, variables)
+  return state.replace_params(_params(t5x_model, variables))
+
+
+def _initial_variables(t5x_model: Any, seed: int) -> Any:
+  import jax  # pylint: disable=g-import-not-at-top
+  return t5x_model.get_initial_variables(
+      jax.random.PRNGKey(seed), t5x_setup.INPUT_SHAPES, t5x_setup.INPUT_TYPES)
+
+
+def _params(t5x_model: Any, variables: Any) -> Any:
+  import flax  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  variables = t5x_model.get_initial_variables(
-      jax.random.PRNGKey(seed), t5x_setup.INPUT_SHAPES, t5x_setup.INPUT_TYPES)
-  import flax  # pylint: disable=g-import-not-at-top
   p = jax.tree_util.tree_map(np.asarray,
                              flax.core.unfreeze(variables['params']))
   if t5x_model.module.config.dtype == 'bfloat16':
@@ -106,6 +122,17 @@ def logits_method(family: str) -> Any:
   return serve
 
 
+def signatures(family: str) -> list[Any]:
+  """The SavedModel's signatures beside a family's checkpoint: its logits
+  on sample inputs (cheap)."""
+  import t5export  # pylint: disable=g-import-not-at-top
+  return [t5export.Signature(
+      name='logits', method=logits_method(family),
+      input_specs={'encoder_input_tokens': ('b, 8', 'int32'),
+                   'decoder_input_tokens': ('b, 6', 'int32')},
+      sample_inputs=sample_inputs())]
+
+
 def sample_inputs() -> dict[str, np.ndarray]:
   """The logits signature's sample inputs (t5x_setup's batch)."""
   batch = t5x_setup.batch()
@@ -123,3 +150,38 @@ def assert_step(step_dir: Any, params: Any, t5x_model: Any) -> None:
   with open(f'{step_dir}/spiece.model', 'rb') as got, open(
       t5x_model.output_vocabulary.sentencepiece_model_file, 'rb') as want:
     assert got.read() == want.read()
+
+
+_OFFLINE_GIN = """
+from __gin__ import dynamic_registration
+import t5export
+import hf_families
+include 't5export/gin/offline.gin'
+MODEL = @hf_families.model()
+hf_families.model.family = '{family}'
+hf_families.logits_method.family = '{family}'
+SIGNATURES = [@t5export.Signature()]
+t5export.Signature:
+  name = 'logits'
+  method = @hf_families.logits_method()
+  input_specs = {{'encoder_input_tokens': ('b, 8', 'int32'),
+                 'decoder_input_tokens': ('b, 6', 'int32')}}
+  sample_inputs = {sample}
+t5export.hf_target.model = %MODEL
+{check}
+# The SavedModel side as cheap as it goes (its own tests check it).
+t5export.ExportOptions.validate = False
+t5export.ExportOptions.warmup = False
+JAX_ARTIFACTS = False
+"""
+
+
+def offline_gin(family: str, *, check_python: str | None) -> str:
+  """A gin file for `python -m t5export.offline --hf_dir=...` exporting a
+  checkpoint of `model(family)`: the logits signature, the SavedModel's
+  own check off; the Hugging Face check run by `check_python` (None:
+  off)."""
+  sample = {k: v.tolist() for k, v in sample_inputs().items()}
+  check = ('t5export.hf_target.validate = False' if check_python is None
+           else f"t5export.hf_target.check_python = '{check_python}'")
+  return _OFFLINE_GIN.format(family=family, sample=sample, check=check)

@@ -25,6 +25,7 @@ import pytest
 
 import t5export
 from t5export import errors
+from t5export._src.versions import bucket_commit
 from t5export._src.versions import bucket_versions
 from t5export._src.versions import lease
 from t5export._src.versions import gcs_objects
@@ -108,7 +109,7 @@ class _Killer:
     self.staged += name.startswith('exports/.tmp-2-')
     self.copied += name.startswith('exports/2/')
     if {'upload': self.staged == 2,
-        'verify': name.endswith('/' + bucket_versions.VERIFIED),
+        'verify': name.endswith('/' + bucket_commit.VERIFIED),
         'copy': self.copied == 2,
         'saved_model.pb': name == 'exports/2/saved_model.pb'}[self.stage]:
       os.kill(self.pid, signal.SIGKILL)
@@ -191,7 +192,7 @@ def test_overwrite_keeps_the_old_version_until_the_new_one_is_verified(
   assert len(staged) == len(old) + 1 and all(staged)  # Old one whole.
   assert names.index(next(n for n in names if n.startswith('exports/2/'))) > (
       names.index(next(n for n in names if n.endswith(
-          bucket_versions.VERIFIED))))
+          bucket_commit.VERIFIED))))
   copied = [(name, t) for name, _, t in seen if name.startswith('exports/2/')]
   assert copied[0][0] == f'exports/2/{bucket_versions.MARKER}'
   assert copied[-1][0] == 'exports/2/saved_model.pb'
@@ -261,8 +262,8 @@ def test_one_writer_per_bucket_export_dir(gcs_emulator, gcs_bucket, staging):
   env = {**os.environ, 'PYTHONPATH': str(REPO)}
   holder = subprocess.Popen(
       [sys.executable, '-c', 'from t5export._src.versions import lease; '
-       f'import time; held = lease.acquire({url!r}); print("held", '
-       'flush=True); time.sleep(300)'],
+       f'import time; held = lease.acquire({url!r}, argument="export_dir"); '
+       'print("held", flush=True); time.sleep(300)'],
       env=env, stdout=subprocess.PIPE, text=True)
   try:
     assert holder.stdout.readline() == 'held\n'
@@ -306,8 +307,8 @@ def test_one_writer_per_local_export_dir(tmp_path):
   first.close()
   holder = subprocess.Popen(
       [sys.executable, '-c', 'from t5export._src.versions import lease; '
-       f'import time; held = lease.acquire({str(export_dir)!r}); '
-       'print("held", flush=True); time.sleep(300)'],
+       f'import time; held = lease.acquire({str(export_dir)!r}, '
+       'argument="export_dir"); print("held", flush=True); time.sleep(300)'],
       env={**os.environ, 'PYTHONPATH': str(REPO)}, stdout=subprocess.PIPE,
       text=True)
   try:
@@ -386,7 +387,7 @@ def test_a_bucket_lease_is_refreshed_and_its_loss_noticed(
     gcs_emulator, gcs_bucket, monkeypatch):
   monkeypatch.setattr(lease, 'REFRESH_SECS', 0.05)
   url = gcs_bucket + '/exports'
-  held = lease.acquire(url)
+  held = lease.acquire(url, argument='export_dir')
   try:
     first = lease.Holder.parse(storage.read_bytes(f'{url}/{LEASE}'))
     assert (first.host, first.pid) == (os.uname().nodename, os.getpid())

@@ -885,6 +885,25 @@ def test_hf_check_interpreter_without_torch(tmp_path):
   assert os.listdir(tmp_path) == ['venv']
 
 
+def test_hf_dir_overlaps_export_dir(tmp_path):
+  # What SavedModelExporter(..., hf_target=...) checks before any work
+  # (through the real exporter: test_hf_compose.py, which needs T5X).
+  from t5export._src.hf import hf_steps  # pylint: disable=g-import-not-at-top
+  export_dir = str(tmp_path / 'model')
+  for hf_dir, where in ((export_dir, 'is export_dir'),
+                        (export_dir + '/7/hf', 'lies inside <export_dir>/7')):
+    with pytest.raises(errors.HfDirOverlapError,
+                       match=rf"^hf_dir '{re.escape(hf_dir)}' {where} "
+                       r"\('.*model'\): the Hugging Face steps and the "
+                       'SavedModel versions would share numeric directories. '
+                       'Nothing was written. Pass an hf_dir of its own: a '
+                       'sibling of export_dir, or a non-numeric child such as '
+                       '<export_dir>/hf.'):
+      hf_steps.check_apart(hf_dir, export_dir)
+  hf_steps.check_apart(export_dir + '/hf', export_dir)  # Apart: accepted.
+  assert os.listdir(tmp_path) == []
+
+
 def test_offline_version_exists_without_overwrite(offline_runs):
   line = _offline_error(offline_runs, 'exists')
   assert re.match(r"VersionExistsError: Version 5 already exists at .*"

@@ -1,13 +1,14 @@
 """One snapshot, two outputs: the SavedModel version and its Hugging Face
-checkpoint, from the training callback and from the offline CLI.
+checkpoint, kept together by retention, and checked before publishing.
 
 T5X models of tests/hf_families.py on T5X's own train state: the callback
-publishes with retention (keep=1) into local directories (T5 1.1) and into
-a bucket (T5 1.0, tied; the GCS emulator on 127.0.0.1); the offline CLI
-reads a checkpoint of T5X's state dict and publishes into a bucket (T5
-1.1) and locally (scanned layers), each step checked in transformers (the
-torch venv, tests/torch_venv.py) before it is published. The tensors are
-read back and compared with the step's params.
+publishes with retention (keep=1) into a bucket (T5 1.0, tied; the GCS
+emulator on 127.0.0.1); the offline CLI reads a checkpoint of T5X's state
+dict and publishes into a bucket (T5 1.1), its step checked in
+transformers (the torch venv, tests/torch_venv.py) before it is published.
+The tensors are read back and compared with the step's params. Every
+family by both routes into both kinds of directory, run in transformers:
+test_hf_matrix.py.
 """
 from __future__ import annotations
 
@@ -28,14 +29,6 @@ from t5export._src.versions import storage
 from t5export._src.versions import versions
 
 pytestmark = pytest.mark.t5x
-
-
-def _signatures(family):
-  return [t5export.Signature(
-      name='logits', method=hf_families.logits_method(family),
-      input_specs={'encoder_input_tokens': ('b, 8', 'int32'),
-                   'decoder_input_tokens': ('b, 6', 'int32')},
-      sample_inputs=hf_families.sample_inputs())]
 
 
 def _assert_holds(hf_step_dir, params):
@@ -60,8 +53,7 @@ def _download(url, local):
   return local
 
 
-@pytest.mark.parametrize('family, where', [('t5_1_1', 'local'),
-                                           ('t5_1_0', 'gs')])
+@pytest.mark.parametrize('family, where', [('t5_1_0', 'gs')])
 def test_callback_publishes_both_and_retention_keeps_them_together(
     family, where, tmp_path, monkeypatch, request):
   monkeypatch.setenv('T5EXPORT_STAGING_DIR', str(tmp_path / 'stage'))
@@ -74,7 +66,7 @@ def test_callback_publishes_both_and_retention_keeps_them_together(
   target = t5export.HuggingFaceTarget(root + '/hf', model=model,
                                       validate=False)
   exporter = t5export.SavedModelExporter(
-      root + '/sm', _signatures(family), hf_target=target,
+      root + '/sm', hf_families.signatures(family), hf_target=target,
       # The SavedModel side as cheap as it goes: its own tests check it.
       options=t5export.ExportOptions(keep=1, validate=False, warmup=False,
                                      jax_artifacts=False, durable=False))
@@ -99,33 +91,7 @@ def test_callback_publishes_both_and_retention_keeps_them_together(
       given[4]['token_embedder']['embedding'])
 
 
-_GIN = """
-from __gin__ import dynamic_registration
-import t5export
-import hf_families
-include 't5export/gin/offline.gin'
-MODEL = @hf_families.model()
-hf_families.model.family = '{family}'
-hf_families.logits_method.family = '{family}'
-SIGNATURES = [@t5export.Signature()]
-t5export.Signature:
-  name = 'logits'
-  method = @hf_families.logits_method()
-  input_specs = {{'encoder_input_tokens': ('b, 8', 'int32'),
-                 'decoder_input_tokens': ('b, 6', 'int32')}}
-  sample_inputs = {sample}
-t5export.hf_target.model = %MODEL
-t5export.hf_target.check_python = '{python}'
-# The SavedModel side as cheap as it goes (its own tests check it); the
-# Hugging Face check stays on.
-t5export.ExportOptions.validate = False
-t5export.ExportOptions.warmup = False
-JAX_ARTIFACTS = False
-"""
-
-
-@pytest.mark.parametrize('family, where', [('t5_1_1', 'gs'),
-                                           ('scanned', 'local')])
+@pytest.mark.parametrize('family, where', [('t5_1_1', 'gs')])
 def test_offline_cli_hf_dir(family, where, tmp_path, torch_python,
                             monkeypatch, request):
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
@@ -135,10 +101,9 @@ def test_offline_cli_hf_dir(family, where, tmp_path, torch_python,
   state = state.replace_step(np.int32(3))
   ocp.PyTreeCheckpointer().save(tmp_path / 'ckpt', state.state_dict())
   params = jax.tree_util.tree_map(np.asarray, state.params)
-  sample = {k: v.tolist() for k, v in hf_families.sample_inputs().items()}
   gin_file = tmp_path / 'offline.gin'
-  gin_file.write_text(_GIN.format(family=family, sample=sample,
-                                  python=torch_python))
+  gin_file.write_text(hf_families.offline_gin(family,
+                                              check_python=torch_python))
   root = (request.getfixturevalue('gcs_bucket') if where == 'gs' else
           str(tmp_path / 'out'))
   exports, hf_dir = root + '/exports', root + '/hf'
@@ -147,14 +112,9 @@ def test_offline_cli_hf_dir(family, where, tmp_path, torch_python,
   assert result.returncode == 0, result.stderr[-3000:]
   assert 'the Hugging Face checkpoint matches JAX' in result.stderr
   assert versions.list_versions(exports) == [3]
-  assert hf_steps.StepDirectory(hf_dir, overwrite=False).steps() == [3]
+  assert hf_steps.list_steps(hf_dir) == [3]
   local = _download(hf_dir + '/3', tmp_path / 'downloaded')
   assert sorted(os.listdir(local)) == [
-      'config.json', 'generation_config.json', 'model.safetensors']
-  if family == 'scanned':  # Stacked on axis 1 ([mlp, layers, embed]).
-    tensors = safetensors.numpy.load_file(local / 'model.safetensors')
-    np.testing.assert_array_equal(
-        tensors['encoder.block.1.layer.1.DenseReluDense.wo.weight'],
-        params['encoder']['encoder']['mlp']['wo']['kernel'][:, 1, :].T)
-  else:
-    _assert_holds(local, params)
+      'config.json', 'generation_config.json', 'model.safetensors',
+      't5export.json']
+  _assert_holds(local, params)

@@ -1,5 +1,6 @@
-"""The Hugging Face mapping, writer and step directory on their own (no T5X,
-no torch): what they refuse, and how steps are published and kept.
+"""The Hugging Face mapping and writer on their own (no T5X, no torch):
+what they refuse and what they write (tests/test_hf_steps.py: how steps
+are published and kept).
 
 The params are T5X's names and layouts for T5 1.1 (one relative bias per
 stack) and umT5 (one per layer), made here from shapes; test_hf.py runs
@@ -9,14 +10,12 @@ the real T5X families in transformers.
 from __future__ import annotations
 
 import json
-import os
 import types
 
 import numpy as np
 import pytest
 
 from t5export import errors
-from t5export._src.hf import hf_steps
 from t5export._src.hf import hf_writer
 from t5export._src.hf import t5_mapping
 
@@ -176,33 +175,3 @@ def test_shards_past_the_limit_and_dtypes_kept(tmp_path):
                           dtype='float32')
   header = _header(tmp_path / 'f32' / hf_writer.SINGLE_FILE)
   assert header['shared.weight']['dtype'] == 'F32'
-
-
-def _stage(directory, step, text):
-  staging = directory.claim(step)
-  with open(os.path.join(staging, 'config.json'), 'w') as f:
-    f.write(text)
-  return staging
-
-
-def test_steps_publish_atomically_keep_and_clean_only_their_own(tmp_path):
-  hf_dir = tmp_path / 'hf'
-  hf_dir.mkdir()
-  (hf_dir / 'notes').mkdir()  # Not a step: never touched.
-  (hf_dir / '.tmp-9-deadbeef').mkdir()  # A crash's leftover.
-  directory = hf_steps.StepDirectory(str(hf_dir), overwrite=False)
-  assert directory.resume() == [str(hf_dir / '.tmp-9-deadbeef')]
-  for step in (1, 2, 3):
-    directory.publish(_stage(directory, step, f'{step}'), step, durable=True)
-  assert directory.steps() == [1, 2, 3]
-  with pytest.raises(errors.VersionExistsError):
-    directory.claim(2)
-  assert directory.retain({3}) == [1, 2]
-  assert sorted(os.listdir(hf_dir)) == ['3', 'notes']
-  staging = _stage(directory, 4, 'x')
-  directory.discard(staging)
-  assert sorted(os.listdir(hf_dir)) == ['3', 'notes']
-  again = hf_steps.StepDirectory(str(hf_dir), overwrite=True)
-  again.publish(_stage(again, 3, 'new'), 3, durable=False)
-  assert (hf_dir / '3' / 'config.json').read_text() == 'new'
-  assert sorted(os.listdir(hf_dir)) == ['3', 'notes']

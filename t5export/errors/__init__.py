@@ -65,6 +65,7 @@ from t5export.errors._hf import (
     UnmappableModelError,
     HuggingFaceCheckError,
     CheckInterpreterError,
+    HfDirOverlapError,
 )
 # pylint: enable=g-importing-member
 
@@ -119,6 +120,7 @@ __all__ = [
     'UnmappableModelError',
     'HuggingFaceCheckError',
     'CheckInterpreterError',
+    'HfDirOverlapError',
 ]
 
 # Users meet them as t5export.errors.<Name> (tracebacks, reprs, pickles).

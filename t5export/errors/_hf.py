@@ -36,3 +36,17 @@ class HuggingFaceCheckError(_base.T5ExportError, AssertionError):
 
 class CheckInterpreterError(_base.T5ExportError, ValueError):
   """The Hugging Face check's interpreter lacks torch or transformers."""
+
+
+class HfDirOverlapError(_base.T5ExportError, ValueError):
+  """hf_dir and export_dir would share numeric directories (attributes:
+  `hf_dir`, `export_dir`): give the Hugging Face steps a directory of
+  their own."""
+
+  def __init__(self, hf_dir: str, export_dir: str, *, where: str):
+    self.hf_dir, self.export_dir = hf_dir, export_dir
+    super().__init__(
+        f'hf_dir {hf_dir!r} {where} ({export_dir!r}): the Hugging Face steps '
+        'and the SavedModel versions would share numeric directories. '
+        'Nothing was written. Pass an hf_dir of its own: a sibling of '
+        'export_dir, or a non-numeric child such as <export_dir>/hf.')

@@ -73,6 +73,8 @@ class SavedModelExporter:
       ValueError: a gin macro (EXPORT_DIR, SIGNATURES) was left unset.
       UnsupportedURLError: `export_dir` is a URL of a scheme other than
         gs://.
+      HfDirOverlapError: `hf_target`'s hf_dir is export_dir, or lies in
+        one of its versions (or the other way round).
     """
     for name, value in (('export_dir', export_dir), ('signatures', signatures)):
       if value is gin.REQUIRED:  # A macro left unset.
@@ -95,6 +97,8 @@ class SavedModelExporter:
         hf_target, hf_target_lib.HuggingFaceTarget):
       raise TypeError(f'hf_target must be a t5export.HuggingFaceTarget or '
                       f'None, got {hf_target!r}.')
+    if hf_target is not None:
+      hf_target.check_beside(self._export_dir)
     self._hf_target = hf_target
     for sig in self._signatures if options.validate else ():
       if sig.sample_inputs is None:  # The check would have nothing to run.
@@ -136,18 +140,26 @@ class SavedModelExporter:
 
   @functools.cached_property
   def _dir(self) -> versions_lib.VersionDirectory:
-    """The version directory, prepared and resumed on first use; it holds
-    the export_dir's lease until `close()`.
+    """The version directory, prepared and resumed on first use (with
+    `hf_target`'s hf_dir); it holds the export_dir's lease (and the
+    hf_dir's) until `close()`.
 
     Raises:
-      ExportDirError: `export_dir` is unusable.
-      ExportDirLockedError: another writer holds `export_dir`.
+      ExportDirError: `export_dir` (or the hf_dir) is unusable.
+      ExportDirLockedError: another writer holds `export_dir` (or the
+        hf_dir).
     """
     o = self._options
     directory = bucket_versions.open_directory(
         self._export_dir, keep=o.keep, keep_best=o.keep_best,
         overwrite=o.overwrite, durable=o.durable)
-    stale = directory.resume()
+    try:
+      stale = directory.resume()
+      if self._hf_target is not None:  # Its hf_dir's lease, taken now too.
+        self._hf_target.open()
+    except BaseException:
+      directory.close()
+      raise
     logging.info('t5export: export_dir %s holds versions %s; removed %d '
                  'stale staging dir(s).', self._export_dir,
                  directory.versions(), len(stale))
@@ -174,14 +186,17 @@ class SavedModelExporter:
         platform=self._check_platform)
 
   def close(self) -> None:
-    """Gives the export_dir up: releases this writer's lease on it (and its
-    local staging). Call it when done exporting (`ExportCallback.close`
-    does); a later call that needs the export_dir opens it again.
+    """Gives the export_dir (and `hf_target`'s hf_dir) up: releases this
+    writer's leases (and its local staging). Call it when done exporting
+    (`ExportCallback.close` does); a later call that needs them opens them
+    again.
     """
     self._closed = True
     directory = self.__dict__.pop('_dir', None)
     if directory is not None:
       directory.close()
+    if self._hf_target is not None:
+      self._hf_target.close()
 
   def __enter__(self) -> SavedModelExporter:
     return self

@@ -149,13 +149,62 @@ class HuggingFaceTarget:
 
   @functools.cached_property
   def _steps(self) -> hf_steps.StepDirectory:
+    """The hf_dir's steps, opened and resumed on first use; it holds the
+    hf_dir's lease until `close()`.
+
+    Raises:
+      ExportDirError: hf_dir is unusable.
+      ExportDirLockedError: another writer holds hf_dir.
+    """
     directory = hf_steps.StepDirectory(self._hf_dir,
                                        overwrite=self._overwrite)
-    directory.resume()
+    try:
+      stale = directory.resume()
+    except BaseException:
+      directory.close()
+      raise
+    logging.info('t5export: hf_dir %s opened; removed %d leftover(s) of an '
+                 'interrupted publish.', self._hf_dir, len(stale))
     return directory
 
+  def open(self) -> None:
+    """Opens the hf_dir now (its lease taken, an interrupted publish
+    cleaned up), not at the first export (the exporter opens it with its
+    export_dir).
+
+    Raises:
+      ExportDirError: hf_dir is unusable.
+      ExportDirLockedError: another writer holds hf_dir.
+      StorageError: a listing or lookup failed; nothing was removed.
+    """
+    self._steps  # pylint: disable=pointless-statement
+
+  def close(self) -> None:
+    """Gives the hf_dir up: releases this writer's lease on it (the
+    exporter's `close()` calls it); a later use opens it again."""
+    directory = self.__dict__.pop('_steps', None)
+    if directory is not None:
+      directory.close()
+
+  def check_beside(self, export_dir: str) -> None:
+    """Refuses an hf_dir that would share its steps' directories with the
+    SavedModel versions of `export_dir` (`hf_steps.check_apart`).
+
+    Raises:
+      HfDirOverlapError: hf_dir is export_dir, or inside one of its
+        versions or staging directories (or the other way round).
+    """
+    hf_steps.check_apart(self._hf_dir, export_dir)
+
   def steps(self) -> list[int]:
-    """The published steps, ascending."""
+    """The published steps, ascending (once closed, read without opening
+    the hf_dir again).
+
+    Raises:
+      StorageError: a listing or lookup failed.
+    """
+    if '_steps' not in self.__dict__:
+      return hf_steps.list_steps(self._hf_dir)
     return self._steps.steps()
 
   @contextlib.contextmanager

@@ -97,9 +97,10 @@ class Holder:
     return (self.host == socket.gethostname() and self.pid == os.getpid()
             and self.pidns == _pid_namespace())
 
-  def describe(self) -> str:
+  def describe(self, argument: str) -> str:
+    """Who it is, for a message about the lease of an `argument`."""
     this = (' (this process: another exporter or callback on this '
-            'export_dir; close() it first)' if self.this_process() else '')
+            f'{argument}; close() it first)' if self.this_process() else '')
     until = ('' if self.expires is None else
              f', lease valid until {_utc(self.expires)}')
     command = f' ({self.command})' if self.command else ''
@@ -122,10 +123,11 @@ class Holder:
 
 
 class Lease:
-  """The lease of one writer on one export_dir (from `acquire`)."""
+  """The lease of one writer on one export_dir (from `acquire`); `argument`
+  names it in messages ('export_dir', 'hf_dir')."""
 
-  def __init__(self, export_dir: str):
-    self.export_dir = export_dir
+  def __init__(self, export_dir: str, *, argument: str):
+    self.export_dir, self.argument = export_dir, argument
 
   def check(self) -> None:
     """Raises `LeaseLostError` if another writer took the lease over."""
@@ -171,8 +173,8 @@ class _LocalLease(Lease):
   """An exclusive flock on the export directory itself (nothing is written
   in it); /proc/locks names its holder."""
 
-  def __init__(self, export_dir: str, *, here_ok: bool):
-    super().__init__(export_dir)
+  def __init__(self, export_dir: str, *, argument: str, here_ok: bool):
+    super().__init__(export_dir, argument=argument)
     self._fd: int | None = os.open(export_dir, os.O_RDONLY | os.O_DIRECTORY)
     try:
       fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -182,8 +184,9 @@ class _LocalLease(Lease):
       if holder is not None and holder.this_process() and here_ok:
         raise _HeldHere() from None
       raise errors.ExportDirLockedError(
-          export_dir, holder=(holder.describe() if holder else
-                              'another process (not visible from here)'),
+          export_dir, argument=argument,
+          holder=(holder.describe(argument) if holder else
+                  'another process (not visible from here)'),
           fix='it holds a lock the system drops when that process ends: '
           'stop it, wait for it to finish, or export to another '
           'directory.') from None
@@ -200,8 +203,8 @@ class _LocalLease(Lease):
 class _BucketLease(Lease):
   """The object `<export_dir>/.t5export-lease.json`, refreshed by a thread."""
 
-  def __init__(self, export_dir: str, *, here_ok: bool):
-    super().__init__(export_dir)
+  def __init__(self, export_dir: str, *, argument: str, here_ok: bool):
+    super().__init__(export_dir, argument=argument)
     self.url = storage.join(export_dir, BUCKET_NAME)
     self._here_ok = here_ok
     self._start, self._nonce = time.time(), uuid.uuid4().hex
@@ -234,14 +237,16 @@ class _BucketLease(Lease):
         if holder.this_process() and self._here_ok:
           raise _HeldHere()
         raise errors.ExportDirLockedError(
-            self.export_dir, holder=holder.describe(),
+            self.export_dir, argument=self.argument,
+            holder=holder.describe(self.argument),
             fix=f'its lease {self.url} is refreshed while it runs. If that '
             f'process is gone (e.g. killed on another machine), wait until '
             f'{_utc(holder.expires)}, when the lease may be taken, or '
             f'delete {self.url} to take it now.')
       logging.warning(
           't5export: taking over the lease %s from %s (%s).', self.url,
-          holder.describe() if holder else 'an unreadable lease',
+          holder.describe(self.argument) if holder else
+          'an unreadable lease',
           'its process is gone' if holder and holder.gone() else 'expired')
       try:
         return gcs_objects.write_generation(self.url, self._mine(),
@@ -249,7 +254,8 @@ class _BucketLease(Lease):
       except FileExistsError:
         continue
     raise errors.ExportDirLockedError(
-        self.export_dir, holder='several writers at once',
+        self.export_dir, argument=self.argument,
+        holder='several writers at once',
         fix='another writer keeps taking the lease: stop the others.')
 
   def _refresh(self) -> None:
@@ -284,7 +290,8 @@ class _BucketLease(Lease):
     self._refresh()
     if self._lost is not None:
       raise errors.LeaseLostError(self.export_dir, self.url,
-                                  holder=self._lost.describe())
+                                  argument=self.argument,
+                                  holder=self._lost.describe(self.argument))
 
   def release(self) -> None:
     if self._stop.is_set():
@@ -300,19 +307,23 @@ class _BucketLease(Lease):
                         'expires by itself.', self.url, e)
 
 
-def acquire(export_dir: str) -> Lease:
+def acquire(export_dir: str, *, argument: str) -> Lease:
   """Takes the writer's lease on `export_dir` (a local path or gs:// URL).
+
+  Args:
+    export_dir: the directory or prefix one writer writes.
+    argument: its argument's name, for messages ('export_dir', 'hf_dir').
 
   Raises:
     ExportDirLockedError: another writer holds it.
   """
   make = _BucketLease if storage.is_url(export_dir) else _LocalLease
   try:
-    return make(export_dir, here_ok=True)
+    return make(export_dir, argument=argument, here_ok=True)
   except _HeldHere:
     # Held in this process: by an exporter nobody references any more (e.g.
     # one a traceback kept), a collection releases it; else it is a writer.
     # (`collection`: a bare gc.collect() is a no-op while another thread
     # collects.)
     collection.collect()
-    return make(export_dir, here_ok=False)
+    return make(export_dir, argument=argument, here_ok=False)

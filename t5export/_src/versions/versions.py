@@ -6,7 +6,7 @@ Publishing (export step 7) is `VersionDirectory.begin` and `Version.publish`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 import contextlib
 import ctypes
 import dataclasses
@@ -173,8 +173,9 @@ def _hidden(parent: str, name: str) -> str:
   return os.path.join(parent, f'{STAGING_PREFIX}{name}-{uuid.uuid4().hex[:8]}')
 
 
-def _remove(path: str) -> None:
-  """Removes a directory: renamed out of sight first, then deleted."""
+def remove_dir(path: str) -> None:
+  """Removes a local directory: renamed out of sight first (a hidden
+  sibling), then deleted."""
   doomed = _hidden(os.path.dirname(path), f'del-{os.path.basename(path)}')
   os.rename(path, doomed)
   shutil.rmtree(doomed, ignore_errors=True)
@@ -189,6 +190,59 @@ def _exchange(a: str, b: str) -> bool:
   at_fdcwd, rename_exchange = -100, 2
   return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b),
                    rename_exchange) == 0
+
+
+def make_writable_dir(d: str, *, argument: str) -> None:
+  """Creates the local directory `d` if missing and checks that this
+  process can write it (a real write: os.access says yes to root even on a
+  read-only mount).
+
+  Raises:
+    ExportDirError: `d` is a file, or cannot be made or written (named as
+      `argument`, e.g. 'export_dir').
+  """
+  if os.path.exists(d) and not os.path.isdir(d):
+    raise errors.ExportDirError(
+        f'{argument} {d!r} exists and is not a directory. Pass a directory '
+        '(it is created if missing) and move the file away.')
+  try:
+    os.makedirs(d, exist_ok=True)
+  except OSError as e:
+    raise errors.ExportDirError(
+        f'{argument} {d!r} cannot be created ({e.strerror or e}). Pass a '
+        'directory you can write, or fix its parent\'s permissions.') from e
+  probe = _hidden(d, 'probe')
+  try:
+    os.mkdir(probe)
+    os.rmdir(probe)
+  except OSError as e:
+    raise errors.ExportDirError(
+        f'{argument} {d!r} is not writable by this process '
+        f'({e.strerror or e}). Fix its permissions or pass another '
+        'directory.') from e
+
+
+def move_into_place(staging: str, final: str, *, overwrite: bool,
+                    sync: Callable[[], None]) -> None:
+  """Renames the local directory `staging` to its sibling `final`; a
+  `final` there is replaced only with `overwrite` (atomically where the
+  system can exchange two directories), then `sync()` (the parent's fsync).
+
+  Raises:
+    VersionExistsError: `final` is there and `overwrite` is False.
+    StorageError: `final` could not be looked up (never taken as absent).
+  """
+  if storage.exists(final):  # A failed lookup is raised, never "absent".
+    if not overwrite:  # Appeared while we were writing.
+      raise errors.VersionExistsError(final, int(os.path.basename(final)))
+    logging.warning('t5export: overwrite=True: replacing %s.', final)
+    if _exchange(staging, final):  # Atomic: readers see old or new.
+      sync()
+      shutil.rmtree(staging, ignore_errors=True)  # Now the old one.
+      return
+    remove_dir(final)  # No atomic exchange here: a short gap, never a mix.
+  os.rename(staging, final)
+  sync()
 
 
 class VersionDirectory:
@@ -211,27 +265,8 @@ class VersionDirectory:
     self._metrics: dict[int, dict[str, Any]] = {}
     # Versions with t5export's metadata: the only ones retention removes.
     self._ours: set[int] = set()
-    if os.path.exists(d) and not os.path.isdir(d):
-      raise errors.ExportDirError(
-          f'export_dir {d!r} exists and is not a directory. Pass a directory '
-          '(it is created if missing) and move the file away.')
-    try:
-      os.makedirs(d, exist_ok=True)
-    except OSError as e:
-      raise errors.ExportDirError(
-          f'export_dir {d!r} cannot be created ({e.strerror or e}). Pass a '
-          'directory you can write, or fix its parent\'s permissions.') from e
-    # A real write: os.access says yes to root even on a read-only mount.
-    probe = _hidden(d, 'probe')
-    try:
-      os.mkdir(probe)
-      os.rmdir(probe)
-    except OSError as e:
-      raise errors.ExportDirError(
-          f'export_dir {d!r} is not writable by this process '
-          f'({e.strerror or e}). Fix its permissions or pass another '
-          'directory.') from e
-    self._lease = lease_lib.acquire(d)
+    make_writable_dir(d, argument='export_dir')
+    self._lease = lease_lib.acquire(d, argument='export_dir')
     self._finalizer = weakref.finalize(self, self._lease.release)
 
   def close(self) -> None:
@@ -307,20 +342,11 @@ class VersionDirectory:
 
   def publish(self, staging: str, final: str) -> None:
     """Renames the staged version into place (replacing when allowed)."""
-    if storage.exists(final):  # A failed lookup is raised, never "absent".
-      if not self._overwrite:  # Appeared while we were writing.
-        raise errors.VersionExistsError(final, int(os.path.basename(final)))
-      logging.warning('t5export: overwrite=True: replacing version %s.', final)
-      if _exchange(staging, final):  # Atomic: readers see old or new.
-        self._sync_dir()
-        shutil.rmtree(staging, ignore_errors=True)  # Now the old version.
-        return
-      _remove(final)  # No atomic exchange here: a short gap, never a mix.
-    os.rename(staging, final)
-    self._sync_dir()
+    move_into_place(staging, final, overwrite=self._overwrite,
+                    sync=self._sync_dir)
 
   def _remove_version(self, step: int) -> None:
-    _remove(self.version_dir(step))
+    remove_dir(self.version_dir(step))
 
   def _sync_dir(self) -> None:
     if self.durable:
