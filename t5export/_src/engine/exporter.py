@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import shutil
 import time
 from typing import Any
 
@@ -22,12 +23,15 @@ import jax
 from t5export import errors
 from t5export._src.engine import jax_module
 from t5export._src.engine import options as options_lib
+from t5export._src.engine import pod_parts
 from t5export._src.engine import serving
 from t5export._src.engine import stage as stage_lib
 from t5export._src.engine import staged_check
 from t5export._src.snapshot import accelerators
 from t5export._src.engine import tf_devices
 from t5export._src.hf import hf_target as hf_target_lib
+from t5export._src.snapshot import pod_exchange
+from t5export._src.snapshot import pod_snapshot
 from t5export._src.snapshot import snapshot as snapshot_lib
 from t5export._src.state import paths
 from t5export._src.state import train_state
@@ -309,6 +313,70 @@ class SavedModelExporter:
         snap, version.staging) as staged:
       check = self._checker.check(staged)
       return beside(version.publish(staged, check))
+
+  def export_parts(self, snap: pod_snapshot.PodSnapshot,
+                   metrics: Mapping[str, Any] | None, *,
+                   round_: pod_exchange.PodRound) -> str:
+    """Process 0's side of a pod export: every process writes its own
+    shards; this one merges, checks and publishes (docs/multiprocess.md).
+
+    Claims the version, announces where the parts go, writes its own
+    part, waits for every other process's, merges them into the staged
+    version, reads the params back for the check, then checks and
+    publishes as `export_snapshot` does.
+
+    Args:
+      snap: process 0's snapshot (its own shards).
+      metrics: as for `export`.
+      round_: this export's messages between the processes.
+
+    Returns:
+      The published version directory `<export_dir>/<step>`.
+
+    Raises:
+      PeerExportError: another process failed its part or did not report
+        it within the timeout.
+      VariablesFormatError: a part read back is not what was written.
+      Others: as `export_snapshot`.
+    """
+    self._closed = False
+    try:
+      version = self._dir.begin(int(snap.step), metrics)
+    except BaseException as e:
+      round_.announce_failure(e)
+      raise
+    parts_dir = version.staging + '-parts'  # Hidden: cleaned at a start.
+    round_.announce(parts_dir)
+    try:
+      self._checker  # pylint: disable=pointless-statement  # Can it run?
+      if not self._stage.prepared:  # Traced while the others write.
+        self._stage.prepare(snap.shapes)
+      keys = pod_parts.keys(len(snap.paths))
+      if not self._stage.writer.reuses_graph or (
+          self._stage.writer.param_keys != keys):
+        raise errors.PeerExportError(
+            'A pod export writes the params as slices under the keys of '
+            "the first version's graph, but this module's graph cannot be "
+            'reused (ExportOptions(reuse_graph=False), or its checkpoint '
+            'holds more than the params). Pass reuse_graph=True.',
+            process=0, stage='save the graph')
+      written = {0: pod_parts.write_part(
+          snap.on_host(), parts_dir, process=0,
+          cast_bfloat16=self._options.cast_bfloat16)}
+      written.update(round_.collect())
+      parts = [pod_parts.part_prefix(parts_dir, i)
+               for i, n in sorted(written.items()) if n]
+      staged, full = self._stage.stage_parts(
+          version.staging, parts, parts_dir,
+          read=lambda prefix: pod_parts.read_merged(prefix, snap))
+      with self._beside(full) as beside, staged:
+        check = self._checker.check(staged)
+        return beside(version.publish(staged, check))
+    except BaseException:
+      shutil.rmtree(version.staging, ignore_errors=True)
+      raise
+    finally:
+      shutil.rmtree(parts_dir, ignore_errors=True)
 
   @contextlib.contextmanager
   def _beside(self, snap: snapshot_lib.HostSnapshot) -> Iterator[Any]:
