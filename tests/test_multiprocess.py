@@ -6,10 +6,10 @@ process 0's write) is used by the others; each test then waits for its own.
 
 * 2 `jax.distributed` processes on 127.0.0.1 (gloo, 2 forced CPU devices
   each) train the tiny T5 sharded by the 2-D rules on a (2, 2) mesh and
-  export through ExportCallback; the result must equal a single-process,
-  unsharded export of the same params bit for bit, and only process 0 may
-  write (process 1 is given export_dirs below a regular file, so any
-  attempt to create them fails).
+  export through ExportCallback, a pod export (each process writes its own
+  shards into the shared export_dir, process 0 merges, checks and
+  publishes); the result must equal a single-process, unsharded export of
+  the same params bit for bit. 4 processes on a (4, 2) mesh likewise.
 * the same processes then go on with failures (saving two more process
   startups): an export_dir process 0 cannot create, an every_secs trigger
   that only process 0's clock fires (both export where it does), then NaN
@@ -162,21 +162,25 @@ def runs(tmp_path_factory):
   root = tmp_path_factory.mktemp('mp')
   blocker = root / 'blocker'  # A regular file: nothing can be created below.
   blocker.write_text('')
-  dirs = {name: root / name for name in ('export2', 'export8')}
+  dirs = {}
 
   def run(name: str, **kwargs: Any) -> Run:
     return Run(name, root, **kwargs)
 
-  def two_proc(name: str, mode: str, *extra: str):
+  def pod(name: str, mode: str, *extra: str, processes: int = 2,
+          mesh: str = '2,2'):
+    # Every process exports to the same export_dir (a shared disk): each
+    # writes its own shards there.
     def args_for(i: int) -> list[str]:
-      export_dir = dirs[name] / 'export' if i == 0 else blocker / 'export'
-      argv = ['--mode', mode, '--mesh', '2,2', '--export_dir',
-              str(export_dir), '--bad_dir', str(blocker / 'bad'), *extra]
+      argv = ['--mode', mode, '--mesh', mesh, '--export_dir',
+              str(dirs[name] / 'export'), '--bad_dir', str(blocker / 'bad'),
+              *extra]
       if i == 0:
         argv += ['--params_out', str(dirs[name] / 'params.npz')]
       return argv
+    dirs[name] = root / name
     dirs[name].mkdir()
-    return run(name, num_processes=2, devices=2, args_for=args_for)
+    return run(name, num_processes=processes, devices=2, args_for=args_for)
 
   # The dead writer's run: the service outlives process 0 (see
   # test_dead_writer_raises_our_own_error).
@@ -189,9 +193,14 @@ def runs(tmp_path_factory):
                       '--mode', 'silent', '--die', '--external_service',
                       '--heartbeat_timeout', str(RUN_TIMEOUT),
                       '--timeout', str(DEAD_TIMEOUT)]),
-      'export2': two_proc('export2', 'export', '--steps', '4', '--failures',
-                          '--timeout', str(MP_TIMEOUT)),
+      'export2': pod('export2', 'export', '--steps', '4', '--failures',
+                     '--timeout', str(MP_TIMEOUT)),
+      # 4 processes x 2 devices, one export at step 2: 'embed' over 'data'
+      # spans the 4 processes.
+      'pod4': pod('pod4', 'export', '--steps', '2', '--timeout',
+                  str(MP_TIMEOUT), processes=4, mesh='4,2'),
   }
+  dirs['export8'] = root / 'export8'
   dirs['export8'].mkdir()
   # Unchecked: its test compares the last version of each rule set with
   # the unsharded export, outputs included, bit for bit (the check compares
@@ -282,6 +291,16 @@ def _assert_same_as_reference(version_dir: pathlib.Path, ref_dir: str,
   bad = [p for p in got if not (_same_bits(got[p], want[p]) and
                                 _same_bits(got[p], trained[p[7:]]))]
   assert not bad, f'params differ from the unsharded export: {bad}'
+  # TensorFlow's own reader agrees (a sliced tensor read whole).
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  theirs = tf.train.load_checkpoint(str(version_dir / 'variables' /
+                                        'variables'))
+  ours = tf.train.load_checkpoint(str(pathlib.Path(ref_dir) / 'variables' /
+                                      'variables'))
+  keys = sorted(theirs.get_variable_to_shape_map())
+  assert keys == sorted(ours.get_variable_to_shape_map())
+  assert [k for k in keys if not k.startswith('_') and not _same_bits(
+      theirs.get_tensor(k), ours.get_tensor(k))] == []
   got_out, want_out = (_signature_outputs(version_dir),
                        _signature_outputs(ref_dir))
   assert sorted(got_out) == ['logits/logits', 'serving_default/tokens']
@@ -304,8 +323,27 @@ def _assert_mesh_axes_recorded(version_dir: pathlib.Path,
 # --- tests --------------------------------------------------------------------
 
 
+def _assert_written_by_every_process(version_dir: pathlib.Path,
+                                     processes: int) -> None:
+  """The version's bundle is the merge of every process's part: one data
+  file each (renamed into place by the merge) and the object graph's, its
+  sharded params stored as slices."""
+  from t5export._src.versions import tensor_bundle  # pylint: disable=g-import-not-at-top
+  names = sorted(os.listdir(version_dir / 'variables'))
+  assert names == [f'variables.data-{i:05d}-of-{processes + 1:05d}'
+                   for i in range(processes + 1)] + ['variables.index'], names
+  reader = tensor_bundle.BundleReader(version_dir / 'variables' / 'variables')
+  shards = {reader.data_path(e) for k in reader.keys()
+            if k != tensor_bundle.OBJECT_GRAPH_KEY
+            for _, e in reader.slice_entries(k)}
+  assert len(shards) == processes  # Every process's part holds params.
+  assert any(reader.entry(k).slices for k in reader.keys())
+
+
 @pytest.mark.multiprocess
 def test_two_processes_export_like_one(runs, reference):
+  """The state is spread over both processes: each writes its own shards
+  into the shared export_dir, process 0 merges, checks and publishes."""
   p0, p1 = runs['runs']['export2'].result()
   d0, d1 = p0.event('done:export'), p1.event('done:export')
   assert d0['error'] is None and d1['error'] is None, (d0['failures'],
@@ -316,22 +354,22 @@ def test_two_processes_export_like_one(runs, reference):
   assert d0['fully_addressable'] == [] and d1['fully_addressable'] == []
   assert d0['specs']['encoder_layers_0/mlp/wi'] == ['data', 'model']
   assert d0['specs'] == d1['specs']
-  assert d0['digest'] == d1['digest']  # Both gathered the same params.
+  assert d0['digest'] == d1['digest']  # Both hold the same params.
 
-  # Both created the exporter; only process 0 traced, touched its
-  # export_dir and wrote. Process 1's export_dir is below a regular file:
-  # creating anything there would have failed.
+  # Only process 0 traced, checked and published; process 1 wrote its
+  # slices into the version's staging (below: the version's data files).
   export_dir = runs['dirs']['export2'] / 'export'
   assert p0.event('created:export')['has_worker']
   assert not p1.event('created:export')['has_worker']
   assert d0['traced'] and not d1['traced']
-  assert not d1['export_dir_exists'] and d1['published'] == []
-  assert runs['blocker'].is_file() and runs['blocker'].read_text() == ''
+  assert d1['published'] == []
   assert sorted(os.listdir(export_dir)) == ['2', '4']  # No staging left.
   assert d0['published'] == [str(export_dir / '2'), str(export_dir / '4')]
   assert d0['exports_done'] == 2 and d1['exports_done'] == 0
   # Both called the export at the same steps.
   assert len(d0['blocking_secs']) == len(d1['blocking_secs']) == 2
+  for step in ('2', '4'):
+    _assert_written_by_every_process(export_dir / step, 2)
 
   _assert_mesh_axes_recorded(export_dir / '4', d0['specs'])
   npz = runs['dirs']['export2'] / 'params.npz'
@@ -343,6 +381,29 @@ def test_two_processes_export_like_one(runs, reference):
   v2 = paths.flatten(verify.load_params(export_dir / '2'))
   v4 = paths.flatten(verify.load_params(export_dir / '4'))
   assert any(not _same_bits(v2[p], v4[p]) for p in v4)
+
+
+@pytest.mark.multiprocess
+def test_four_processes_export_like_one(runs, reference):
+  """4 processes x 2 devices, (4, 2) mesh: the merged version equals the
+  one-process export bit for bit, and was checked before it was
+  published."""
+  procs = runs['runs']['pod4'].result()
+  done = [p.event('done:export') for p in procs]
+  assert [d['error'] for d in done] == [None] * 4, [d['failures']
+                                                    for d in done]
+  assert {d['digest'] for d in done} == {done[0]['digest']}
+  assert done[0]['specs']['encoder_layers_0/mlp/wi'] == ['data', 'model']
+  export_dir = runs['dirs']['pod4'] / 'export'
+  assert sorted(os.listdir(export_dir)) == ['2']
+  assert done[0]['published'] == [str(export_dir / '2')]
+  assert all(d['published'] == [] for d in done[1:])
+  _assert_written_by_every_process(export_dir / '2', 4)
+  from t5export._src.versions import metadata  # pylint: disable=g-import-not-at-top
+  assert metadata.read_metadata(export_dir / '2').check.checked
+  _assert_mesh_axes_recorded(export_dir / '2', done[0]['specs'])
+  npz = runs['dirs']['pod4'] / 'params.npz'
+  _assert_same_as_reference(export_dir / '2', reference(npz, 2), npz)
 
 
 @pytest.mark.multiprocess
@@ -400,9 +461,8 @@ def test_writer_failure_reaches_the_other_process(runs):
   assert d0['exports_done_by'] == d1['exports_done_by'] == {'raise': 0,
                                                             'log': 0}
   root = runs['dirs']['export2']
-  assert os.listdir(root / 'export_nan') == []
+  assert os.listdir(root / 'export_nan') == []  # No staging or part left.
   assert os.listdir(root / 'export_nan_log') == []
-  assert not d1['export_dir_exists']
   assert runs['blocker'].is_file() and runs['blocker'].read_text() == ''
 
 

@@ -1,0 +1,146 @@
+"""A pod export's failures: no version, a named process and stage, no hang.
+
+Each run is 2 `jax.distributed` processes (gloo on 127.0.0.1, one CPU
+device each) exporting the tiny MLP of tests/_reliability_model.py with
+its params spread over both (tests/_pod_fault_worker.py): each process
+writes its own shards; one meets a fault at step 1. The runs start
+together (one fixture).
+
+* process 1's write fails: process 0 publishes nothing and raises the
+  failure naming process 1 and the stage; process 1 gets WriterFailedError
+  with that message; the next export (step 2) is published.
+* process 1 dies after writing, before it reports: process 0 gives up
+  after multiprocess_timeout_secs naming process 1; nothing is published
+  and no staging is left.
+* process 0 dies while merging: process 1 gets WriterTimeoutError within
+  the timeout; the staging the crash left is removed when the export_dir
+  is next opened, and the next export there is published.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+
+TESTS = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS))
+import _report  # pylint: disable=g-import-not-at-top,wrong-import-position
+import _reliability_model as model  # pylint: disable=g-import-not-at-top,wrong-import-position
+import distributed_setup  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
+RUN_TIMEOUT = 400  # A hang guard only (the machine is shared).
+TIMEOUT = 15  # multiprocess_timeout_secs.
+FAULTS = ('part_error', 'part_kill', 'writer_kill')
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+  """Every fault's run, started together; each's rows, codes and logs."""
+  started = {}
+  services = []
+  for fault in FAULTS:
+    root = tmp_path_factory.mktemp(fault)
+    port = distributed_setup.free_port()
+    if fault == 'writer_kill':  # Outlives process 0 (test_multiprocess.py).
+      services.append(subprocess.Popen(
+          [sys.executable, str(TESTS / '_mp_worker.py'), '--mode', 'service',
+           '--port', str(port), '--num_processes', '2',
+           '--heartbeat_timeout', '300'], stdin=subprocess.PIPE,
+          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+          env=distributed_setup.subprocess_env(
+              1, report=root / 'service.jsonl')))
+    report = root / 'report.jsonl'
+    env = distributed_setup.subprocess_env(1, report=report)
+    procs = [subprocess.Popen(
+        [sys.executable, str(TESTS / '_pod_fault_worker.py'), str(i),
+         str(port), str(root / 'export'), fault, str(TIMEOUT)], env=env,
+        stdout=subprocess.DEVNULL, stderr=open(root / f'p{i}.log', 'wb'))
+             for i in range(2)]
+    started[fault] = (root, report, procs)
+  out = {}
+  deadline = time.monotonic() + RUN_TIMEOUT
+  for fault, (root, report, procs) in started.items():
+    codes = []
+    for proc in procs:
+      try:
+        codes.append(proc.wait(timeout=max(1, deadline - time.monotonic())))
+      except subprocess.TimeoutExpired:
+        proc.kill()
+        codes.append(proc.wait())
+    logs = '\n'.join((root / f'p{i}.log').read_text(errors='replace')[-3000:]
+                     for i in range(2))
+    rows = _report.read(report) if report.exists() else []
+    out[fault] = dict(codes=codes, rows=rows, logs=logs,
+                      export_dir=root / 'export')
+  for service in services:
+    service.stdin.close()
+    service.wait(timeout=60)
+  return out
+
+
+def _row(run, process: int, event: str):
+  found = [r for r in run['rows'] if r['process'] == process and
+           r['event'] == event]
+  assert found, (event, process, run['logs'])
+  return found[-1]
+
+
+def test_a_failed_part_fails_the_export_everywhere_and_the_next_works(runs):
+  run = runs['part_error']
+  assert run['codes'] == [0, 0], run['logs']
+  s0, s1 = _row(run, 0, 'step1'), _row(run, 1, 'step1')
+  assert s0['error_type'] == 'ExportFailedError'
+  for message in (s0['error'], s1['error']):
+    assert ('PeerExportError: Process 1 failed to write and verify its '
+            'slices (step 1): OSError') in message, message
+    assert 'No space left on device (injected)' in message
+  assert s1['error_type'] == 'WriterFailedError'
+  assert 'process 0 (the writer) failed to publish step 1' in s1['error']
+  assert s0['published'] == [] and s0['listing'] == []  # Nothing left.
+  # The next export works.
+  n0, n1 = _row(run, 0, 'step2'), _row(run, 1, 'step2')
+  assert n0['error'] is None and n1['error'] is None, (n0, n1)
+  version = run['export_dir'] / '2'
+  assert n0['published'] == [str(version)]
+  assert sorted(os.listdir(run['export_dir'])) == ['2']
+  assert model.check_version(str(version)) == 2
+
+
+def test_a_process_killed_before_it_reports_fails_the_export(runs):
+  run = runs['part_kill']
+  assert run['codes'] == [0, 3], run['logs']
+  assert _row(run, 1, 'dying')
+  s0 = _row(run, 0, 'step1')
+  assert s0['error_type'] == 'ExportFailedError'
+  assert ('PeerExportError: Process 0: process 1 did not write, verify and '
+          f'report its slices of step 1 within {TIMEOUT}s') in s0['error'], (
+              s0['error'])
+  assert s0['secs'] < RUN_TIMEOUT
+  assert s0['published'] == [] and s0['listing'] == []
+
+
+def test_a_writer_killed_while_merging_publishes_nothing(runs):
+  run = runs['writer_kill']
+  assert run['codes'] == [3, 0], run['logs']
+  assert _row(run, 0, 'dying')
+  s1 = _row(run, 1, 'step1')
+  assert s1['error_type'] == 'WriterTimeoutError' and s1['is_writer_failed']
+  assert (f'process 0 did not report the outcome of "publish step 1" within '
+          f'{TIMEOUT}s') in s1['error'], s1['error']
+  export_dir = run['export_dir']
+  left = sorted(os.listdir(export_dir))
+  assert left and all(n.startswith('.tmp-1-') for n in left), left
+  # The next start removes t5export's staging; the next export works.
+  import t5export  # pylint: disable=g-import-not-at-top
+  with t5export.SavedModelExporter(export_dir,
+                                   [model.signature()]) as exporter:
+    assert exporter.versions() == []
+    assert sorted(os.listdir(export_dir)) == []
+    path = exporter.export(model.state_for(2))
+  assert model.check_version(path) == 2
