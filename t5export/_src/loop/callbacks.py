@@ -36,7 +36,8 @@ class ExportCallback:
   calls may skip steps), `cb.run(ts, metrics_by_task)` (a T5X action) or
   `cb.export_now(ts)`; `close()` (or a `with` block) waits for the last
   export. Under `jax.distributed` every process calls it at the same steps;
-  only process 0 writes. README.md has examples.
+  each writes its own shards of a state spread over them (a pod export),
+  process 0 publishes. README.md has examples.
 
   Attributes:
     exporter, export_every_steps, every_secs, when_busy: as passed.
