@@ -13,6 +13,8 @@ function is replaced):
                service runs in a process of its own: --external_service).
 
 Every process that lives reports what each call raised (tests/_report.py).
+The part_error run goes on with step 2 (a pod export again) and step 3,
+its params replicated on both devices (process 0 gathers and writes).
 
 Usage: python tests/_pod_fault_worker.py PROCESS_ID PORT EXPORT_DIR FAULT
        TIMEOUT
@@ -40,6 +42,7 @@ def main(process_id: int, port: int, export_dir: str, fault: str,
   from t5export._src.engine import pod_parts  # pylint: disable=g-import-not-at-top
   from t5export._src.engine import writer  # pylint: disable=g-import-not-at-top
   from t5export._src.snapshot import pod_exchange  # pylint: disable=g-import-not-at-top
+  from t5export._src.snapshot import pod_snapshot  # pylint: disable=g-import-not-at-top
   from t5export._src.state import paths  # pylint: disable=g-import-not-at-top
   import _reliability_model as model  # pylint: disable=g-import-not-at-top
 
@@ -50,10 +53,11 @@ def main(process_id: int, port: int, export_dir: str, fault: str,
            'params/dense_1/kernel': P('x', None),
            'params/dense_1/bias': P()}
 
-  def state_for(step: int):
+  def state_for(step: int, replicated: bool = False):
     flat = paths.flatten(model.params_for(step))
     arrays = {p: jax.make_array_from_callback(
-        v.shape, jax.sharding.NamedSharding(mesh, specs[p]),
+        v.shape, jax.sharding.NamedSharding(mesh, P() if replicated else
+                                            specs[p]),
         lambda index, v=v: v[index]) for p, v in flat.items()}
     return t5export.InferenceState.create(
         paths.unflatten(arrays)).replace_step(step)
@@ -82,10 +86,12 @@ def main(process_id: int, port: int, export_dir: str, fault: str,
           options=t5export.ExportOptions(keep=None)),
       export_every_steps=1, multiprocess_timeout_secs=timeout)
   outcomes = {}
-  for step in (1, 2):
+  for step in (1, 2, 3):
+    # Step 3: the params replicated on every device (the gathering path).
+    state = state_for(step, replicated=step == 3)
     start = time.monotonic()
     try:
-      cb(step, train_state=state_for(step))
+      cb(step, train_state=state)
       cb.wait()
       outcomes[step] = None
     except Exception as e:  # pylint: disable=broad-except
@@ -100,6 +106,7 @@ def main(process_id: int, port: int, export_dir: str, fault: str,
                                        t5export.errors.WriterFailedError),
         'cause': repr(outcomes[step].__cause__) if outcomes[step] else None,
         'published': cb.published,
+        'spread': pod_snapshot.spread(state),
         'listing': sorted(os.listdir(export_dir))})
     armed['on'] = False
     if fault != 'part_error':

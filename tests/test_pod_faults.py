@@ -8,7 +8,8 @@ together (one fixture).
 
 * process 1's write fails: process 0 publishes nothing and raises the
   failure naming process 1 and the stage; process 1 gets WriterFailedError
-  with that message; the next export (step 2) is published.
+  with that message; the next export (step 2) is published, and so is a
+  replicated state's (step 3, gathered and written by process 0).
 * process 1 dies after writing, before it reports: process 0 gives up
   after multiprocess_timeout_secs naming process 1; nothing is published
   and no staging is left.
@@ -106,10 +107,21 @@ def test_a_failed_part_fails_the_export_everywhere_and_the_next_works(runs):
   # The next export works.
   n0, n1 = _row(run, 0, 'step2'), _row(run, 1, 'step2')
   assert n0['error'] is None and n1['error'] is None, (n0, n1)
+  assert n0['spread'] and n1['spread']
   version = run['export_dir'] / '2'
   assert n0['published'] == [str(version)]
-  assert sorted(os.listdir(run['export_dir'])) == ['2']
   assert model.check_version(str(version)) == 2
+
+
+def test_a_replicated_state_is_gathered_and_published_by_process_0(runs):
+  run = runs['part_error']
+  r0, r1 = _row(run, 0, 'step3'), _row(run, 1, 'step3')
+  assert r0['error'] is None and r1['error'] is None, (r0, r1)
+  assert not r0['spread'] and not r1['spread']  # The one-writer path.
+  assert r0['published'][-1] == str(run['export_dir'] / '3')
+  assert r1['published'] == []
+  assert sorted(os.listdir(run['export_dir'])) == ['2', '3']
+  assert model.check_version(str(run['export_dir'] / '3')) == 3
 
 
 def test_a_process_killed_before_it_reports_fails_the_export(runs):
