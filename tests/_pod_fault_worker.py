@@ -13,8 +13,9 @@ function is replaced):
                service runs in a process of its own: --external_service).
 
 Every process that lives reports what each call raised (tests/_report.py).
-The part_error run goes on with step 2 (a pod export again) and step 3,
-its params replicated on both devices (process 0 gathers and writes).
+The part_error run goes on with step 2 (a pod export again), step 3, its
+params replicated on both devices (process 0 gathers and writes), and
+step 4, whose claim fails on process 0 (before any part is written).
 
 Usage: python tests/_pod_fault_worker.py PROCESS_ID PORT EXPORT_DIR FAULT
        TIMEOUT
@@ -44,6 +45,7 @@ def main(process_id: int, port: int, export_dir: str, fault: str,
   from t5export._src.snapshot import pod_exchange  # pylint: disable=g-import-not-at-top
   from t5export._src.snapshot import pod_snapshot  # pylint: disable=g-import-not-at-top
   from t5export._src.state import paths  # pylint: disable=g-import-not-at-top
+  from t5export._src.versions import versions  # pylint: disable=g-import-not-at-top
   import _reliability_model as model  # pylint: disable=g-import-not-at-top
 
   P = jax.sharding.PartitionSpec
@@ -75,6 +77,14 @@ def main(process_id: int, port: int, export_dir: str, fault: str,
         raise OSError(28, 'No space left on device (injected)', export_dir)
       return real(*args, **kwargs)
     pod_parts.write_part = failing
+  elif fault == 'part_error' and process_id == 0:  # Step 4: the claim fails.
+    begin = versions.VersionDirectory.begin
+
+    def failing_claim(self, step, metrics):
+      if step == 4:
+        raise OSError(5, 'Input/output error (injected)', export_dir)
+      return begin(self, step, metrics)
+    versions.VersionDirectory.begin = failing_claim
   elif fault == 'part_kill' and process_id == 1:
     pod_exchange.PodRound.report = die
   elif fault == 'writer_kill' and process_id == 0:
@@ -86,7 +96,7 @@ def main(process_id: int, port: int, export_dir: str, fault: str,
           options=t5export.ExportOptions(keep=None)),
       export_every_steps=1, multiprocess_timeout_secs=timeout)
   outcomes = {}
-  for step in (1, 2, 3):
+  for step in (1, 2, 3, 4):
     # Step 3: the params replicated on every device (the gathering path).
     state = state_for(step, replicated=step == 3)
     start = time.monotonic()

@@ -78,6 +78,7 @@ def runs(tmp_path_factory):
                      for i in range(2))
     rows = _report.read(report) if report.exists() else []
     out[fault] = dict(codes=codes, rows=rows, logs=logs,
+                      log1=(root / 'p1.log').read_text(errors='replace'),
                       export_dir=root / 'export')
   for service in services:
     service.stdin.close()
@@ -156,3 +157,17 @@ def test_a_writer_killed_while_merging_publishes_nothing(runs):
     assert sorted(os.listdir(export_dir)) == []
     path = exporter.export(model.state_for(2))
   assert model.check_version(path) == 2
+
+
+def test_a_failed_claim_reaches_every_process_before_any_part(runs):
+  run = runs['part_error']
+  c0, c1 = _row(run, 0, 'step4'), _row(run, 1, 'step4')
+  assert c0['error_type'] == 'ExportFailedError'
+  assert c1['error_type'] == 'WriterFailedError'
+  for message in (c0['error'], c1['error']):
+    assert 'Input/output error (injected)' in message, message
+  assert 'process 0 (the writer) failed to publish step 4' in c1['error']
+  # No part was written: process 1 was told the claim failed.
+  assert 'process 0 (the writer) failed to claim the version of step 4' in (
+      run['log1'])
+  assert sorted(os.listdir(run['export_dir'])) == ['2', '3']

@@ -341,14 +341,14 @@ class SavedModelExporter:
     """
     self._closed = False
     try:
+      self._checker  # pylint: disable=pointless-statement  # Can it run?
       version = self._dir.begin(int(snap.step), metrics)
     except BaseException as e:
-      round_.announce_failure(e)
+      round_.announce_failure(e)  # The others write nothing.
       raise
     parts_dir = version.staging + '-parts'  # Hidden: cleaned at a start.
     round_.announce(parts_dir)
     try:
-      self._checker  # pylint: disable=pointless-statement  # Can it run?
       if not self._stage.prepared:  # Traced while the others write.
         self._stage.prepare(snap.shapes)
       keys = pod_parts.keys(len(snap.paths))
