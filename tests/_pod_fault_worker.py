@@ -15,7 +15,8 @@ function is replaced):
 Every process that lives reports what each call raised (tests/_report.py).
 The part_error run goes on with step 2 (a pod export again), step 3, its
 params replicated on both devices (process 0 gathers and writes), and
-step 4, whose claim fails on process 0 (before any part is written).
+step 4, whose claim fails on process 0 (before any part is written), then
+exports step 5 at once (`export_now`: every process writes inline).
 
 Usage: python tests/_pod_fault_worker.py PROCESS_ID PORT EXPORT_DIR FAULT
        TIMEOUT
@@ -122,6 +123,14 @@ def main(process_id: int, port: int, export_dir: str, fault: str,
     if fault != 'part_error':
       break  # A process is gone: the run cannot go on.
   if fault == 'part_error':
+    # A synchronous pod export: every process writes its part inline.
+    error, path = None, None
+    try:
+      path = cb.export_now(state_for(5))
+    except Exception as e:  # pylint: disable=broad-except
+      error = e
+    _report.emit({'process': process_id, 'event': 'now', 'path': path,
+                  'error': repr(error) if error else None})
     cb.close()
     jax.distributed.shutdown()
   else:

@@ -121,7 +121,7 @@ def test_a_replicated_state_is_gathered_and_published_by_process_0(runs):
   assert not r0['spread'] and not r1['spread']  # The one-writer path.
   assert r0['published'][-1] == str(run['export_dir'] / '3')
   assert r1['published'] == []
-  assert sorted(os.listdir(run['export_dir'])) == ['2', '3']
+  assert sorted(os.listdir(run['export_dir'])) == ['2', '3', '5']
   assert model.check_version(str(run['export_dir'] / '3')) == 3
 
 
@@ -170,4 +170,15 @@ def test_a_failed_claim_reaches_every_process_before_any_part(runs):
   # No part was written: process 1 was told the claim failed.
   assert 'process 0 (the writer) failed to claim the version of step 4' in (
       run['log1'])
-  assert sorted(os.listdir(run['export_dir'])) == ['2', '3']
+  assert sorted(os.listdir(run['export_dir'])) == ['2', '3', '5']
+
+
+def test_export_now_writes_every_part_inline(runs):
+  run = runs['part_error']
+  n0, n1 = _row(run, 0, 'now'), _row(run, 1, 'now')
+  assert n0['error'] is None and n1['error'] is None, (n0, n1)
+  version = run['export_dir'] / '5'
+  assert n0['path'] == str(version) and n1['path'] is None
+  assert len([n for n in os.listdir(version / 'variables')
+              if n.startswith('variables.data-')]) == 3  # Both parts.
+  assert model.check_version(str(version)) == 5

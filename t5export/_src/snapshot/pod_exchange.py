@@ -73,11 +73,6 @@ class PodRound:
     self._announced = True
     self._x.client.key_value_set(
         f'{self._key}/dir', _SKIP if parts_dir is None else _OK + parts_dir)
-    if self.number > 1:  # Every process has left the round before.
-      try:
-        self._x.client.key_value_delete(f'{self._x.prefix}/{self.number - 1}')
-      except Exception:  # pylint: disable=broad-except
-        pass  # Only tidies the store.
 
   def announce_failure(self, e: BaseException) -> None:
     """Process 0, unless it announced: its claim failed (`e`)."""
@@ -135,6 +130,13 @@ class PodRound:
             'Nothing is published; its log has the traceback.',
             process=i, stage=stage)
       written[i] = int(value[len(_OK):])
+    # Every process read the announcement before it reported: the round's
+    # keys can go. (A failed or skipped round's few keys stay: a slow
+    # process may still be about to read them.)
+    try:
+      self._x.client.key_value_delete(self._key)
+    except Exception:  # pylint: disable=broad-except
+      pass  # Only tidies the store.
     return written
 
   def _get(self, key: str, source: int, what: str, *, start: float) -> str:
