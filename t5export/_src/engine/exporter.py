@@ -347,7 +347,10 @@ class SavedModelExporter:
       round_.announce_failure(e)  # The others write nothing.
       raise
     parts_dir = version.staging + '-parts'  # Hidden: cleaned at a start.
-    round_.announce(parts_dir)
+    # A bucket: the others upload their parts to a hidden prefix of it.
+    remote = (storage.join(self._export_dir, os.path.basename(parts_dir))
+              if storage.is_url(self._export_dir) else None)
+    round_.announce(remote or parts_dir)
     try:
       if not self._stage.prepared:  # Traced while the others write.
         self._stage.prepare(snap.shapes)
@@ -364,19 +367,28 @@ class SavedModelExporter:
           snap.on_host(), parts_dir, process=0,
           cast_bfloat16=self._options.cast_bfloat16)}
       written.update(round_.collect())
+      if remote:
+        pod_parts.fetch_parts(remote, written, parts_dir)
       parts = [pod_parts.part_prefix(parts_dir, i)
                for i, n in sorted(written.items()) if n]
       staged, full = self._stage.stage_parts(
           version.staging, parts, parts_dir,
           read=lambda prefix: pod_parts.read_merged(prefix, snap))
+      if remote:  # Copied in the bucket: the commit uploads them not.
+        pod_parts.place_parts(remote, written,
+                              self._dir.remote_staging(version.staging))
       with self._beside(full) as beside, staged:
         check = self._checker.check(staged)
         return beside(version.publish(staged, check))
     except BaseException:
       shutil.rmtree(version.staging, ignore_errors=True)
+      if remote:
+        pod_parts.remove_quietly(self._dir.remote_staging(version.staging))
       raise
     finally:
       shutil.rmtree(parts_dir, ignore_errors=True)
+      if remote:
+        pod_parts.remove_quietly(remote)
 
   @contextlib.contextmanager
   def _beside(self, snap: snapshot_lib.HostSnapshot) -> Iterator[Any]:

@@ -26,6 +26,8 @@ from t5export._src.snapshot import host_buffers
 from t5export._src.snapshot import pod_snapshot
 from t5export._src.snapshot import snapshot as snapshot_lib
 from t5export._src.state import paths
+from t5export._src.versions import gcs_objects
+from t5export._src.versions import storage
 from t5export._src.versions import tensor_bundle
 
 # Where the module's variables are in its object graph (`JaxModule`).
@@ -134,3 +136,70 @@ def read_merged(prefix: str, snap: pod_snapshot.PodSnapshot
   return snapshot_lib.HostSnapshot(
       snap.step, variables, snap.logical_axes, snap.mesh_axes, snap.nbytes,
       owned=True, flat=paths.leaves(variables))
+
+
+# A bucket (gs://) export_dir: the parts travel through the bucket. Each
+# process uploads its own part to the round's hidden parts prefix; process
+# 0 downloads the others' (its check reads them back anyway), merges them
+# locally and has the bucket copy each part's data into the version's
+# hidden staging prefix under its merged name, where the commit finds it
+# and does not upload it again.
+
+
+def _names(process: int) -> list[str]:
+  base = os.path.basename(part_prefix('', process))
+  return [base + '.index', base + '.data-00000-of-00001']
+
+
+def upload_part(local_dir: str, url: str, *, process: int) -> None:
+  """Uploads this process's part from `local_dir` to `url/` and checks the
+  stored objects' sizes and CRC-32C against the local files.
+
+  Raises:
+    CommitError: an object did not arrive whole.
+  """
+  storage.upload_tree(local_dir, url)
+  stored = gcs_objects.stored_objects(url)
+  for name in _names(process):
+    path = os.path.join(local_dir, name)
+    want = (os.path.getsize(path), gcs_objects.file_crc32c(path))
+    if stored.get(name) != want:
+      raise errors.CommitError(
+          f'The upload of {name!r} to {url!r} does not match the part '
+          f'written (stored {stored.get(name)}, written {want}). Nothing is '
+          'published; export again (a network or storage fault).')
+
+
+def fetch_parts(url: str, written: dict[int, int], parts_dir: str) -> None:
+  """Process 0: downloads the other processes' parts from `url/`."""
+  for i, nbytes in sorted(written.items()):
+    if i == 0 or not nbytes:
+      continue
+    for name in _names(i):
+      data = storage.read_bytes(storage.join(url, name))
+      with open(os.path.join(parts_dir, name), 'wb') as f:
+        f.write(data)
+      del data
+
+
+def place_parts(url: str, written: dict[int, int], staging_url: str) -> None:
+  """Process 0: copies (in the bucket) each other process's data file from
+  `url/` to the version's staging prefix under the name the merge gave it
+  (`SavedModelWriter.write_parts`: the object graph's part first, then the
+  processes with a part in order)."""
+  order = [i for i, n in sorted(written.items()) if n]
+  total = len(order) + 1
+  gcs_objects.copy_objects(
+      [(storage.join(url, _names(i)[1]), storage.join(
+          staging_url, 'variables',
+          f'variables.data-{k:05d}-of-{total:05d}'))
+       for k, i in enumerate(order, start=1) if i != 0], create_only=False)
+
+
+def remove_quietly(url: str) -> None:
+  """Removes the prefix `url` if it can (the next start removes it else)."""
+  try:
+    storage.remove_tree(url)
+  except Exception as e:  # pylint: disable=broad-except
+    logging.warning('t5export: could not remove %s (%s); the next start '
+                    'removes it.', url, e)

@@ -1,7 +1,7 @@
 """A pod export in a training loop: every process writes its own shards.
 
-When the state is spread over the processes of a `jax.distributed` run
-(and the export_dir is a local or shared disk), `ExportCallback` exports
+When the state is spread over the processes of a `jax.distributed` run,
+`ExportCallback` exports
 through this instead of gathering the state to process 0: on the training
 thread each process takes only the shards it owns (`pod_snapshot.take`);
 on its export worker it writes them as slices of the version into the
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 import dataclasses
+import shutil
+import tempfile
 from typing import Any
 
 from absl import logging
@@ -49,11 +51,9 @@ class PodExport:
                       if active else None)
 
   def applies(self, train_state: Any) -> bool:
-    """Whether this export is a pod export: several processes, a state
-    spread over them, a local export_dir (a bucket's gathers to process
-    0). The same answer on every process."""
-    return (self._active and not storage.is_url(self._exporter.export_dir)
-            and pod_snapshot.spread(train_state))
+    """Whether this export is a pod export: several processes and a state
+    spread over them. The same answer on every process."""
+    return self._active and pod_snapshot.spread(train_state)
 
   def snapshot(self, train_state: Any, *,
                rules: Sequence[tuple[str, Any]] | None,
@@ -88,17 +88,25 @@ class PodExport:
     if parts_dir is None:
       return 0
     stage = 'take its shards to the host'
+    remote = storage.is_url(parts_dir)  # A bucket: written here, uploaded.
+    local = tempfile.mkdtemp(prefix='t5export-part-') if remote else parts_dir
     try:
       snap = job.snap.on_host()
       stage = 'write and verify its slices'
       nbytes = pod_parts.write_part(
-          snap, parts_dir, process=round_.process,
+          snap, local, process=round_.process,
           cast_bfloat16=self._exporter.options.cast_bfloat16)
+      if remote and nbytes:
+        stage = 'upload its slices'
+        pod_parts.upload_part(local, parts_dir, process=round_.process)
     except BaseException as e:
       logging.error('t5export: process %d failed to %s of step %d: %s: %s',
                     round_.process, stage, job.step, type(e).__name__, e)
       round_.report(nbytes=0, error=e, stage=stage)
       raise
+    finally:
+      if remote:
+        shutil.rmtree(local, ignore_errors=True)
     round_.report(nbytes=nbytes)
     return nbytes
 

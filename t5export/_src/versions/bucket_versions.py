@@ -197,6 +197,10 @@ class BucketVersionDirectory(versions.VersionDirectory):
     return os.path.join(
         self._staging, f'{versions.STAGING_PREFIX}{step}-{uuid.uuid4().hex[:8]}')
 
+  def remote_staging(self, staging: str) -> str:
+    """The hidden prefix the local `staging` is uploaded to (`publish`)."""
+    return storage.join(self.export_dir, os.path.basename(staging))
+
   def publish(self, staging: str, final: str) -> None:
     """Commits the staged version to `final` (see the module docstring),
     then removes the local copy.
@@ -219,13 +223,17 @@ class BucketVersionDirectory(versions.VersionDirectory):
           f'{len(there)} object(s), e.g. {sorted(there)[0]!r}, which '
           't5export did not write in this run. Nothing was published; '
           'remove them or export another step.')
-    tmp = storage.join(self.export_dir, os.path.basename(staging))
+    tmp = self.remote_staging(staging)
     start = time.monotonic()
     try:
       local = {f: (os.path.getsize(os.path.join(staging, f)),
                    gcs_objects.file_crc32c(os.path.join(staging, f)))
                for f in storage.walk_files(staging)}
-      storage.upload_tree(staging, tmp)
+      # A pod export's parts are there already (put by `remote_staging`'s
+      # users, the same bytes): not uploaded again.
+      there_now = gcs_objects.stored_objects(tmp)
+      storage.upload_tree(staging, tmp, skip=[
+          f for f, v in local.items() if there_now.get(f) == v])
       uploaded = time.monotonic()
       _verify(local, gcs_objects.stored_objects(tmp), tmp)
       storage.write_bytes(storage.join(tmp, VERIFIED), b'')
