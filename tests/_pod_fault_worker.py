@@ -7,6 +7,8 @@ own shards). One process meets a fault at step 1, injected by replacing
 one of t5export's own functions in this process (no JAX or TensorFlow
 function is replaced):
 
+  bucket       no fault: EXPORT_DIR is a gs:// URL (the test's GCS
+               emulator); steps 1 and 2 are published there.
   part_error   process 1's write of its slices raises (a full disk).
   part_kill    process 1 dies after writing its part, before reporting.
   writer_kill  process 0 dies while it merges the parts (the coordination
@@ -118,9 +120,12 @@ def main(process_id: int, port: int, export_dir: str, fault: str,
         'cause': repr(outcomes[step].__cause__) if outcomes[step] else None,
         'published': cb.published,
         'spread': pod_snapshot.spread(state),
-        'listing': sorted(os.listdir(export_dir))})
+        'listing': [] if export_dir.startswith('gs://') else sorted(
+            os.listdir(export_dir))})
     armed['on'] = False
-    if fault != 'part_error':
+    if fault == 'bucket' and step == 2:
+      break
+    if fault not in ('part_error', 'bucket'):
       break  # A process is gone: the run cannot go on.
   if fault == 'part_error':
     # A synchronous pod export: every process writes its part inline.
@@ -131,6 +136,9 @@ def main(process_id: int, port: int, export_dir: str, fault: str,
       error = e
     _report.emit({'process': process_id, 'event': 'now', 'path': path,
                   'error': repr(error) if error else None})
+    cb.close()
+    jax.distributed.shutdown()
+  elif fault == 'bucket':
     cb.close()
     jax.distributed.shutdown()
   else:

@@ -16,6 +16,8 @@ together (one fixture).
 * process 0 dies while merging: process 1 gets WriterTimeoutError within
   the timeout; the staging the crash left is removed when the export_dir
   is next opened, and the next export there is published.
+* no fault, into a bucket of the GCS emulator: both versions published,
+  each process's part uploaded once, by that process.
 """
 
 from __future__ import annotations
@@ -37,14 +39,24 @@ import distributed_setup  # pylint: disable=g-import-not-at-top,wrong-import-pos
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 RUN_TIMEOUT = 400  # A hang guard only (the machine is shared).
 TIMEOUT = 15  # multiprocess_timeout_secs.
-FAULTS = ('part_error', 'part_kill', 'writer_kill')
+FAULTS = ('part_error', 'part_kill', 'writer_kill', 'bucket')
 
 
 @pytest.fixture(scope='module')
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, gcs_emulator, monkeypatch_module):
   """Every fault's run, started together; each's rows, codes and logs."""
+  import gcs_emulator as emulator_lib  # pylint: disable=g-import-not-at-top
   started = {}
   services = []
+  bucket = f'gs://{gcs_emulator.new_bucket()}'
+  uploads, copies = [], []
+  gcs_emulator.on_upload = uploads.append  # Copies are stored too: below.
+  rewrite = emulator_lib._Handler._rewrite  # pylint: disable=protected-access
+
+  def recorded(handler, **names):
+    copies.append(names['name'])
+    return rewrite(handler, **names)
+  monkeypatch_module.setattr(emulator_lib._Handler, '_rewrite', recorded)  # pylint: disable=protected-access
   for fault in FAULTS:
     root = tmp_path_factory.mktemp(fault)
     port = distributed_setup.free_port()
@@ -60,7 +72,8 @@ def runs(tmp_path_factory):
     env = distributed_setup.subprocess_env(1, report=report)
     procs = [subprocess.Popen(
         [sys.executable, str(TESTS / '_pod_fault_worker.py'), str(i),
-         str(port), str(root / 'export'), fault, str(TIMEOUT)], env=env,
+         str(port), f'{bucket}/export' if fault == 'bucket' else str(
+             root / 'export'), fault, str(TIMEOUT)], env=env,
         stdout=subprocess.DEVNULL, stderr=open(root / f'p{i}.log', 'wb'))
              for i in range(2)]
     started[fault] = (root, report, procs)
@@ -83,7 +96,16 @@ def runs(tmp_path_factory):
   for service in services:
     service.stdin.close()
     service.wait(timeout=60)
+  gcs_emulator.on_upload = None
+  out['bucket'].update(bucket=bucket, uploads=uploads, copies=copies,
+                       objects=gcs_emulator.object_names(bucket[5:]))
   return out
+
+
+@pytest.fixture(scope='module')
+def monkeypatch_module():
+  with pytest.MonkeyPatch.context() as patch:
+    yield patch
 
 
 def _row(run, process: int, event: str):
@@ -182,3 +204,35 @@ def test_export_now_writes_every_part_inline(runs):
   assert len([n for n in os.listdir(version / 'variables')
               if n.startswith('variables.data-')]) == 3  # Both parts.
   assert model.check_version(str(version)) == 5
+
+
+def test_into_a_bucket_each_process_uploads_its_own_part_once(runs):
+  run = runs['bucket']
+  assert run['codes'] == [0, 0], run['logs']
+  s0, s1 = _row(run, 0, 'step2'), _row(run, 1, 'step2')
+  assert s0['error'] is None and s1['error'] is None, (s0, s1)
+  assert s0['published'] == [f"{run['bucket']}/export/{n}" for n in '12']
+  # Nothing hidden is left; each version is whole.
+  assert all(n.split('/')[1] in ('1', '2') for n in run['objects']), (
+      run['objects'])
+  import gcs_emulator  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  with tempfile.TemporaryDirectory() as tmp:
+    local = gcs_emulator.download(f"{run['bucket']}/export/2",
+                                  pathlib.Path(tmp) / '2')
+    assert model.check_version(local) == 2
+  # Process 1's part went up once per export, by process 1 (to the parts
+  # prefix); in the version it is a copy inside the bucket, never uploaded
+  # again by process 0.
+  mine = [n for n in run['uploads'] if '-parts/part-00001.' in n]
+  assert len(mine) == 4, run['uploads']  # Index and data, 2 exports.
+  merged = [n for n in run['uploads']
+            if n.endswith('variables/variables.data-00002-of-00003')]
+  copied = [n for n in run['copies']
+            if n.endswith('variables/variables.data-00002-of-00003')]
+  assert len(copied) >= 2 and len(merged) == len(copied), (merged, copied)
+  # Process 0's own part's data is uploaded by its commit, once a version
+  # (to the staging prefix; the version gets a copy).
+  own = [n for n in run['uploads'] if '/.tmp-' in n and n.endswith(
+      'variables.data-00001-of-00003') and n not in run['copies']]
+  assert len(own) == 2, run['uploads']
