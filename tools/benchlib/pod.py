@@ -17,7 +17,11 @@ awaited (`cb.wait()`) before the next. Per process and export:
   included), / the param bytes (process 0 reads it).
 
 `--code DIR` runs the workers on another checkout's t5export (e.g. the
-main branch, to measure the path it replaces side by side).
+main branch, to measure the path it replaces side by side). `--bucket`
+exports into a bucket of the tests' GCS emulator (tests/gcs_emulator.py,
+in this process) and adds, per export over the param bytes, the bytes
+uploaded (objects stored less copies inside the bucket) and downloaded
+(object bytes the emulator served).
 
 Usage:
   python tools/benchlib/pod.py --processes 1,2,4 --params 1e8 --repeats 3
@@ -124,8 +128,39 @@ def worker(args: argparse.Namespace) -> None:
     jax.distributed.shutdown()
 
 
+class _Traffic:
+  """What the emulator stored (less its copies) and served."""
+
+  def __init__(self, emulator: Any):
+    import gcs_emulator  # pylint: disable=g-import-not-at-top
+    self.emulator, self.stored, self.copied = emulator, [], []
+    storage = emulator._storage  # pylint: disable=protected-access
+    create, rewrite = storage.create_file, gcs_emulator._Handler._rewrite  # pylint: disable=protected-access
+
+    def counted(bucket, name, content, *args, **kwargs):
+      self.stored.append((name, len(content)))
+      return create(bucket, name, content, *args, **kwargs)
+
+    def marked(handler, **names):
+      self.copied.append(names['name'])
+      return rewrite(handler, **names)
+    storage.create_file = counted
+    gcs_emulator._Handler._rewrite = marked  # pylint: disable=protected-access
+
+  def uploaded(self) -> int:
+    copies = list(self.copied)
+    total = 0
+    for name, size in self.stored:
+      if name in copies:
+        copies.remove(name)
+      else:
+        total += size
+    return total
+
+
 def run(num_processes: int, *, params: float, repeats: int, code: str,
-        root: pathlib.Path) -> list[dict[str, Any]]:
+        root: pathlib.Path, export_dir: str | None = None
+        ) -> list[dict[str, Any]]:
   """One run of `num_processes` workers; each one's report."""
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
@@ -139,7 +174,7 @@ def run(num_processes: int, *, params: float, repeats: int, code: str,
         [sys.executable, __file__, '--worker', '--process_id', str(i),
          '--num_processes', str(num_processes), '--port', str(port),
          '--params', str(params), '--repeats', str(repeats),
-         '--export_dir', str(root / 'export'), '--out',
+         '--export_dir', export_dir or str(root / 'export'), '--out',
          str(root / f'p{i}.json')], env=env, stdout=subprocess.DEVNULL,
         stderr=open(root / f'p{i}.log', 'wb')))
   codes = [p.wait(timeout=1800) for p in procs]
@@ -178,6 +213,7 @@ def main() -> None:
   parser.add_argument('--processes', default='1,2,4')
   parser.add_argument('--params', type=float, default=1e8)
   parser.add_argument('--repeats', type=int, default=3)
+  parser.add_argument('--bucket', action='store_true')
   parser.add_argument('--code', default=str(
       pathlib.Path(__file__).resolve().parents[2]))
   args = parser.parse_args()
@@ -185,13 +221,33 @@ def main() -> None:
     worker(args)
     return
   results = {}
+  traffic = None
+  if args.bucket:
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] /
+                           'tests'))
+    import gcs_emulator  # pylint: disable=g-import-not-at-top
+    emulator = gcs_emulator.Emulator()
+    os.environ.update(emulator.environment)
+    traffic = _Traffic(emulator)
   for n in (int(v) for v in args.processes.split(',')):
     with tempfile.TemporaryDirectory(prefix=f'pod-bench-{n}-') as tmp:
       start_load = os.getloadavg()[0]
+      if traffic is not None:
+        export_dir = f'gs://{traffic.emulator.new_bucket()}/export'
+        traffic.stored.clear()
+        traffic.copied.clear()
+        served = traffic.emulator.media_bytes
       reports = run(n, params=args.params, repeats=args.repeats,
-                    code=args.code, root=pathlib.Path(tmp))
+                    code=args.code, root=pathlib.Path(tmp),
+                    export_dir=export_dir if traffic else None)
       results[n] = dict(summary(reports), load_avg=[
           round(start_load, 2), round(os.getloadavg()[0], 2)])
+      if traffic is not None:  # Per export: the traced one and the rest.
+        exports = (1 + args.repeats) * reports[0]['param_bytes']
+        results[n].update(
+            uploaded_over_params=round(traffic.uploaded() / exports, 3),
+            downloaded_over_params=round(
+                (traffic.emulator.media_bytes - served) / exports, 3))
     print(json.dumps({'processes': n, 'code': args.code, **results[n]}),
           flush=True)
   if 1 in results:
