@@ -40,6 +40,9 @@ def global_values(num_processes: int) -> dict[str, object]:
                     P(('data', 'model'), None)),
       'bias': (rng.normal(size=(6,)).astype(np.float32), P('model')),
       'scale': (rng.normal(size=(3, 5)).astype(np.float32), P()),
+      # Replicated over 'data' (across the processes), split over 'model':
+      # its 2 distinct shards go to different replicas' processes.
+      'norm': (rng.normal(size=(3, 4)).astype(np.float32), P(None, 'model')),
       'step': (np.int32(7), None),  # A host value: process 0 owns it.
   }
 

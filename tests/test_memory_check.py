@@ -122,3 +122,32 @@ def test_bundle_compare_reads_what_tensorflow_wrote(tmp_path):
                      match=r"for 'the index': it lacks \['d'\]"):
     bundle_compare.compare(prefix, dict(arrays, d=arrays['b']), strings={},
                            names=names)
+
+
+def test_bundle_compare_reads_slices_tensorflow_merged(tmp_path):
+  # A pod export's bundle: each part saved slices of a tensor, TensorFlow's
+  # own SaveV2 with shape_and_slices, merged by its MergeV2Checkpoints.
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from t5export._src.versions import bundle_compare  # pylint: disable=g-import-not-at-top
+  a = np.random.default_rng(1).standard_normal((4, 6)).astype(np.float32)
+  parts = [str(tmp_path / 'parts' / f'part-{i}') for i in range(2)]
+  for i, part in enumerate(parts):  # Columns [0, 3) and [3, 6).
+    tf.raw_ops.SaveV2(prefix=part, tensor_names=['a', 'b'][:2 - i],
+                      shape_and_slices=[f'4 6 0,4:{3 * i},3', ''][:2 - i],
+                      tensors=[tf.constant(a[:, 3 * i:3 * i + 3]),
+                               tf.constant(np.arange(3, dtype=np.int32))
+                               ][:2 - i])
+  prefix = str(tmp_path / 'merged')
+  tf.raw_ops.MergeV2Checkpoints(checkpoint_prefixes=parts,
+                                destination_prefix=prefix)
+  arrays = {'a': a, 'b': np.arange(3, dtype=np.int32)}
+  names = {'a': 'params/a', 'b': 'params/b'}
+  assert bundle_compare.compare(prefix, arrays, strings={},
+                                names=names) == a.nbytes + 12
+  changed = a.copy()
+  changed[2, 4] += 1.0  # Row 2, column 1 of the second slice: byte 28.
+  with pytest.raises(errors.WrittenVariablesMismatchError,
+                     match=r"for 'params/a \[0:4, 3:6\]': its byte "
+                     r'28 \(of 48\) on disk differs'):
+    bundle_compare.compare(prefix, dict(arrays, a=changed), strings={},
+                           names=names)

@@ -187,6 +187,11 @@ def test_shipped_gin_exports_on_every_process_of_a_pod(runs, tf_process):
   from flax import traverse_util  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   version = run['export_dir'] / str(STEP)
+  # A pod export: the params are split over both processes, each wrote its
+  # own part (merged: one data file each, and the object graph's).
+  assert sorted(os.listdir(version / 'variables')) == [
+      f'variables.data-0000{i}-of-00003' for i in range(3)] + [
+          'variables.index'], _tail(run)
   # T5X's own checkpoint of that step holds the params that were exported.
   params = jax.tree_util.tree_map(np.asarray, checkpoints.read_params(
       str(run['model_dir']), step=STEP).params)

@@ -60,6 +60,7 @@ from t5export.errors._run import (
     WriterTimeoutError,
     BarrierTimeoutError,
     ActionOnOneProcessError,
+    PeerExportError,
 )
 from t5export.errors._hf import (
     UnmappableModelError,
@@ -117,6 +118,7 @@ __all__ = [
     'WriterTimeoutError',
     'BarrierTimeoutError',
     'ActionOnOneProcessError',
+    'PeerExportError',
     'UnmappableModelError',
     'HuggingFaceCheckError',
     'CheckInterpreterError',

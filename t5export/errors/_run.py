@@ -85,3 +85,13 @@ class ActionOnOneProcessError(_base.T5ExportError, RuntimeError):
         't5export.T5XTrainer.callback = @t5export.ExportCallback()) and '
         'remove ExportCallback from train.actions; in a loop of your own, '
         'call cb(step, train_state=state) on every process.')
+
+
+class PeerExportError(_base.T5ExportError, RuntimeError):
+  """A process failed its part of a pod export, or did not report it in
+  time; process 0 (the writer) publishes nothing and names the process
+  and the stage (`process`, `stage`)."""
+
+  def __init__(self, message: str, *, process: int, stage: str):
+    self.process, self.stage = process, stage
+    super().__init__(message)

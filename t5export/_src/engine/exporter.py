@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import shutil
 import time
 from typing import Any
 
@@ -22,12 +23,15 @@ import jax
 from t5export import errors
 from t5export._src.engine import jax_module
 from t5export._src.engine import options as options_lib
+from t5export._src.engine import pod_parts
 from t5export._src.engine import serving
 from t5export._src.engine import stage as stage_lib
 from t5export._src.engine import staged_check
 from t5export._src.snapshot import accelerators
 from t5export._src.engine import tf_devices
 from t5export._src.hf import hf_target as hf_target_lib
+from t5export._src.snapshot import pod_exchange
+from t5export._src.snapshot import pod_snapshot
 from t5export._src.snapshot import snapshot as snapshot_lib
 from t5export._src.state import paths
 from t5export._src.state import train_state
@@ -330,6 +334,87 @@ class SavedModelExporter:
       if beside is not None:  # Then its retention follows the versions.
         beside.publish(keep=self._dir.versions())
       return path
+
+  def export_parts(self, snap: pod_snapshot.PodSnapshot,
+                   metrics: Mapping[str, Any] | None, *,
+                   round_: pod_exchange.PodRound) -> str:
+    """Process 0's side of a pod export: every process writes its own
+    shards; this one merges, checks and publishes (docs/multiprocess.md).
+
+    Claims the version, announces where the parts go, writes its own
+    part, waits for every other process's, merges them into the staged
+    version, reads the params back for the check, then checks and
+    publishes as `export_snapshot` does.
+
+    Args:
+      snap: process 0's snapshot (its own shards).
+      metrics: as for `export`.
+      round_: this export's messages between the processes.
+
+    Returns:
+      The published version directory `<export_dir>/<step>`.
+
+    Raises:
+      PeerExportError: another process failed its part or did not report
+        it within the timeout.
+      VariablesFormatError: a part read back is not what was written.
+      Others: as `export_snapshot`.
+    """
+    self._closed = False
+    try:
+      self._checker  # pylint: disable=pointless-statement  # Can it run?
+      version = self._dir.begin(int(snap.step), metrics)
+    except BaseException as e:
+      round_.announce_failure(e)  # The others write nothing.
+      raise
+    parts_dir = version.staging + '-parts'  # Hidden: cleaned at a start.
+    # A bucket: the others upload their parts to a hidden prefix of it.
+    remote = (storage.join(self._export_dir, os.path.basename(parts_dir))
+              if storage.is_url(self._export_dir) else None)
+    round_.announce(remote or parts_dir)
+    try:
+      if not self._stage.prepared:  # Traced while the others write.
+        self._stage.prepare(snap.shapes)
+      keys = pod_parts.keys(len(snap.paths))
+      if not self._stage.writer.reuses_graph or (
+          self._stage.writer.param_keys != keys):
+        raise errors.PeerExportError(
+            'A pod export writes the params as slices under the keys of '
+            "the first version's graph, but this module's graph cannot be "
+            'reused (ExportOptions(reuse_graph=False), or its checkpoint '
+            'holds more than the params). Pass reuse_graph=True.',
+            process=0, stage='save the graph')
+      written = {0: pod_parts.write_part(
+          snap.on_host(), parts_dir, process=0,
+          cast_bfloat16=self._options.cast_bfloat16)}
+      written.update(round_.collect())
+      if remote:
+        pod_parts.fetch_parts(remote, written, parts_dir)
+      parts = [pod_parts.part_prefix(parts_dir, i)
+               for i, n in sorted(written.items()) if n]
+      staged, full = self._stage.stage_parts(
+          version.staging, parts, parts_dir,
+          read=lambda prefix: pod_parts.read_merged(prefix, snap))
+      if remote:  # Copied in the bucket: the commit uploads them not.
+        pod_parts.place_parts(remote, written,
+                              self._dir.remote_staging(version.staging))
+      with staged, (self._hf_target.stage(full) if self._hf_target else
+                    contextlib.nullcontext()) as beside:
+        check = self._checker.check(staged)
+        path = version.publish(staged, check)
+        if beside is not None:  # Then its retention follows the versions.
+          beside.publish(keep=self._dir.versions())
+        return path
+    except BaseException:
+      shutil.rmtree(version.staging, ignore_errors=True)
+      if remote:
+        pod_parts.remove_quietly(self._dir.remote_staging(version.staging))
+      raise
+    finally:
+      shutil.rmtree(parts_dir, ignore_errors=True)
+      if remote:
+        pod_parts.remove_quietly(remote)
+
 
   @functools.cached_property
   def _platforms(self) -> tuple[str, ...]:

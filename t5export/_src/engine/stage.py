@@ -265,6 +265,33 @@ class Stage:
                   flush=o.durable and o.validate,
                   on_exit=self._collect_first_cycles if first else None)
 
+  def stage_parts(self, directory: str, parts: Sequence[str], scratch: str,
+                  read: Callable[[str], snapshot_lib.HostSnapshot]
+                  ) -> tuple[Staged, snapshot_lib.HostSnapshot]:
+    """A pod export's version: the weights merged from every process's
+    part (`SavedModelWriter.write_parts`), read back whole by `read(the
+    merged bundle's prefix)` into the module (the check's reference).
+
+    The module must be prepared (`prepare`, its graph kept). Returns the
+    staged version (only `assets.extra/` is still being written) and the
+    snapshot read back.
+    """
+    start = time.monotonic()
+    self._finish_fill()
+    self._writer.write_parts(directory, parts, scratch)
+    snap = read(os.path.join(directory, 'variables', 'variables'))
+    self._module.update_leaves(snap.flat, owned=True)
+    o = self._options
+    logging.info('t5export: step %d: staged from %d part(s) in %.2fs.',
+                 snap.step, len(parts), time.monotonic() - start)
+    return Staged(directory, int(snap.step), snap.flat, self._module,
+                  self._writer, None,
+                  write=lambda: assets_extra.write(
+                      directory, module=self._module,
+                      signatures=self._signatures, artifacts=self._artifacts,
+                      snap=snap, options=o, model_name=self._model_name),
+                  flush=o.durable and o.validate), snap
+
   def _take(self, snap: snapshot_lib.HostSnapshot) -> tuple[Fill | None, Any]:
     """The module takes `snap`'s values: built from them on the first
     version, updated in place on later ones.

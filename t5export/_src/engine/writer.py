@@ -141,15 +141,7 @@ class SavedModelWriter:
       'variables' if the graph was reused, else 'full'.
     """
     if self._template is not None:
-      os.makedirs(directory)
-      for rel, data in self._template.items():
-        path = os.path.join(directory, rel)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        if not rel.endswith(os.sep):  # Else an empty directory (assets/).
-          try:  # A failed write() names no file; say which (full disk).
-            pathlib.Path(path).write_bytes(data)
-          except OSError as e:
-            raise OSError(e.errno, e.strerror, path) from e
+      self._write_template(directory)
       shards = self._start_weights(directory, values, self._keys,
                                    self._object_graph)
       _joined_on_error(shards, meanwhile)
@@ -182,6 +174,45 @@ class SavedModelWriter:
       else:
         self._save_in_full(directory)
     return 'full'
+
+  def _write_template(self, directory: str) -> None:
+    """A new `directory` holding the first version's files but weights."""
+    os.makedirs(directory)
+    for rel, data in self._template.items():
+      path = os.path.join(directory, rel)
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      if not rel.endswith(os.sep):  # Else an empty directory (assets/).
+        try:  # A failed write() names no file; say which (full disk).
+          pathlib.Path(path).write_bytes(data)
+        except OSError as e:
+          raise OSError(e.errno, e.strerror, path) from e
+
+  def write_parts(self, directory: str, parts: Sequence[str],
+                  scratch: str) -> None:
+    """Writes `directory` with the weights merged from bundles `parts`.
+
+    A pod export: each process saved its slices of the params to a part
+    of its own (`pod_parts.write_part`) under `param_keys`. The graph is
+    the first version's (saved ahead: `reuses_graph`); the object graph
+    goes to a part of its own in `scratch` (beside the parts, on the same
+    file system), and `merge` renames the parts' data files into the
+    version and removes the parts.
+
+    Raises:
+      RuntimeError: no graph was saved ahead.
+    """
+    if self._template is None:
+      raise RuntimeError('write_parts needs the graph saved ahead '
+                         '(save_graph_ahead).')
+    start = time.monotonic()
+    self._write_template(directory)
+    graph = os.path.join(scratch, 'object-graph')
+    self._save_v2(graph, [], [], tf.constant(self._object_graph))
+    os.makedirs(os.path.join(directory, 'variables'), exist_ok=True)
+    merge([graph, *parts], os.path.join(directory, 'variables', 'variables'))
+    _write_fingerprint(directory)
+    logging.info('t5export: merged %d part(s) into %s in %.2fs.', len(parts),
+                 directory, time.monotonic() - start)
 
   def _save_in_full(self, directory: str) -> None:
     """`tf.saved_model.save` into a fresh `directory`."""
@@ -263,14 +294,7 @@ class SavedModelWriter:
     if shards.parts != [shards.prefix]:
       merge(shards.parts, shards.prefix)
       shutil.rmtree(shards.prefix + '_temp', ignore_errors=True)
-    try:
-      # pylint: disable=g-import-not-at-top
-      from tensorflow.python.saved_model import fingerprinting_utils
-      fingerprinting_utils.write_fingerprint(directory)
-    except Exception as e:  # pylint: disable=broad-except
-      # Optional for loading and serving; never fail an export over it.
-      logging.warning('t5export: fingerprint.pb not written (%s: %s).',
-                      type(e).__name__, e)
+    _write_fingerprint(directory)
     logging.info('t5export: wrote the weights of %s in %.2fs.', directory,
                  time.monotonic() - shards.start)
 
@@ -284,6 +308,18 @@ class SavedModelWriter:
                         shape_and_slices=[''] * len(names), tensors=tensors)
     if self._fsync_shards:  # Here, so flushing overlaps the other shards.
       versions.fsync(prefix + '.data-00000-of-00001')
+
+
+def _write_fingerprint(directory: str) -> None:
+  """`fingerprint.pb` of the written version (a warning if it can't)."""
+  try:
+    # pylint: disable-next=g-import-not-at-top
+    from tensorflow.python.saved_model import fingerprinting_utils
+    fingerprinting_utils.write_fingerprint(directory)
+  except Exception as e:  # pylint: disable=broad-except
+    # Optional for loading and serving; never fail an export over it.
+    logging.warning('t5export: fingerprint.pb not written (%s: %s).',
+                    type(e).__name__, e)
 
 
 def merge(parts: Sequence[str], prefix: str) -> None:

@@ -15,6 +15,7 @@ from t5export._src.snapshot import distributed
 from t5export import errors
 from t5export._src.engine import exporter as exporter_lib
 from t5export._src.loop import outcomes as outcomes_lib
+from t5export._src.loop import pod_export
 from t5export._src.snapshot import snapshot as snapshot_lib
 from t5export._src.loop import triggering
 from t5export._src.versions import storage
@@ -35,7 +36,8 @@ class ExportCallback:
   calls may skip steps), `cb.run(ts, metrics_by_task)` (a T5X action) or
   `cb.export_now(ts)`; `close()` (or a `with` block) waits for the last
   export. Under `jax.distributed` every process calls it at the same steps;
-  only process 0 writes. README.md has examples.
+  each writes its own shards of a state spread over them (a pod export),
+  process 0 publishes. README.md has examples.
 
   Attributes:
     exporter, export_every_steps, every_secs, when_busy: as passed.
@@ -120,6 +122,10 @@ class ExportCallback:
     self._coordinator = distributed.ExportCoordinator(
         timeout_secs=multiprocess_timeout_secs)
     self._is_writer = self._coordinator.is_writer
+    self._pod = pod_export.PodExport(
+        exporter, active=self._coordinator.active,
+        timeout_secs=multiprocess_timeout_secs)
+    self._part_worker: async_lib.AsyncWorker | None = None  # Not process 0.
     published = self._coordinator.run(
         exporter.versions, what=f'prepare {exporter.export_dir}')
     self._outcomes = outcomes_lib.Outcomes(published_steps=published or ())
@@ -253,9 +259,14 @@ class ExportCallback:
     try:
       # The loop runs on (donating buffers) while the worker reads the
       # snapshot: owned=None copies only where a view would not survive.
-      snap = snapshot_lib.take_snapshot(
-          train_state, rules=self.exporter.options.logical_axis_rules,
-          owned=False if sync else None, shapes_only=not self._is_writer)
+      rules = self.exporter.options.logical_axis_rules
+      if self._pod.applies(train_state):  # Each process its own shards.
+        snap = self._pod.snapshot(train_state, rules=rules,
+                                  owned=False if sync else None)
+      else:
+        snap = snapshot_lib.take_snapshot(
+            train_state, rules=rules, owned=False if sync else None,
+            shapes_only=not self._is_writer)
     except Exception as e:
       self._outcomes.record('failed', step, f'the snapshot failed: '
                             f'{type(e).__name__}: {e}')
@@ -265,6 +276,9 @@ class ExportCallback:
       logging.warning(
           't5export: the loop passed step %d but train_state.step is %d; the '
           'version is named after train_state.step.', step, snap.step)
+    if isinstance(snap, pod_export.PodJob) and not self._is_writer:
+      self._coordinator.settle(self._drain)
+      self._hand_part(snap, sync=sync)
     path = self._coordinator.publish(
         snap.step, lambda: self._publish_local(snap, metrics, sync=sync),
         sync=sync, drain=self._drain)  # May drain: waits.
@@ -272,6 +286,21 @@ class ExportCallback:
                                    0.0 if now else self._waited)
     self._flush_scalars()
     return path
+
+  def _hand_part(self, job: pod_export.PodJob, *, sync: bool) -> None:
+    """Not process 0: this process's part of a pod export, written inline
+    (`sync`) or by its worker. A failure is reported to process 0 (and
+    logged); every process learns the round's outcome from process 0."""
+    if not sync:
+      if self._part_worker is None:
+        self._part_worker = async_lib.AsyncWorker(
+            self._pod.write_part, on_error='log', name='t5export-part')
+      self._part_worker.submit(job)
+      return
+    try:
+      self._pod.write_part(job)
+    except Exception:  # pylint: disable=broad-except
+      pass  # Logged and reported: process 0's outcome says it.
 
   def _drain(self) -> bool:
     """Waits for the background export; False if one failed and was logged."""
@@ -291,6 +320,8 @@ class ExportCallback:
     """Process 0: skip if published, else hand off (or write, if `sync`)."""
     step = snap.step
     if not self._outcomes.claim(step):
+      if isinstance(snap, pod_export.PodJob):
+        self._pod.skip(snap)  # The others write nothing either.
       self._outcomes.record(
           'skipped', step, f'already published in {self.exporter.export_dir} '
           '(or being written); not exporting it again')
@@ -301,6 +332,8 @@ class ExportCallback:
       try:
         self.worker.submit(item)  # Room was made: nothing is replaced.
       except Exception as e:
+        if isinstance(snap, pod_export.PodJob):
+          snap.round_.announce_failure(e)
         self._outcomes.record('failed', step, f'not handed off: '
                               f'{type(e).__name__}: {e}')
         raise
@@ -322,7 +355,9 @@ class ExportCallback:
     snap, metrics = item
     start = time.perf_counter()
     try:
-      path = self.exporter.export_snapshot(snap, metrics or None)
+      path = (self._pod.export(snap, metrics or None)
+              if isinstance(snap, pod_export.PodJob) else
+              self.exporter.export_snapshot(snap, metrics or None))
     except Exception as e:
       self._outcomes.record('failed', snap.step, f'{type(e).__name__}: {e}')
       raise
@@ -361,6 +396,8 @@ class ExportCallback:
     try:
       self._coordinator.close(self.worker.close if self.worker else None)
     finally:
+      if self._part_worker is not None:
+        self._part_worker.close()  # Its failures were logged.
       if self._is_writer:
         self.exporter.close()  # Its lease on the export_dir.
       self._flush_scalars()

@@ -1,5 +1,5 @@
-"""Multi-process export: process 0 writes, all agree on each round's outcome
-(the protocol: docs/multiprocess.md). Light: never imports TF."""
+"""Multi-process export: process 0 publishes, all agree on each round's
+outcome (the protocol: docs/multiprocess.md). Light: never imports TF."""
 
 from __future__ import annotations
 

@@ -64,6 +64,23 @@ def _axes_by_path(spec_state: train_state.InferenceState) -> AxesByPath:
   return {path: tuple(spec) for path, spec in flat.items()}
 
 
+def resolve_axes(inference: train_state.InferenceState,
+                 rules: Sequence[tuple[str, Any]] | None
+                 ) -> tuple[AxesByPath | None, AxesByPath | None]:
+  """Each variable's logical axes and the mesh axes `rules` give them
+  (None: unknown, as `HostSnapshot` records them)."""
+  logical_axes = mesh_axes = None
+  if inference.params_axes is not None:
+    logical_axes = _axes_by_path(inference.as_logical_axes())
+    if rules is not None:
+      mesh_axes = _axes_by_path(
+          partitioning.get_mesh_axes(inference, tuple(rules)))
+  elif rules is not None:
+    logging.info('take_snapshot: the state declares no logical axes; '
+                 'mesh axes are not recorded.')
+  return logical_axes, mesh_axes
+
+
 def take_snapshot(state: Any, *,
                   rules: Sequence[tuple[str, Any]] | None = None,
                   owned: bool | None = True,
@@ -75,16 +92,8 @@ def take_snapshot(state: Any, *,
   """
   start = time.perf_counter()
   inference = train_state.InferenceState.from_train_state(state)
-  logical_axes = mesh_axes = None
-  if inference.params_axes is not None:
-    # Resolve before gathering: a bad rule fails fast, on every process.
-    logical_axes = _axes_by_path(inference.as_logical_axes())
-    if rules is not None:
-      mesh_axes = _axes_by_path(
-          partitioning.get_mesh_axes(inference, tuple(rules)))
-  elif rules is not None:
-    logging.info('take_snapshot: the state declares no logical axes; '
-                 'mesh axes are not recorded.')
+  # Resolved before gathering: a bad rule fails fast, on every process.
+  logical_axes, mesh_axes = resolve_axes(inference, rules)
   if shapes_only:
     owned = False
   elif owned is None:

@@ -63,6 +63,12 @@ class Layout:
   argument: str
 
 
+def remote_staging(staging: str, final: str) -> str:
+  """The hidden prefix beside `final` that the local `staging` directory is
+  uploaded to before the commit."""
+  return storage.join(storage.dirname(final), os.path.basename(staging))
+
+
 def commit(layout: Layout, staging: str, final: str, *, overwrite: bool,
            lease: Any) -> dict[str, float]:
   """Commits the local directory `staging` to `final` (see the module
@@ -100,13 +106,17 @@ def commit(layout: Layout, staging: str, final: str, *, overwrite: bool,
         f'{len(there)} object(s), e.g. {sorted(there)[0]!r}, which '
         't5export did not write in this run. Nothing was published; '
         'remove them or export another step.')
-  tmp = storage.join(storage.dirname(final), os.path.basename(staging))
+  tmp = remote_staging(staging, final)
   start = time.monotonic()
   try:
     local = {f: (os.path.getsize(os.path.join(staging, f)),
                  gcs_objects.file_crc32c(os.path.join(staging, f)))
              for f in storage.walk_files(staging)}
-    storage.upload_tree(staging, tmp)
+    # A pod export's parts are there already (put under `remote_staging`
+    # by the processes that hold them, the same bytes): not uploaded again.
+    there_now = gcs_objects.stored_objects(tmp)
+    storage.upload_tree(staging, tmp, skip=[
+        f for f, v in local.items() if there_now.get(f) == v])
     uploaded = time.monotonic()
     _verify(layout, local, gcs_objects.stored_objects(tmp), tmp)
     storage.write_bytes(storage.join(tmp, VERIFIED), b'')

@@ -167,6 +167,10 @@ class BucketVersionDirectory(versions.VersionDirectory):
     return os.path.join(
         self._staging, f'{versions.STAGING_PREFIX}{step}-{uuid.uuid4().hex[:8]}')
 
+  def remote_staging(self, staging: str) -> str:
+    """The hidden prefix the local `staging` is uploaded to (`publish`)."""
+    return bucket_commit.remote_staging(staging, self.version_dir(0))
+
   def publish(self, staging: str, final: str) -> None:
     """Commits the staged version to `final` (`bucket_commit.commit`), then
     removes the local copy.

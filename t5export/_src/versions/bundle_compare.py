@@ -12,6 +12,7 @@ expected tensors, with their shapes and dtypes. No TensorFlow.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import google_crc32c
 import numpy as np
@@ -53,28 +54,42 @@ def compare(prefix: str, arrays: Mapping[str, np.ndarray], *,
     if reader.read_strings(key) != [value]:
       raise errors.WrittenVariablesMismatchError(
           prefix, names.get(key, key), 'its bytes differ from those written')
-  by_file: dict[str, list[tuple[int, str]]] = {}
+  # A tensor stored as slices (a pod export's) is compared slice by slice.
+  by_file: dict[str, list[tuple[int, str, Any, tensor_bundle.Entry]]] = {}
   for key, array in arrays.items():
     entry, name = reader.entry(key), names.get(key, key)
     dtype = tensor_bundle.numpy_dtype(entry)
     problem = (
-        'it is stored as slices' if entry.slices else
         f'it is stored as dtype enum {entry.dtype}, not {array.dtype.name}'
         if dtype != array.dtype else
         f'it is stored with shape {entry.shape}, not {array.shape}'
         if entry.shape != array.shape else
         f'it is stored in {entry.size} bytes, not {array.nbytes}'
-        if entry.size != array.nbytes else None)
+        if entry.size != array.nbytes and not entry.slices else None)
     if problem:
       raise errors.WrittenVariablesMismatchError(prefix, name, problem)
-    by_file.setdefault(reader.data_path(entry), []).append(
-        (entry.offset, key))
+    boxes = reader.slice_entries(key)
+    covered, overlap = tensor_bundle.coverage([b for b, _ in boxes])
+    if overlap or covered != array.size:
+      raise errors.WrittenVariablesMismatchError(
+          prefix, name, f'its slices cover {covered} of its {array.size} '
+          f'values{" and overlap" if overlap else ""}')
+    for box, part in boxes:
+      by_file.setdefault(reader.data_path(part), []).append(
+          (part.offset, key, None if part is entry else box, part))
   buffer = np.empty(CHUNK, np.uint8)
   for path, items in by_file.items():
     with open(path, 'rb', buffering=0) as f:
-      for offset, key in sorted(items):  # One forward pass per file.
-        _compare_one(f, offset, reader.entry(key), arrays[key], buffer,
-                     prefix=prefix, name=names.get(key, key))
+      for offset, key, box, part in sorted(items, key=lambda i: i[0]):
+        array = arrays[key]  # One forward pass per file.
+        if box is not None:  # A slice's bytes: a copy of that block.
+          array = np.ascontiguousarray(array[tuple(slice(a, b)
+                                                   for a, b in box)])
+        _compare_one(f, offset, part, array, buffer, prefix=prefix,
+                     name=names.get(key, key) + ('' if box is None else
+                                                 ' [' + ', '.join(
+                                                     f'{a}:{b}' for a, b in
+                                                     box) + ']'))
   return sum(a.nbytes for a in arrays.values())
 
 

@@ -383,9 +383,10 @@ def remove_tree(location: str, *, first: Sequence[str] = ()) -> None:
     fs.rm(_prefix(location), recursive=True)
 
 
-def upload_tree(local_dir: str, url: str, *,
-                last: Sequence[str] = ()) -> int:
-  """Uploads every file under `local_dir` to `url/`, `last` ones last.
+def upload_tree(local_dir: str, url: str, *, last: Sequence[str] = (),
+                skip: Sequence[str] = ()) -> int:
+  """Uploads every file under `local_dir` to `url/`, `last` ones last
+  (`skip`: relative paths already there, not uploaded).
 
   The files other than `last` go concurrently; each of `last` (relative
   names) goes once all of those are stored, in the order given. An object
@@ -403,7 +404,7 @@ def upload_tree(local_dir: str, url: str, *,
   Raises:
     StorageError: an upload failed (see `write_bytes`).
   """
-  files = walk_files(local_dir)
+  files = [f for f in walk_files(local_dir) if f not in set(skip)]
   ordered = [f for f in last if f in files]
   rest = [f for f in files if f not in ordered]
   fs = _gcs_writer(url)

@@ -309,10 +309,19 @@ class BundleReader:
       `((start, stop) per dimension, values)` per slice; a tensor stored
       whole is one slice covering it.
     """
+    sliced = bool(self._lookup(key, 'numeric').slices)
+    return [(box, self._checked(f'{key} {box}' if sliced else key, part,
+                                self._raw(key, part)))
+            for box, part in self.slice_entries(key)]
+
+  def slice_entries(self, key: str
+                    ) -> list[tuple[tuple[tuple[int, int], ...], Entry]]:
+    """The index entries of numeric tensor `key`'s slices, as stored:
+    `((start, stop) per dimension, the entry of its data)` per slice; a
+    tensor stored whole is one slice covering it (its own entry)."""
     entry = self._lookup(key, 'numeric')
     if not entry.slices:
-      return [(tuple((0, d) for d in entry.shape),
-               self._checked(key, entry, self._raw(key, entry)))]
+      return [(tuple((0, d) for d in entry.shape), entry)]
     out = []
     for extents in entry.slices:
       if len(extents) != len(entry.shape):
@@ -326,8 +335,7 @@ class BundleReader:
               box, entry.shape)):
         self._damaged(key, f'lacks the data of its slice {box} or holds '
                       'data of another shape or dtype for it')
-      out.append((box, self._checked(f'{key} {box}', part,
-                                     self._raw(key, part))))
+      out.append((box, part))
     return out
 
   def _assembled(self, key: str, entry: Entry) -> np.ndarray:
