@@ -265,8 +265,12 @@ def run_requests(version_dir: str, session: Any,
                  requests: Sequence[tuple[str, Mapping[str, Any]]], *,
                  warmup: bool) -> list[dict[str, Any]]:
   """`run_signatures_isolated`'s requests (and with `warmup`, its replay)
-  in `session` (`tf.compat.v1.Session` or alike), which holds
-  `version_dir`'s bundle with these signature defs."""
+  in `session` (`tf.compat.v1.Session` or alike: `memory_check`'s loaded
+  session), which holds `version_dir`'s bundle with these signature defs.
+
+  Raises:
+    As `run_signatures_isolated`, but for its load.
+  """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   replayed = []
   if warmup:  # TensorFlow is imported: so may the replay be.
