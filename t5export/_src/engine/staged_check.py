@@ -21,6 +21,7 @@ import numpy as np
 from t5export import errors
 from t5export._src.engine import custom_ops
 from t5export._src.engine import memory_check
+from t5export._src.engine import stage
 from t5export._src.engine import tf_loadable
 from t5export._src.engine import xla_schedule
 from t5export._src.snapshot import accelerators
@@ -124,11 +125,17 @@ class Checker:
       self._memory.compare(staged)
     elif self._memory.loads(staged, platform):
       how = memory_check.LOADED
-      session, signature_defs = memory_check.loaded_session(staged)
-      actuals = run_requests(staged.directory, session, signature_defs,
-                             requests, warmup=True)
-      del session  # The loaded functions go before the read.
-      self._memory.compare(staged)
+      # The written bundle is read beside the run: one core each.
+      comparing = stage.in_background(
+          functools.partial(self._memory.compare, staged), 't5export-compare')
+      try:
+        session, signature_defs = memory_check.loaded_session(staged)
+        actuals = run_requests(staged.directory, session, signature_defs,
+                               requests, warmup=True)
+        del session
+      finally:  # Nothing reads the staged files once the check returns.
+        comparing.exception()
+      comparing.result()
     else:
       how = memory_check.SERVED
       actuals = run_signatures_isolated(staged.directory, requests,
