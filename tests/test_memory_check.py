@@ -115,6 +115,30 @@ def test_a_first_version_whose_graph_does_not_load_is_refused(exporter,
   assert model.check_version(path) == 2
 
 
+def test_a_first_version_holding_another_models_graph_is_refused(
+    exporter, tmp_path, monkeypatch):
+  other = t5export.SavedModelExporter(
+      str(tmp_path / 'other'), [model.signature()],
+      options=t5export.ExportOptions(validate=False))
+  wider = t5export.InferenceState.create(model.params_for(1, hidden=5))
+  graph = os.path.join(other.export(wider.replace_step(1)), 'saved_model.pb')
+
+  def replace_graph(staged):
+    with open(graph, 'rb') as f, open(os.path.join(
+        staged.directory, 'saved_model.pb'), 'wb') as out:
+      out.write(f.read())
+  _damage_after_write(monkeypatch, replace_graph)
+  with pytest.raises(errors.WrittenVariablesMismatchError,
+                     match=r"for \"the graph's param_vars\": its "
+                     r'saved_model.pb holds 4 variables, the module 4; the '
+                     r'first that differs, #0, is \(shape, dtype\) '
+                     r"\(\(5,\), 'float32'\) in the graph, \(\(8,\), "
+                     r"'float32'\) in the module\. The version was not "
+                     'published'):
+    exporter.export(model.state_for(1))
+  _nothing_published(exporter)
+
+
 def test_a_first_version_whose_graph_differs_from_jax_is_refused(tmp_path):
   def off_in_the_graph(outputs):  # JAX's reference runs it eagerly.
     shift = 0.0 if tf.executing_eagerly() else 0.25

@@ -39,6 +39,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from t5export import errors
 from t5export._src.engine import tf_devices
 from t5export._src.engine import xla_schedule
 from t5export._src.versions import bundle_compare
@@ -151,6 +152,8 @@ def loaded_session(staged: Any) -> tuple[Any, Mapping[str, Any]]:
   Raises:
     Whatever TensorFlow raises for a `saved_model.pb` it cannot parse or
     import, as its loader would.
+    WrittenVariablesMismatchError: its graph's variables are not the
+      module's in number, shape or dtype.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   # pylint: disable-next=g-import-not-at-top
@@ -166,21 +169,30 @@ def loaded_session(staged: Any) -> tuple[Any, Mapping[str, Any]]:
     loaded = tf.saved_model.load(
         staged.directory, tags=tags,
         options=tf.saved_model.LoadOptions(experimental_skip_checkpoint=True))
-  return _LoadedSession(loaded, staged.module, signature_defs), signature_defs
+  session = _LoadedSession(loaded, staged.module, signature_defs,
+                           staged.directory)
+  return session, signature_defs
 
 
 class _LoadedSession:
   """The loaded signature functions, run on the module's variables."""
 
   def __init__(self, loaded: Any, module: Any,
-               signature_defs: Mapping[str, Any]):
+               signature_defs: Mapping[str, Any], directory: str):
     params = list(getattr(loaded, 'param_vars', ()))
-    if [(tuple(v.shape), v.dtype) for v in params] != [
-        (tuple(v.shape), v.dtype) for v in module.param_vars]:
-      raise RuntimeError(
-          f'The staged SavedModel\'s param_vars ({len(params)}) are not the '
-          f'module\'s ({len(module.param_vars)}) in shape and dtype; '
-          't5export cannot check it from memory. Please report it.')
+    shapes = [(tuple(v.shape), v.dtype.name) for v in params]
+    want = [(tuple(v.shape), v.dtype.name) for v in module.param_vars]
+    if shapes != want:
+      i = next((i for i, (a, b) in enumerate(zip(shapes, want)) if a != b),
+               min(len(shapes), len(want)))
+      first = ('none' if i >= len(shapes) else shapes[i],
+               'none' if i >= len(want) else want[i])
+      raise errors.WrittenVariablesMismatchError(
+          os.path.join(directory, 'variables', 'variables'),
+          'the graph\'s param_vars', f'its saved_model.pb holds '
+          f'{len(shapes)} variables, the module {len(want)}; the first that '
+          f'differs, #{i}, is (shape, dtype) {first[0]} in the graph, '
+          f'{first[1]} in the module')
     handles = {id(var.handle): own.handle
                for var, own in zip(params, module.param_vars)}
     self._loaded = loaded  # Keeps the functions' captures alive.
