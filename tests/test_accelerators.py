@@ -231,6 +231,9 @@ def test_gpu_trainer_default_export_is_checked_on_cpu(simulated_gpu,
     assert (check.tf_platform, check.tf_device) == ('cpu', '/device:CPU:0')
     assert check.jax_platform == 'cpu'
     assert check.jax_device == str(jax.local_devices(backend='cpu')[0])
+    # On the host, as on a CPU trainer: the first version loaded without
+    # a restore, the next in memory (the module's variables are on CPU).
+    assert check.how == ('loaded' if step == 2 else 'in_memory')
     got = verify.load_params(path)['params']
     for name, value in want.items():  # The snapshot outlived the donation.
       np.testing.assert_array_equal(np.asarray(got[name]), value)

@@ -1,10 +1,11 @@
-"""The check of a later version in memory (`memory_check`).
+"""The check of a version from the exporter's memory (`memory_check`).
 
-The first version of a graph is checked as TF Serving loads it; a later
-version, which repeats that graph and writes only its variables, is
-checked against the exporter's module: its written variables compared
-with the module's memory, the module's serving functions run on them.
-What is published must still be what TensorFlow serves as JAX computes it.
+The first version of a graph is loaded from its files as TF Serving loads
+it, but for the restore: its signatures run on the module's variables. A
+later version, which repeats that graph and writes only its variables, is
+checked against the module: the module's serving functions run. Either
+way its written variables are compared with the module's memory. What is
+published must still be what TensorFlow serves as JAX computes it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import sys
 
 import numpy as np
 import pytest
+
+import tensorflow as tf
 
 import t5export
 from t5export import errors
@@ -52,7 +55,7 @@ def test_later_versions_are_checked_in_memory_and_serve_as_jax(exporter):
     # Loaded in TensorFlow and run, against JAX on the step's params; the
     # stored variables equal them exactly.
     assert model.check_version(path) == step
-  assert hows == [memory_check.SERVED, memory_check.IN_MEMORY,
+  assert hows == [memory_check.LOADED, memory_check.IN_MEMORY,
                   memory_check.IN_MEMORY]
 
 
@@ -67,6 +70,88 @@ def test_other_warmup_requests_are_checked_as_served(exporter, monkeypatch):
   path = exporter.export(model.state_for(2))
   assert metadata.read_metadata(path).check.how == memory_check.SERVED
   assert model.check_version(path) == 2
+
+
+def _nothing_published(exporter):
+  assert exporter.versions() == []
+  assert not [n for n in os.listdir(exporter.export_dir)
+              if n.startswith('.tmp-')]
+
+
+def test_a_wrong_variable_in_the_first_version_is_refused(exporter,
+                                                          monkeypatch):
+  damaged = {}
+
+  def flip_a_byte(staged):
+    prefix = os.path.join(staged.directory, 'variables', 'variables')
+    reader = tensor_bundle.BundleReader(prefix)
+    key = staged.writer.param_keys[1]
+    entry = reader.entry(key)
+    damaged['path'] = staged.module.param_paths[1]
+    with open(reader.data_path(entry), 'r+b') as f:
+      f.seek(entry.offset + 5)
+      byte = f.read(1)[0]
+      f.seek(entry.offset + 5)
+      f.write(bytes([byte ^ 0x40]))
+  _damage_after_write(monkeypatch, flip_a_byte)
+  with pytest.raises(errors.WrittenVariablesMismatchError,
+                     match=r'its byte 5 \(of \d+\) on disk differs') as e:
+    exporter.export(model.state_for(1))
+  assert e.value.name == damaged['path']
+  _nothing_published(exporter)
+
+
+def test_a_first_version_whose_graph_does_not_load_is_refused(exporter,
+                                                              monkeypatch):
+  def truncate_graph(staged):
+    os.truncate(os.path.join(staged.directory, 'saved_model.pb'), 100)
+  _damage_after_write(monkeypatch, truncate_graph)
+  with pytest.raises(OSError, match=r'Cannot parse file .*saved_model\.pb'):
+    exporter.export(model.state_for(1))
+  _nothing_published(exporter)
+  monkeypatch.undo()  # The next version, whole, is checked loaded.
+  path = exporter.export(model.state_for(2))
+  assert metadata.read_metadata(path).check.how == memory_check.LOADED
+  assert model.check_version(path) == 2
+
+
+def test_a_first_version_holding_another_models_graph_is_refused(
+    exporter, tmp_path, monkeypatch):
+  other = t5export.SavedModelExporter(
+      str(tmp_path / 'other'), [model.signature()],
+      options=t5export.ExportOptions(validate=False))
+  wider = t5export.InferenceState.create(model.params_for(1, hidden=5))
+  graph = os.path.join(other.export(wider.replace_step(1)), 'saved_model.pb')
+
+  def replace_graph(staged):
+    with open(graph, 'rb') as f, open(os.path.join(
+        staged.directory, 'saved_model.pb'), 'wb') as out:
+      out.write(f.read())
+  _damage_after_write(monkeypatch, replace_graph)
+  with pytest.raises(errors.WrittenVariablesMismatchError,
+                     match=r"for \"the graph's param_vars\": its "
+                     r'saved_model.pb holds 4 variables, the module 4; the '
+                     r'first that differs, #0, is \(shape, dtype\) '
+                     r"\(\(5,\), 'float32'\) in the graph, \(\(8,\), "
+                     r"'float32'\) in the module\. The version was not "
+                     'published'):
+    exporter.export(model.state_for(1))
+  _nothing_published(exporter)
+
+
+def test_a_first_version_whose_graph_differs_from_jax_is_refused(tmp_path):
+  def off_in_the_graph(outputs):  # JAX's reference runs it eagerly.
+    shift = 0.0 if tf.executing_eagerly() else 0.25
+    return {'logits': outputs['logits'] + shift}
+  exporter = t5export.SavedModelExporter(
+      str(tmp_path / 'export'),
+      [model.signature(postprocessor=off_in_the_graph)])
+  with pytest.raises(errors.ExportCheckError,
+                     match=r"signature 'serving_default', output 'logits': "
+                     r'values differ beyond atol=1e-05, rtol=1e-05: max abs '
+                     r'error 0.25 vs JAX'):
+    exporter.export(model.state_for(1))
+  _nothing_published(exporter)
 
 
 def test_a_truncated_data_file_is_refused(exporter, monkeypatch):

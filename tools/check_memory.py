@@ -10,10 +10,15 @@ Reports the peak RSS each export adds over the RSS before it, as a multiple
 of the param bytes, and the time.
 
 A second child profiles the check's phases on a published version: the JAX
-reference run, the TensorFlow restore into a throw-away graph and session
+reference run; the check of a first version on CPU (`memory_check`): the
+load without a restore (the TF1 graph imported, the functions
+deserialized), the run of the loaded signature on the module's variables
+(XLA compiles and runs the `XlaCallModule`), the written bundle compared
+with the module's memory; then the served check (accelerators, a graph not
+reused): the TensorFlow restore into a throw-away graph and session
 (`tf.compat.v1.saved_model.loader.load`, as TF Serving loads a version),
-the first `session.run` (XLA compiles and runs the `XlaCallModule`), closing
-the session, the comparison. Each phase reports the RSS before it, its peak
+the first `session.run`, closing the session, the comparison; last the
+exporter's whole check of that version (a first version: loaded). Each phase reports the RSS before it, its peak
 and the RSS after it (before any garbage collection), and the bytes of
 temporaries XLA's compiled JAX reference allocates
 (`memory_analysis().temp_size_in_bytes`), which on CPU include the bfloat16
@@ -36,6 +41,7 @@ import pathlib
 import shutil
 import sys
 import tempfile
+import types
 from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -154,6 +160,7 @@ def worker_phases(spec: dict[str, Any]) -> dict[str, Any]:
   import jax
   import tensorflow as tf
   import t5export
+  from t5export._src.engine import memory_check
   from t5export._src.engine import stage
   from t5export._src.engine import staged_check
   from t5export._src.engine import xla_schedule
@@ -172,6 +179,19 @@ def worker_phases(spec: dict[str, Any]) -> dict[str, Any]:
   gc.collect()
   with steps('JAX reference'):
     expected = sig.reference_outputs(exporter.module, inputs)
+  gc.collect()
+  # The first version's check on CPU, before any restore: the memory a
+  # closed session keeps would hide what these phases allocate.
+  own = types.SimpleNamespace(directory=path, module=exporter.module,
+                              writer=exporter._stage.writer)  # pylint: disable=protected-access
+  with steps('TF load, no restore (memory_check)'):
+    session, signature_defs = memory_check.loaded_session(own)
+  with steps("TF run on the module's variables (XLA)"):
+    staged_check.run_requests(path, session, signature_defs,
+                              [(sig.name, inputs)], warmup=False)
+  del session
+  with steps('written bundle vs memory (CRC-32C)'):
+    memory_check.MemoryCheck().compare(own)
   gc.collect()
   # As the check does before its first session (xla_schedule).
   xla_schedule.use_memory_optimized_schedule(tf)
@@ -196,7 +216,8 @@ def worker_phases(spec: dict[str, Any]) -> dict[str, Any]:
     staged_check.compare_outputs(sig.name, actual, expected, atol=1e-5, rtol=1e-5)
   gc.collect()
   with steps('whole check (exporter)'):
-    # The version written above, as a Staged whose write is done.
+    # The version written above, as a Staged whose write is done: checked
+    # as a first version is.
     staged = stage.Staged(path, 0, None, exporter.module,
                           exporter._stage.writer, None,  # pylint: disable=protected-access
                           write=lambda: None, flush=False)

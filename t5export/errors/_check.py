@@ -57,8 +57,8 @@ class ExportCheckError(_base.T5ExportError, AssertionError):
 
 class WrittenVariablesMismatchError(_base.T5ExportError, AssertionError):
   """A staged version's written variables differ from the params they were
-  written from (the check of a later version compares them byte for byte);
-  nothing was published.
+  written from (the check from the exporter's memory compares them byte for
+  byte); nothing was published.
 
   Attributes:
     prefix: the staged bundle's prefix.

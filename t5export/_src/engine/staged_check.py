@@ -21,6 +21,7 @@ import numpy as np
 from t5export import errors
 from t5export._src.engine import custom_ops
 from t5export._src.engine import memory_check
+from t5export._src.engine import stage
 from t5export._src.engine import tf_loadable
 from t5export._src.engine import xla_schedule
 from t5export._src.snapshot import accelerators
@@ -33,6 +34,13 @@ from t5export._src.versions import storage
 # Elements per np.isfinite call: its boolean temporary stays small (heap
 # memory reused from leaf to leaf) instead of a quarter of the largest leaf.
 _FINITE_BLOCK = 1 << 16
+# What the check did in TensorFlow after the write, by `metadata.Check.how`.
+_HOW = {memory_check.SERVED: 'TensorFlow load, restore and run',
+        memory_check.LOADED: 'TensorFlow load (no restore) and run on the '
+                             "module's variables, the written variables "
+                             'compared with them',
+        memory_check.IN_MEMORY: 'the written variables compared with the '
+                                'module'}
 
 
 def check_finite(flat: paths.Leaves) -> None:
@@ -69,9 +77,12 @@ class Checker:
     The finite test and the JAX side run here, beside the write; then the
     written version runs in TensorFlow as TF Serving loads it: the sample
     inputs, then its own warm-up requests, the first thing the server runs.
-    A later version of a graph served so (on CPU) is checked in memory
-    instead (`memory_check`): its written variables compared with the
-    module's, the module's serving functions run on them.
+    On CPU, a version of the writer's reused graph is checked from the
+    module's memory instead of a restore (`memory_check`): the first one
+    loaded from its files but for the restore, its signatures run on the
+    module's variables; later ones in memory, the module's serving
+    functions run. Either way its written variables are compared with the
+    module's.
 
     Returns:
       What was checked, for the version's metadata.
@@ -81,7 +92,7 @@ class Checker:
       ExportCheckError: the staged SavedModel differs from JAX.
       UnloadableSignatureError: TensorFlow cannot load or run a signature.
       WarmupReplayError: a warm-up request fails as the server would fail it.
-      WrittenVariablesMismatchError: checked in memory, the written
+      WrittenVariablesMismatchError: checked from memory, the written
         variables differ from the module's.
     """
     if not self._allow_non_finite:
@@ -112,6 +123,19 @@ class Checker:
     if actuals is not None and self._memory.same_warmup(staged):
       how = memory_check.IN_MEMORY
       self._memory.compare(staged)
+    elif self._memory.loads(staged, platform):
+      how = memory_check.LOADED
+      # The written bundle is read beside the run: one core each.
+      comparing = stage.in_background(
+          functools.partial(self._memory.compare, staged), 't5export-compare')
+      try:
+        session, signature_defs = memory_check.loaded_session(staged)
+        actuals = run_requests(staged.directory, session, signature_defs,
+                               requests, warmup=True)
+        del session
+      finally:  # Nothing reads the staged files once the check returns.
+        comparing.exception()
+      comparing.result()
     else:
       how = memory_check.SERVED
       actuals = run_signatures_isolated(staged.directory, requests,
@@ -119,11 +143,9 @@ class Checker:
     logging.info('t5export: check of %s on %s: JAX references%s in %.2fs '
                  '(beside the write), then %s in %.2fs.',
                  staged.directory, platform,
-                 '' if how == memory_check.SERVED else
-                 ' and TensorFlow on the module', jax_seconds,
-                 'TensorFlow load and run' if how == memory_check.SERVED else
-                 'the written variables compared with the module',
-                 time.monotonic() - start)
+                 ' and TensorFlow on the module'
+                 if how == memory_check.IN_MEMORY else '', jax_seconds,
+                 _HOW[how], time.monotonic() - start)
     checks = {}
     for sig, actual, want in zip(self._signatures, actuals, expected):
       checks[sig.name] = metadata.SignatureCheck(1, compare_outputs(
@@ -133,7 +155,7 @@ class Checker:
         tf_platform=platform, tf_device=tf_devices.TF_DEVICES[platform],
         jax_platform=platform,
         jax_device=str(accelerators.jax_device(platform)), how=how)
-    if how == memory_check.SERVED:
+    if how != memory_check.IN_MEMORY:
       self._memory.served(staged)
     logging.info('t5export: step %d: check %s.', staged.step, check.summary())
     return check
@@ -237,40 +259,55 @@ def run_signatures_isolated(
   xla_schedule.use_memory_optimized_schedule(tf)
   config = (tf.compat.v1.ConfigProto(device_count={'GPU': 0})
             if platform == 'cpu' else None)
-  results = []
   with tf.Graph().as_default() as graph:
     with tf.compat.v1.Session(graph=graph, config=config) as session:
       signature_defs = tf.compat.v1.saved_model.loader.load(
           session, [tf.saved_model.SERVING], version_dir).signature_def
-      replayed = []
-      if warmup:  # TensorFlow is imported: so may the replay be.
-        replayed = replay_warmup(version_dir, session=session,
-                                 signature_defs=signature_defs)
-      for name, inputs in requests:
-        if name not in signature_defs:
-          raise _no_signature(name, version_dir, signature_defs)
-        sig_def = signature_defs[name]
-        unknown = sorted(set(inputs) - set(sig_def.inputs))
-        if unknown:
-          raise errors.SignatureError(
-              f'Signature {name!r} of {version_dir!r} has no input(s) '
-              f'{unknown}; its inputs are {sorted(sig_def.inputs)}.')
-        served = next((s.outputs for s in replayed
-                       if s.request.signature == name and
-                       _same_inputs(s.request.inputs, inputs)), None)
-        if served is not None:
-          results.append(dict(served))
-          continue
-        feed = {sig_def.inputs[k].name: np.asarray(v)
-                for k, v in inputs.items()}
-        fetch = {k: v.name for k, v in sig_def.outputs.items()}
-        try:
-          results.append(session.run(fetch, feed))
-        except tf.errors.OpError as e:
-          refused = tf_loadable.refusal(name, e.message, tf.__version__)
-          if refused is None:
-            raise
-          raise refused from e
+      return run_requests(version_dir, session, signature_defs, requests,
+                          warmup=warmup)
+
+
+def run_requests(version_dir: str, session: Any,
+                 signature_defs: Mapping[str, Any],
+                 requests: Sequence[tuple[str, Mapping[str, Any]]], *,
+                 warmup: bool) -> list[dict[str, Any]]:
+  """`run_signatures_isolated`'s requests (and with `warmup`, its replay)
+  in `session` (`tf.compat.v1.Session` or alike: `memory_check`'s loaded
+  session), which holds `version_dir`'s bundle with these signature defs.
+
+  Raises:
+    As `run_signatures_isolated`, but for its load.
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  replayed = []
+  if warmup:  # TensorFlow is imported: so may the replay be.
+    replayed = replay_warmup(version_dir, session=session,
+                             signature_defs=signature_defs)
+  results = []
+  for name, inputs in requests:
+    if name not in signature_defs:
+      raise _no_signature(name, version_dir, signature_defs)
+    sig_def = signature_defs[name]
+    unknown = sorted(set(inputs) - set(sig_def.inputs))
+    if unknown:
+      raise errors.SignatureError(
+          f'Signature {name!r} of {version_dir!r} has no input(s) '
+          f'{unknown}; its inputs are {sorted(sig_def.inputs)}.')
+    served = next((s.outputs for s in replayed
+                   if s.request.signature == name and
+                   _same_inputs(s.request.inputs, inputs)), None)
+    if served is not None:
+      results.append(dict(served))
+      continue
+    feed = {sig_def.inputs[k].name: np.asarray(v) for k, v in inputs.items()}
+    fetch = {k: v.name for k, v in sig_def.outputs.items()}
+    try:
+      results.append(session.run(fetch, feed))
+    except tf.errors.OpError as e:
+      refused = tf_loadable.refusal(name, e.message, tf.__version__)
+      if refused is None:
+        raise
+      raise refused from e
   return results
 
 

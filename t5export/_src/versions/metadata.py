@@ -53,9 +53,13 @@ class Check:
   and its device; `jax_platform` / `jax_device`, the JAX reference's
   (None when not checked, or in versions from before they were recorded).
   `how`: 'served', loaded in a session as TF Serving loads it (warm-up
-  requests replayed); 'in_memory', a later version of a served graph: its
-  written variables compared with the exporter's module and the module's
-  serving functions run (None: not checked, or not recorded).
+  requests replayed); 'loaded', the first version of a reused graph on
+  CPU: loaded so but for the restore, its signatures run on the
+  exporter's module's variables (warm-up requests replayed) and its
+  written variables compared with them; 'in_memory', a later version of
+  a served or loaded graph: its written variables compared with the
+  module's and the module's serving functions run (None: not checked, or
+  not recorded).
   """
   checked: bool
   reason: str | None = None
