@@ -23,6 +23,7 @@ from t5export._src.snapshot import host_buffers
 from t5export._src.state import paths
 from t5export._src.engine import serving_compat
 from t5export._src.engine import tf_loadable
+from t5export._src.engine import tf_memory
 
 # Before any TensorFlow op: the exporting process's TF leaves the GPUs alone.
 tf_devices.keep_tensorflow_off_gpus()
@@ -60,26 +61,6 @@ def _host_value(leaf: Any, *, cast: bool, owned: bool) -> np.ndarray:
       array, np.float32 if cast else jax.dtypes.canonicalize_dtype(array.dtype))
 
 
-def _as_tensor(array: np.ndarray) -> Any:
-  """A tf.Tensor sharing `array`'s memory; the array itself if TF can't
-  adopt it (empty, or not a DLPack dtype: TF copies it)."""
-  if not host_buffers.adoptable(array):
-    return array
-  if array.dtype == jnp.bfloat16:
-    # numpy's DLPack has no bfloat16: share the bits as uint16, bitcast.
-    bits = array.view(np.uint16).__dlpack__()
-    return tf.bitcast(tf.experimental.dlpack.from_dlpack(bits), tf.bfloat16)
-  return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
-
-
-def _address(var: tf.Variable) -> int:
-  """Where the variable's value lives now (numpy's DLPack never copies)."""
-  value = var.value()
-  if value.dtype == tf.bfloat16:
-    value = tf.bitcast(value, tf.uint16)
-  return np.from_dlpack(value).ctypes.data
-
-
 class _Memory:
   """Host arrays the variables hold as their own memory (None: TF's or not
   known), and weak references to the JAX views `jax_variables` handed out.
@@ -104,13 +85,13 @@ class _Memory:
   def adopt(self, index: int, var: tf.Variable, array: np.ndarray) -> None:
     """Records `array` as the variable's memory if the variable holds it."""
     self.arrays[index] = (array if host_buffers.adoptable(array) and
-                          _address(var) == array.ctypes.data else None)
+                          tf_memory.address(var) == array.ctypes.data else None)
 
   def writable(self, index: int, var: tf.Variable) -> np.ndarray | None:
     """The variable's own memory, if it may be overwritten in place."""
     array = self.arrays[index]
     return (array if array is not None and
-            _address(var) == array.ctypes.data else None)
+            tf_memory.address(var) == array.ctypes.data else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +179,8 @@ class JaxModule(tf.Module):
     with tf.device('/CPU:0'):  # At most one extra leaf buffer at a time.
       for (_, leaf), path, cast in zip(flat, leaf_paths, casts):
         array = _host_value(leaf, cast=cast, owned=owned)
-        param_vars.append(tf.Variable(_as_tensor(array), trainable=trainable,
+        param_vars.append(tf.Variable(tf_memory.as_tensor(array),
+                                      trainable=trainable,
                                       name=tf_variable_name(path)))
         self._memory.adopt(len(param_vars) - 1, param_vars[-1], array)
     self.param_vars = param_vars
@@ -340,7 +322,7 @@ class JaxModule(tf.Module):
     share = platform == 'cpu'
     device = None if share else accelerators.jax_device(platform)
     # var.numpy() would copy the buffer, and jnp.asarray might copy again.
-    values = [jnp.from_dlpack(v.value()) if share else
+    values = [jnp.from_dlpack(tf_memory.dlpack(v.value())) if share else
               jax.device_put(v.numpy(), device) for v in self.param_vars]
     if share:
       self._memory.track(values)
@@ -371,7 +353,7 @@ class JaxModule(tf.Module):
     if any(v is None for v in views):
       return None
     with tf.device('/CPU:0'):
-      return [_as_tensor(v) for v in views]
+      return [tf_memory.as_tensor(v) for v in views]
 
   def update_variables(self, variables: Any, *, owned: bool = False) -> int:
     """Puts new values into the variables, leaf by leaf, without tracing.
@@ -433,6 +415,6 @@ class JaxModule(tf.Module):
           in_place += 1
         else:  # Given memory, or memory nothing else shares.
           array = _host_value(leaf, cast=cast, owned=owned)
-          var.assign(_as_tensor(array))
+          var.assign(tf_memory.as_tensor(array))
           self._memory.adopt(i, var, array)
     return in_place

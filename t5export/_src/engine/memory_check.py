@@ -41,6 +41,7 @@ import numpy as np
 
 from t5export import errors
 from t5export._src.engine import tf_devices
+from t5export._src.engine import tf_memory
 from t5export._src.engine import xla_schedule
 from t5export._src.versions import bundle_compare
 from t5export._src.versions import metadata
@@ -133,7 +134,8 @@ class MemoryCheck:
       WrittenVariablesMismatchError: they differ.
     """
     module, writer = staged.module, staged.writer
-    views = {key: np.asarray(jnp.from_dlpack(var.value()))
+    views = {key: np.asarray(jnp.from_dlpack(
+                 tf_memory.dlpack(var.value())))
              for key, var in zip(writer.param_keys, module.param_vars)}
     bundle_compare.compare(
         os.path.join(staged.directory, 'variables', 'variables'), views,
