@@ -329,6 +329,12 @@ class JaxModule(tf.Module):
     return self._to_jax_dtypes(
         jax.tree_util.tree_unflatten(self._meta.treedef, values))
 
+  def host_views(self) -> list[np.ndarray]:
+    """Views of the variables' memory now, in `param_vars` order (no copy;
+    bfloat16 ones as bfloat16, through JAX's DLPack)."""
+    return [np.asarray(jnp.from_dlpack(tf_memory.dlpack(v.value())))
+            for v in self.param_vars]
+
   def borrowed_values(self, flat: paths.Leaves) -> list[tf.Tensor] | None:
     """The leaves of `flat` as tensors sharing their memory, to read now.
 

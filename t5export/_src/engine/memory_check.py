@@ -36,12 +36,10 @@ from collections.abc import Mapping, Sequence
 import os
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
 from t5export import errors
 from t5export._src.engine import tf_devices
-from t5export._src.engine import tf_memory
 from t5export._src.engine import xla_schedule
 from t5export._src.versions import bundle_compare
 from t5export._src.versions import metadata
@@ -134,9 +132,7 @@ class MemoryCheck:
       WrittenVariablesMismatchError: they differ.
     """
     module, writer = staged.module, staged.writer
-    views = {key: np.asarray(jnp.from_dlpack(
-                 tf_memory.dlpack(var.value())))
-             for key, var in zip(writer.param_keys, module.param_vars)}
+    views = dict(zip(writer.param_keys, module.host_views()))
     bundle_compare.compare(
         os.path.join(staged.directory, 'variables', 'variables'), views,
         strings={tensor_bundle.OBJECT_GRAPH_KEY: writer.object_graph},

@@ -21,7 +21,6 @@ import numpy as np
 from t5export import errors
 from t5export._src.engine import custom_ops
 from t5export._src.engine import memory_check
-from t5export._src.engine import stage
 from t5export._src.engine import tf_loadable
 from t5export._src.engine import xla_schedule
 from t5export._src.snapshot import accelerators
@@ -125,7 +124,10 @@ class Checker:
       self._memory.compare(staged)
     elif self._memory.loads(staged, platform):
       how = memory_check.LOADED
-      # The written bundle is read beside the run: one core each.
+      # The written bundle is read beside the run: one core each. (The
+      # stage imports TensorFlow: not at this module's import.)
+      # pylint: disable-next=g-import-not-at-top
+      from t5export._src.engine import stage
       comparing = stage.in_background(
           functools.partial(self._memory.compare, staged), 't5export-compare')
       try:
