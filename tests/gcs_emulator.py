@@ -37,9 +37,12 @@ class _CountingWriter(io.RawIOBase):
   def __init__(self, raw):
     super().__init__()
     self.raw, self.written = raw, 0
+    self.count_into = None  # The server, while an object's bytes go out.
 
   def write(self, data) -> int:
     self.written += len(data)
+    if self.count_into is not None:  # Counted before the client has them:
+      self.count_into.media_bytes += len(data)  # a read that returned is in.
     return self.raw.write(data)
 
   def flush(self) -> None:
@@ -180,10 +183,12 @@ class _Handler(emulator_server.RequestHandler):
     return True
 
   def do_GET(self) -> None:  # pylint: disable=invalid-name
-    before = self.wfile.written
-    super().do_GET()
-    if 'alt=media' in self.path:  # An object's bytes, with its headers.
-      self.server.media_bytes += self.wfile.written - before
+    # An object's bytes, with its headers (one request at a time).
+    self.wfile.count_into = self.server if 'alt=media' in self.path else None
+    try:
+      super().do_GET()
+    finally:
+      self.wfile.count_into = None
 
   def log_message(self, *args) -> None:
     del args
