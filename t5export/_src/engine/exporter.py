@@ -369,7 +369,7 @@ class SavedModelExporter:
       raise
     parts_dir = version.staging + '-parts'  # Hidden: cleaned at a start.
     # A bucket: the others upload their parts to a hidden prefix of it.
-    remote = (storage.join(self._export_dir, os.path.basename(parts_dir))
+    remote = (self._dir.remote_staging(parts_dir)
               if storage.is_url(self._export_dir) else None)
     round_.announce(remote or parts_dir)
     try:

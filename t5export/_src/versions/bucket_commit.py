@@ -63,10 +63,10 @@ class Layout:
   argument: str
 
 
-def remote_staging(staging: str, final: str) -> str:
-  """The hidden prefix beside `final` that the local `staging` directory is
-  uploaded to before the commit."""
-  return storage.join(storage.dirname(final), os.path.basename(staging))
+def remote_staging(staging: str, parent: str) -> str:
+  """The hidden prefix in `parent` (the gs:// directory of the versions or
+  steps) that the local `staging` directory is uploaded to."""
+  return storage.join(parent, os.path.basename(staging))
 
 
 def commit(layout: Layout, staging: str, final: str, *, overwrite: bool,
@@ -106,7 +106,7 @@ def commit(layout: Layout, staging: str, final: str, *, overwrite: bool,
         f'{len(there)} object(s), e.g. {sorted(there)[0]!r}, which '
         't5export did not write in this run. Nothing was published; '
         'remove them or export another step.')
-  tmp = remote_staging(staging, final)
+  tmp = remote_staging(staging, storage.dirname(final))
   start = time.monotonic()
   try:
     local = {f: (os.path.getsize(os.path.join(staging, f)),

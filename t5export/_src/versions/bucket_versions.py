@@ -169,7 +169,7 @@ class BucketVersionDirectory(versions.VersionDirectory):
 
   def remote_staging(self, staging: str) -> str:
     """The hidden prefix the local `staging` is uploaded to (`publish`)."""
-    return bucket_commit.remote_staging(staging, self.version_dir(0))
+    return bucket_commit.remote_staging(staging, self.export_dir)
 
   def publish(self, staging: str, final: str) -> None:
     """Commits the staged version to `final` (`bucket_commit.commit`), then
