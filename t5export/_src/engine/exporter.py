@@ -36,6 +36,7 @@ from t5export._src.snapshot import snapshot as snapshot_lib
 from t5export._src.state import paths
 from t5export._src.state import train_state
 from t5export._src.versions import versions as versions_lib
+from t5export._src.versions import bucket_commit
 from t5export._src.versions import bucket_versions
 from t5export._src.versions import storage
 
@@ -408,12 +409,12 @@ class SavedModelExporter:
     except BaseException:
       shutil.rmtree(version.staging, ignore_errors=True)
       if remote:
-        pod_parts.remove_quietly(self._dir.remote_staging(version.staging))
+        bucket_commit.remove_quietly(self._dir.remote_staging(version.staging))
       raise
     finally:
       shutil.rmtree(parts_dir, ignore_errors=True)
       if remote:
-        pod_parts.remove_quietly(remote)
+        bucket_commit.remove_quietly(remote)
 
 
   @functools.cached_property

@@ -194,12 +194,3 @@ def place_parts(url: str, written: dict[int, int], staging_url: str) -> None:
           staging_url, 'variables',
           f'variables.data-{k:05d}-of-{total:05d}'))
        for k, i in enumerate(order, start=1) if i != 0], create_only=False)
-
-
-def remove_quietly(url: str) -> None:
-  """Removes the prefix `url` if it can (the next start removes it else)."""
-  try:
-    storage.remove_tree(url)
-  except Exception as e:  # pylint: disable=broad-except
-    logging.warning('t5export: could not remove %s (%s); the next start '
-                    'removes it.', url, e)

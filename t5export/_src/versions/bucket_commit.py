@@ -26,6 +26,7 @@ makes the same protocol serve SavedModel versions and Hugging Face steps.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import dataclasses
 import os
 import shutil
@@ -123,7 +124,7 @@ def commit(layout: Layout, staging: str, final: str, *, overwrite: bool,
     verified = time.monotonic()
     lease.check()
   except BaseException:
-    _try_remove(tmp, layout)
+    remove_quietly(tmp, first=[layout.complete])
     raise
   if there:
     logging.warning('t5export: overwrite=True: replacing the %s %s (the new '
@@ -133,7 +134,7 @@ def commit(layout: Layout, staging: str, final: str, *, overwrite: bool,
   except BaseException:
     if not there:
       _remove_ours(final, local)  # A partial <step>/; tmp goes too.
-      _try_remove(tmp, layout)
+      remove_quietly(tmp, first=[layout.complete])
     else:  # The old one is gone: the next start finishes from tmp.
       logging.error('t5export: replacing the %s %s failed midway; the next '
                     'start of a writer on %s finishes it from %s.',
@@ -282,9 +283,11 @@ def _verify(layout: Layout, local: Objects, stored: Objects,
         'corrupted or lost an object).')
 
 
-def _try_remove(url: str, layout: Layout) -> None:
+def remove_quietly(url: str, *, first: Sequence[str] = ()) -> None:
+  """Removes the prefix `url` (`first` objects first) if it can; a failure
+  is logged: the next start removes what is left."""
   try:
-    storage.remove_tree(url, first=[layout.complete])
+    storage.remove_tree(url, first=first)
   except Exception as e:  # pylint: disable=broad-except
     logging.warning('t5export: could not remove %s (%s); the next start '
                     'removes it.', url, e)
