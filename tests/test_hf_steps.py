@@ -102,7 +102,7 @@ def test_one_writer_per_hf_dir(where, tmp_path, request):
                      r'exporter: .*this process: another exporter or '
                      r'callback on this hf_dir; close\(\) it first') as info:
     hf_steps.StepDirectory(hf_dir, overwrite=False)
-  assert info.value.argument == 'hf_dir'
+  assert (info.value.argument, info.value.directory) == ('hf_dir', hf_dir)
   first.close()
   second = hf_steps.StepDirectory(hf_dir, overwrite=False)
   _publish(second, 1)

@@ -94,29 +94,29 @@ class NoJaxArtifactError(_base.T5ExportError, FileNotFoundError):
 
 class ExportDirLockedError(_base.T5ExportError, RuntimeError):
   """Another writer holds the lease of an export_dir or hf_dir (attributes:
-  `export_dir`, the location; `argument`, which one; `holder`): one writer
-  per directory."""
+  `directory`, the location; `argument`, which one: 'export_dir' or
+  'hf_dir'; `holder`): one writer per directory."""
 
-  def __init__(self, export_dir: str, *, argument: str, holder: str,
+  def __init__(self, directory: str, *, argument: str, holder: str,
                fix: str):
-    self.export_dir, self.argument, self.holder = export_dir, argument, holder
+    self.directory, self.argument, self.holder = directory, argument, holder
     super().__init__(
-        f'{argument} {export_dir!r} is being written by another exporter: '
+        f'{argument} {directory!r} is being written by another exporter: '
         f'{holder}. One {argument} takes one writer (two undo each other\'s '
         f'work); {fix}')
 
 
 class LeaseLostError(_base.T5ExportError, RuntimeError):
   """Another writer took this exporter's expired lease over (attributes:
-  `export_dir`, the location; `argument`, which one; `holder`): it
-  publishes nothing more there."""
+  `directory`, the location; `argument`, which one: 'export_dir' or
+  'hf_dir'; `holder`): it publishes nothing more there."""
 
-  def __init__(self, export_dir: str, lease: str, *, argument: str,
+  def __init__(self, directory: str, lease: str, *, argument: str,
                holder: str):
-    self.export_dir, self.argument, self.holder = export_dir, argument, holder
+    self.directory, self.argument, self.holder = directory, argument, holder
     super().__init__(
         f'This exporter no longer holds the lease {lease!r} of {argument} '
-        f'{export_dir!r}: {holder} holds it (it was not refreshed before it '
+        f'{directory!r}: {holder} holds it (it was not refreshed before it '
         'expired, e.g. this process was paused or cut off). Nothing more is '
         'published there by this exporter; stop one of the two writers and '
         'export again.')
