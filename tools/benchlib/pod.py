@@ -21,11 +21,18 @@ main branch, to measure the path it replaces side by side). `--bucket`
 exports into a bucket of the tests' GCS emulator (tests/gcs_emulator.py,
 in this process) and adds, per export over the param bytes, the bytes
 uploaded (objects stored less copies inside the bucket) and downloaded
-(object bytes the emulator served).
+(object bytes the emulator served), and the seconds the emulator spent
+serving the requests that started during each export (`emulator_busy_s`,
+wall; `emulator_cpu_s`, its thread's CPU): it is one Python thread that
+serves one request at a time, on the same cores as the workers. `--logs
+DIR` keeps the workers' logs there, with t5export's INFO lines (each
+stage's time).
 
 Usage:
   python tools/benchlib/pod.py --processes 1,2,4 --params 1e8 --repeats 3
   python tools/benchlib/pod.py --code /path/to/other/checkout ...
+  python tools/benchlib/pod.py --processes 4 --params 1e8 --repeats 2 \
+      --bucket --logs /tmp/pod-logs
 """
 
 from __future__ import annotations
