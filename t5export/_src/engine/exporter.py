@@ -387,7 +387,8 @@ class SavedModelExporter:
             process=0, stage='save the graph')
       written = pod_parts.collect(round_, parts_dir, remote, own=(
           pod_parts.write_part(snap.on_host(), parts_dir, process=0,
-                               cast_bfloat16=self._options.cast_bfloat16)))
+                               cast_bfloat16=self._options.cast_bfloat16,
+                               fsync=remote is None)))
       parts = [pod_parts.part_prefix(parts_dir, i)
                for i, n in sorted(written.items()) if n]
       staged, full = self._stage.stage_parts(
