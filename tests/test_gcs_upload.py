@@ -98,3 +98,13 @@ def test_a_piece_must_be_a_multiple_of_256_kib(gcs_bucket, tmp_path):
   path, _ = _file(tmp_path, 10)
   with pytest.raises(ValueError, match='multiple of 256 KiB, got 1000'):
     gcs_upload.upload_file(path, f'{gcs_bucket}/x', chunk=1000)
+
+
+def test_several_files_at_once(gcs_bucket, tmp_path):
+  files = [_file(tmp_path, size) for size in (2 * PIECE + 3, 0, 17)]
+  urls = [f'{gcs_bucket}/t/{i}' for i in range(len(files))]
+  got = gcs_upload.upload_files(
+      [(path, url) for (path, _), url in zip(files, urls)], chunk=PIECE,
+      concurrency=2)
+  assert got == [(len(data), _crc32c(data)) for _, data in files]
+  assert [storage.read_bytes(url) for url in urls] == [d for _, d in files]

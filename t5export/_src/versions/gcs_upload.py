@@ -16,6 +16,8 @@ The memory added is about two pieces, whatever the file's size.
 from __future__ import annotations
 
 import base64
+from collections.abc import Sequence
+import concurrent.futures
 import os
 
 import google_crc32c
@@ -80,6 +82,27 @@ async def _resumable(fs, path: str, bucket: str, key: str, size: int,
         f'{path!r} ended after {offset} of its {size} bytes while it was '
         'uploaded (changed meanwhile). Nothing is published; export again.')
   return (offset, crc32c_text(crc)), out
+
+
+def upload_files(pairs: Sequence[tuple[str, str]], *, chunk: int = CHUNK,
+                 concurrency: int = 8) -> list[tuple[int, str]]:
+  """`upload_file` for each `(local path, gs:// object)` of `pairs`, at
+  most `concurrency` at a time (each holding one piece's buffer).
+
+  Returns:
+    Each object's (size, crc32c), in the order of `pairs`.
+
+  Raises:
+    As `upload_file`, for the first pair that failed (the others ran).
+  """
+  if not pairs:
+    return []
+  with concurrent.futures.ThreadPoolExecutor(
+      min(concurrency, len(pairs)),
+      thread_name_prefix='t5export-upload') as pool:
+    futures = [pool.submit(upload_file, path, url, chunk=chunk)
+               for path, url in pairs]
+  return [f.result() for f in futures]
 
 
 def upload_file(path: str, url: str, *, chunk: int = CHUNK
