@@ -182,8 +182,9 @@ def collect(round_: pod_exchange.PodRound, parts_dir: str,
   every other process's part (`round_.collect`). With a bucket (`remote`:
   the parts prefix) it uploads its own part there meanwhile (so the
   commit copies it in the bucket as the others', off the path after the
-  check), then downloads the others' parts into `parts_dir`, each
-  streamed to its file (its check reads them back).
+  check), and downloads each other part into `parts_dir` as soon as its
+  process reported it (its check reads them back), each object streamed
+  to its file in one request.
 
   Returns:
     Each process's bytes written (0: no part).
@@ -194,26 +195,31 @@ def collect(round_: pod_exchange.PodRound, parts_dir: str,
   """
   if remote is None:
     return {0: own, **round_.collect()}
+  start = time.monotonic()
   with concurrent.futures.ThreadPoolExecutor(
-      1, thread_name_prefix='t5export-part-upload') as pool:
+      2, thread_name_prefix='t5export-part-transfer') as pool:
     upload = pool.submit(upload_part, parts_dir, remote,
                          process=0) if own else None
-    written = {0: own, **round_.collect()}
-  if upload is not None:
-    upload.result()
-  start = time.monotonic()
-  fetched = [name for i, n in sorted(written.items()) if i and n
-             for name in _names(i)]
-  fs = storage.gcs_filesystem()
+    downloads = []
+    written = {0: own, **round_.collect(on_part=lambda i, n: downloads.append(
+        pool.submit(_download, remote, i, parts_dir)) if n else None)}
+  for future in ([upload] if upload else []) + downloads:
+    future.result()  # Raises the first failure.
+  logging.info('t5export: step %d: collected and downloaded %d other '
+               'part(s) (%.1f MiB) in %.2fs.', round_.step, len(downloads),
+               sum(n for i, n in written.items() if i) / 2**20,
+               time.monotonic() - start)
+  return written
+
+
+def _download(remote: str, process: int, parts_dir: str) -> None:
+  """Process `process`'s part from `remote/` into `parts_dir`."""
+  names = _names(process)
   with store_errors.failures(remote, action='download from'):
     # One streamed request per object (gcsfs's get_file, concurrency 1).
-    fs.get([storage.join(remote, name) for name in fetched],
-           [os.path.join(parts_dir, name) for name in fetched], concurrency=1)
-  logging.info('t5export: step %d: downloaded %d other part(s) (%.1f MiB) in '
-               '%.2fs.', round_.step, len(fetched) // 2, sum(
-                   os.path.getsize(os.path.join(parts_dir, name))
-                   for name in fetched) / 2**20, time.monotonic() - start)
-  return written
+    storage.gcs_filesystem().get(
+        [storage.join(remote, name) for name in names],
+        [os.path.join(parts_dir, name) for name in names], concurrency=1)
 
 
 def place_parts(url: str, written: dict[int, int], staging_url: str) -> None:
