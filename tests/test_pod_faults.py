@@ -221,18 +221,14 @@ def test_into_a_bucket_each_process_uploads_its_own_part_once(runs):
     local = gcs_emulator.download(f"{run['bucket']}/export/2",
                                   pathlib.Path(tmp) / '2')
     assert model.check_version(local) == 2
-  # Process 1's part went up once per export, by process 1 (to the parts
-  # prefix); in the version it is a copy inside the bucket, never uploaded
-  # again by process 0.
-  mine = [n for n in run['uploads'] if '-parts/part-00001.' in n]
-  assert len(mine) == 4, run['uploads']  # Index and data, 2 exports.
-  merged = [n for n in run['uploads']
-            if n.endswith('variables/variables.data-00002-of-00003')]
-  copied = [n for n in run['copies']
-            if n.endswith('variables/variables.data-00002-of-00003')]
-  assert len(copied) >= 2 and len(merged) == len(copied), (merged, copied)
-  # Process 0's own part's data is uploaded by its commit, once a version
-  # (to the staging prefix; the version gets a copy).
-  own = [n for n in run['uploads'] if '/.tmp-' in n and n.endswith(
-      'variables.data-00001-of-00003') and n not in run['copies']]
-  assert len(own) == 2, run['uploads']
+  # Each process's part went up once per export, by that process (to the
+  # parts prefix; process 0 while it waited for process 1's); in the
+  # version each part's data is a copy inside the bucket, never uploaded
+  # again by process 0's commit.
+  for i, k in ((0, 1), (1, 2)):
+    mine = [n for n in run['uploads'] if f'-parts/part-0000{i}.' in n]
+    assert len(mine) == 4, run['uploads']  # Index and data, 2 exports.
+    name = f'variables/variables.data-0000{k}-of-00003'
+    merged = [n for n in run['uploads'] if n.endswith(name)]
+    copied = [n for n in run['copies'] if n.endswith(name)]
+    assert len(copied) >= 2 and len(merged) == len(copied), (merged, copied)

@@ -21,11 +21,18 @@ main branch, to measure the path it replaces side by side). `--bucket`
 exports into a bucket of the tests' GCS emulator (tests/gcs_emulator.py,
 in this process) and adds, per export over the param bytes, the bytes
 uploaded (objects stored less copies inside the bucket) and downloaded
-(object bytes the emulator served).
+(object bytes the emulator served), and the seconds the emulator spent
+serving the requests that started during each export (`emulator_busy_s`,
+wall; `emulator_cpu_s`, its thread's CPU): it is one Python thread that
+serves one request at a time, on the same cores as the workers. `--logs
+DIR` keeps the workers' logs there, with t5export's INFO lines (each
+stage's time).
 
 Usage:
   python tools/benchlib/pod.py --processes 1,2,4 --params 1e8 --repeats 3
   python tools/benchlib/pod.py --code /path/to/other/checkout ...
+  python tools/benchlib/pod.py --processes 4 --params 1e8 --repeats 2 \
+      --bucket --logs /tmp/pod-logs
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import socket
 import statistics
 import subprocess
@@ -61,6 +69,11 @@ def _loopback_rx() -> int:
 
 def worker(args: argparse.Namespace) -> None:
   """One process of a run (see the module docstring)."""
+  if args.logs:  # t5export's own timings, in the log kept.
+    import logging  # pylint: disable=g-import-not-at-top
+    from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
+    logging.basicConfig(format='%(asctime)s %(levelname)s %(message)s')
+    absl_logging.set_verbosity('info')
   import jax  # pylint: disable=g-import-not-at-top
   if args.num_processes > 1:
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
@@ -111,7 +124,7 @@ def worker(args: argparse.Namespace) -> None:
     with open('/proc/self/clear_refs', 'w') as f:
       f.write('5')  # Resets VmHWM.
     rss, lo = in_child.proc_status('VmRSS:'), _loopback_rx()
-    start = time.perf_counter()
+    start, t0 = time.perf_counter(), time.time()
     cb(step, train_state=state.replace_step(step))
     held = time.perf_counter() - start
     cb.wait()
@@ -119,7 +132,8 @@ def worker(args: argparse.Namespace) -> None:
     peak = in_child.proc_status('VmHWM:')
     rows.append({'held': held, 'wall': wall,
                  'added_peak': (peak - rss) / nbytes,
-                 'loopback': (_loopback_rx() - lo) / nbytes})
+                 'loopback': (_loopback_rx() - lo) / nbytes,
+                 'span': [t0, time.time()]})
   cb.close()
   with open(args.out, 'w') as f:
     json.dump({'process': args.process_id, 'param_bytes': nbytes,
@@ -146,6 +160,29 @@ class _Traffic:
       return rewrite(handler, **names)
     storage.create_file = counted
     gcs_emulator._Handler._rewrite = marked  # pylint: disable=protected-access
+    # Each request, served one at a time: (its start, wall, CPU seconds).
+    self.requests: list[tuple[float, float, float]] = []
+    server = emulator._httpd  # pylint: disable=protected-access
+    serve = server.finish_request
+
+    def timed(request, address):
+      start, wall, cpu = time.time(), time.perf_counter(), time.thread_time()
+      try:
+        serve(request, address)
+      finally:
+        self.requests.append((start, time.perf_counter() - wall,
+                              time.thread_time() - cpu))
+    server.finish_request = timed
+
+  def busy(self, rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Medians over `rows` (process 0's exports) of the seconds the
+    emulator spent serving requests that started within each export, wall
+    and CPU."""
+    spans = [r['span'] for r in rows]
+    sums = [[sum(x[i] for x in self.requests if t0 <= x[0] <= t1)
+             for t0, t1 in spans] for i in (1, 2)]
+    return {'emulator_busy_s': round(statistics.median(sums[0]), 2),
+            'emulator_cpu_s': round(statistics.median(sums[1]), 2)}
 
   def uploaded(self) -> int:
     copies = list(self.copied)
@@ -159,8 +196,8 @@ class _Traffic:
 
 
 def run(num_processes: int, *, params: float, repeats: int, code: str,
-        root: pathlib.Path, export_dir: str | None = None
-        ) -> list[dict[str, Any]]:
+        root: pathlib.Path, export_dir: str | None = None,
+        logs: str = '') -> list[dict[str, Any]]:
   """One run of `num_processes` workers; each one's report."""
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
@@ -174,10 +211,15 @@ def run(num_processes: int, *, params: float, repeats: int, code: str,
         [sys.executable, __file__, '--worker', '--process_id', str(i),
          '--num_processes', str(num_processes), '--port', str(port),
          '--params', str(params), '--repeats', str(repeats),
-         '--export_dir', export_dir or str(root / 'export'), '--out',
+         '--export_dir', export_dir or str(root / 'export'), '--logs', logs,
+         '--out',
          str(root / f'p{i}.json')], env=env, stdout=subprocess.DEVNULL,
         stderr=open(root / f'p{i}.log', 'wb')))
   codes = [p.wait(timeout=1800) for p in procs]
+  if logs:
+    for i in range(num_processes):
+      shutil.copy(root / f'p{i}.log', os.path.join(
+          logs, f'{num_processes}-processes-p{i}.log'))
   if any(codes):
     raise RuntimeError(f'{num_processes} processes exited {codes}; logs in '
                        f'{root}')
@@ -214,6 +256,9 @@ def main() -> None:
   parser.add_argument('--params', type=float, default=1e8)
   parser.add_argument('--repeats', type=int, default=3)
   parser.add_argument('--bucket', action='store_true')
+  parser.add_argument('--logs', default='',
+                      help='a directory to keep the workers\' logs in (with '
+                      't5export\'s INFO lines: its timings)')
   parser.add_argument('--code', default=str(
       pathlib.Path(__file__).resolve().parents[2]))
   args = parser.parse_args()
@@ -236,10 +281,12 @@ def main() -> None:
         export_dir = f'gs://{traffic.emulator.new_bucket()}/export'
         traffic.stored.clear()
         traffic.copied.clear()
+        traffic.requests.clear()
         served = traffic.emulator.media_bytes
       reports = run(n, params=args.params, repeats=args.repeats,
                     code=args.code, root=pathlib.Path(tmp),
-                    export_dir=export_dir if traffic else None)
+                    export_dir=export_dir if traffic else None,
+                    logs=args.logs)
       results[n] = dict(summary(reports), load_avg=[
           round(start_load, 2), round(os.getloadavg()[0], 2)])
       if traffic is not None:  # Per export: the traced one and the rest.
@@ -247,7 +294,8 @@ def main() -> None:
         results[n].update(
             uploaded_over_params=round(traffic.uploaded() / exports, 3),
             downloaded_over_params=round(
-                (traffic.emulator.media_bytes - served) / exports, 3))
+                (traffic.emulator.media_bytes - served) / exports, 3),
+            **traffic.busy(reports[0]['rows']))
     print(json.dumps({'processes': n, 'code': args.code, **results[n]}),
           flush=True)
   if 1 in results:

@@ -385,12 +385,10 @@ class SavedModelExporter:
             'reused (ExportOptions(reuse_graph=False), or its checkpoint '
             'holds more than the params). Pass reuse_graph=True.',
             process=0, stage='save the graph')
-      written = {0: pod_parts.write_part(
-          snap.on_host(), parts_dir, process=0,
-          cast_bfloat16=self._options.cast_bfloat16)}
-      written.update(round_.collect())
-      if remote:
-        pod_parts.fetch_parts(remote, written, parts_dir)
+      written = pod_parts.collect(round_, parts_dir, remote, own=(
+          pod_parts.write_part(snap.on_host(), parts_dir, process=0,
+                               cast_bfloat16=self._options.cast_bfloat16,
+                               fsync=remote is None)))
       parts = [pod_parts.part_prefix(parts_dir, i)
                for i, n in sorted(written.items()) if n]
       staged, full = self._stage.stage_parts(

@@ -12,6 +12,7 @@ file into the version and rewrites only the index, so no byte is copied.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import time
 
@@ -23,11 +24,14 @@ import numpy as np
 from t5export import errors
 from t5export._src.engine import writer as writer_lib
 from t5export._src.snapshot import host_buffers
+from t5export._src.snapshot import pod_exchange
 from t5export._src.snapshot import pod_snapshot
 from t5export._src.snapshot import snapshot as snapshot_lib
 from t5export._src.state import paths
 from t5export._src.versions import gcs_objects
+from t5export._src.versions import gcs_upload
 from t5export._src.versions import storage
+from t5export._src.versions import store_errors
 from t5export._src.versions import tensor_bundle
 
 # Where the module's variables are in its object graph (`JaxModule`).
@@ -100,18 +104,21 @@ def verify(prefix: str, slices: list[tuple[str, tuple[int, ...], tuple[
       other than those it was written from.
   """
   reader = tensor_bundle.BundleReader(prefix)
-  stored: dict[str, dict[tuple[tuple[int, int], ...], np.ndarray]] = {}
+  by_key: dict[str, list[tuple[tuple[slice, ...], np.ndarray]]] = {}
   for key, _, index, value in slices:
-    if key not in stored:
-      stored[key] = dict(reader.read_slices(key))  # Each CRC-checked.
-    box = tuple((s.start, s.stop) for s in index)
-    got = stored[key].get(box)
-    if got is None or got.dtype != value.dtype or tensor_bundle.crc32c(
-        got) != tensor_bundle.crc32c(np.ascontiguousarray(value)):
-      raise errors.VariablesFormatError(
-          f'The part {prefix!r} does not hold slice {box} of {key!r} as it '
-          'was written (missing, or its bytes differ from the snapshot): '
-          'the disk lost or changed it. Nothing is published.')
+    by_key.setdefault(key, []).append((index, value))
+  for key, wanted in by_key.items():  # One tensor's slices held at a time.
+    stored = dict(reader.read_slices(key))  # Each CRC-checked.
+    for index, value in wanted:
+      box = tuple((s.start, s.stop) for s in index)
+      got = stored.get(box)
+      if got is None or got.dtype != value.dtype or tensor_bundle.crc32c(
+          got) != tensor_bundle.crc32c(np.ascontiguousarray(value)):
+        raise errors.VariablesFormatError(
+            f'The part {prefix!r} does not hold slice {box} of {key!r} as it '
+            'was written (missing, or its bytes differ from the snapshot): '
+            'the disk lost or changed it. Nothing is published.')
+    del stored
 
 
 
@@ -139,11 +146,12 @@ def read_merged(prefix: str, snap: pod_snapshot.PodSnapshot
 
 
 # A bucket (gs://) export_dir: the parts travel through the bucket. Each
-# process uploads its own part to the round's hidden parts prefix; process
-# 0 downloads the others' (its check reads them back anyway), merges them
-# locally and has the bucket copy each part's data into the version's
-# hidden staging prefix under its merged name, where the commit finds it
-# and does not upload it again.
+# process uploads its own part to the round's hidden parts prefix, streamed
+# from its file in bounded pieces (`gcs_upload`); process 0 does so while
+# it waits for the others' reports, then downloads theirs (its check reads
+# them back anyway), merges them locally and has the bucket copy every
+# part's data into the version's hidden staging prefix under its merged
+# name, where the commit finds it and does not upload it again.
 
 
 def _names(process: int) -> list[str]:
@@ -152,45 +160,77 @@ def _names(process: int) -> list[str]:
 
 
 def upload_part(local_dir: str, url: str, *, process: int) -> None:
-  """Uploads this process's part from `local_dir` to `url/` and checks the
-  stored objects' sizes and CRC-32C against the local files.
+  """Uploads this process's part from `local_dir` to `url/`, each file
+  streamed in bounded pieces; the objects the service created are checked
+  against the bytes read (size and CRC-32C: `gcs_upload.upload_file`).
 
   Raises:
     CommitError: an object did not arrive whole.
+    StorageError: the upload failed.
   """
-  storage.upload_tree(local_dir, url)
-  stored = gcs_objects.stored_objects(url)
-  for name in _names(process):
-    path = os.path.join(local_dir, name)
-    want = (os.path.getsize(path), gcs_objects.file_crc32c(path))
-    if stored.get(name) != want:
-      raise errors.CommitError(
-          f'The upload of {name!r} to {url!r} does not match the part '
-          f'written (stored {stored.get(name)}, written {want}). Nothing is '
-          'published; export again (a network or storage fault).')
+  start = time.monotonic()
+  nbytes = sum(gcs_upload.upload_file(os.path.join(local_dir, name),
+                                      storage.join(url, name))[0]
+               for name in reversed(_names(process)))  # The index last.
+  logging.info('t5export: process %d uploaded its part (%.1f MiB) in %.2fs.',
+               process, nbytes / 2**20, time.monotonic() - start)
 
 
-def fetch_parts(url: str, written: dict[int, int], parts_dir: str) -> None:
-  """Process 0: downloads the other processes' parts from `url/`."""
-  for i, nbytes in sorted(written.items()):
-    if i == 0 or not nbytes:
-      continue
-    for name in _names(i):
-      data = storage.read_bytes(storage.join(url, name))
-      with open(os.path.join(parts_dir, name), 'wb') as f:
-        f.write(data)
-      del data
+def collect(round_: pod_exchange.PodRound, parts_dir: str,
+            remote: str | None, *, own: int) -> dict[int, int]:
+  """Process 0, its own part (`own` bytes) written to `parts_dir`: waits for
+  every other process's part (`round_.collect`). With a bucket (`remote`:
+  the parts prefix) it uploads its own part there meanwhile (so the
+  commit copies it in the bucket as the others', off the path after the
+  check), and downloads each other part into `parts_dir` as soon as its
+  process reported it (its check reads them back), each object streamed
+  to its file in one request.
+
+  Returns:
+    Each process's bytes written (0: no part).
+
+  Raises:
+    PeerExportError: as `round_.collect`.
+    StorageError, CommitError: an upload or download failed.
+  """
+  if remote is None:
+    return {0: own, **round_.collect()}
+  start = time.monotonic()
+  with concurrent.futures.ThreadPoolExecutor(
+      2, thread_name_prefix='t5export-part-transfer') as pool:
+    upload = pool.submit(upload_part, parts_dir, remote,
+                         process=0) if own else None
+    downloads = []
+    written = {0: own, **round_.collect(on_part=lambda i, n: downloads.append(
+        pool.submit(_download, remote, i, parts_dir)) if n else None)}
+  for future in ([upload] if upload else []) + downloads:
+    future.result()  # Raises the first failure.
+  logging.info('t5export: step %d: collected and downloaded %d other '
+               'part(s) (%.1f MiB) in %.2fs.', round_.step, len(downloads),
+               sum(n for i, n in written.items() if i) / 2**20,
+               time.monotonic() - start)
+  return written
+
+
+def _download(remote: str, process: int, parts_dir: str) -> None:
+  """Process `process`'s part from `remote/` into `parts_dir`."""
+  names = _names(process)
+  with store_errors.failures(remote, action='download from'):
+    # One streamed request per object (gcsfs's get_file, concurrency 1).
+    storage.gcs_filesystem().get(
+        [storage.join(remote, name) for name in names],
+        [os.path.join(parts_dir, name) for name in names], concurrency=1)
 
 
 def place_parts(url: str, written: dict[int, int], staging_url: str) -> None:
-  """Process 0: copies (in the bucket) each other process's data file from
-  `url/` to the version's staging prefix under the name the merge gave it
-  (`SavedModelWriter.write_parts`: the object graph's part first, then the
-  processes with a part in order)."""
+  """Process 0: copies (in the bucket) each process's data file from `url/`
+  (`collect` uploaded its own there too) to the version's staging prefix
+  under the name the merge gave it (`SavedModelWriter.write_parts`: the
+  object graph's part first, then the processes with a part in order)."""
   order = [i for i, n in sorted(written.items()) if n]
   total = len(order) + 1
   gcs_objects.copy_objects(
       [(storage.join(url, _names(i)[1]), storage.join(
           staging_url, 'variables',
           f'variables.data-{k:05d}-of-{total:05d}'))
-       for k, i in enumerate(order, start=1) if i != 0], create_only=False)
+       for k, i in enumerate(order, start=1)], create_only=False)

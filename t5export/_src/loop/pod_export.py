@@ -93,9 +93,10 @@ class PodExport:
     try:
       snap = job.snap.on_host()
       stage = 'write and verify its slices'
-      nbytes = pod_parts.write_part(
-          snap, local, process=round_.process,
-          cast_bfloat16=self._exporter.options.cast_bfloat16)
+      nbytes = pod_parts.write_part(  # A copy bound for the bucket: no
+          snap, local, process=round_.process,  # fsync.
+          cast_bfloat16=self._exporter.options.cast_bfloat16,
+          fsync=not remote)
       if remote and nbytes:
         stage = 'upload its slices'
         pod_parts.upload_part(local, parts_dir, process=round_.process)

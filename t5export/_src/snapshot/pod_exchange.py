@@ -20,6 +20,7 @@ any export's does (`distributed.ExportCoordinator`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import itertools
 import time
 
@@ -105,8 +106,10 @@ class PodRound:
              _ERROR + f'{stage}: {_one_line(error)}'[:2000])
     self._x.client.key_value_set(f'{self._key}/part/{self.process}', value)
 
-  def collect(self) -> dict[int, int]:
-    """Process 0: waits for every other process's report.
+  def collect(self, on_part: Callable[[int, int], None] | None = None
+              ) -> dict[int, int]:
+    """Process 0: waits for every other process's report (`on_part(i,
+    bytes)` is called at each one's success, as it comes).
 
     Returns:
       Each process's bytes written (0: it owns nothing).
@@ -130,6 +133,8 @@ class PodRound:
             'Nothing is published; its log has the traceback.',
             process=i, stage=stage)
       written[i] = int(value[len(_OK):])
+      if on_part is not None:
+        on_part(i, written[i])
     # Every process read the announcement before it reported: the round's
     # keys can go. (A failed or skipped round's few keys stay: a slow
     # process may still be about to read them.)

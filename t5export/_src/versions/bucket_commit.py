@@ -37,6 +37,7 @@ from absl import logging
 
 from t5export import errors
 from t5export._src.versions import gcs_objects
+from t5export._src.versions import gcs_upload
 from t5export._src.versions import storage
 from t5export._src.versions import versions
 
@@ -116,8 +117,9 @@ def commit(layout: Layout, staging: str, final: str, *, overwrite: bool,
     # A pod export's parts are there already (put under `remote_staging`
     # by the processes that hold them, the same bytes): not uploaded again.
     there_now = gcs_objects.stored_objects(tmp)
-    storage.upload_tree(staging, tmp, skip=[
-        f for f, v in local.items() if there_now.get(f) == v])
+    gcs_upload.upload_files(  # Each streamed in bounded pieces.
+        [(os.path.join(staging, f), storage.join(tmp, f))
+         for f, v in local.items() if there_now.get(f) != v])
     uploaded = time.monotonic()
     _verify(layout, local, gcs_objects.stored_objects(tmp), tmp)
     storage.write_bytes(storage.join(tmp, VERIFIED), b'')
