@@ -363,6 +363,7 @@ class SavedModelExporter:
     """
     self._closed = False
     try:
+      round_.progress('claim the version')
       self._checker  # pylint: disable=pointless-statement  # Can it run?
       version = self._dir.begin(int(snap.step), metrics)
     except BaseException as e:
@@ -375,6 +376,7 @@ class SavedModelExporter:
     round_.announce(remote or parts_dir)
     try:
       if not self._stage.prepared:  # Traced while the others write.
+        round_.progress('save the graph')
         self._stage.prepare(snap.shapes)
       keys = pod_parts.keys(len(snap.paths))
       if not self._stage.writer.reuses_graph or (
@@ -385,23 +387,31 @@ class SavedModelExporter:
             'reused (ExportOptions(reuse_graph=False), or its checkpoint '
             'holds more than the params). Pass reuse_graph=True.',
             process=0, stage='save the graph')
+      round_.progress('write its slices')
       written = {0: pod_parts.write_part(
           snap.on_host(), parts_dir, process=0,
           cast_bfloat16=self._options.cast_bfloat16)}
+      round_.progress('wait for the other parts')
       written.update(round_.collect())
       if remote:
+        round_.progress('download the parts')
         pod_parts.fetch_parts(remote, written, parts_dir)
       parts = [pod_parts.part_prefix(parts_dir, i)
                for i, n in sorted(written.items()) if n]
+      round_.progress('merge the parts')
       staged, full = self._stage.stage_parts(
-          version.staging, parts, parts_dir,
-          read=lambda prefix: pod_parts.read_merged(prefix, snap))
+          version.staging, parts, parts_dir, read=lambda prefix: (
+              round_.progress('read the params back'),
+              pod_parts.read_merged(prefix, snap))[1])
       if remote:  # Copied in the bucket: the commit uploads them not.
+        round_.progress('copy the parts in the bucket')
         pod_parts.place_parts(remote, written,
                               self._dir.remote_staging(version.staging))
       with staged, (self._hf_target.stage(full) if self._hf_target else
                     contextlib.nullcontext()) as beside:
+        round_.progress('check')
         check = self._checker.check(staged)
+        round_.progress('publish')  # Retention too: after the version.
         path = version.publish(staged, check)
         if beside is not None:  # Then its retention follows the versions.
           beside.publish(keep=self._dir.versions())
