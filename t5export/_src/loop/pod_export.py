@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 import dataclasses
 import shutil
-import tempfile
 from typing import Any
 
 from absl import logging
@@ -25,6 +24,7 @@ from t5export._src.engine import exporter as exporter_lib
 from t5export._src.engine import pod_parts
 from t5export._src.snapshot import pod_exchange
 from t5export._src.snapshot import pod_snapshot
+from t5export._src.versions import bucket_versions
 from t5export._src.versions import storage
 
 
@@ -105,8 +105,9 @@ class PodExport:
       snap = job.snap.on_host()
       stage = 'write and verify its slices'
       round_.progress(stage)
-      local = tempfile.mkdtemp(prefix='t5export-part-') if remote else (
-          parts_dir)
+      local = (bucket_versions.new_part_dir(self._exporter.export_dir,
+                                            round_.process)
+               if remote else parts_dir)
       nbytes = pod_parts.write_part(
           snap, local, process=round_.process,
           cast_bfloat16=self._exporter.options.cast_bfloat16)
