@@ -36,29 +36,14 @@ def main(process_id: int, port: int, export_dir: str, fault: str,
   distributed_setup.initialize(process_id=process_id, num_processes=2,
                                port=port, heartbeat_timeout=300)
   import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
   import t5export  # pylint: disable=g-import-not-at-top
   from t5export._src.engine import pod_parts  # pylint: disable=g-import-not-at-top
   from t5export._src.snapshot import pod_snapshot  # pylint: disable=g-import-not-at-top
-  from t5export._src.state import paths  # pylint: disable=g-import-not-at-top
   from t5export._src.versions import versions  # pylint: disable=g-import-not-at-top
   import _reliability_model as model  # pylint: disable=g-import-not-at-top
 
-  P = jax.sharding.PartitionSpec
-  mesh = jax.sharding.Mesh(np.array(jax.devices()), ('x',))
-  specs = {'params/dense_0/kernel': P(None, 'x'),
-           'params/dense_0/bias': P('x'),
-           'params/dense_1/kernel': P('x', None),
-           'params/dense_1/bias': P()}
-
   def state_for(step: int, replicated: bool = False):
-    flat = paths.flatten(model.params_for(step))
-    arrays = {p: jax.make_array_from_callback(
-        v.shape, jax.sharding.NamedSharding(mesh, P() if replicated else
-                                            specs[p]),
-        lambda index, v=v: v[index]) for p, v in flat.items()}
-    return t5export.InferenceState.create(
-        paths.unflatten(arrays)).replace_step(step)
+    return model.spread_state(step, replicated=replicated)
 
   armed = {'on': True}
   if fault == 'part_error' and process_id == 1:

@@ -79,31 +79,15 @@ def main(process_id: int, port: int, export_dir: str, kill: str,
   distributed_setup.initialize(process_id=process_id, num_processes=2,
                                port=port, own_service=dies != 0,
                                heartbeat_timeout=300)
-  import jax  # pylint: disable=g-import-not-at-top
   # Private API, as t5export's own (a barrier of the test's).
   from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
   import t5export  # pylint: disable=g-import-not-at-top
   from t5export._src.engine import pod_parts, staged_check, writer  # pylint: disable=g-import-not-at-top
   from t5export._src.snapshot import pod_exchange, pod_snapshot  # pylint: disable=g-import-not-at-top
-  from t5export._src.state import paths  # pylint: disable=g-import-not-at-top
   from t5export._src.versions import bucket_commit, storage, versions  # pylint: disable=g-import-not-at-top
   import _reliability_model as model  # pylint: disable=g-import-not-at-top
-  _report.emit({'process': process_id, 'event': 'imported',
-                'cpu': time.process_time()})
 
-  P = jax.sharding.PartitionSpec
-  mesh = jax.sharding.Mesh(np.array(jax.devices()), ('x',))
-  specs = {'params/dense_0/kernel': P(None, 'x'),
-           'params/dense_0/bias': P('x'),
-           'params/dense_1/kernel': P('x', None),
-           'params/dense_1/bias': P()}
-  flat = paths.flatten(model.params_for(1))
-  state = t5export.InferenceState.create(paths.unflatten({
-      p: jax.make_array_from_callback(
-          v.shape, jax.sharding.NamedSharding(mesh, specs[p]),
-          lambda index, v=v: v[index]) for p, v in flat.items()})
-                                         ).replace_step(1)
+  state = model.spread_state(1)
 
   def listing() -> list[str]:
     try:

@@ -93,10 +93,7 @@ def monkeypatch_module():
 
 
 def _row(run, process: int, event: str):
-  found = [r for r in run['rows'] if r['process'] == process and
-           r['event'] == event]
-  assert found, (event, process, run['logs'])
-  return found[-1]
+  return _report.row(run['rows'], process, event, run['logs'])
 
 
 def test_a_failed_part_fails_the_export_everywhere_and_the_next_works(runs):

@@ -116,10 +116,7 @@ def runs(tmp_path_factory, gcs_emulator):
 
 
 def _row(run, process: int, event: str):
-  found = [r for r in run['rows'] if r['process'] == process and
-           r['event'] == event]
-  assert found, (event, process, run['logs'])
-  return found[-1]
+  return _report.row(run['rows'], process, event, run['logs'])
 
 
 def _check(path: str) -> int:
