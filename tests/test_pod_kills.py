@@ -6,19 +6,21 @@ Each run is 2 `jax.distributed` processes (gloo on 127.0.0.1, one CPU
 device each) exporting the tiny MLP of tests/_reliability_model.py with
 its params spread over both (tests/_pod_kill_worker.py, whose `KILLS`
 lists the kill points: a non-writer taking its shards to the host,
-writing them, uploading them (gs://), reporting, and after its report; the
-writer claiming the version, writing its own part, waiting for the
-others, downloading them (gs://), merging, reading back, copying the parts
-in the bucket (gs://), checking, publishing (the rename; the bucket
+writing them, uploading them (gs://), and after its report; the writer
+claiming the version, writing its own part, waiting for the others,
+downloading them (gs://), merging, checking, publishing (the bucket
 commit's copy into `<step>/`) and after publishing, before retention).
 A bucket is the GCS emulator's, on 127.0.0.1. The runs share one fixture,
 a few at a time, so one run's waiting overlaps another's work.
+T5EXPORT_ALL_KILLS=1 also runs the kill points that leave what a
+neighbouring one leaves (a non-writer just before its report, the writer
+reading back, at the rename, or copying the parts in the bucket).
 
 For every kill: the survivor gets a t5export error naming the dead process
 and the stage it was in, within multiprocess_timeout_secs (a generous
 bound: the machine is shared); no version is published (but a kill after
-the version was published, or after a bucket commit was verified, which
-the next start finishes); what the crash left is t5export's own staging
+every part was reported, after the version was published, or after a
+bucket commit was verified, which the next start finishes); what the crash left is t5export's own staging
 only, removed when an exporter next opens the export_dir; the next export
 there is published and runs in TensorFlow.
 """
