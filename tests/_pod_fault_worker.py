@@ -10,11 +10,8 @@ function is replaced):
   bucket       no fault: EXPORT_DIR is a gs:// URL (the test's GCS
                emulator); steps 1 and 2 are published there.
   part_error   process 1's write of its slices raises (a full disk).
-  part_kill    process 1 dies after writing its part, before reporting.
-  writer_kill  process 0 dies while it merges the parts (the coordination
-               service runs in a process of its own: --external_service).
 
-Every process that lives reports what each call raised (tests/_report.py).
+(Kills: tests/_pod_kill_worker.py.) Every process reports what each call raised (tests/_report.py).
 The part_error run goes on with step 2 (a pod export again), step 3, its
 params replicated on both devices (process 0 gathers and writes), and
 step 4, whose claim fails on process 0 (before any part is written), then
@@ -37,39 +34,16 @@ import distributed_setup  # Beside this script in tests/.
 def main(process_id: int, port: int, export_dir: str, fault: str,
          timeout: float) -> None:
   distributed_setup.initialize(process_id=process_id, num_processes=2,
-                               port=port,
-                               own_service=fault != 'writer_kill',
-                               heartbeat_timeout=300)
+                               port=port, heartbeat_timeout=300)
   import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
   import t5export  # pylint: disable=g-import-not-at-top
   from t5export._src.engine import pod_parts  # pylint: disable=g-import-not-at-top
-  from t5export._src.engine import writer  # pylint: disable=g-import-not-at-top
-  from t5export._src.snapshot import pod_exchange  # pylint: disable=g-import-not-at-top
   from t5export._src.snapshot import pod_snapshot  # pylint: disable=g-import-not-at-top
-  from t5export._src.state import paths  # pylint: disable=g-import-not-at-top
   from t5export._src.versions import versions  # pylint: disable=g-import-not-at-top
   import _reliability_model as model  # pylint: disable=g-import-not-at-top
 
-  P = jax.sharding.PartitionSpec
-  mesh = jax.sharding.Mesh(np.array(jax.devices()), ('x',))
-  specs = {'params/dense_0/kernel': P(None, 'x'),
-           'params/dense_0/bias': P('x'),
-           'params/dense_1/kernel': P('x', None),
-           'params/dense_1/bias': P()}
-
   def state_for(step: int, replicated: bool = False):
-    flat = paths.flatten(model.params_for(step))
-    arrays = {p: jax.make_array_from_callback(
-        v.shape, jax.sharding.NamedSharding(mesh, P() if replicated else
-                                            specs[p]),
-        lambda index, v=v: v[index]) for p, v in flat.items()}
-    return t5export.InferenceState.create(
-        paths.unflatten(arrays)).replace_step(step)
-
-  def die(*unused, **unused_kwargs):
-    _report.emit({'process': process_id, 'event': 'dying'})
-    os._exit(3)  # pylint: disable=protected-access  # As if killed.
+    return model.spread_state(step, replicated=replicated)
 
   armed = {'on': True}
   if fault == 'part_error' and process_id == 1:
@@ -88,10 +62,6 @@ def main(process_id: int, port: int, export_dir: str, fault: str,
         raise OSError(5, 'Input/output error (injected)', export_dir)
       return begin(self, step, metrics)
     versions.VersionDirectory.begin = failing_claim
-  elif fault == 'part_kill' and process_id == 1:
-    pod_exchange.PodRound.report = die
-  elif fault == 'writer_kill' and process_id == 0:
-    writer.merge = die
 
   cb = t5export.ExportCallback(
       t5export.SavedModelExporter(
@@ -125,8 +95,6 @@ def main(process_id: int, port: int, export_dir: str, fault: str,
     armed['on'] = False
     if fault == 'bucket' and step == 2:
       break
-    if fault not in ('part_error', 'bucket'):
-      break  # A process is gone: the run cannot go on.
   if fault == 'part_error':
     # A synchronous pod export: every process writes its part inline.
     error, path = None, None
@@ -138,11 +106,9 @@ def main(process_id: int, port: int, export_dir: str, fault: str,
                   'error': repr(error) if error else None})
     cb.close()
     jax.distributed.shutdown()
-  elif fault == 'bucket':
+  else:
     cb.close()
     jax.distributed.shutdown()
-  else:
-    os._exit(0)  # pylint: disable=protected-access  # The peer is gone.
 
 
 if __name__ == '__main__':

@@ -72,6 +72,28 @@ def state_for(step: int) -> Any:
   return t5export.InferenceState.create(params_for(step)).replace_step(step)
 
 
+def spread_state(step: int, *, replicated: bool = False) -> Any:
+  """`state_for(step)` spread over every device of a `jax.distributed`
+  run (a 1-D mesh 'x'): each process holds only its shards (`replicated`:
+  every device holds every param)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import t5export  # pylint: disable=g-import-not-at-top
+  from t5export._src.state import paths  # pylint: disable=g-import-not-at-top
+  P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ('x',))
+  specs = {'params/dense_0/kernel': P(None, 'x'),
+           'params/dense_0/bias': P('x'),
+           'params/dense_1/kernel': P('x', None),
+           'params/dense_1/bias': P()}
+  arrays = {p: jax.make_array_from_callback(
+      v.shape, jax.sharding.NamedSharding(mesh, P() if replicated else
+                                          specs[p]),
+      lambda index, v=v: v[index])
+            for p, v in paths.flatten(params_for(step)).items()}
+  return t5export.InferenceState.create(
+      paths.unflatten(arrays)).replace_step(step)
+
+
 def check_version(version_dir: str) -> int:
   """Checks one published version against the model; returns its step.
 

@@ -70,3 +70,12 @@ def read(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
       return [json.loads(line) for line in f if line.strip()]
   except FileNotFoundError:
     return []
+
+
+def row(rows: list[dict[str, Any]], process: int, event: str,
+        logs: str = '') -> dict[str, Any]:
+  """The last row of `process` for `event` (fails with `logs` if none)."""
+  found = [r for r in rows if r.get('process') == process and
+           r.get('event') == event]
+  assert found, (event, process, logs)
+  return found[-1]

@@ -98,7 +98,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 # worker busy for minutes after the other had run out of files.
 _RUN_FIRST = ('test_t5x_trainer.py', 'test_reliability.py',
               'test_multiprocess.py', 'test_t5x_pod.py',
-              'test_pod_slices.py', 'test_pod_faults.py',
+              'test_pod_slices.py', 'test_pod_faults.py', 'test_pod_kills.py',
               'test_train_example.py',
               'test_bench_smoke.py', 'test_exporter.py')
 

@@ -363,6 +363,7 @@ class SavedModelExporter:
     """
     self._closed = False
     try:
+      round_.progress('claim the version')
       self._checker  # pylint: disable=pointless-statement  # Can it run?
       version = self._dir.begin(int(snap.step), metrics)
     except BaseException as e:
@@ -375,6 +376,7 @@ class SavedModelExporter:
     round_.announce(remote or parts_dir)
     try:
       if not self._stage.prepared:  # Traced while the others write.
+        round_.progress('save the graph')
         self._stage.prepare(snap.shapes)
       keys = pod_parts.keys(len(snap.paths))
       if not self._stage.writer.reuses_graph or (
@@ -385,21 +387,30 @@ class SavedModelExporter:
             'reused (ExportOptions(reuse_graph=False), or its checkpoint '
             'holds more than the params). Pass reuse_graph=True.',
             process=0, stage='save the graph')
-      written = pod_parts.collect(round_, parts_dir, remote, own=(
-          pod_parts.write_part(snap.on_host(), parts_dir, process=0,
-                               cast_bfloat16=self._options.cast_bfloat16,
-                               fsync=remote is None)))
+      round_.progress('write its slices')
+      own = pod_parts.write_part(snap.on_host(), parts_dir, process=0,
+                                 cast_bfloat16=self._options.cast_bfloat16,
+                                 fsync=remote is None)
+      round_.progress('wait for the other parts' if remote is None else
+                      'upload its part and download the others')
+      written = pod_parts.collect(round_, parts_dir, remote, own=own)
       parts = [pod_parts.part_prefix(parts_dir, i)
                for i, n in sorted(written.items()) if n]
-      staged, full = self._stage.stage_parts(
-          version.staging, parts, parts_dir,
-          read=lambda prefix: pod_parts.read_merged(prefix, snap))
+      def read_back(prefix: str) -> Any:
+        round_.progress('read the params back')
+        return pod_parts.read_merged(prefix, snap)
+      round_.progress('merge the parts')
+      staged, full = self._stage.stage_parts(version.staging, parts,
+                                             parts_dir, read=read_back)
       if remote:  # Copied in the bucket: the commit uploads them not.
+        round_.progress('copy the parts in the bucket')
         pod_parts.place_parts(remote, written,
                               self._dir.remote_staging(version.staging))
       with staged, (self._hf_target.stage(full) if self._hf_target else
                     contextlib.nullcontext()) as beside:
+        round_.progress('check')
         check = self._checker.check(staged)
+        round_.progress('publish')  # Retention too: after the version.
         path = version.publish(staged, check)
         if beside is not None:  # Then its retention follows the versions.
           beside.publish(keep=self._dir.versions())

@@ -281,7 +281,7 @@ class ExportCallback:
       self._hand_part(snap, sync=sync)
     path = self._coordinator.publish(
         snap.step, lambda: self._publish_local(snap, metrics, sync=sync),
-        sync=sync, drain=self._drain)  # May drain: waits.
+        sync=sync, drain=self._drain, stage=pod_export.writer_stage(snap))
     self._outcomes.record_blocking(snap.step, time.perf_counter() - start,
                                    0.0 if now else self._waited)
     self._flush_scalars()

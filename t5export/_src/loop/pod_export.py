@@ -13,10 +13,9 @@ process as any export's does (`distributed.ExportCoordinator`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 import dataclasses
 import shutil
-import tempfile
 from typing import Any
 
 from absl import logging
@@ -25,7 +24,17 @@ from t5export._src.engine import exporter as exporter_lib
 from t5export._src.engine import pod_parts
 from t5export._src.snapshot import pod_exchange
 from t5export._src.snapshot import pod_snapshot
+from t5export._src.versions import bucket_versions
 from t5export._src.versions import storage
+
+
+def writer_stage(snap: Any) -> Callable[[], str] | None:
+  """For a pod export's job: a sentence naming process 0's last stage in
+  it (for the others' message when it does not report); else None."""
+  if not isinstance(snap, PodJob):
+    return None
+  round_ = snap.round_  # Not the job: its snapshot is not kept.
+  return lambda: round_.last_stage(0)
 
 
 @dataclasses.dataclass
@@ -74,6 +83,8 @@ class PodExport:
     except BaseException as e:
       job.round_.announce_failure(e)  # Unless it announced already.
       raise
+    finally:
+      job.round_.finish()  # Its outcome is reported next.
 
   def write_part(self, job: PodJob) -> int:
     """Another process, on its worker: writes, verifies and reports its
@@ -87,18 +98,23 @@ class PodExport:
     parts_dir = round_.parts_dir()  # Raises when process 0 failed.
     if parts_dir is None:
       return 0
-    stage = 'take its shards to the host'
     remote = storage.is_url(parts_dir)  # A bucket: written here, uploaded.
-    local = tempfile.mkdtemp(prefix='t5export-part-') if remote else parts_dir
+    local, stage = None, 'take its shards to the host'
     try:
+      round_.progress(stage)
       snap = job.snap.on_host()
       stage = 'write and verify its slices'
+      round_.progress(stage)
+      local = (bucket_versions.new_part_dir(self._exporter.export_dir,
+                                            round_.process)
+               if remote else parts_dir)
       nbytes = pod_parts.write_part(  # A copy bound for the bucket: no
           snap, local, process=round_.process,  # fsync.
           cast_bfloat16=self._exporter.options.cast_bfloat16,
           fsync=not remote)
       if remote and nbytes:
         stage = 'upload its slices'
+        round_.progress(stage)
         pod_parts.upload_part(local, parts_dir, process=round_.process)
     except BaseException as e:
       logging.error('t5export: process %d failed to %s of step %d: %s: %s',
@@ -106,7 +122,7 @@ class PodExport:
       round_.report(nbytes=0, error=e, stage=stage)
       raise
     finally:
-      if remote:
+      if remote and local is not None:
         shutil.rmtree(local, ignore_errors=True)
     round_.report(nbytes=nbytes)
     return nbytes

@@ -51,7 +51,8 @@ class ExportCoordinator:
     self.active, self.is_writer = self._count > 1, self._index == 0
     self.rounds = 0
     self._prefix = f't5export/export/{next(_INSTANCES)}'
-    self._open: tuple[int, str] | None = None  # (round, what) not settled.
+    # (round, what, process 0's stage) not settled.
+    self._open: tuple[int, str, Callable[[], str] | None] | None = None
     self._closed = False
     self._client = jax_distributed.global_state.client
     if self.active and self._client is None:
@@ -81,19 +82,24 @@ class ExportCoordinator:
                       lambda r: r if isinstance(r, str) else '')
 
   def publish(self, step: int, publish_locally: Callable[[], str | None], *,
-              sync: bool, drain: Callable[[], Any] | None = None
-              ) -> str | None:
-    """One export round (after settling the previous); async ones stay open."""
+              sync: bool, drain: Callable[[], Any] | None = None,
+              stage: Callable[[], str] | None = None) -> str | None:
+    """One export round (after settling the previous); async ones stay open.
+
+    `stage()`: a sentence naming process 0's stage in this export, added to
+    the others' message when it does not report.
+    """
     if not self.active:
       return publish_locally()
     self.settle(drain)
     what = f'publish step {step}'
     self.rounds += 1
     if sync:
-      return self._play(self.rounds, what, publish_locally, lambda r: r)
+      return self._play(self.rounds, what, publish_locally, lambda r: r,
+                        stage=stage)
     if self.is_writer:
       self._run_reporting(self.rounds, publish_locally)
-    self._open = (self.rounds, what)
+    self._open = (self.rounds, what, stage)
     return None
 
   def settle(self, drain: Callable[[], Any] | None = None) -> None:
@@ -102,10 +108,10 @@ class ExportCoordinator:
       if drain is not None and self.is_writer:
         drain()
       return
-    index, what = self._open
+    index, what, stage = self._open
     self._open = None
     self._play(index, what, drain or (lambda: None),
-               lambda ok: None if ok is False else '')
+               lambda ok: None if ok is False else '', stage=stage)
 
   def close(self, drain: Callable[[], Any] | None = None) -> None:
     """Settles the open round (if any); later calls do nothing."""
@@ -127,10 +133,11 @@ class ExportCoordinator:
       raise
 
   def _play(self, index: int, what: str, fn: Callable[[], Any],
-            path: Callable[[Any], str | None]) -> Any:
+            path: Callable[[Any], str | None], *,
+            stage: Callable[[], str] | None = None) -> Any:
     """The writer runs `fn` and reports `path(result)`; the others follow."""
     if not self.is_writer:
-      return self._follow(index, what)
+      return self._follow(index, what, stage)
     result = self._run_reporting(index, fn)
     outcome = path(result)
     self._report(index, _OK + outcome if outcome is not None else _LOGGED + (
@@ -138,7 +145,8 @@ class ExportCoordinator:
     self._barrier(index, what)
     return result
 
-  def _follow(self, index: int, what: str) -> None:
+  def _follow(self, index: int, what: str,
+              stage: Callable[[], str] | None) -> None:
     """A non-writer waits for round `index`'s report and does likewise."""
     start = time.monotonic()
     try:
@@ -146,17 +154,18 @@ class ExportCoordinator:
           f'{self._prefix}/{index}', self._timeout_ms)
     except Exception as e:  # pylint: disable=broad-except
       waited = time.monotonic() - start
+      where = f' {stage()}' if stage is not None else ''
       if waited >= self._timeout_secs * 0.9:
         raise errors.WriterTimeoutError(
             f'Process {self._index}: process 0 did not report the outcome '
-            f'of "{what}" within {self._timeout_secs:g}s. Process 0 may have '
-            'died, hung, or still be writing; if its exports take longer, '
-            'raise ExportCallback(multiprocess_timeout_secs=...). '
+            f'of "{what}" within {self._timeout_secs:g}s.{where} Process 0 '
+            'may have died, hung, or still be writing; if its exports take '
+            'longer, raise ExportCallback(multiprocess_timeout_secs=...). '
             f'({_one_line(e)})') from e
       raise errors.WriterFailedError(
           f'Process {self._index}: lost contact with process 0 while '
-          f'waiting for the outcome of "{what}" after {waited:.1f}s: '
-          f'{_one_line(e)}') from e
+          f'waiting for the outcome of "{what}" after {waited:.1f}s.{where} '
+          f'({_one_line(e)})') from e
     if value.startswith(_ERROR) or not value.startswith((_OK, _LOGGED)):
       raise errors.WriterFailedError(
           f'Process {self._index}: process 0 (the writer) failed to {what}: '

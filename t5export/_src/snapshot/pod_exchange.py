@@ -13,7 +13,9 @@ training threads):
    stage);
 3. process 0 waits for every report (`collect`) before it merges.
 
-Every wait is bounded by `timeout_secs`; a failure or a silence names the
+Each process also records the stage it begins (`progress`), so a process
+that dies or hangs is named with the stage it was in (`last_stage`). Every
+wait is bounded by `timeout_secs`; a failure or a silence names the
 process and the stage. The round's outcome then reaches every process as
 any export's does (`distributed.ExportCoordinator`).
 """
@@ -24,6 +26,7 @@ from collections.abc import Callable
 import itertools
 import time
 
+from absl import logging
 import jax
 # Private API: JAX has no public key-value store (multihost_utils uses it).
 from jax._src import distributed as jax_distributed
@@ -82,6 +85,42 @@ class PodRound:
       self._x.client.key_value_set(f'{self._key}/dir',
                                    _ERROR + _one_line(e)[:2000])
 
+  def progress(self, stage: str) -> None:
+    """This process begins `stage` of the export (e.g. 'merge the parts'):
+    named if it never reports (`last_stage`). A failure to record it is
+    logged, never raised: the export goes on."""
+    try:
+      self._x.client.key_value_set(f'{self._key}/stage/{self.process}',
+                                   stage, allow_overwrite=True)
+    except Exception as e:  # pylint: disable=broad-except
+      logging.warning('t5export: could not record the stage %r: %s', stage,
+                      _one_line(e))
+
+  def stage_of(self, process: int) -> str | None:
+    """The last stage `process` began in this export (None: none, or the
+    store cannot say)."""
+    try:
+      return self._x.client.key_value_try_get(f'{self._key}/stage/{process}')
+    except Exception:  # pylint: disable=broad-except  # Not found, or gone.
+      return None
+
+  def last_stage(self, process: int) -> str:
+    """A sentence naming the last stage `process` began in this export
+    (for a message about its silence)."""
+    stage = self.stage_of(process)
+    if stage is None:
+      return ('It recorded no stage of this export (it had not begun, or '
+              'the store is gone).')
+    return f"Its last stage: '{stage}'."
+
+  def finish(self) -> None:
+    """Process 0, done with the export (its outcome follows): its stage
+    record goes."""
+    try:
+      self._x.client.key_value_delete(f'{self._key}/stage/{self.process}')
+    except Exception:  # pylint: disable=broad-except
+      pass  # Only tidies the store.
+
   def parts_dir(self) -> str | None:
     """Waits for process 0's announcement: the parts directory, or None.
 
@@ -125,7 +164,8 @@ class PodRound:
       try:
         value = self._get(f'{self._key}/part/{i}', i, what, start=start)
       except errors.WriterFailedError as e:
-        raise errors.PeerExportError(str(e), process=i, stage=what) from e
+        raise errors.PeerExportError(
+            str(e), process=i, stage=self.stage_of(i) or what) from e
       if value.startswith(_ERROR):
         stage, _, detail = value[len(_ERROR):].partition(': ')
         raise errors.PeerExportError(
@@ -136,10 +176,11 @@ class PodRound:
       if on_part is not None:
         on_part(i, written[i])
     # Every process read the announcement before it reported: the round's
-    # keys can go. (A failed or skipped round's few keys stay: a slow
-    # process may still be about to read them.)
+    # keys can go, but this process's stage (`finish`). (A failed or
+    # skipped round's few keys stay: a slow process may still read them.)
     try:
-      self._x.client.key_value_delete(self._key)
+      for key in ('dir', 'part', *(f'stage/{i}' for i in written)):
+        self._x.client.key_value_delete(f'{self._key}/{key}')
     except Exception:  # pylint: disable=broad-except
       pass  # Only tidies the store.
     return written
@@ -156,10 +197,11 @@ class PodRound:
       if waited >= timeout * 0.9:
         raise errors.WriterTimeoutError(
             f'Process {self.process}: process {source} did not {what} '
-            f'within {timeout:g}s. It may have died, hung, or still be '
-            'working; if its exports take longer, raise ExportCallback('
-            f'multiprocess_timeout_secs=...). ({_one_line(e)})') from e
+            f'within {timeout:g}s. {self.last_stage(source)} It may have '
+            'died, hung, or still be working; if its exports take longer, '
+            'raise ExportCallback(multiprocess_timeout_secs=...). '
+            f'({_one_line(e)})') from e
       raise errors.WriterFailedError(
           f'Process {self.process}: lost contact with process {source} '
-          f'while waiting for it to {what}, after {waited:.1f}s: '
-          f'{_one_line(e)}') from e
+          f'while waiting for it to {what}, after {waited:.1f}s. '
+          f'{self.last_stage(source)} ({_one_line(e)})') from e

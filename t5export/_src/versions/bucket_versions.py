@@ -86,6 +86,22 @@ def new_staging_dir(location: str) -> str:
   return tempfile.mkdtemp(prefix=_digest(location) + '-', dir=staging_root())
 
 
+def new_part_dir(location: str, process: int) -> str:
+  """A new local directory (under `staging_root()`) for process `process`'s
+  part of a pod export to the bucket prefix `location`, written there
+  before it is uploaded. That process writes one part at a time: its
+  earlier ones (a crash's) are removed first; a writer's start on this
+  host removes them too (`remove_stale_staging`)."""
+  root = staging_root()
+  prefix = f'{_digest(location)}-part{process}-'
+  for name in os.listdir(root):
+    if name.startswith(prefix):
+      logging.warning('t5export: removing stale part directory %s (left by '
+                      'an interrupted export).', name)
+      shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+  return tempfile.mkdtemp(prefix=prefix, dir=root)
+
+
 def remove_stale_staging(location: str, *, mine: str) -> list[str]:
   """Removes (and returns) the local staging directories of `location`'s
   earlier writers on this host but `mine` (its lease is held: they are
