@@ -28,7 +28,8 @@ def test_a_jax2tf_graph_needs_no_package_and_no_scan(monkeypatch):
 
 
 def test_an_op_no_loaded_package_registers_is_left_out():
-  assert custom_ops.find(_saved_model('XlaCallModule', 'NoSuchOpAnywhere')) == {}
+  assert custom_ops.find(
+      _saved_model('XlaCallModule', 'NoSuchOpAnywhere')) == {}
 
 
 def test_an_op_of_a_loaded_package_is_found_beside_xla_ones():
