@@ -12,11 +12,14 @@ default). TensorFlow is imported before the params exist, as in the
 bench. In our process the export's phases are timed by wrapping the
 functions that do them (nothing in t5export is changed), each interval
 with its thread, from the export's start: the snapshot, the module's
-build (jax2tf conversion, tracing), the graph's save, the weights'
-write, the jax.export artifact, `assets.extra/` (warm-up requests), the
-metadata, the publish (rename, retention) and, once published, the
-variables' fill and the first version's collection. orbax's side is split
-into its module's build and its save.
+build (jax2tf conversion, tracing), the params' finite test (on the
+export thread, beside the write), the graph's save, the weights' write,
+the jax.export artifact, `assets.extra/` (warm-up requests, the custom
+ops' search), the metadata, the publish (rename, retention) and, once
+published, the variables' fill and the first version's collection.
+orbax's side is split into its module's build and its save. The child
+processes import this checkout's package (PYTHONPATH), not an installed
+one.
 
 Prints, per phase, the median seconds, the median share of our first
 export's wall time (until `export()` returns), and the thread it ran on:
@@ -65,8 +68,10 @@ def _wrap(record, owner, attr, name):
 
 def _ours(root: pathlib.Path, variables, width: int) -> dict:
   from t5export._src.engine import assets_extra
+  from t5export._src.engine import custom_ops
   from t5export._src.engine import serving
   from t5export._src.engine import stage
+  from t5export._src.engine import staged_check
   from t5export._src.engine import writer
   from t5export._src.snapshot import snapshot
   from t5export._src.versions import metadata
@@ -76,12 +81,14 @@ def _ours(root: pathlib.Path, variables, width: int) -> dict:
   for owner, attr, name in (
       (snapshot.HostSnapshot, 'on_host', 'snapshot (on_host)'),
       (serving, 'make_module', 'module build (jax2tf)'),
+      (staged_check, 'check_finite', 'finite params test'),
       (writer.SavedModelWriter, '_save_graph', 'graph save'),
       (writer.SavedModelWriter, '_write_weights', 'weights write'),
       (writer.SavedModelWriter, '_save_in_full', 'full save'),
       (stage.Stage, '_serialize_methods', 'jax.export artifact'),
       (assets_extra, 'write_warmup_requests', 'warm-up requests'),
       (assets_extra, 'write', 'assets.extra (with warm-up)'),
+      (custom_ops, 'find', 'custom ops (in assets.extra)'),
       (metadata, 'write_metadata', 'metadata write'),
       (versions.Version, 'publish', 'publish (rename, retention)'),
       (stage.Fill, '_run', 'fill (after publish)'),
@@ -132,10 +139,14 @@ def _child(side: str, n_params: float, depth: int) -> None:
 
 
 def _run(side: str, args) -> dict:
+  # This checkout's package, not the one the environment installed.
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      [str(REPO)] + [p for p in os.environ.get('PYTHONPATH', '').split(
+          os.pathsep) if p]))
   proc = subprocess.run(
       [sys.executable, __file__, '--child', side, '--params',
        str(args.params), '--depth', str(args.depth)],
-      capture_output=True, text=True, check=False, cwd=REPO)
+      capture_output=True, text=True, check=False, cwd=REPO, env=env)
   for line in proc.stdout.splitlines():
     if line.startswith(_RESULT):
       return json.loads(line[len(_RESULT):])

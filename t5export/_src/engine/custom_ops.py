@@ -40,8 +40,8 @@ def _plugins() -> dict[int, tuple[types.ModuleType, str]]:
   with one attribute per op it registers; the package that loaded it keeps
   it as a module attribute. Packages load their op libraries when they are
   imported, so the scan (every attribute of every loaded module: tens of
-  milliseconds, once per export otherwise, since jax2tf's XlaCallModule is
-  not in `tf.raw_ops`) is redone only when `sys.modules` has grown.
+  milliseconds; only for a graph with an op TensorFlow does not define) is
+  redone only when `sys.modules` has grown.
   """
   global _scanned
   count = len(sys.modules)
@@ -60,6 +60,22 @@ def _plugins() -> dict[int, tuple[types.ModuleType, str]]:
   return found
 
 
+def _tensorflows(op: str) -> bool:
+  """Whether TensorFlow itself defines `op`: one of `tf.raw_ops`, or of its
+  XLA ops (jax2tf's XlaCallModule, in every version, is not in raw_ops:
+  without this, the first version of every process would scan the modules).
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  if hasattr(tf.raw_ops, op):
+    return True
+  try:
+    # pylint: disable-next=g-import-not-at-top
+    from tensorflow.compiler.tf2xla.ops import gen_xla_ops
+  except ImportError:  # A TensorFlow without XLA: nothing of it to find.
+    return False
+  return hasattr(gen_xla_ops, op)
+
+
 def find(saved_model: Any) -> dict[str, tuple[str, ...]]:
   """The ops of `saved_model` (a `SavedModel` proto) that a Python package
   outside TensorFlow registers: `{package: (op types, sorted)}`.
@@ -67,9 +83,8 @@ def find(saved_model: Any) -> dict[str, tuple[str, ...]]:
   Ops TensorFlow itself defines are left out, and so are ops no loaded
   package registers (nothing could be said about them).
   """
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   outside = sorted(op for op in graph_op_types(saved_model)
-                   if not op.startswith('_') and not hasattr(tf.raw_ops, op))
+                   if not op.startswith('_') and not _tensorflows(op))
   if not outside:
     return {}
   plugins = _plugins().values()
