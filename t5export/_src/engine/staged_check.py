@@ -20,6 +20,7 @@ import numpy as np
 
 from t5export import errors
 from t5export._src.engine import custom_ops
+from t5export._src.engine import finite_params
 from t5export._src.engine import memory_check
 from t5export._src.engine import tf_loadable
 from t5export._src.engine import xla_schedule
@@ -30,9 +31,6 @@ from t5export._src.versions import metadata
 from t5export._src.versions import storage
 
 
-# Elements per np.isfinite call: its boolean temporary stays small (heap
-# memory reused from leaf to leaf) instead of a quarter of the largest leaf.
-_FINITE_BLOCK = 1 << 16
 # What the check did in TensorFlow after the write, by `metadata.Check.how`.
 _HOW = {memory_check.SERVED: 'TensorFlow load, restore and run',
         memory_check.LOADED: 'TensorFlow load (no restore) and run on the '
@@ -40,20 +38,6 @@ _HOW = {memory_check.SERVED: 'TensorFlow load, restore and run',
                              'compared with them',
         memory_check.IN_MEMORY: 'the written variables compared with the '
                                 'module'}
-
-
-def check_finite(flat: paths.Leaves) -> None:
-  """Raises NonFiniteParamsError naming the first leaf with NaN/Inf."""
-  for path, leaf in flat.items():
-    array = np.asarray(leaf)
-    if not jax.numpy.issubdtype(array.dtype, jax.numpy.inexact):
-      continue
-    flat_array = array.reshape(-1)  # ml_dtypes floats (bfloat16) have isfinite.
-    if not all(np.isfinite(flat_array[i:i + _FINITE_BLOCK]).all()
-               for i in range(0, flat_array.size, _FINITE_BLOCK)):
-      finite = np.count_nonzero(np.isfinite(flat_array))  # For the message.
-      raise errors.NonFiniteParamsError(path, int(flat_array.size - finite),
-                                        int(flat_array.size))
 
 
 class Checker:
@@ -95,7 +79,7 @@ class Checker:
         variables differ from the module's.
     """
     if not self._allow_non_finite:
-      check_finite(staged.flat)
+      finite_params.check_finite(staged.flat)
     if not self._validate:
       return metadata.Check(checked=False,
                             reason='ExportOptions(validate=False)')
