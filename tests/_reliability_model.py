@@ -139,3 +139,21 @@ def assert_params(version_dir: str, params_step: int) -> None:
   for path, value in want.items():
     np.testing.assert_array_equal(np.asarray(stored[path]), value,
                                   err_msg=f'{version_dir}: {path}')
+
+
+def damage_after_write(monkeypatch: Any, damage: Any) -> None:
+  """Runs `damage(staged)` once per staged version, when its write is done
+  and before anything waiting for the write goes on (the check waits for
+  it in two threads: its own and the comparison's)."""
+  import threading  # pylint: disable=g-import-not-at-top
+  from t5export._src.engine import stage  # pylint: disable=g-import-not-at-top
+  written, lock = stage.Staged.written, threading.Lock()
+
+  def written_then_damaged(staged: Any) -> Any:
+    draft = written(staged)
+    with lock:  # Whoever comes second waits until the damage is done.
+      if not getattr(staged, 'damaged_by_test', False):
+        staged.damaged_by_test = True
+        damage(staged)
+    return draft
+  monkeypatch.setattr(stage.Staged, 'written', written_then_damaged)

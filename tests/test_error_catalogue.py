@@ -44,7 +44,6 @@ import offline_cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 import offline_gin  # pylint: disable=g-import-not-at-top,wrong-import-position
 from examples import models  # pylint: disable=g-import-not-at-top,wrong-import-position
 import t5export  # pylint: disable=g-import-not-at-top,wrong-import-position
-from t5export._src.engine import stage
 from t5export._src.engine import staged_check
 from t5export._src.versions import tensor_bundle
 from t5export._src.loop import callbacks  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -670,11 +669,9 @@ def test_written_variables_differ(tmp_path, monkeypatch):
       options=t5export.ExportOptions(keep=3))
   exporter.export(model.state_for(1))
   before = _tree_digest(exporter.export_dir)
-  written = stage.Staged.written
   target = exporter.module.param_paths[0]
 
-  def written_then_damaged(staged):
-    draft = written(staged)
+  def damage(staged):
     prefix = os.path.join(staged.directory, 'variables', 'variables')
     reader = tensor_bundle.BundleReader(prefix)
     key = staged.writer.param_keys[0]
@@ -684,9 +681,8 @@ def test_written_variables_differ(tmp_path, monkeypatch):
       byte = f.read(1)
       f.seek(entry.offset + 5)
       f.write(bytes([byte[0] ^ 0xFF]))
-    return draft
 
-  monkeypatch.setattr(stage.Staged, 'written', written_then_damaged)
+  model.damage_after_write(monkeypatch, damage)
   with pytest.raises(errors.WrittenVariablesMismatchError,
                      match=r"^The staged variables at '.*variables' do not "
                      rf"hold what was written for '{re.escape(target)}': its "

@@ -33,6 +33,7 @@ import t5export
 from t5export import errors
 from t5export._src.snapshot import host_buffers
 from t5export._src.state import paths
+from t5export._src.engine import finite_params
 from t5export._src.engine import staged_check
 from t5export._src.versions import metadata
 from t5export._src.versions import verify
@@ -686,7 +687,7 @@ def test_validate_needs_sample_inputs(tmp_path):
 
 
 def _check_finite(tree):
-  staged_check.check_finite(paths.leaves(tree))
+  finite_params.check_finite(paths.leaves(tree))
 
 
 def test_flatten_metrics_and_check_finite():
@@ -700,7 +701,7 @@ def test_flatten_metrics_and_check_finite():
         {'params': {'w': jnp.array([np.inf, 1, -np.inf], jnp.bfloat16)}})
   # Large leaves are checked block by block: a NaN in the last, partial
   # block is found, and the message counts every bad value of the leaf.
-  size = 3 * staged_check._FINITE_BLOCK + 6  # pylint: disable=protected-access
+  size = 3 * finite_params.BLOCK + 6
   w = np.ones((size,), np.float32)
   _check_finite({'w': w.reshape(2, -1)})
   w[7], w[-1] = np.inf, np.nan

@@ -21,7 +21,6 @@ import tensorflow as tf
 import t5export
 from t5export import errors
 from t5export._src.engine import memory_check
-from t5export._src.engine import stage
 from t5export._src.versions import metadata
 from t5export._src.versions import tensor_bundle
 
@@ -34,17 +33,6 @@ def exporter(tmp_path):
   return t5export.SavedModelExporter(
       str(tmp_path / 'export'), [model.signature()],
       options=t5export.ExportOptions(keep=5))
-
-
-def _damage_after_write(monkeypatch, damage):
-  """Runs `damage(staged)` once each version is written, before its check."""
-  written = stage.Staged.written
-
-  def written_then_damaged(staged):
-    draft = written(staged)
-    damage(staged)
-    return draft
-  monkeypatch.setattr(stage.Staged, 'written', written_then_damaged)
 
 
 def test_later_versions_are_checked_in_memory_and_serve_as_jax(exporter):
@@ -66,7 +54,7 @@ def test_other_warmup_requests_are_checked_as_served(exporter, monkeypatch):
     path = os.path.join(staged.directory, metadata.WARMUP_FILE)
     with open(path, 'ab') as f, open(path, 'rb') as again:
       f.write(again.read())  # The same requests twice: still valid.
-  _damage_after_write(monkeypatch, append_request)
+  model.damage_after_write(monkeypatch, append_request)
   path = exporter.export(model.state_for(2))
   assert metadata.read_metadata(path).check.how == memory_check.SERVED
   assert model.check_version(path) == 2
@@ -93,7 +81,7 @@ def test_a_wrong_variable_in_the_first_version_is_refused(exporter,
       byte = f.read(1)[0]
       f.seek(entry.offset + 5)
       f.write(bytes([byte ^ 0x40]))
-  _damage_after_write(monkeypatch, flip_a_byte)
+  model.damage_after_write(monkeypatch, flip_a_byte)
   with pytest.raises(errors.WrittenVariablesMismatchError,
                      match=r'its byte 5 \(of \d+\) on disk differs') as e:
     exporter.export(model.state_for(1))
@@ -105,7 +93,7 @@ def test_a_first_version_whose_graph_does_not_load_is_refused(exporter,
                                                               monkeypatch):
   def truncate_graph(staged):
     os.truncate(os.path.join(staged.directory, 'saved_model.pb'), 100)
-  _damage_after_write(monkeypatch, truncate_graph)
+  model.damage_after_write(monkeypatch, truncate_graph)
   with pytest.raises(OSError, match=r'Cannot parse file .*saved_model\.pb'):
     exporter.export(model.state_for(1))
   _nothing_published(exporter)
@@ -127,7 +115,7 @@ def test_a_first_version_holding_another_models_graph_is_refused(
     with open(graph, 'rb') as f, open(os.path.join(
         staged.directory, 'saved_model.pb'), 'wb') as out:
       out.write(f.read())
-  _damage_after_write(monkeypatch, replace_graph)
+  model.damage_after_write(monkeypatch, replace_graph)
   with pytest.raises(errors.WrittenVariablesMismatchError,
                      match=r"for \"the graph's param_vars\": its "
                      r'saved_model.pb holds 4 variables, the module 4; the '
@@ -166,7 +154,7 @@ def test_a_truncated_data_file_is_refused(exporter, monkeypatch):
     last_param['path'] = staged.module.param_paths[
         staged.writer.param_keys.index(key)]
     os.truncate(reader.data_path(entries[key]), entries[key].offset + 3)
-  _damage_after_write(monkeypatch, truncate)
+  model.damage_after_write(monkeypatch, truncate)
   with pytest.raises(errors.WrittenVariablesMismatchError,
                      match=r'its data file ends \d+ bytes early') as e:
     exporter.export(model.state_for(2))
@@ -206,6 +194,21 @@ def test_bundle_compare_reads_what_tensorflow_wrote(tmp_path):
   with pytest.raises(errors.WrittenVariablesMismatchError,
                      match=r"for 'the index': it lacks \['d'\]"):
     bundle_compare.compare(prefix, dict(arrays, d=arrays['b']), strings={},
+                           names=names)
+  # The same byte changed on disk and in memory: the bytes agree, the CRC
+  # the index records (what TensorFlow's restore verifies) does not.
+  entry = tensor_bundle.BundleReader(prefix).entry('a')
+  with open(tensor_bundle.BundleReader(prefix).data_path(entry), 'r+b') as f:
+    f.seek(entry.offset + 9)
+    byte = f.read(1)[0] ^ 0x01
+    f.seek(entry.offset + 9)
+    f.write(bytes([byte]))
+  also = arrays['a'].copy()
+  also.reshape(-1).view(np.uint8)[9] = byte
+  with pytest.raises(errors.WrittenVariablesMismatchError,
+                     match=r"for 'params/a': its bytes do not match the "
+                     r'CRC-32C its index records'):
+    bundle_compare.compare(prefix, dict(arrays, a=also), strings={},
                            names=names)
 
 

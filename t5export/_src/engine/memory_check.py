@@ -25,7 +25,7 @@ without loading them:
   with the CRC-32C TensorFlow's restore verifies (`bundle_compare`);
 - its warm-up requests are the served version's, byte for byte.
 What the server would load differs from what was run only in files
-already checked. Either check costs XLA's temporaries and an 8 MiB read
+already checked. Either check costs XLA's temporaries and a 1 MiB read
 buffer, not the params again. On CPU only: elsewhere every version is
 loaded and restored as the server does (`staged_check`).
 """

@@ -9,6 +9,7 @@ not import TensorFlow (docs/internals.md).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+import concurrent.futures
 import functools
 import os
 import time
@@ -20,6 +21,7 @@ import numpy as np
 
 from t5export import errors
 from t5export._src.engine import custom_ops
+from t5export._src.engine import finite_params
 from t5export._src.engine import memory_check
 from t5export._src.engine import tf_loadable
 from t5export._src.engine import xla_schedule
@@ -30,9 +32,6 @@ from t5export._src.versions import metadata
 from t5export._src.versions import storage
 
 
-# Elements per np.isfinite call: its boolean temporary stays small (heap
-# memory reused from leaf to leaf) instead of a quarter of the largest leaf.
-_FINITE_BLOCK = 1 << 16
 # What the check did in TensorFlow after the write, by `metadata.Check.how`.
 _HOW = {memory_check.SERVED: 'TensorFlow load, restore and run',
         memory_check.LOADED: 'TensorFlow load (no restore) and run on the '
@@ -40,20 +39,6 @@ _HOW = {memory_check.SERVED: 'TensorFlow load, restore and run',
                              'compared with them',
         memory_check.IN_MEMORY: 'the written variables compared with the '
                                 'module'}
-
-
-def check_finite(flat: paths.Leaves) -> None:
-  """Raises NonFiniteParamsError naming the first leaf with NaN/Inf."""
-  for path, leaf in flat.items():
-    array = np.asarray(leaf)
-    if not jax.numpy.issubdtype(array.dtype, jax.numpy.inexact):
-      continue
-    flat_array = array.reshape(-1)  # ml_dtypes floats (bfloat16) have isfinite.
-    if not all(np.isfinite(flat_array[i:i + _FINITE_BLOCK]).all()
-               for i in range(0, flat_array.size, _FINITE_BLOCK)):
-      finite = np.count_nonzero(np.isfinite(flat_array))  # For the message.
-      raise errors.NonFiniteParamsError(path, int(flat_array.size - finite),
-                                        int(flat_array.size))
 
 
 class Checker:
@@ -95,53 +80,47 @@ class Checker:
         variables differ from the module's.
     """
     if not self._allow_non_finite:
-      check_finite(staged.flat)
+      finite_params.check_finite(staged.flat)
     if not self._validate:
       return metadata.Check(checked=False,
                             reason='ExportOptions(validate=False)')
     platform = self._platform
-    if staged.fill is not None:
-      staged.fill.result()  # The module's values are there.
-    start = time.monotonic()
-    expected = [sig.reference_outputs(staged.module, sig.sample_inputs,
-                                      platform=platform)
-                for sig in self._signatures]
-    requests = [(sig.name, sig.sample_inputs) for sig in self._signatures]
-    actuals = None
-    if self._memory.applies(staged, platform):  # Also beside the write.
-      try:
-        actuals = self._memory.run(
-            staged, requests,
-            {sig.name: sig.input_names for sig in self._signatures})
-      except Exception:  # pylint: disable=broad-except
-        staged.written()  # A failed write is the cause: its error names it.
-        raise
-    jax_seconds = time.monotonic() - start
-    staged.written()
-    start = time.monotonic()
-    if actuals is not None and self._memory.same_warmup(staged):
-      how = memory_check.IN_MEMORY
-      self._memory.compare(staged)
-    elif self._memory.loads(staged, platform):
-      how = memory_check.LOADED
-      # The written bundle is read beside the run: one core each. (The
-      # stage imports TensorFlow: not at this module's import.)
-      # pylint: disable-next=g-import-not-at-top
-      from t5export._src.engine import stage
-      comparing = stage.in_background(
-          functools.partial(self._memory.compare, staged), 't5export-compare')
-      try:
+    comparing = self._compare_when_written(staged, platform)
+    try:
+      if staged.fill is not None:
+        staged.fill.result()  # The module's values are there.
+      start = time.monotonic()
+      expected = [sig.reference_outputs(staged.module, sig.sample_inputs,
+                                        platform=platform)
+                  for sig in self._signatures]
+      requests = [(sig.name, sig.sample_inputs) for sig in self._signatures]
+      actuals = None
+      if self._memory.applies(staged, platform):  # Also beside the write.
+        try:
+          actuals = self._memory.run(
+              staged, requests,
+              {sig.name: sig.input_names for sig in self._signatures})
+        except Exception:  # pylint: disable=broad-except
+          staged.written()  # A failed write is the cause: its error names it.
+          raise
+      jax_seconds = time.monotonic() - start
+      staged.written()
+      start = time.monotonic()
+      if actuals is not None and self._memory.same_warmup(staged):
+        how = memory_check.IN_MEMORY
+      elif self._memory.loads(staged, platform):
+        how = memory_check.LOADED
         session, signature_defs = memory_check.loaded_session(staged)
         actuals = run_requests(staged.directory, session, signature_defs,
                                requests, warmup=True)
         del session
-      finally:  # Nothing reads the staged files once the check returns.
-        comparing.exception()
-      comparing.result()
-    else:
-      how = memory_check.SERVED
-      actuals = run_signatures_isolated(staged.directory, requests,
-                                        platform=platform, warmup=True)
+      else:
+        how = memory_check.SERVED
+        actuals = run_signatures_isolated(staged.directory, requests,
+                                          platform=platform, warmup=True)
+    finally:  # Nothing reads the staged files once the check returns.
+      comparing.exception()
+    comparing.result()
     logging.info('t5export: check of %s on %s: JAX references%s in %.2fs '
                  '(beside the write), then %s in %.2fs.',
                  staged.directory, platform,
@@ -161,6 +140,31 @@ class Checker:
       self._memory.served(staged)
     logging.info('t5export: step %d: check %s.', staged.step, check.summary())
     return check
+
+  def _compare_when_written(self, staged: Any,
+                            platform: str) -> concurrent.futures.Future:
+    """Compares `staged`'s written variables with the module's memory
+    (`MemoryCheck.compare`) in a thread, as soon as the write is done, if
+    the version is checked from memory (in memory or loaded; also one
+    checked in memory but for its warm-up requests, then served).
+
+    So the bundle is read beside the JAX reference and the TensorFlow run
+    (one core each), not after them. Its future raises the write's error
+    if the write failed.
+    """
+    memory = self._memory
+    in_memory = memory.applies(staged, platform)  # Known before the write.
+
+    def compare() -> None:
+      staged.written()
+      if in_memory or memory.loads(staged, platform):
+        if staged.fill is not None:
+          staged.fill.result()  # The module's values are there.
+        memory.compare(staged)
+    # The stage imports TensorFlow: not at this module's import.
+    # pylint: disable-next=g-import-not-at-top
+    from t5export._src.engine import stage
+    return stage.in_background(compare, 't5export-compare')
 
 
 def _named_outputs(outputs: Any) -> dict[str, Any]:
