@@ -30,6 +30,11 @@ def file_crc32c(path: str) -> str:
   with open(path, 'rb') as f:
     for chunk in iter(lambda: f.read(_CHUNK), b''):
       crc = google_crc32c.extend(crc, chunk)
+  return crc32c_text(crc)
+
+
+def crc32c_text(crc: int) -> str:
+  """A CRC-32C as GCS writes it (base64 of its 4 bytes, big-endian)."""
   return base64.b64encode(crc.to_bytes(4, 'big')).decode('ascii')
 
 

@@ -15,7 +15,6 @@ The memory added is about two pieces, whatever the file's size.
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Sequence
 import concurrent.futures
 import os
@@ -24,17 +23,13 @@ import google_crc32c
 import numpy as np
 
 from t5export import errors
+from t5export._src.versions import gcs_objects
 from t5export._src.versions import storage
 from t5export._src.versions import store_errors
 
 # A resumable upload's pieces are multiples of 256 KiB (GCS's rule).
 CHUNK = 8 << 20
 _CONTENT_TYPE = 'application/octet-stream'
-
-
-def crc32c_text(crc: int) -> str:
-  """A CRC-32C as GCS writes it (base64 of its 4 bytes, big-endian)."""
-  return base64.b64encode(crc.to_bytes(4, 'big')).decode('ascii')
 
 
 async def _upload(fs, path: str, url: str, chunk: int) -> tuple[
@@ -48,7 +43,7 @@ async def _upload(fs, path: str, url: str, chunk: int) -> tuple[
       data = f.read()
     out = await core.simple_upload(fs, bucket, key, data,
                                    content_type=_CONTENT_TYPE)
-    sent = (len(data), crc32c_text(google_crc32c.value(data)))
+    sent = (len(data), gcs_objects.crc32c_text(google_crc32c.value(data)))
   else:
     sent, out = await _resumable(fs, path, bucket, key, size, chunk)
   return sent, (int((out or {}).get('size', -1)), (out or {}).get('crc32c',
@@ -81,7 +76,7 @@ async def _resumable(fs, path: str, bucket: str, key: str, size: int,
     raise errors.CommitError(
         f'{path!r} ended after {offset} of its {size} bytes while it was '
         'uploaded (changed meanwhile). Nothing is published; export again.')
-  return (offset, crc32c_text(crc)), out
+  return (offset, gcs_objects.crc32c_text(crc)), out
 
 
 def upload_files(pairs: Sequence[tuple[str, str]], *, chunk: int = CHUNK,
