@@ -55,6 +55,7 @@ def main(process_id: int, num_processes: int, port: int, root: str) -> None:
   from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
   from t5export._src.engine import writer  # pylint: disable=g-import-not-at-top
   from t5export._src.snapshot import shards  # pylint: disable=g-import-not-at-top
+  from t5export._src.versions import checkpoint_keys  # pylint: disable=g-import-not-at-top
   from t5export._src.versions import tensor_bundle  # pylint: disable=g-import-not-at-top
 
   client = jax_distributed.global_state.client
@@ -62,7 +63,7 @@ def main(process_id: int, num_processes: int, port: int, root: str) -> None:
       np.array(jax.devices()).reshape(num_processes, 2), ('data', 'model'))
   values = global_values(num_processes)
   names = sorted(values)
-  keys = dict(zip(names, tensor_bundle.list_item_keys('param_vars',
+  keys = dict(zip(names, checkpoint_keys.list_item_keys('param_vars',
                                                       len(names))))
   arrays = {}
   for name, (value, spec) in values.items():

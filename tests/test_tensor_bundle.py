@@ -16,6 +16,7 @@ import pytest
 import tensorflow as tf
 
 from t5export import errors
+from t5export._src.versions import checkpoint_keys
 from t5export._src.versions import tensor_bundle
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 
@@ -109,7 +110,7 @@ def test_saved_model_object_graph_gives_the_param_keys(tmp_path):
   prefix = str(tmp_path / 'sm' / 'variables' / 'variables')
   reader = _assert_same_as_tensorflow(prefix)
   graph_bytes = reader.read_strings(tensor_bundle.OBJECT_GRAPH_KEY)[0]
-  keys = tensor_bundle.param_checkpoint_keys(graph_bytes)
+  keys = checkpoint_keys.param_checkpoint_keys(graph_bytes)
   # What TensorFlow's own proto says, list item by list item.
   graph = trackable_object_graph_pb2.TrackableObjectGraph.FromString(
       graph_bytes)
@@ -121,8 +122,8 @@ def test_saved_model_object_graph_gives_the_param_keys(tmp_path):
   for i, key in enumerate(keys):
     np.testing.assert_array_equal(reader.read(key),
                                   np.arange(i + 1, dtype=np.float32))
-  assert tensor_bundle.param_checkpoint_keys(graph_bytes, count=13) is None
-  assert tensor_bundle.param_checkpoint_keys(
+  assert checkpoint_keys.param_checkpoint_keys(graph_bytes, count=13) is None
+  assert checkpoint_keys.param_checkpoint_keys(
       graph_bytes, attribute='missing') is None
 
 
@@ -140,7 +141,7 @@ def test_tensors_saved_as_slices_by_several_writers_read_whole(tmp_path):
   # slices (SaveV2's shape_and_slices) to its own prefix, merged into one
   # bundle. Starts past 63 take OrderedCode's longer form in the keys.
   rng = np.random.default_rng(1)
-  w_key, e_key, m_key = tensor_bundle.list_item_keys('param_vars', 3)
+  w_key, e_key, m_key = checkpoint_keys.list_item_keys('param_vars', 3)
   w = rng.normal(size=(130, 6)).astype(np.float32)
   e = rng.normal(size=(200,)).astype(ml_dtypes.bfloat16)
   m = np.arange(24, dtype=np.int32).reshape(4, 6)
@@ -163,6 +164,40 @@ def test_tensors_saved_as_slices_by_several_writers_read_whole(tmp_path):
   for key, want in ((w_key, w), (e_key, e), (m_key, m)):
     got = reader.read(key)
     assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), key
+
+
+def test_read_into_fills_a_buffer_the_caller_owns_in_place(tmp_path):
+  # Row blocks land straight in the buffer, column blocks are copied in;
+  # every byte of the buffer is overwritten (it starts as garbage).
+  rng = np.random.default_rng(2)
+  w = rng.normal(size=(64, 8)).astype(np.float32)
+  parts = [str(tmp_path / 'rows'), str(tmp_path / 'columns')]
+  _save_slices(parts[0], [('rows', '64 8 0,40:-', w[:40]),
+                          ('whole', '', w)])
+  _save_slices(parts[1], [('rows', '64 8 40,24:-', w[40:]),
+                          ('cols', '64 8 -:0,5', w[:, :5]),
+                          ('cols', '64 8 -:5,3', w[:, 5:])])
+  prefix = str(tmp_path / 'merged')
+  with tf.device('/CPU:0'):
+    tf.raw_ops.MergeV2Checkpoints(checkpoint_prefixes=parts,
+                                  destination_prefix=prefix)
+  reader = tensor_bundle.BundleReader(prefix)
+  for key in ('rows', 'cols', 'whole'):
+    out = np.full((64, 8), np.nan, np.float32)
+    reader.read_into(key, out)
+    assert out.tobytes() == w.tobytes(), key
+  with pytest.raises(errors.VariablesFormatError,
+                     match=r"Tensor 'rows' of the checkpoint '.*merged' is "
+                     r'float32\[64, 8\], not the float16\[64, 8\] this model '
+                     r'has: pass a version of this model\.'):
+    reader.read_into('rows', np.empty((64, 8), np.float16))
+  # A damaged row block is found where it was read to.
+  entry = dict(reader.slice_entries('rows'))[((40, 64), (0, 8))]
+  _flip(reader.data_path(entry), entry.offset + 7)
+  with pytest.raises(errors.VariablesFormatError,
+                     match=r"Tensor 'rows \(\(40, 64\), \(0, 8\)\)' of the "
+                     r"checkpoint '.*merged' fails its CRC-32C checksum"):
+    reader.read_into('rows', np.empty((64, 8), np.float32))
 
 
 def test_slices_that_do_not_cover_the_tensor_are_named(tmp_path):

@@ -23,7 +23,7 @@ import t5export
 from t5export._src.engine import jax_module
 from t5export._src.engine import staged_check
 from t5export._src.state import paths as paths_lib
-from t5export._src.versions import tensor_bundle
+from t5export._src.versions import checkpoint_keys
 from t5export._src.versions import verify
 from t5export._src.engine import writer as writer_lib
 
@@ -170,7 +170,7 @@ def test_first_version_keys_the_graph_does_not_confirm_are_written_again(
     tmp_path, monkeypatch):
   # The weights start before the graph names their keys; if it names
   # others, the shards written under the guess are dropped and rewritten.
-  monkeypatch.setattr(tensor_bundle, 'list_item_keys',
+  monkeypatch.setattr(checkpoint_keys, 'list_item_keys',
                       lambda attribute, count: [f'{attribute}/x{i}'
                                                 for i in range(count)])
   exporter = t5export.SavedModelExporter(

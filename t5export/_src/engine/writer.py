@@ -24,6 +24,7 @@ from tensorflow.core.protobuf import trackable_object_graph_pb2
 
 from t5export import errors
 from t5export._src.engine import jax_module
+from t5export._src.versions import checkpoint_keys
 from t5export._src.versions import tensor_bundle
 from t5export._src.versions import versions
 
@@ -150,7 +151,7 @@ class SavedModelWriter:
     reuse, self._reuse_graph = self._reuse_graph, False  # Now or never.
     # Values readable now: the weights start beside the graph save, under
     # the keys TF gives a list attribute's items (checked once it is saved).
-    guess = tensor_bundle.list_item_keys(_PARAMS_ATTRIBUTE,
+    guess = checkpoint_keys.list_item_keys(_PARAMS_ATTRIBUTE,
                                          len(self._module.param_vars))
     shards = (self._start_weights(directory, values, guess, None)
               if reuse and (values is not None or after is None) else None)
@@ -394,7 +395,7 @@ def _param_keys(directory: str,
     data = value.string_val[0]
     try:
       graph = trackable_object_graph_pb2.TrackableObjectGraph.FromString(data)
-      keys = tensor_bundle.param_checkpoint_keys(
+      keys = checkpoint_keys.param_checkpoint_keys(
           data, attribute=_PARAMS_ATTRIBUTE, count=count)
     except (message.DecodeError, errors.VariablesFormatError):
       continue

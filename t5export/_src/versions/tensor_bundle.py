@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from t5export import errors
+from t5export._src.versions import proto_wire
 from t5export._src.versions import storage
 from t5export._src.versions import store_errors
 
@@ -48,43 +49,6 @@ _SIGNED_HEADERS = {1: (0x80, 0), 2: (0xc0, 0), 3: (0xe0, 0), 4: (0xf0, 0),
                    9: (0xff, 0x80), 10: (0xff, 0xc0)}
 
 
-def _varint(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
-  """(The varint at `pos`, the position after it)."""
-  result = shift = 0
-  while True:
-    if pos >= len(buf) or shift > 63:
-      raise ValueError('truncated or overlong varint')
-    byte = buf[pos]
-    pos += 1
-    result |= (byte & 0x7f) << shift
-    if byte < 0x80:
-      return result, pos
-    shift += 7
-
-
-def _fields(buf: bytes | memoryview) -> Iterator[tuple[int, int | bytes]]:
-  """(field number, int or bytes value) of each field of a protobuf."""
-  pos, end = 0, len(buf)
-  while pos < end:
-    tag, pos = _varint(buf, pos)
-    number, wire = tag >> 3, tag & 7
-    if wire == 0:
-      value, pos = _varint(buf, pos)
-    elif wire in (1, 5):
-      width = 8 if wire == 1 else 4
-      value = int.from_bytes(buf[pos:pos + width], 'little')
-      pos += width
-    elif wire == 2:
-      size, pos = _varint(buf, pos)
-      value = bytes(buf[pos:pos + size])
-      pos += size
-    else:
-      raise ValueError(f'unsupported protobuf wire type {wire}')
-    if pos > end:
-      raise ValueError('truncated protobuf field')
-    yield number, value
-
-
 def crc32c(data: bytes | memoryview | np.ndarray) -> int:
   """The CRC-32C of `data` (TensorFlow's and LevelDB's), at the speed of
   the processor's CRC instruction (google-crc32c)."""
@@ -112,8 +76,8 @@ def _unmask(masked: int) -> int:
 
 def _block(data: bytes, handle: bytes, what: str) -> memoryview:
   """The checked contents of the block a BlockHandle points to."""
-  offset, pos = _varint(handle, 0)
-  end = offset + _varint(handle, pos)[0]
+  offset, pos = proto_wire.varint(handle, 0)
+  end = offset + proto_wire.varint(handle, pos)[0]
   if end + _TRAILER_SIZE > len(data):
     raise ValueError(f'{what} block [{offset}, {end}) runs past the end')
   stored = int.from_bytes(data[end + 1:end + _TRAILER_SIZE], 'little')
@@ -130,9 +94,9 @@ def _block_entries(block: memoryview) -> Iterator[tuple[bytes, bytes]]:
   limit = len(block) - 4 * (int.from_bytes(block[-4:], 'little') + 1)
   pos, key = 0, b''
   while pos < limit:
-    shared, pos = _varint(block, pos)
-    unshared, pos = _varint(block, pos)
-    size, pos = _varint(block, pos)
+    shared, pos = proto_wire.varint(block, pos)
+    unshared, pos = proto_wire.varint(block, pos)
+    size, pos = proto_wire.varint(block, pos)
     key = key[:shared] + bytes(block[pos:pos + unshared])
     pos += unshared + size
     yield key, bytes(block[pos - size:pos])
@@ -147,8 +111,8 @@ def _table_entries(data: bytes) -> Iterator[tuple[bytes, bytes]]:
   footer = data[-_FOOTER_SIZE:]
   if int.from_bytes(footer[-8:], 'little') != _MAGIC:
     raise ValueError('no SSTable magic number at the end')
-  _, pos = _varint(footer, 0)  # The metaindex block: unused in bundles.
-  _, pos = _varint(footer, pos)
+  _, pos = proto_wire.varint(footer, 0)  # The metaindex block: unused in bundles.
+  _, pos = proto_wire.varint(footer, pos)
   for _, handle in _block_entries(_block(data, footer[pos:], 'index')):
     yield from _block_entries(_block(data, handle, 'data'))
 
@@ -159,16 +123,16 @@ def _entry(value: bytes) -> Entry:
   fields = dict.fromkeys(names.values(), 0)
   shape: list[int] = []
   slices = []
-  for number, field in _fields(value):
+  for number, field in proto_wire.fields(value):
     if number in names:
       fields[names[number]] = field
     elif number == 2:  # TensorShapeProto: dim = 2 {size = 1}.
-      for dim_number, dim in _fields(field):
+      for dim_number, dim in proto_wire.fields(field):
         if dim_number == 2:
-          sizes = [v for n, v in _fields(dim) if n == 1]
+          sizes = [v for n, v in proto_wire.fields(dim) if n == 1]
           shape.append(sizes[0] if sizes else 0)
     elif number == 7:  # TensorSliceProto: extent = 1 {start = 1, length = 2}.
-      extents = [dict(_fields(e)) for n, e in _fields(field) if n == 1]
+      extents = [dict(proto_wire.fields(e)) for n, e in proto_wire.fields(field) if n == 1]
       slices.append(tuple((e.get(1, 0), e.get(2)) for e in extents))
   return Entry(shape=tuple(shape), slices=tuple(slices), **fields)
 
@@ -221,7 +185,7 @@ class BundleReader:
       self._entries, self._slices, header = {}, {}, {}
       for k, v in _table_entries(data):
         if not k:
-          header = dict(_fields(v))
+          header = dict(proto_wire.fields(v))
         elif k[0] == 0:
           self._slices[k] = _entry(v)
         else:
@@ -266,12 +230,14 @@ class BundleReader:
           f'holds {len(self._entries)} tensors, e.g. {self.keys()[:3]}.')
     return entry
 
-  def _raw(self, key: str, entry: Entry) -> np.ndarray:
-    """The bytes of `entry` (tensor `key`, or a slice of it), size-checked."""
+  def _raw(self, key: str, entry: Entry,
+           place: np.ndarray | None = None) -> np.ndarray:
+    """The bytes of `entry` (tensor `key`, or a slice of it), size-checked;
+    read into contiguous `place` (as many bytes) if given."""
     path = self.data_path(entry)
     try:
       with store_errors.failures(path, action='read'):
-        raw = self._read_range(path, entry)
+        raw = self._read_range(path, entry, place)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
       raise errors.VariablesFormatError(
           f'Cannot read tensor {key!r} from {path!r} ({e.strerror or e}): the '
@@ -284,22 +250,64 @@ class BundleReader:
     return raw
 
   @staticmethod
-  def _read_range(path: str, entry: Entry) -> np.ndarray:
-    """A tensor's bytes (fewer where the file ends first)."""
+  def _read_range(path: str, entry: Entry,
+                  place: np.ndarray | None) -> np.ndarray:
+    """A tensor's bytes (fewer where the file ends first), in `place`'s
+    memory if given."""
+    into = None if place is None else place.reshape(-1).view(np.uint8)
     if storage.is_url(path):  # One ranged read of the tensor's bytes.
-      return np.frombuffer(storage.read_range(path, entry.offset, entry.size),
-                           np.uint8)
+      raw = np.frombuffer(storage.read_range(path, entry.offset, entry.size),
+                          np.uint8)
+      if into is None:
+        return raw
+      into[:raw.size] = raw
+      return into[:raw.size]
     with open(path, 'rb') as f:
       f.seek(entry.offset)
-      return np.fromfile(f, np.uint8, count=entry.size)
+      if into is None:
+        return np.fromfile(f, np.uint8, count=entry.size)
+      return into[:f.readinto(into)]  # Buffered: full unless at the end.
 
   def read(self, key: str) -> np.ndarray:
     """Numeric tensor `key` as a new numpy array (bfloat16: ml_dtypes); a
     tensor stored as slices is assembled from them."""
     entry = self._lookup(key, 'numeric')
-    if entry.slices:
-      return self._assembled(key, entry)
-    return self._checked(key, entry, self._raw(key, entry))
+    if not entry.slices:
+      return self._checked(key, entry, self._raw(key, entry))
+    out = np.empty(entry.shape, _DTYPES[entry.dtype])
+    self.read_into(key, out)
+    return out
+
+  def read_into(self, key: str, out: np.ndarray) -> None:
+    """Numeric tensor `key` into `out`, a writeable C-contiguous array of its
+    shape and dtype: each slice (or the whole tensor) whose place in `out`
+    is contiguous is read straight into it and CRC-checked there; any other
+    is read, checked and copied in.
+
+    Raises:
+      VariablesFormatError: as `read`, or `out` is not of the tensor's shape
+        and dtype.
+    """
+    entry = self._lookup(key, 'numeric')
+    dtype = np.dtype(_DTYPES[entry.dtype])
+    if out.shape != tuple(entry.shape) or out.dtype != dtype:
+      raise errors.VariablesFormatError(
+          f'Tensor {key!r} of the checkpoint {self.prefix!r} is {dtype.name}'
+          f'{list(entry.shape)}, not the {out.dtype.name}{list(out.shape)} '
+          'this model has: pass a version of this model.')
+    boxes = []
+    for box, part in self.slice_entries(key):
+      name = f'{key} {box}' if entry.slices else key
+      place = out[tuple(slice(a, b) for a, b in box)]
+      if place.flags.c_contiguous and part.size == place.nbytes:
+        self._checked(name, part, self._raw(key, part, place))
+      else:
+        place[...] = self._checked(name, part, self._raw(key, part))
+      boxes.append(box)
+    covered, overlap = coverage(boxes)
+    if overlap or covered != out.size:
+      self._damaged(key, f'has slices that cover {covered} of its {out.size} '
+                    f'values{" and overlap" if overlap else ""}')
 
   def read_slices(self, key: str
                   ) -> list[tuple[tuple[tuple[int, int], ...], np.ndarray]]:
@@ -338,19 +346,6 @@ class BundleReader:
       out.append((box, part))
     return out
 
-  def _assembled(self, key: str, entry: Entry) -> np.ndarray:
-    """Sliced tensor `key`: its slices, each checked, covering it once."""
-    out = np.empty(entry.shape, _DTYPES[entry.dtype])
-    boxes = []
-    for box, values in self.read_slices(key):
-      out[tuple(slice(a, b) for a, b in box)] = values
-      boxes.append(box)
-    covered, overlap = coverage(boxes)
-    if overlap or covered != out.size:
-      self._damaged(key, f'has slices that cover {covered} of its {out.size} '
-                    f'values{" and overlap" if overlap else ""}')
-    return out
-
   def _damaged(self, key: str, problem: str) -> None:
     raise errors.VariablesFormatError(
         f'Tensor {key!r} of the checkpoint {self.prefix!r} {problem}: the '
@@ -374,7 +369,7 @@ class BundleReader:
     data = self._raw(key, entry).tobytes()
     lengths, pos = [], 0
     for _ in range(int(np.prod(entry.shape, dtype=np.int64))):
-      length, pos = _varint(data, pos)
+      length, pos = proto_wire.varint(data, pos)
       lengths.append(length)
     # Past the lengths' checksum (4 bytes), the strings end to end.
     ends = list(itertools.accumulate(lengths, initial=pos + 4))
@@ -394,42 +389,3 @@ def coverage(boxes: list[tuple[tuple[int, int], ...]]) -> tuple[int, bool]:
                     in zip(boxes[i], boxes[j]))
                 for i in range(len(boxes)) for j in range(i))
   return covered, overlap
-
-
-def list_item_keys(attribute: str, count: int) -> list[str]:
-  """The keys TF's object-based checkpoints give the variables held in a
-  list attribute of the root object (a guess until the graph confirms it)."""
-  return [f'{attribute}/{i}/.ATTRIBUTES/VARIABLE_VALUE' for i in range(count)]
-
-
-def param_checkpoint_keys(object_graph: bytes, *, attribute: str = 'param_vars',
-                          count: int | None = None) -> list[str] | None:
-  """Keys of the first `count` (default all) variables of root.`attribute`.
-
-  None if that list is incomplete (fields: docs/internals.md).
-  """
-  try:
-    nodes = [value for number, value in _fields(object_graph) if number == 1]
-
-    def refs(node_id: int, field: int) -> list[dict[int, int | bytes]]:
-      return [dict(_fields(v)) for n, v in _fields(nodes[node_id])
-              if n == field]
-
-    def children(node_id: int) -> dict[str, int]:
-      return {r.get(2, b'').decode(): r.get(1, 0) for r in refs(node_id, 1)}
-
-    root = children(0) if nodes else {}
-    if attribute not in root:
-      return None
-    items = children(root[attribute])
-    keys = []
-    for i in range(len(items) if count is None else count):
-      found = [a.get(3, b'').decode() for a in refs(items[str(i)], 2)
-               if a.get(1) == b'VARIABLE_VALUE'] if str(i) in items else []
-      if len(found) != 1:
-        return None
-      keys.append(found[0])
-    return keys
-  except (ValueError, IndexError, UnicodeDecodeError) as e:
-    raise errors.VariablesFormatError(
-        f'The checkpoint\'s object graph cannot be decoded: {e}.') from e

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from t5export import errors
+from t5export._src.versions import checkpoint_keys
 from t5export._src.versions import jax_artifacts
 from t5export._src.versions import metadata
 from t5export._src.state import paths
@@ -31,7 +32,7 @@ def _read_variables(version_dir: str,
   names = list(meta.params)
   reader = tensor_bundle.BundleReader(
       storage.join(version_dir, 'variables', 'variables'))
-  keys = tensor_bundle.param_checkpoint_keys(
+  keys = checkpoint_keys.param_checkpoint_keys(
       reader.read_strings(tensor_bundle.OBJECT_GRAPH_KEY)[0],
       attribute=_PARAM_VARS_ATTR)
   if keys is None:
