@@ -29,6 +29,7 @@ from t5export._src.snapshot import host_buffers
 from t5export._src.engine import jax_module
 from t5export._src.state import paths
 from t5export._src.engine import serving
+from t5export._src.engine import tf_memory
 import tf_only  # tests/ is on sys.path.
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -685,6 +686,36 @@ def test_update_variables_copies_once_into_new_memory_while_a_view_lives(
   del view, got
   monkeypatch.undo()
   assert module.update_variables(_dense_variables(8)) == 2  # Now in place.
+
+
+def test_own_memory_written_then_given_back_is_taken_without_a_copy(
+    monkeypatch):
+  # As the pod writer reads a version back: straight into the variables'
+  # own memory, then `update_variables(owned=True)` with those arrays.
+  module = _dense_module(_dense_variables(6))
+  before = _pointers(module)
+  own = module.own_memory()
+  assert [a.ctypes.data for a in own] == before
+  new = _dense_variables(7)
+  for array, path in zip(own, module.param_paths):
+    array[...] = paths.flatten(new)[path]
+  monkeypatch.setattr(host_buffers, 'aligned_copy', None)  # None made.
+  monkeypatch.setattr(tf_memory, 'as_tensor', None)  # Nothing adopted anew.
+  assert module.update_variables(jax.tree_util.tree_unflatten(
+      jax.tree_util.tree_structure(new), [own[module.param_paths.index(p)]
+                                          for p in ('params/b', 'params/w')]),
+                                 owned=True) == 2
+  monkeypatch.undo()
+  assert _pointers(module) == before
+  x = np.ones((2, 8), np.float32)
+  np.testing.assert_allclose(
+      module.methods['f']({'x': x})['y'].numpy(),
+      x @ new['params']['w'] + new['params']['b'], rtol=1e-5)
+  # A live view shares the memory: none is offered to write into.
+  view = module.jax_variables()
+  assert module.own_memory() == [None, None]
+  del view
+  assert [a.ctypes.data for a in module.own_memory()] == before
 
 
 def test_update_variables_never_writes_into_memory_the_module_was_given():

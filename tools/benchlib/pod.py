@@ -217,6 +217,7 @@ def run(num_processes: int, *, params: float, repeats: int, code: str,
         stderr=open(root / f'p{i}.log', 'wb')))
   codes = [p.wait(timeout=1800) for p in procs]
   if logs:
+    os.makedirs(logs, exist_ok=True)
     for i in range(num_processes):
       shutil.copy(root / f'p{i}.log', os.path.join(
           logs, f'{num_processes}-processes-p{i}.log'))

@@ -396,9 +396,9 @@ class SavedModelExporter:
       written = pod_parts.collect(round_, parts_dir, remote, own=own)
       parts = [pod_parts.part_prefix(parts_dir, i)
                for i, n in sorted(written.items()) if n]
-      def read_back(prefix: str) -> Any:
+      def read_back(prefix: str, into: list[Any]) -> Any:
         round_.progress('read the params back')
-        return pod_parts.read_merged(prefix, snap)
+        return pod_parts.read_merged(prefix, snap, into=into)
       round_.progress('merge the parts')
       staged, full = self._stage.stage_parts(version.staging, parts,
                                              parts_dir, read=read_back)

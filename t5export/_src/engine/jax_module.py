@@ -335,6 +335,16 @@ class JaxModule(tf.Module):
     return [np.asarray(jnp.from_dlpack(tf_memory.dlpack(v.value())))
             for v in self.param_vars]
 
+  def own_memory(self) -> list[np.ndarray | None]:
+    """Per variable (`param_vars` order), its memory as an array to write a
+    new value into, or None: TF's memory, or shared with a live
+    `jax_variables` view. Once written, pass the arrays to
+    `update_variables` as they are: those are taken with no copy.
+    """
+    viewed = self._memory.viewed()
+    return [None if i in viewed else self._memory.writable(i, var)
+            for i, var in enumerate(self.param_vars)]
+
   def borrowed_values(self, flat: paths.Leaves) -> list[tf.Tensor] | None:
     """The leaves of `flat` as tensors sharing their memory, to read now.
 
@@ -413,9 +423,13 @@ class JaxModule(tf.Module):
       for i, (var, value, cast) in enumerate(zip(
           self.param_vars, flat.leaves, meta.cast_to_f32)):
         leaf = np.asarray(value)  # No copy on CPU.
+        own = None if i in viewed else self._memory.writable(i, var)
+        if own is not None and leaf.dtype == own.dtype and (
+            leaf.__array_interface__['data'][0] == own.ctypes.data):
+          in_place += 1  # Written into already (`own_memory`).
+          continue
         given = _taken_as_is(leaf, cast=cast, owned=owned)
-        target = None if given or i in viewed else self._memory.writable(
-            i, var)
+        target = None if given else own
         if target is not None:  # No new buffer: the variable's own memory.
           np.copyto(target, leaf, casting='unsafe')
           in_place += 1

@@ -28,6 +28,7 @@ from t5export._src.snapshot import pod_exchange
 from t5export._src.snapshot import pod_snapshot
 from t5export._src.snapshot import snapshot as snapshot_lib
 from t5export._src.state import paths
+from t5export._src.versions import checkpoint_keys
 from t5export._src.versions import gcs_objects
 from t5export._src.versions import gcs_upload
 from t5export._src.versions import storage
@@ -40,7 +41,7 @@ PARAMS_ATTRIBUTE = 'param_vars'
 
 def keys(count: int) -> list[str]:
   """The checkpoint keys of a module's `count` params, in its order."""
-  return tensor_bundle.list_item_keys(PARAMS_ATTRIBUTE, count)
+  return checkpoint_keys.list_item_keys(PARAMS_ATTRIBUTE, count)
 
 
 def part_prefix(parts_dir: str, process: int) -> str:
@@ -122,19 +123,29 @@ def verify(prefix: str, slices: list[tuple[str, tuple[int, ...], tuple[
 
 
 
-def read_merged(prefix: str, snap: pod_snapshot.PodSnapshot
+def read_merged(prefix: str, snap: pod_snapshot.PodSnapshot, *,
+                into: list[np.ndarray | None] | None = None
                 ) -> snapshot_lib.HostSnapshot:
-  """The merged version's params read back whole (each slice CRC-checked):
-  the host snapshot the writer's module and check take (owned, aligned:
-  TensorFlow may adopt them)."""
+  """The merged version's params read back whole (each slice CRC-checked,
+  read straight into its place): the host snapshot the writer's module and
+  check take (owned, aligned: TensorFlow may adopt them). `into`: per param,
+  memory to read it into (the module's own, `JaxModule.own_memory`) or
+  None: new memory."""
   start = time.monotonic()
   reader = tensor_bundle.BundleReader(prefix)
   shapes = jax.tree_util.tree_leaves(snap.shapes)
   values = []
-  for key, shape in zip(keys(len(snap.paths)), shapes):
-    value = reader.read(key)
-    # A float32 copy of a bfloat16 param (cast_bfloat16) goes back to it.
-    values.append(host_buffers.aligned_copy(value, shape.dtype))
+  for key, shape, target in zip(keys(len(snap.paths)), shapes,
+                                into or [None] * len(shapes)):
+    if tensor_bundle.numpy_dtype(reader.entry(key)) != shape.dtype:
+      # A float32 copy of a bfloat16 param (cast_bfloat16) goes back to it.
+      values.append(host_buffers.aligned_copy(reader.read(key), shape.dtype))
+      continue
+    if target is None or target.shape != shape.shape or (
+        target.dtype != shape.dtype):
+      target = host_buffers.aligned_empty(shape.shape, shape.dtype)
+    reader.read_into(key, target)  # Each slice read in place, once.
+    values.append(target)
   treedef = jax.tree_util.tree_structure(snap.shapes)
   variables = jax.tree_util.tree_unflatten(treedef, values)
   logging.info('t5export: step %d: read the merged params back (%.1f MiB) '

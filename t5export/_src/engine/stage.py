@@ -266,11 +266,13 @@ class Stage:
                   on_exit=self._collect_first_cycles if first else None)
 
   def stage_parts(self, directory: str, parts: Sequence[str], scratch: str,
-                  read: Callable[[str], snapshot_lib.HostSnapshot]
+                  read: Callable[[str, list[Any]], snapshot_lib.HostSnapshot]
                   ) -> tuple[Staged, snapshot_lib.HostSnapshot]:
     """A pod export's version: the weights merged from every process's
     part (`SavedModelWriter.write_parts`), read back whole by `read(the
-    merged bundle's prefix)` into the module (the check's reference).
+    merged bundle's prefix, the module's own memory)` into the module (the
+    check's reference): into each variable's own memory where it has one
+    (`JaxModule.own_memory`), so a later version faults in no new pages.
 
     The module must be prepared (`prepare`, its graph kept). Returns the
     staged version (only `assets.extra/` is still being written) and the
@@ -279,7 +281,8 @@ class Stage:
     start = time.monotonic()
     self._finish_fill()
     self._writer.write_parts(directory, parts, scratch)
-    snap = read(os.path.join(directory, 'variables', 'variables'))
+    snap = read(os.path.join(directory, 'variables', 'variables'),
+                self._module.own_memory())
     self._module.update_leaves(snap.flat, owned=True)
     o = self._options
     logging.info('t5export: step %d: staged from %d part(s) in %.2fs.',
