@@ -226,3 +226,39 @@ def test_offline_cli_from_bucket_to_bucket(gcs_emulator, gcs_bucket, cwd,
                                                      optimizer)
   assert list(cwd.iterdir()) == []
 
+
+
+def test_a_bundle_of_slices_reads_whole_from_a_bucket(gcs_emulator, gcs_bucket,
+                                                      tmp_path):
+  # As a pod's version is read where it lies (load_params, offline): each
+  # slice a ranged read, row blocks put in place, column blocks copied in.
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from t5export._src.versions import tensor_bundle  # pylint: disable=g-import-not-at-top
+  w = np.arange(48 * 6, dtype=np.float32).reshape(48, 6) / 7
+  parts = [str(tmp_path / 'p0'), str(tmp_path / 'p1')]
+  with tf.device('/CPU:0'):
+    tf.raw_ops.SaveV2(prefix=parts[0], tensor_names=['rows', 'cols'],
+                      shape_and_slices=['48 6 0,30:-', '48 6 -:0,4'],
+                      tensors=[w[:30], w[:, :4]])
+    tf.raw_ops.SaveV2(prefix=parts[1], tensor_names=['rows', 'cols'],
+                      shape_and_slices=['48 6 30,18:-', '48 6 -:4,2'],
+                      tensors=[w[30:], w[:, 4:]])
+    tf.raw_ops.MergeV2Checkpoints(checkpoint_prefixes=parts,
+                                  destination_prefix=str(tmp_path / 'v'))
+  bucket = gcs_bucket[len('gs://'):]
+  for f in tmp_path.glob('v.*'):
+    gcs_emulator.put(bucket, 'versions/' + f.name, f.read_bytes())
+  reader = tensor_bundle.BundleReader(f'{gcs_bucket}/versions/v')
+  for key in ('rows', 'cols'):
+    assert reader.read(key).tobytes() == w.tobytes(), key
+    out = np.zeros_like(w)
+    reader.read_into(key, out)
+    assert out.tobytes() == w.tobytes(), key
+  gcs_emulator.put(bucket, 'versions/v.data-00001-of-00002',
+                   (tmp_path / 'v.data-00001-of-00002').read_bytes()[:100])
+  with pytest.raises(errors.VariablesFormatError,
+                     match=r"gs://.*/versions/v\.data-00001-of-00002' ends "
+                     r"before tensor 'rows' does \(100 of 432 bytes at offset "
+                     r"\d+\): the file is truncated"):
+    tensor_bundle.BundleReader(f'{gcs_bucket}/versions/v').read_into(
+        'rows', np.zeros_like(w))
