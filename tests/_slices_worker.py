@@ -5,7 +5,9 @@ sharded over a ('data', 'model') mesh of all processes' devices (2 each),
 takes the shards it owns (`shards.owned_shards`), saves them as slices to
 a prefix of its own (`writer.save_slices`) under the version's variable
 keys, reads its own part back (CRC-checked) and compares it with what it
-took, then reports through the `jax.distributed` key-value store. Process
+took, takes the pod snapshot of the same arrays on CPU and as on an
+accelerator (simulated: the shards' transfers dispatched, then awaited),
+then reports through the `jax.distributed` key-value store. Process
 0 waits for every report, merges the parts (`writer.merge`) and reads the
 merged bundle whole with the TF-free reader and with TensorFlow's. Rows
 go to the test's report file (tests/_report.py).
@@ -89,8 +91,30 @@ def main(process_id: int, num_processes: int, port: int, root: str) -> None:
       same = same and box in stored and stored[box].tobytes() == (
           s.value.tobytes()) and stored[box].dtype == s.value.dtype
   client.key_value_set(f'pod-slices/{process_id}', 'ok' if same else 'bad')
+  # The pod snapshot of the same arrays, on CPU (views) and as on an
+  # accelerator (detection alone simulated: each owned shard's transfer
+  # dispatched, then awaited by `on_host()`), gives the same pieces.
+  import t5export  # pylint: disable=g-import-not-at-top
+  from t5export._src.snapshot import accelerators  # pylint: disable=g-import-not-at-top
+  from t5export._src.snapshot import device_transfer  # pylint: disable=g-import-not-at-top
+  from t5export._src.snapshot import pod_snapshot  # pylint: disable=g-import-not-at-top
+  state = t5export.InferenceState.create(
+      {'params': {n: arrays[n] for n in names if n != 'step'}})
+  on_cpu = pod_snapshot.take(state)
+  accelerators.training_platform = lambda: 'cuda'
+  staged = pod_snapshot.take(state)
+  dispatched = all(isinstance(p.value, device_transfer.InFlight)
+                   for p in staged.pieces)
+  landed = staged.on_host()
+  transfers_equal = dispatched and [(p.leaf, p.index) for p in landed.pieces] \
+      == [(p.leaf, p.index) for p in on_cpu.pieces] and all(
+          type(a.value) is np.ndarray and a.value.dtype == b.value.dtype and
+          a.value.tobytes() == np.asarray(b.value).tobytes()
+          for a, b in zip(landed.pieces, on_cpu.pieces))
   _report.emit({
       'process': process_id, 'event': 'saved', 'verified': same,
+      'transfers_equal': bool(transfers_equal),
+      'pieces': len(on_cpu.pieces),
       'took_secs': took,
       'owned': {n: [[[i.start, i.stop] for i in s.index] for s in owned[n]]
                 for n in names},
