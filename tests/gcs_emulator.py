@@ -259,8 +259,11 @@ class Emulator:
             'GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT': 'false'}
 
   def new_bucket(self) -> str:
-    """A new empty bucket's name."""
-    name = f't5export-test-{next(self._names)}'
+    """A new empty bucket's name, unique on this machine while the emulator
+    runs (its port in it): local staging is keyed by the export_dir's URL,
+    and a URL names one bucket, so two emulators' (two test processes', or
+    two suites') buckets must not share names."""
+    name = f't5export-test-{self._httpd.server_address[1]}-{next(self._names)}'
     emulator_buckets.create_bucket(name, self._storage)
     return name
 
