@@ -29,8 +29,8 @@ def param_checkpoint_keys(object_graph: bytes, *, attribute: str = 'param_vars',
              if number == 1]
 
     def refs(node_id: int, field: int) -> list[dict[int, int | bytes]]:
-      return [dict(proto_wire.fields(v)) for n, v in proto_wire.fields(nodes[node_id])
-              if n == field]
+      return [dict(proto_wire.fields(v))
+              for n, v in proto_wire.fields(nodes[node_id]) if n == field]
 
     def children(node_id: int) -> dict[str, int]:
       return {r.get(2, b'').decode(): r.get(1, 0) for r in refs(node_id, 1)}

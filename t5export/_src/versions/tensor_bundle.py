@@ -111,7 +111,8 @@ def _table_entries(data: bytes) -> Iterator[tuple[bytes, bytes]]:
   footer = data[-_FOOTER_SIZE:]
   if int.from_bytes(footer[-8:], 'little') != _MAGIC:
     raise ValueError('no SSTable magic number at the end')
-  _, pos = proto_wire.varint(footer, 0)  # The metaindex block: unused in bundles.
+  # The metaindex block: unused in bundles.
+  _, pos = proto_wire.varint(footer, 0)
   _, pos = proto_wire.varint(footer, pos)
   for _, handle in _block_entries(_block(data, footer[pos:], 'index')):
     yield from _block_entries(_block(data, handle, 'data'))
@@ -132,7 +133,8 @@ def _entry(value: bytes) -> Entry:
           sizes = [v for n, v in proto_wire.fields(dim) if n == 1]
           shape.append(sizes[0] if sizes else 0)
     elif number == 7:  # TensorSliceProto: extent = 1 {start = 1, length = 2}.
-      extents = [dict(proto_wire.fields(e)) for n, e in proto_wire.fields(field) if n == 1]
+      extents = [dict(proto_wire.fields(e))
+                 for n, e in proto_wire.fields(field) if n == 1]
       slices.append(tuple((e.get(1, 0), e.get(2)) for e in extents))
   return Entry(shape=tuple(shape), slices=tuple(slices), **fields)
 
